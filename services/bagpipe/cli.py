@@ -1,0 +1,60 @@
+"""The ``bagpipe`` command."""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import signal
+import sys
+from types import FrameType
+
+from bagpipe.config_args import add_model_args, add_table_args
+from bagpipe.data_processor.config import add_source_args
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="bagpipe", description="Bagpipe: lookahead-cached recommendation model training")
+    sub = p.add_subparsers(dest="command", required=True)
+    r = sub.add_parser("run", help="train one job with every service as a local process")
+    add_source_args(r)
+    add_model_args(r, dense=True)
+    g = r.add_argument_group("job")
+    g.add_argument("--batch-size", type=int, default=2048, help="global batch size (default 2048)")
+    g.add_argument("--iterations", type=int, default=300, help="global batches to train (0: the whole data; default 300)")
+    g.add_argument("--trainers", type=int, default=2, help="number of trainers (default 2)")
+    g.add_argument("--embedding-servers", type=int, default=2, help="number of embedding servers (default 2)")
+    g.add_argument("--data-processors", type=int, default=1, help="number of data processors (default 1)")
+    g.add_argument("--lookahead", type=int, default=4, help="lookahead L in batches (default 4)")
+    g.add_argument("--device", default="auto", help="trainer device: auto, cpu or cuda (default auto)")
+    g.add_argument("--save-initial", default=None, help="write the initial interchange checkpoint here")
+    g.add_argument("--save-final", default=None, help="write the final interchange checkpoint here")
+    g.add_argument("--run-dir", default=None, help="where logs and the summary go (default runs/<time>)")
+    g.add_argument("--quiet", action="store_true", help="no progress bar")
+    g.add_argument("--log-level", default="INFO", help="services' logging level (default INFO)")
+    return p
+
+
+def _terminate(signum: int, frame: FrameType | None) -> None:
+    """SIGTERM unwinds like Ctrl-C, so the launcher stops the processes it started."""
+    raise KeyboardInterrupt
+
+
+def main(argv: list[str] | None = None) -> None:
+    args = build_parser().parse_args(argv)
+    logging.basicConfig(level=logging.WARNING, format="%(levelname)s %(name)s: %(message)s")
+    signal.signal(signal.SIGTERM, _terminate)
+    if args.command == "run":
+        from bagpipe.local.launcher import format_summary, run
+
+        if args.data == "synthetic" and args.iterations == 0:
+            raise SystemExit("--iterations: synthetic data is endless; give a number of iterations")
+        try:
+            summary = run(args)
+        except RuntimeError as e:
+            print(f"bagpipe run failed: {e}", file=sys.stderr)
+            raise SystemExit(1) from None
+        print(format_summary(summary))
+
+
+if __name__ == "__main__":
+    main()

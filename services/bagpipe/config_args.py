@@ -1,0 +1,74 @@
+"""Command-line flags shared by several services, so every tier spells and parses them alike."""
+
+from __future__ import annotations
+
+import argparse
+
+from bagpipe.core.data import KAGGLE_TABLE_ROWS, NUM_TABLES, scaled_table_rows
+
+DEFAULT_SCALE = 0.01
+
+
+def int_list(text: str) -> tuple[int, ...]:
+    """Parses ``"64,16"``; argparse reports the ValueError with the flag's name."""
+    try:
+        values = tuple(int(v) for v in text.split(",") if v.strip())
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected comma-separated integers, got {text!r}") from None
+    if not values or min(values) < 1:
+        raise argparse.ArgumentTypeError(f"expected positive integers, got {text!r}")
+    return values
+
+
+def add_table_args(p: argparse.ArgumentParser) -> None:
+    g = p.add_argument_group("data")
+    g.add_argument(
+        "--data",
+        default="synthetic",
+        help="'synthetic' (Criteo-Kaggle-like skewed generator) or 'criteo:PATH[,PATH...]' (TSV files)",
+    )
+    g.add_argument(
+        "--table-rows",
+        type=int_list,
+        default=None,
+        help=f"rows of each of the {NUM_TABLES} tables, comma-separated (default: the Kaggle "
+        "cardinalities for criteo:, scaled by --scale for synthetic)",
+    )
+    g.add_argument(
+        "--scale",
+        type=float,
+        default=DEFAULT_SCALE,
+        help=f"synthetic data: Kaggle cardinalities times this factor (default {DEFAULT_SCALE})",
+    )
+
+
+def table_rows_of(args: argparse.Namespace) -> tuple[int, ...]:
+    if args.table_rows is not None:
+        if len(args.table_rows) != NUM_TABLES:
+            raise SystemExit(f"--table-rows: expected {NUM_TABLES} values, got {len(args.table_rows)}")
+        return tuple(args.table_rows)
+    if args.data == "synthetic":
+        if not 0 < args.scale <= 1:
+            raise SystemExit(f"--scale: must be in (0, 1], got {args.scale}")
+        return tuple(scaled_table_rows(args.scale))
+    return KAGGLE_TABLE_ROWS
+
+
+def add_model_args(p: argparse.ArgumentParser, dense: bool = True) -> None:
+    g = p.add_argument_group("model and optimizer")
+    g.add_argument("--embedding-dim", type=int, default=16, help="embedding dimension (default 16)")
+    if dense:
+        g.add_argument("--model", default="dlrm", choices=["dlrm"], help="model (default dlrm)")
+        g.add_argument("--bottom-mlp", type=int_list, default=(64, 16), help="bottom MLP sizes (default 64,16)")
+        g.add_argument("--top-mlp", type=int_list, default=(64, 1), help="top MLP sizes (default 64,1)")
+    g.add_argument("--optimizer", default="sgd", choices=["sgd", "adagrad"], help="optimizer (default sgd)")
+    g.add_argument("--lr", type=float, default=0.1, help="learning rate (default 0.1)")
+    g.add_argument("--seed", type=int, default=0, help="seed of the initial model and synthetic data")
+    g.add_argument("--init-from", default=None, help="start from this interchange checkpoint")
+
+
+def add_coordination_args(p: argparse.ArgumentParser) -> None:
+    g = p.add_argument_group("coordination")
+    g.add_argument("--redis", default="redis://127.0.0.1:6379/0", help="Redis URL")
+    g.add_argument("--job", default="bagpipe", help="job name (namespaces the Redis keys)")
+    g.add_argument("--log-level", default="INFO", help="logging level")

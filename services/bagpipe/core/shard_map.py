@@ -1,0 +1,103 @@
+"""Deterministic, versioned placement of embedding rows on embedding-server shards.
+
+Keys fall into ``num_buckets`` buckets by ``key % num_buckets`` (interleaved, so the few rows of a
+small, hot table spread over all shards); a bucket -> shard table assigns buckets to shards. Changing
+the number of servers only rewrites that table and bumps the version, so rows move a bucket at a time.
+Inside a shard, a key's row index is pure arithmetic (no per-row index structure):
+``bucket_position * rows_per_bucket + key // num_buckets``.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+from dataclasses import dataclass, field
+
+import numpy as np
+
+logger = logging.getLogger(__name__)
+
+DEFAULT_BUCKETS = 1024
+
+
+@dataclass(frozen=True)
+class ShardMap:
+    """Which shard owns every key. ``bucket_to_shard[b]`` is the shard of bucket ``b``."""
+
+    version: int
+    num_keys: int
+    num_shards: int
+    bucket_to_shard: np.ndarray = field(repr=False)
+
+    def __post_init__(self) -> None:
+        if self.num_shards < 1:
+            raise ValueError(f"num_shards: must be >= 1, got {self.num_shards}")
+        if self.num_keys < 1:
+            raise ValueError(f"num_keys: must be >= 1, got {self.num_keys}")
+        b2s = self.bucket_to_shard
+        if b2s.ndim != 1 or b2s.size < 1:
+            raise ValueError("bucket_to_shard: must be a non-empty 1-D array")
+        if b2s.min() < 0 or b2s.max() >= self.num_shards:
+            raise ValueError(f"bucket_to_shard: values must lie in [0, {self.num_shards})")
+
+    @classmethod
+    def create(cls, num_keys: int, num_shards: int, num_buckets: int = DEFAULT_BUCKETS) -> ShardMap:
+        """Version 1: bucket ``b`` on shard ``b % num_shards``."""
+        buckets = max(1, min(num_buckets, num_keys))
+        return cls(1, num_keys, num_shards, (np.arange(buckets) % num_shards).astype(np.int32))
+
+    @property
+    def num_buckets(self) -> int:
+        return int(self.bucket_to_shard.size)
+
+    @property
+    def rows_per_bucket(self) -> int:
+        return -(-self.num_keys // self.num_buckets)
+
+    def shard_of(self, keys: np.ndarray) -> np.ndarray:
+        return self.bucket_to_shard[keys % self.num_buckets]
+
+    def split(self, keys: np.ndarray) -> list[np.ndarray]:
+        """Positions in ``keys`` of the keys of each shard (vectorised, stable)."""
+        shards = self.shard_of(keys)
+        order = np.argsort(shards, kind="stable")
+        bounds = np.searchsorted(shards[order], np.arange(self.num_shards + 1))
+        return [order[bounds[s] : bounds[s + 1]] for s in range(self.num_shards)]
+
+    def buckets_of(self, shard: int) -> np.ndarray:
+        return np.flatnonzero(self.bucket_to_shard == shard)
+
+    def local_layout(self, shard: int) -> tuple[np.ndarray, int]:
+        """(bucket -> position among the shard's buckets, or -1; number of row slots on the shard)."""
+        owned = self.buckets_of(shard)
+        position = np.full(self.num_buckets, -1, dtype=np.int64)
+        position[owned] = np.arange(owned.size)
+        return position, int(owned.size) * self.rows_per_bucket
+
+    def local_keys(self, shard: int) -> np.ndarray:
+        """Global key of every local row slot of ``shard`` (-1 for padding past the last key)."""
+        owned = self.buckets_of(shard)
+        keys = owned[:, None] + self.num_buckets * np.arange(self.rows_per_bucket)[None, :]
+        keys = keys.reshape(-1).astype(np.int64)
+        keys[keys >= self.num_keys] = -1
+        return keys
+
+    def to_json(self) -> str:
+        return json.dumps(
+            {
+                "version": self.version,
+                "num_keys": self.num_keys,
+                "num_shards": self.num_shards,
+                "bucket_to_shard": self.bucket_to_shard.tolist(),
+            }
+        )
+
+    @classmethod
+    def from_json(cls, text: str) -> ShardMap:
+        d = json.loads(text)
+        return cls(
+            int(d["version"]),
+            int(d["num_keys"]),
+            int(d["num_shards"]),
+            np.asarray(d["bucket_to_shard"], dtype=np.int32),
+        )

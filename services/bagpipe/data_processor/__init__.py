@@ -1,0 +1,1 @@
+"""The data-processor service: a data source turned into numbered global batches."""

@@ -1,0 +1,97 @@
+"""Command-line configuration of a data processor and the data source it reads."""
+
+from __future__ import annotations
+
+import argparse
+from dataclasses import dataclass
+
+from bagpipe.config_args import add_coordination_args, add_table_args, table_rows_of
+from bagpipe.core.data import CriteoConfig, CriteoTSVSource, SyntheticConfig, SyntheticSource
+
+
+@dataclass(frozen=True)
+class SourceConfig:
+    """Which source to read and how: ``data`` is 'synthetic' or 'criteo:PATH[,PATH...]'."""
+
+    data: str
+    table_rows: tuple[int, ...]
+    seed: int = 0
+    zipf_alpha: float | None = 1.1
+    hot_fraction: float | None = None
+    hot_share: float | None = None
+    skip_bad_rows: bool = False
+
+    def __post_init__(self) -> None:
+        if self.data != "synthetic" and not (self.data.startswith("criteo:") and len(self.data) > 7):
+            raise ValueError(f"data: expected 'synthetic' or 'criteo:PATH', got {self.data!r}")
+
+    def open(self) -> SyntheticSource | CriteoTSVSource:
+        if self.data == "synthetic":
+            hot = self.hot_fraction is not None or self.hot_share is not None
+            return SyntheticSource(
+                SyntheticConfig(
+                    table_rows=self.table_rows,
+                    seed=self.seed,
+                    zipf_alpha=None if hot else self.zipf_alpha,
+                    hot_fraction=self.hot_fraction,
+                    hot_share=self.hot_share,
+                )
+            )
+        paths = tuple(p for p in self.data[len("criteo:") :].split(",") if p)
+        return CriteoTSVSource(CriteoConfig(paths=paths, table_rows=self.table_rows, skip_bad_rows=self.skip_bad_rows))
+
+
+@dataclass(frozen=True)
+class DataProcessorConfig:
+    """One data processor: its source, the global batch size and where to register."""
+
+    source: SourceConfig
+    batch_size: int
+    index: int
+    address: str
+    redis_url: str
+    job: str
+
+    def __post_init__(self) -> None:
+        if self.batch_size < 1:
+            raise ValueError(f"batch_size: must be >= 1, got {self.batch_size}")
+
+
+def add_source_args(p: argparse.ArgumentParser) -> None:
+    add_table_args(p)
+    g = p.add_argument_group("synthetic skew and input checking")
+    g.add_argument("--zipf-alpha", type=float, default=1.1, help="synthetic: Zipf exponent of row popularity")
+    g.add_argument("--hot-fraction", type=float, default=None, help="synthetic: the top p of rows (0-1) ...")
+    g.add_argument("--hot-share", type=float, default=None, help="... get this share (0-1) of the accesses")
+    g.add_argument("--skip-bad-rows", action="store_true", help="criteo: count and skip malformed lines")
+
+
+def source_of(a: argparse.Namespace) -> SourceConfig:
+    return SourceConfig(
+        data=a.data,
+        table_rows=table_rows_of(a),
+        seed=a.seed,
+        zipf_alpha=a.zipf_alpha,
+        hot_fraction=a.hot_fraction,
+        hot_share=a.hot_share,
+        skip_bad_rows=a.skip_bad_rows,
+    )
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="bagpipe-data-processor", description=DataProcessorConfig.__doc__)
+    p.add_argument("--index", type=int, default=0, help="this processor's index (its Redis member name)")
+    p.add_argument("--batch-size", type=int, required=True, help="global batch size")
+    p.add_argument("--seed", type=int, default=0, help="seed of the synthetic data")
+    p.add_argument("--address", default="127.0.0.1:0", help="host:port to listen on (port 0: any)")
+    add_source_args(p)
+    add_coordination_args(p)
+    return p
+
+
+def parse(argv: list[str] | None = None) -> tuple[DataProcessorConfig, argparse.Namespace]:
+    a = build_parser().parse_args(argv)
+    cfg = DataProcessorConfig(
+        source=source_of(a), batch_size=a.batch_size, index=a.index, address=a.address, redis_url=a.redis, job=a.job
+    )
+    return cfg, a

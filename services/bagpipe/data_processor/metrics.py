@@ -1,0 +1,8 @@
+"""Prometheus metrics of the data processor (the one place their names are defined)."""
+
+from prometheus_client import Counter, Histogram
+
+SAMPLES = Counter("bagpipe_data_processor_samples_total", "Samples put into batches")
+BATCHES = Counter("bagpipe_data_processor_batches_total", "Batches streamed")
+BAD_ROWS = Counter("bagpipe_data_processor_bad_rows_total", "Malformed input lines skipped")
+BUILD_SECONDS = Histogram("bagpipe_data_processor_batch_build_seconds", "Time to read and build one batch")

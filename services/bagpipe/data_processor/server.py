@@ -1,0 +1,92 @@
+"""The DataProcessor servicer: streams numbered batches; any range can be asked for again."""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from collections.abc import Iterator
+
+import grpc
+
+from bagpipe import serving
+from bagpipe.core.data import BatchArrays, CriteoTSVSource, SyntheticSource, build_batch, table_offsets
+from bagpipe.data_processor import metrics
+from bagpipe.data_processor.config import DataProcessorConfig, SourceConfig
+from bagpipe.errors import InvalidArgument, grpc_errors
+from bagpipe.v1 import data_processor_pb2 as pb
+from bagpipe.v1 import data_processor_pb2_grpc as pb_grpc
+from bagpipe.wire import to_tensor
+
+logger = logging.getLogger(__name__)
+
+
+def generate(source: SourceConfig, batch_size: int, start: int, stride: int, end: int) -> Iterator[tuple[BatchArrays, bool]]:
+    """Batches start, start+stride, ... (< end if end > 0) with their ``last`` flag."""
+    offsets = table_offsets(source.table_rows)
+    src = source.open()
+    if isinstance(src, SyntheticSource):
+        if end <= 0:
+            raise InvalidArgument("end", "synthetic data is endless; give the number of batches")
+        for number in range(start, end, stride):
+            t0 = time.perf_counter()
+            arrays = build_batch(number, src.batch(number, batch_size), offsets)
+            metrics.BUILD_SECONDS.observe(time.perf_counter() - t0)
+            yield arrays, number == end - 1
+        return
+    assert isinstance(src, CriteoTSVSource)
+    stream = src.batches(batch_size, start)
+    previous: tuple[int, object] | None = None
+    bad_seen = 0
+    t0 = time.perf_counter()
+    for number, samples in stream:
+        if end > 0 and number >= end:
+            break
+        if previous is not None:
+            yield previous[1], False  # type: ignore[misc]
+        previous = None
+        if (number - start) % stride == 0:
+            previous = (number, build_batch(number, samples, offsets))
+            metrics.BUILD_SECONDS.observe(time.perf_counter() - t0)
+        metrics.BAD_ROWS.inc(src.bad_rows - bad_seen)
+        bad_seen = src.bad_rows
+        t0 = time.perf_counter()
+    if previous is not None:
+        yield previous[1], True  # type: ignore[misc]
+
+
+class DataProcessorServicer(pb_grpc.DataProcessorServicer):
+    def __init__(self, config: DataProcessorConfig) -> None:
+        self.config = config
+
+    @grpc_errors
+    async def StreamBatches(self, request: pb.StreamBatchesRequest, context: grpc.aio.ServicerContext):  # noqa: N802
+        if request.start < 0:
+            raise InvalidArgument("start", f"must be >= 0, got {request.start}")
+        if request.stride < 1:
+            raise InvalidArgument("stride", f"must be >= 1, got {request.stride}")
+        gen = generate(self.config.source, self.config.batch_size, request.start, request.stride, request.end)
+        sentinel = object()
+        while True:
+            item = await asyncio.to_thread(next, gen, sentinel)
+            if item is sentinel:
+                return
+            arrays, last = item  # type: ignore[misc]
+            metrics.BATCHES.inc()
+            metrics.SAMPLES.inc(arrays.labels.size)
+            yield pb.Batch(
+                number=arrays.number,
+                dense=to_tensor(arrays.dense),
+                labels=to_tensor(arrays.labels),
+                keys=to_tensor(arrays.keys),
+                inverse=to_tensor(arrays.inverse),
+                last=last,
+            )
+
+
+async def create_server(config: DataProcessorConfig, address: str = "127.0.0.1:0"):
+    """Starts a data-processor server; returns (server, port, control, health)."""
+    servicer = DataProcessorServicer(config)
+    return await serving.create_server(
+        address, "DataProcessor", lambda s: pb_grpc.add_DataProcessorServicer_to_server(servicer, s)
+    )

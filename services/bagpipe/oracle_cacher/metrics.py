@@ -1,0 +1,10 @@
+"""Prometheus metrics of the oracle cacher (the one place their names are defined)."""
+
+from prometheus_client import Counter, Gauge, Histogram
+
+BATCHES_RECEIVED = Counter("bagpipe_oracle_cacher_batches_received_total", "Batches received from data processors")
+BATCHES_PLANNED = Counter("bagpipe_oracle_cacher_batches_planned_total", "Batches planned")
+PLANS_DISPATCHED = Counter("bagpipe_oracle_cacher_plans_dispatched_total", "Plans sent to trainers")
+PLAN_SECONDS = Histogram("bagpipe_oracle_cacher_plan_seconds", "Time to plan one batch")
+LOOKAHEAD = Gauge("bagpipe_oracle_cacher_lookahead_batches", "Lookahead L in use")
+OCCUPANCY = Gauge("bagpipe_oracle_cacher_cache_occupancy_rows", "Rows resident in the (logical) cache")

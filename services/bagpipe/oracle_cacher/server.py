@@ -1,0 +1,252 @@
+"""The OracleCacher servicer: reorders batches, plans them, and dispatches plans to trainers.
+
+Three kinds of tasks share one asyncio loop: one reader per data processor (each streams every
+N-th batch), one planner, and one StreamPlans call per trainer. A plan for batch x is released only
+when every trainer has reported the write-backs of batch x-L durable (DESIGN.md rule 1; see
+``core/lookahead.py`` for why x-L is the bound with a window of L batches).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from dataclasses import dataclass, field
+
+import grpc
+import numpy as np
+
+from bagpipe import serving
+from bagpipe.core.data import table_offsets
+from bagpipe.core.lookahead import BatchPlan, LookaheadPlanner
+from bagpipe.errors import InvalidArgument, grpc_errors
+from bagpipe.oracle_cacher import metrics
+from bagpipe.oracle_cacher.config import OracleConfig
+from bagpipe.v1 import data_processor_pb2, data_processor_pb2_grpc
+from bagpipe.v1 import oracle_cacher_pb2 as pb
+from bagpipe.v1 import oracle_cacher_pb2_grpc as pb_grpc
+from bagpipe.wire import from_tensor, to_tensor
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass
+class _Received:
+    batch: data_processor_pb2.Batch
+    keys: np.ndarray
+
+
+@dataclass
+class _Planned:
+    plan: BatchPlan
+    messages: list[pb.Plan]
+    taken: set[int] = field(default_factory=set)
+
+
+def split_plan(plan: BatchPlan, batch: data_processor_pb2.Batch, trainers: int, lookahead: int) -> list[pb.Plan]:
+    """One message per trainer: the shared cache plan plus the trainer's slice of samples and its
+    share of the write-backs (replicated cache: every trainer holds every row, key % T writes it)."""
+    size = int(batch.labels.shape[0])
+    dense = from_tensor(batch.dense, "dense", np.float32, ndim=2)
+    labels = from_tensor(batch.labels, "labels", np.float32, shape=(size,))
+    inverse = from_tensor(batch.inverse, "inverse", np.int32, ndim=2)
+    shared = {
+        "batch": plan.batch,
+        "keys": to_tensor(plan.keys),
+        "slots": to_tensor(plan.slots),
+        "ttl": to_tensor(plan.ttl),
+        "prefetch": to_tensor(plan.prefetch),
+        "evict": to_tensor(plan.evict),
+        "slot_high_water": plan.slot_high_water,
+        "global_batch_size": size,
+        "last": plan.last,
+        "lookahead": lookahead,
+    }
+    owner = plan.keys[plan.evict] % trainers
+    per = size // trainers
+    out = []
+    for rank in range(trainers):
+        sl = slice(rank * per, (rank + 1) * per)
+        out.append(
+            pb.Plan(
+                **shared,
+                writeback=to_tensor(plan.evict[owner == rank]),
+                dense=to_tensor(dense[sl]),
+                labels=to_tensor(labels[sl]),
+                inverse=to_tensor(inverse[sl]),
+            )
+        )
+    return out
+
+
+class Oracle(pb_grpc.OracleCacherServicer):
+    """Planning state and the two RPCs trainers call."""
+
+    def __init__(self, config: OracleConfig) -> None:
+        self.config = config
+        self.num_keys = int(table_offsets(config.table_rows)[-1])
+        self.planner = LookaheadPlanner(self.num_keys, config.lookahead)
+        self.received: dict[int, _Received] = {}
+        self.planned: dict[int, _Planned] = {}
+        self.written_back = [-1] * config.trainers
+        self.trained = [-1] * config.trainers
+        self.cond = asyncio.Condition()
+        self.readers_done = 0
+        self.failure: str | None = None
+        self.next_push = 0
+        self.plan_buffer = config.lookahead + 2
+        metrics.LOOKAHEAD.set(config.lookahead)
+
+    # ---- data processors -> oracle
+    async def read_processor(self, address: str, offset: int, stride: int) -> None:
+        """Streams batches offset, offset+stride, ... into the reorder buffer, with back-pressure."""
+        end = self.config.iterations
+        async with grpc.aio.insecure_channel(address, options=serving.CHANNEL_OPTIONS) as ch:
+            stub = data_processor_pb2_grpc.DataProcessorStub(ch)
+            request = data_processor_pb2.StreamBatchesRequest(start=offset, stride=stride, end=end)
+            async for batch in stub.StreamBatches(request):
+                keys = from_tensor(batch.keys, "keys", np.int64, ndim=1)
+                if keys.size and (keys[0] < 0 or keys[-1] >= self.num_keys):
+                    raise InvalidArgument("keys", f"batch {batch.number}: keys outside [0, {self.num_keys})")
+                if batch.labels.shape[0] != self.config.batch_size:
+                    raise InvalidArgument("labels", f"batch {batch.number}: {batch.labels.shape[0]} samples, expected {self.config.batch_size}")
+                async with self.cond:
+                    cap = 2 * self.config.lookahead + 2 * stride
+                    await self.cond.wait_for(lambda n=batch.number: n < self.next_push + cap or self.failure is not None)
+                    self.received[batch.number] = _Received(batch, keys)
+                    metrics.BATCHES_RECEIVED.inc()
+                    self.cond.notify_all()
+
+    async def run_readers(self, addresses: list[str]) -> None:
+        async def one(i: int, addr: str) -> None:
+            try:
+                await self.read_processor(addr, i, len(addresses))
+            except Exception as e:  # a failed input makes the job fail loudly, not hang
+                logger.exception("data processor %s failed", addr)
+                async with self.cond:
+                    self.failure = f"data processor {addr}: {e}"
+                    self.cond.notify_all()
+            finally:
+                async with self.cond:
+                    self.readers_done += 1
+                    self.cond.notify_all()
+
+        await asyncio.gather(*(one(i, a) for i, a in enumerate(addresses)))
+
+    def start(self, processor_addresses: list[str]) -> list[asyncio.Task[None]]:
+        """Starts the readers and the planner; a crash in either fails the job's plan streams."""
+        tasks = [
+            asyncio.create_task(self.run_readers(processor_addresses), name="readers"),
+            asyncio.create_task(self.run_planner(), name="planner"),
+        ]
+        for task in tasks:
+            task.add_done_callback(self._on_task_done)
+        return tasks
+
+    def _on_task_done(self, task: asyncio.Task[None]) -> None:
+        if task.cancelled() or task.exception() is None:
+            return
+        logger.error("oracle task %s failed", task.get_name(), exc_info=task.exception())
+        self.failure = f"oracle {task.get_name()} failed: {task.exception()}"
+
+        async def wake() -> None:
+            async with self.cond:
+                self.cond.notify_all()
+
+        asyncio.get_running_loop().create_task(wake())
+
+    # ---- planning
+    def _work_ready(self) -> bool:
+        if self.failure is not None:
+            return True
+        if len(self.planned) >= self.plan_buffer:
+            return False
+        if self.planner.can_pop():
+            return True
+        if self.planner.wants_more() and self.next_push in self.received:
+            return True
+        return self.readers_done == self.config.data_processors and self.planner.wants_more()
+
+    async def run_planner(self) -> None:
+        while True:
+            async with self.cond:
+                await self.cond.wait_for(self._work_ready)
+                if self.failure is not None:
+                    return
+                while self.planner.wants_more() and self.next_push in self.received:
+                    item = self.received[self.next_push]
+                    self.planner.push(self.next_push, item.keys, last=item.batch.last)
+                    self.next_push += 1
+                if self.planner.wants_more() and self.readers_done == self.config.data_processors:
+                    if self.planner.window_size == 0:
+                        self.failure = f"the data ended before batch {self.next_push}"
+                        self.cond.notify_all()
+                        return
+                    self.planner.finish()
+                if not self.planner.can_pop():
+                    continue
+                t0 = time.perf_counter()
+                plan = self.planner.pop()
+                source = self.received.pop(plan.batch).batch
+                messages = split_plan(plan, source, self.config.trainers, self.config.lookahead)
+                metrics.PLAN_SECONDS.observe(time.perf_counter() - t0)
+                metrics.BATCHES_PLANNED.inc()
+                metrics.OCCUPANCY.set(plan.occupancy)
+                self.planned[plan.batch] = _Planned(plan, messages)
+                self.cond.notify_all()
+                if plan.last:
+                    logger.info("planned the last batch %d; peak occupancy %d rows", plan.batch, self.planner.peak_occupancy)
+                    return
+
+    # ---- oracle -> trainers
+    def _dispatchable(self, batch: int) -> bool:
+        return batch in self.planned and min(self.written_back) >= batch - self.config.lookahead
+
+    @grpc_errors
+    async def StreamPlans(self, request: pb.StreamPlansRequest, context: grpc.aio.ServicerContext):  # noqa: N802
+        rank = request.rank
+        if not 0 <= rank < self.config.trainers:
+            raise InvalidArgument("rank", f"must be in [0, {self.config.trainers}), got {rank}")
+        batch = request.start
+        while True:
+            async with self.cond:
+                await self.cond.wait_for(lambda b=batch: self.failure is not None or self._dispatchable(b))
+                if self.failure is not None:
+                    await context.abort(grpc.StatusCode.ABORTED, self.failure)
+                entry = self.planned[batch]
+                entry.taken.add(rank)
+                if len(entry.taken) == self.config.trainers:
+                    del self.planned[batch]
+                    self.cond.notify_all()
+            metrics.PLANS_DISPATCHED.inc()
+            yield entry.messages[rank]
+            if entry.plan.last:
+                return
+            batch += 1
+
+    @grpc_errors
+    async def ReportProgress(self, request: pb.ProgressReport, context: grpc.aio.ServicerContext) -> pb.ProgressAck:  # noqa: N802
+        rank = request.rank
+        if not 0 <= rank < self.config.trainers:
+            raise InvalidArgument("rank", f"must be in [0, {self.config.trainers}), got {rank}")
+        async with self.cond:
+            self.written_back[rank] = max(self.written_back[rank], request.written_back)
+            self.trained[rank] = max(self.trained[rank], request.trained)
+            self.cond.notify_all()
+        return pb.ProgressAck()
+
+    def counters(self) -> dict[str, float]:
+        return {
+            "next_batch": float(self.next_push),
+            "lookahead": float(self.config.lookahead),
+            "peak_occupancy": float(self.planner.peak_occupancy),
+            "slot_high_water": float(self.planner.slot_high_water),
+            "min_written_back": float(min(self.written_back)),
+        }
+
+
+async def create_server(oracle: Oracle, address: str = "127.0.0.1:0"):
+    """Starts the oracle's server; returns (server, port, control, health)."""
+    return await serving.create_server(
+        address, "OracleCacher", lambda s: pb_grpc.add_OracleCacherServicer_to_server(oracle, s), oracle.counters
+    )

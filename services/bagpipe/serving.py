@@ -1,0 +1,78 @@
+"""What every service's gRPC server has in common: options, health, Control and graceful stop."""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from collections.abc import Callable
+
+import grpc
+from grpc_health.v1 import health, health_pb2, health_pb2_grpc
+
+from bagpipe.v1 import control_pb2, control_pb2_grpc
+
+logger = logging.getLogger(__name__)
+
+MAX_MESSAGE_BYTES = 1 << 30
+CHANNEL_OPTIONS = [
+    ("grpc.max_send_message_length", MAX_MESSAGE_BYTES),
+    ("grpc.max_receive_message_length", MAX_MESSAGE_BYTES),
+]
+RPC_TIMEOUT_S = 60.0
+GRACE_S = 2.0
+
+
+class ControlServicer(control_pb2_grpc.ControlServicer):
+    """Status counters from a callable; Shutdown sets ``stop``."""
+
+    def __init__(self, service: str, counters: Callable[[], dict[str, float]]) -> None:
+        self.service = service
+        self.address = ""
+        self._counters = counters
+        self.stop = asyncio.Event()
+
+    async def Status(self, request: control_pb2.StatusRequest, context: grpc.aio.ServicerContext) -> control_pb2.StatusResponse:  # noqa: N802
+        return control_pb2.StatusResponse(service=self.service, address=self.address, counters=self._counters())
+
+    async def Shutdown(self, request: control_pb2.ShutdownRequest, context: grpc.aio.ServicerContext) -> control_pb2.ShutdownResponse:  # noqa: N802
+        logger.info("%s: shutdown requested (%s)", self.service, request.reason or "no reason given")
+        self.stop.set()
+        return control_pb2.ShutdownResponse()
+
+
+async def create_server(
+    address: str,
+    service: str,
+    register: Callable[[grpc.aio.Server], None],
+    counters: Callable[[], dict[str, float]] = dict,
+) -> tuple[grpc.aio.Server, int, ControlServicer, health.HealthServicer]:
+    """Builds and starts an aio server on ``address`` (port 0 picks one); returns the bound port."""
+    server = grpc.aio.server(options=CHANNEL_OPTIONS)
+    register(server)
+    health_servicer = health.HealthServicer()
+    health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
+    control = ControlServicer(service, counters)
+    control_pb2_grpc.add_ControlServicer_to_server(control, server)
+    port = server.add_insecure_port(address)
+    if port == 0:
+        raise OSError(f"{service}: cannot listen on {address}")
+    await server.start()
+    host = address.rsplit(":", 1)[0]
+    control.address = f"{'127.0.0.1' if host in ('[::]', '0.0.0.0', '') else host}:{port}"
+    health_servicer.set("", health_pb2.HealthCheckResponse.SERVING)
+    health_servicer.set(f"bagpipe.v1.{service}", health_pb2.HealthCheckResponse.SERVING)
+    return server, port, control, health_servicer
+
+
+async def stop_gracefully(server: grpc.aio.Server, health_servicer: health.HealthServicer) -> None:
+    await health_servicer.enter_graceful_shutdown()
+    await server.stop(GRACE_S)
+
+
+def channel(address: str) -> grpc.Channel:
+    """A blocking client channel with Bagpipe's message limits."""
+    return grpc.insecure_channel(address, options=CHANNEL_OPTIONS)
+
+
+def configure_logging(level: str = "INFO") -> None:
+    logging.basicConfig(level=level, format="%(asctime)s %(levelname)s %(name)s: %(message)s")

@@ -1,0 +1,1 @@
+"""The trainer service: dense model, embedding cache, synchronous data-parallel steps."""

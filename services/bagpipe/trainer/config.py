@@ -1,0 +1,74 @@
+"""Command-line configuration of a trainer."""
+
+from __future__ import annotations
+
+import argparse
+from dataclasses import dataclass
+
+from bagpipe.config_args import add_coordination_args, add_model_args, add_table_args, table_rows_of
+from bagpipe.core.model import DLRMConfig
+from bagpipe.core.optim import OptimizerConfig
+
+
+@dataclass(frozen=True)
+class TrainerConfig:
+    """Trainer ``rank`` of ``world_size``: model, optimizer, checkpoints and rendezvous."""
+
+    rank: int
+    world_size: int
+    dist_init: str
+    model: DLRMConfig
+    optimizer: OptimizerConfig
+    table_rows: tuple[int, ...]
+    seed: int
+    init_from: str | None
+    save_initial: str | None
+    save_final: str | None
+    device: str
+    redis_url: str
+    job: str
+
+    def __post_init__(self) -> None:
+        if not 0 <= self.rank < self.world_size:
+            raise ValueError(f"rank: must be in [0, {self.world_size}), got {self.rank}")
+        if self.device not in ("auto", "cpu", "cuda"):
+            raise ValueError(f"device: must be auto, cpu or cuda, got {self.device!r}")
+        if len(self.table_rows) != self.model.num_tables:
+            raise ValueError(f"table_rows: {len(self.table_rows)} tables, the model has {self.model.num_tables}")
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="bagpipe-trainer", description=TrainerConfig.__doc__)
+    p.add_argument("--rank", type=int, required=True, help="this trainer's rank")
+    p.add_argument("--world-size", type=int, required=True, help="number of trainers")
+    p.add_argument("--dist-init", default="tcp://127.0.0.1:29500", help="torch.distributed init method")
+    p.add_argument("--device", default="auto", help="auto (CUDA when present), cpu or cuda")
+    p.add_argument("--save-initial", default=None, help="rank 0 writes the initial interchange checkpoint here")
+    p.add_argument("--save-final", default=None, help="rank 0 writes the final interchange checkpoint here")
+    add_table_args(p)
+    add_model_args(p, dense=True)
+    add_coordination_args(p)
+    return p
+
+
+def parse(argv: list[str] | None = None) -> tuple[TrainerConfig, argparse.Namespace]:
+    a = build_parser().parse_args(argv)
+    table_rows = table_rows_of(a)
+    cfg = TrainerConfig(
+        rank=a.rank,
+        world_size=a.world_size,
+        dist_init=a.dist_init,
+        model=DLRMConfig(
+            num_tables=len(table_rows), embedding_dim=a.embedding_dim, bottom_mlp=a.bottom_mlp, top_mlp=a.top_mlp
+        ),
+        optimizer=OptimizerConfig(a.optimizer, a.lr),
+        table_rows=table_rows,
+        seed=a.seed,
+        init_from=a.init_from,
+        save_initial=a.save_initial,
+        save_final=a.save_final,
+        device=a.device,
+        redis_url=a.redis,
+        job=a.job,
+    )
+    return cfg, a

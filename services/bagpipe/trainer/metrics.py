@@ -1,0 +1,15 @@
+"""Prometheus metrics of the trainer (the one place their names are defined)."""
+
+from prometheus_client import Counter, Gauge, Histogram
+
+STAGES = ("data_wait", "prefetch_wait", "forward", "backward", "embedding_sync", "dense_sync", "optimizer", "write_back")
+
+ITERATIONS = Counter("bagpipe_trainer_iterations_total", "Training iterations completed")
+SAMPLES = Counter("bagpipe_trainer_samples_total", "Samples trained on by this trainer")
+STAGE_SECONDS = Histogram("bagpipe_trainer_stage_seconds", "Time of one stage of an iteration", ["stage"])
+CACHE_HITS = Counter("bagpipe_trainer_cache_hits_total", "Batch rows found in the cache")
+CACHE_MISSES = Counter("bagpipe_trainer_cache_misses_total", "Batch rows that had to be prefetched")
+ROWS_PREFETCHED = Counter("bagpipe_trainer_rows_prefetched_total", "Rows fetched from embedding servers")
+ROWS_WRITTEN_BACK = Counter("bagpipe_trainer_rows_written_back_total", "Rows written back to embedding servers")
+LOSS = Gauge("bagpipe_trainer_loss", "Mean loss of the last global batch")
+HEARTBEAT = Gauge("bagpipe_trainer_heartbeat_timestamp_seconds", "Unix time of the last finished iteration")
