@@ -1,0 +1,29 @@
+"""Helpers to run real local jobs (Redis, gRPC services, torch.distributed) with tiny sizes."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from bagpipe.cli import build_parser
+from bagpipe.local.launcher import run
+
+TINY = [
+    "--scale", "0.0005", "--embedding-dim", "8", "--bottom-mlp", "16,8", "--top-mlp", "16,1",
+    "--batch-size", "64", "--data-processors", "1", "--quiet", "--log-level", "WARNING",
+]  # fmt: skip
+
+
+@pytest.fixture
+def run_job(tmp_path: Path):
+    """Runs ``bagpipe run`` with TINY defaults plus ``extra`` flags; returns (summary, paths)."""
+
+    def _run(name: str, *extra: str) -> tuple[dict[str, Any], dict[str, Path]]:
+        paths = {"initial": tmp_path / f"{name}-initial.pt", "final": tmp_path / f"{name}-final.pt"}
+        argv = ["run", *TINY, *extra, "--run-dir", str(tmp_path / name),
+                "--save-initial", str(paths["initial"]), "--save-final", str(paths["final"])]  # fmt: skip
+        return run(build_parser().parse_args(argv)), paths
+
+    return _run
