@@ -10,7 +10,14 @@ from collections.abc import Iterator
 import grpc
 
 from bagpipe import serving
-from bagpipe.core.data import BatchArrays, CriteoTSVSource, SyntheticSource, build_batch, table_offsets
+from bagpipe.core.data import (
+    BatchArrays,
+    CriteoTSVSource,
+    DataFormatError,
+    SyntheticSource,
+    build_batch,
+    table_offsets,
+)
 from bagpipe.data_processor import metrics
 from bagpipe.data_processor.config import DataProcessorConfig, SourceConfig
 from bagpipe.errors import InvalidArgument, grpc_errors
@@ -68,7 +75,10 @@ class DataProcessorServicer(pb_grpc.DataProcessorServicer):
         gen = generate(self.config.source, self.config.batch_size, request.start, request.stride, request.end)
         sentinel = object()
         while True:
-            item = await asyncio.to_thread(next, gen, sentinel)
+            try:
+                item = await asyncio.to_thread(next, gen, sentinel)
+            except DataFormatError as e:
+                raise InvalidArgument("data", str(e)) from e
             if item is sentinel:
                 return
             arrays, last = item  # type: ignore[misc]

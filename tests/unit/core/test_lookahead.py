@@ -1,0 +1,96 @@
+"""Algorithm 1: the paper's Figure 6, and the invariants that keep training exact."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from bagpipe.core.lookahead import LookaheadPlanner
+
+
+def plan_all(batches: dict[int, list[int]], lookahead: int, num_keys: int = 16):
+    planner = LookaheadPlanner(num_keys, lookahead)
+    numbers = sorted(batches)
+    pending = list(numbers)
+    plans = []
+    while len(plans) < len(numbers):
+        while planner.wants_more() and pending:
+            n = pending.pop(0)
+            planner.push(n, np.array(sorted(set(batches[n])), dtype=np.int64), last=not pending)
+        plans.append(planner.pop())
+    return plans, planner
+
+
+def test_figure_6_prefetches_ttls_and_evictions() -> None:
+    # Figure 6: L = 2, batches 1..4 use {3, 9}, {3, 4}, {3, 6}, {6, 1}
+    plans, _ = plan_all({1: [3, 9], 2: [3, 4], 3: [3, 6], 4: [6, 1]}, lookahead=2)
+    got = [
+        (
+            p.batch,
+            dict(zip(p.keys.tolist(), p.ttl.tolist(), strict=True)),
+            sorted(p.keys[p.prefetch].tolist()),
+            sorted(p.keys[p.evict].tolist()),
+        )
+        for p in plans
+    ]
+    assert got == [
+        (1, {3: 2, 9: 1}, [3, 9], [9]),  # 3 reused in batch 2: cached with TTL 2
+        (2, {3: 3, 4: 2}, [4], [4]),  # 3 is a hit; its TTL moves to 3
+        (3, {3: 3, 6: 4}, [6], [3]),  # 6 cached until 4; 3 has no later use in the window
+        (4, {1: 4, 6: 4}, [1], [1, 6]),
+    ]
+    assert plans[-1].last
+
+
+def random_batches(n: int, keys: int, per_batch: int, seed: int) -> dict[int, list[int]]:
+    rng = np.random.default_rng(seed)
+    weights = 1.0 / np.arange(1, keys + 1) ** 1.2
+    return {b: rng.choice(keys, size=per_batch, p=weights / weights.sum()).tolist() for b in range(n)}
+
+
+@pytest.mark.parametrize("lookahead", [1, 2, 5, 9])
+def test_cached_rows_are_exactly_those_used_within_the_window(lookahead: int) -> None:
+    batches = random_batches(60, 40, 12, seed=lookahead)
+    plans, planner = plan_all(batches, lookahead, num_keys=40)
+    used = {b: set(v) for b, v in batches.items()}
+    cached: dict[int, int] = {}  # key -> slot
+    slot_owner: dict[int, int] = {}
+    slot_freed_at: dict[int, int] = {}
+    for p in plans:
+        x = p.batch
+        keys = p.keys.tolist()
+        prefetched = set(p.keys[p.prefetch].tolist())
+        for k, slot in zip(keys, p.slots.tolist(), strict=True):
+            if k in prefetched:
+                assert k not in cached, f"batch {x}: {k} prefetched while cached"
+                # no batch in [x-L+1, x-1] used it, so its newest value is on the servers
+                assert not any(k in used.get(b, ()) for b in range(x - lookahead + 1, x))
+                assert slot not in slot_owner, f"batch {x}: slot {slot} still holds key {slot_owner.get(slot)}"
+                if slot in slot_freed_at:
+                    assert slot_freed_at[slot] <= x - lookahead, "slot reused before its write-back is waited for"
+                cached[k] = slot
+                slot_owner[slot] = k
+            else:
+                assert cached.get(k) == slot, f"batch {x}: {k} expected in the cache at slot {slot}"
+        for k in p.keys[p.evict].tolist():
+            assert not any(k in used.get(b, ()) for b in range(x + 1, x + lookahead)), f"{k} evicted too early"
+            slot_freed_at[cached[k]] = x
+            del slot_owner[cached.pop(k)]
+        ttl = dict(zip(keys, p.ttl.tolist(), strict=True))
+        for k in keys:
+            window = [b for b in range(x, x + lookahead) if k in used.get(b, ())]
+            assert ttl[k] == max(window)
+    assert not cached, "every row is evicted (and so written back) by the last batch"
+    assert planner.occupancy == 0
+    assert planner.peak_occupancy <= planner.slot_high_water
+
+
+def test_push_rejects_out_of_order_and_out_of_range_batches() -> None:
+    planner = LookaheadPlanner(10, 3)
+    planner.push(0, np.array([1, 2], dtype=np.int64))
+    with pytest.raises(ValueError, match="expected batch 1"):
+        planner.push(2, np.array([1], dtype=np.int64))
+    with pytest.raises(ValueError, match="outside"):
+        planner.push(1, np.array([3, 10], dtype=np.int64))
+    with pytest.raises(RuntimeError):
+        planner.pop()  # window not full, last batch not pushed

@@ -1,0 +1,66 @@
+"""Shard map placement and row initialisation that does not depend on the number of servers."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from bagpipe.core.data import table_offsets
+from bagpipe.core.shard_map import ShardMap
+from bagpipe.core.shard_store import ShardStore
+from bagpipe.errors import InvalidArgument
+
+
+@pytest.mark.parametrize("shards", [1, 2, 3, 5])
+def test_every_key_has_exactly_one_local_row(shards: int) -> None:
+    sm = ShardMap.create(num_keys=1000, num_shards=shards, num_buckets=64)
+    seen = np.concatenate([k[k >= 0] for k in (sm.local_keys(s) for s in range(shards))])
+    assert np.array_equal(np.sort(seen), np.arange(1000))
+    parts = sm.split(np.arange(1000, dtype=np.int64))
+    assert sum(p.size for p in parts) == 1000
+    for s, p in enumerate(parts):
+        assert (sm.shard_of(p.astype(np.int64)) == s).all()
+
+
+def test_shard_map_round_trips_through_json() -> None:
+    sm = ShardMap.create(500, 3)
+    back = ShardMap.from_json(sm.to_json())
+    assert back.version == sm.version and np.array_equal(back.bucket_to_shard, sm.bucket_to_shard)
+
+
+def test_initial_rows_do_not_depend_on_the_number_of_servers() -> None:
+    offsets = table_offsets([7, 100, 33])
+    total = int(offsets[-1])
+
+    def all_rows(shards: int) -> np.ndarray:
+        sm = ShardMap.create(total, shards, num_buckets=16)
+        out = np.zeros((total, 4), dtype=np.float32)
+        for s in range(shards):
+            store = ShardStore(sm, s, offsets, dim=4, state_width=0, seed=3)
+            keys = np.flatnonzero(sm.shard_of(np.arange(total)) == s).astype(np.int64)
+            out[keys] = store.lookup(keys)[0]
+        return out
+
+    one, three = all_rows(1), all_rows(3)
+    assert np.array_equal(one, three)
+    assert np.abs(one[:7]).max() <= 1 / np.sqrt(7) and np.abs(one[7:107]).max() <= 1 / np.sqrt(100)
+    assert np.unique(one).size > 0.9 * one.size
+
+
+def test_bad_write_changes_nothing() -> None:
+    offsets = table_offsets([10, 10])
+    sm = ShardMap.create(20, 2, num_buckets=4)
+    store = ShardStore(sm, 0, offsets, dim=2, state_width=2, seed=0)
+    before = store.weights.copy()
+    mine = np.flatnonzero(sm.shard_of(np.arange(20)) == 0).astype(np.int64)
+    other = np.flatnonzero(sm.shard_of(np.arange(20)) == 1).astype(np.int64)
+    rows = np.ones((2, 2), dtype=np.float32)
+    with pytest.raises(InvalidArgument, match="belongs to shard 1"):
+        store.write(np.array([mine[0], other[0]]), rows, rows)
+    with pytest.raises(InvalidArgument, match="out of range"):
+        store.write(np.array([mine[0], 20]), rows, rows)
+    with pytest.raises(InvalidArgument, match="duplicate"):
+        store.write(np.array([mine[0], mine[0]]), rows, rows)
+    with pytest.raises(InvalidArgument, match="non-finite"):
+        store.write(mine[:2], np.array([[1, np.nan], [0, 0]], dtype=np.float32), rows)
+    assert np.array_equal(store.weights, before)
