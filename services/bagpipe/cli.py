@@ -8,7 +8,7 @@ import signal
 import sys
 from types import FrameType
 
-from bagpipe.config_args import add_model_args, add_table_args
+from bagpipe.config_args import add_model_args
 from bagpipe.data_processor.config import add_source_args
 
 

@@ -112,7 +112,7 @@ class Oracle(pb_grpc.OracleCacherServicer):
                     raise InvalidArgument("labels", f"batch {batch.number}: {batch.labels.shape[0]} samples, expected {self.config.batch_size}")
                 async with self.cond:
                     cap = 2 * self.config.lookahead + 2 * stride
-                    await self.cond.wait_for(lambda n=batch.number: n < self.next_push + cap or self.failure is not None)
+                    await self.cond.wait_for(lambda n=batch.number, c=cap: n < self.next_push + c or self.failure is not None)
                     self.received[batch.number] = _Received(batch, keys)
                     metrics.BATCHES_RECEIVED.inc()
                     self.cond.notify_all()
