@@ -7,7 +7,9 @@ mirrors ``torch.optim.SGD``/``Adagrad`` on sparse gradients so results match the
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 
@@ -54,3 +56,22 @@ def apply_rows(
     total = state.index_select(0, index).addcmul_(grad, grad)
     state.index_copy_(0, index, total)
     weights.index_add_(0, index, grad / total.sqrt().add_(config.eps), alpha=-config.lr)
+
+
+def saved_sums(optimizer: torch.optim.Optimizer, params: Mapping[str, torch.Tensor]) -> dict[str, dict[str, torch.Tensor]]:
+    """The checkpoint's optimizer entries, ``{name: {"sum": tensor}}`` (empty for SGD), on the CPU."""
+    return {
+        name: {"sum": optimizer.state[p]["sum"].detach().cpu().clone()}
+        for name, p in params.items()
+        if "sum" in optimizer.state.get(p, {})
+    }
+
+
+def restore_sums(
+    optimizer: torch.optim.Optimizer, params: Mapping[str, torch.Tensor], saved: Mapping[str, Any]
+) -> None:
+    """Seeds Adagrad's sums from a checkpoint's entries so training resumes exactly."""
+    for name, p in params.items():
+        if "sum" in saved.get(name, {}):
+            optimizer.state[p]["sum"] = saved[name]["sum"].clone().to(p.device)
+            optimizer.state[p]["step"] = torch.tensor(0.0)

@@ -14,18 +14,7 @@ import torch
 from torch import nn
 
 from bagpipe.core.model import DLRM, DLRMConfig, batch_loss
-from bagpipe.core.optim import OptimizerConfig
-
-
-def _state_dict_of(
-    optimizer: torch.optim.Optimizer, params: dict[str, torch.nn.Parameter]
-) -> dict[str, dict[str, torch.Tensor]]:
-    out: dict[str, dict[str, torch.Tensor]] = {}
-    for name, p in params.items():
-        state = optimizer.state.get(p, {})
-        if "sum" in state:
-            out[name] = {"sum": state["sum"].detach().clone()}
-    return out
+from bagpipe.core.optim import OptimizerConfig, restore_sums, saved_sums
 
 
 def train_reference(
@@ -49,7 +38,11 @@ def train_reference(
         emb_opt = torch.optim.Adagrad(emb_params, lr=optim_config.lr, eps=optim_config.eps)
     else:
         emb_opt = torch.optim.SGD(emb_params, lr=optim_config.lr)
-    _load_optimizer_state(initial, model, dense_opt, tables, emb_opt)
+    named_dense = dict(model.named_parameters())
+    named_tables = {str(t): tab.weight for t, tab in enumerate(tables)}
+    saved = initial.get("optimizer") or {}
+    restore_sums(dense_opt, named_dense, saved.get("dense", {}))
+    restore_sums(emb_opt, named_tables, saved.get("embeddings", {}))
 
     steps = 0
     for batch in batches:
@@ -65,34 +58,15 @@ def train_reference(
         emb_opt.step()
         steps += 1
 
-    named_dense = dict(model.named_parameters())
     return {
         "dense": {k: v.detach().clone() for k, v in model.state_dict().items()},
         "embeddings": {str(t): tab.weight.detach().clone() for t, tab in enumerate(tables)},
         "optimizer": {
             "name": optim_config.name,
             "lr": optim_config.lr,
-            "dense": _state_dict_of(dense_opt, named_dense),
-            "embeddings": _state_dict_of(emb_opt, {str(t): tab.weight for t, tab in enumerate(tables)}),
+            "dense": saved_sums(dense_opt, named_dense),
+            "embeddings": saved_sums(emb_opt, named_tables),
         },
         "meta": {"trainer": "reference", "steps": steps + int(initial.get("meta", {}).get("steps", 0))},
     }
 
-
-def _load_optimizer_state(
-    initial: dict[str, Any],
-    model: nn.Module,
-    dense_opt: torch.optim.Optimizer,
-    tables: list[nn.Embedding],
-    emb_opt: torch.optim.Optimizer,
-) -> None:
-    """Seeds Adagrad's sums from the checkpoint so training can resume exactly."""
-    saved = initial.get("optimizer") or {}
-    for name, p in model.named_parameters():
-        if "sum" in saved.get("dense", {}).get(name, {}):
-            dense_opt.state[p]["sum"] = saved["dense"][name]["sum"].clone()
-            dense_opt.state[p]["step"] = torch.tensor(0.0)
-    for t, tab in enumerate(tables):
-        if "sum" in saved.get("embeddings", {}).get(str(t), {}):
-            emb_opt.state[tab.weight]["sum"] = saved["embeddings"][str(t)]["sum"].clone()
-            emb_opt.state[tab.weight]["step"] = torch.tensor(0.0)

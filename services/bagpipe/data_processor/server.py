@@ -42,24 +42,24 @@ def generate(source: SourceConfig, batch_size: int, start: int, stride: int, end
             yield arrays, number == end - 1
         return
     assert isinstance(src, CriteoTSVSource)
-    stream = src.batches(batch_size, start)
-    previous: tuple[int, object] | None = None
+    # A batch is the last one only if the source has no further full batch: hold ours back by one.
+    pending: BatchArrays | None = None
     bad_seen = 0
     t0 = time.perf_counter()
-    for number, samples in stream:
+    for number, samples in src.batches(batch_size, start):
         if end > 0 and number >= end:
             break
-        if previous is not None:
-            yield previous[1], False  # type: ignore[misc]
-        previous = None
+        if pending is not None:
+            yield pending, False
+            pending = None
         if (number - start) % stride == 0:
-            previous = (number, build_batch(number, samples, offsets))
+            pending = build_batch(number, samples, offsets)
             metrics.BUILD_SECONDS.observe(time.perf_counter() - t0)
         metrics.BAD_ROWS.inc(src.bad_rows - bad_seen)
         bad_seen = src.bad_rows
         t0 = time.perf_counter()
-    if previous is not None:
-        yield previous[1], True  # type: ignore[misc]
+    if pending is not None:
+        yield pending, True
 
 
 class DataProcessorServicer(pb_grpc.DataProcessorServicer):

@@ -6,7 +6,6 @@ import asyncio
 import logging
 import sys
 
-
 from bagpipe import serving
 from bagpipe.control.registry import Registry
 from bagpipe.core import checkpoint

@@ -5,7 +5,7 @@ from __future__ import annotations
 import argparse
 from dataclasses import dataclass
 
-from bagpipe.config_args import add_coordination_args, add_model_args, add_table_args
+from bagpipe.config_args import add_coordination_args, add_model_args, add_table_args, table_rows_of
 
 
 @dataclass(frozen=True)
@@ -40,8 +40,6 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def parse(argv: list[str] | None = None) -> EmbeddingServerConfig:
-    from bagpipe.config_args import table_rows_of
-
     a = build_parser().parse_args(argv)
     return EmbeddingServerConfig(
         shard=a.shard,

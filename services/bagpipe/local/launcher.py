@@ -202,24 +202,26 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         redis_server.stop()
 
 
+def _raise_if_failed(job: LocalJob) -> None:
+    bad = job.failed()
+    if bad is not None:
+        raise RuntimeError(f"{bad.name} exited with {bad.proc.returncode}; last lines of {bad.log}:\n{_tail(bad.log)}")
+
+
 def _watch(job: LocalJob, registry: Registry, trainers: list[Process], args: argparse.Namespace) -> None:
     total = args.iterations or None
     bar = tqdm(total=total, unit="it", desc="training", disable=args.quiet, dynamic_ncols=True)
     done = 0
     try:
         while any(p.proc.poll() is None for p in trainers):
-            bad = job.failed()
-            if bad is not None:
-                raise RuntimeError(f"{bad.name} exited with {bad.proc.returncode}; last lines of {bad.log}:\n{_tail(bad.log)}")
+            _raise_if_failed(job)
             progress = registry.progress()
             if len(progress) == len(trainers):
                 now = min(progress.values()) + 1
                 bar.update(now - done)
                 done = now
             time.sleep(0.2)
-        bad = job.failed()
-        if bad is not None:
-            raise RuntimeError(f"{bad.name} exited with {bad.proc.returncode}; last lines of {bad.log}:\n{_tail(bad.log)}")
+        _raise_if_failed(job)
         bar.update(max(0, (total or done) - done))
     finally:
         bar.close()
@@ -264,6 +266,7 @@ def format_summary(s: dict[str, Any]) -> str:
         f"cache hit rate       {100 * s['cache_hit_rate']:.1f}%",
         f"rows per iteration   {s['rows_per_iteration']:,.0f} used, {s['rows_fetched_per_iteration']:,.0f} fetched, "
         f"{s['rows_written_back_per_iteration']:,.0f} written back",
-        f"loss                 {s['first_loss']:.4f} first, {s['final_loss']:.4f} last (mean of the last 10)",
     ]
+    if s["first_loss"] is not None:
+        lines.append(f"loss                 {s['first_loss']:.4f} first, {s['final_loss']:.4f} last (mean of the last 10)")
     return "\n".join(lines)

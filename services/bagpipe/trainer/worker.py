@@ -28,7 +28,7 @@ from bagpipe.core import checkpoint
 from bagpipe.core.cache import EmbeddingCache
 from bagpipe.core.data import table_offsets
 from bagpipe.core.model import DLRM, batch_loss
-from bagpipe.core.optim import apply_rows
+from bagpipe.core.optim import apply_rows, restore_sums, saved_sums
 from bagpipe.embedding_server.client import EmbeddingClient, call_with_retry
 from bagpipe.trainer import metrics
 from bagpipe.trainer.config import TrainerConfig
@@ -157,11 +157,7 @@ class Trainer:
             return
         ckpt = checkpoint.load(self.config.init_from)
         self.model.load_state_dict({k: v.to(self.device) for k, v in ckpt["dense"].items()})
-        saved = (ckpt.get("optimizer") or {}).get("dense", {})
-        for name, p in self.model.named_parameters():
-            if "sum" in saved.get(name, {}):
-                self.dense_opt.state[p]["sum"] = saved[name]["sum"].clone().to(self.device)
-                self.dense_opt.state[p]["step"] = torch.tensor(0.0)
+        restore_sums(self.dense_opt, dict(self.model.named_parameters()), (ckpt.get("optimizer") or {}).get("dense", {}))
 
     def export_checkpoint(self, path: str, meta: dict[str, Any]) -> None:
         """Writes the interchange checkpoint: dense model here, embeddings from the servers."""
@@ -173,11 +169,7 @@ class Trainer:
             embeddings[str(t)] = torch.from_numpy(rows)
             if self.state_width:
                 emb_state[str(t)] = {"sum": torch.from_numpy(state)}
-        dense_state = {
-            name: {"sum": self.dense_opt.state[p]["sum"].detach().cpu().clone()}
-            for name, p in self.model.named_parameters()
-            if "sum" in self.dense_opt.state.get(p, {})
-        }
+        dense_state = saved_sums(self.dense_opt, dict(self.model.named_parameters()))
         checkpoint.save(
             path,
             {
