@@ -7,6 +7,10 @@ import argparse
 from bagpipe.core.data import KAGGLE_TABLE_ROWS, NUM_TABLES, scaled_table_rows
 
 DEFAULT_SCALE = 0.01
+DEFAULT_MAX_LOOKAHEAD = 200
+DEFAULT_REUSE_DELAY = 8
+CACHE_MODES = ("lrpp", "replicated")
+SYNC_MODES = ("delayed", "critical")
 
 
 def int_list(text: str) -> tuple[int, ...]:
@@ -72,3 +76,58 @@ def add_coordination_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--redis", default="redis://127.0.0.1:6379/0", help="Redis URL")
     g.add_argument("--job", default="bagpipe", help="job name (namespaces the Redis keys)")
     g.add_argument("--log-level", default="INFO", help="logging level")
+
+
+def positive_int(text: str) -> int:
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected an integer, got {text!r}") from None
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"must be >= 1, got {value}")
+    return value
+
+
+def add_cache_args(p: argparse.ArgumentParser) -> None:
+    """The oracle's cache planning flags (``bagpipe run`` and the oracle take the same ones)."""
+    g = p.add_argument_group("cache")
+    g.add_argument(
+        "--lookahead",
+        type=positive_int,
+        default=None,
+        help="lookahead L in batches (default: automatic, the largest L up to --max-lookahead whose "
+        "plan fits --cache-rows; a tight cache shrinks even a given L)",
+    )
+    g.add_argument(
+        "--max-lookahead",
+        type=positive_int,
+        default=DEFAULT_MAX_LOOKAHEAD,
+        help=f"upper bound of the automatic L (default {DEFAULT_MAX_LOOKAHEAD})",
+    )
+    g.add_argument(
+        "--cache-rows",
+        type=positive_int,
+        default=None,
+        help="rows each trainer's cache holds (default: unbounded, the cache grows as planned)",
+    )
+    g.add_argument(
+        "--reuse-delay",
+        type=positive_int,
+        default=DEFAULT_REUSE_DELAY,
+        help="batches a freed cache slot waits before reuse, so prefetches run ahead of write-backs "
+        f"(default {DEFAULT_REUSE_DELAY}; at most L)",
+    )
+    g.add_argument(
+        "--cache-mode",
+        choices=CACHE_MODES,
+        default="lrpp",
+        help="lrpp: a row used by one trainer lives and is updated there only (default); "
+        "replicated: every trainer fetches and all-reduces every row",
+    )
+    g.add_argument(
+        "--sync",
+        choices=SYNC_MODES,
+        default="delayed",
+        help="delayed: rows the next batch does not read are synchronised in the background (default); "
+        "critical: everything before the next batch",
+    )

@@ -107,7 +107,7 @@ async def _oracle_gates_plans() -> None:
             number=b, dense=to_tensor(arrays.dense), labels=to_tensor(arrays.labels),
             keys=to_tensor(arrays.keys), inverse=to_tensor(arrays.inverse), last=b == 5,
         )  # fmt: skip
-        oracle.received[b] = _Received(msg, arrays.keys)
+        oracle.received[b] = _Received(msg, arrays.keys, oracle._users(msg, arrays.keys.size))
     oracle.readers_done = 1
     planner = asyncio.create_task(oracle.run_planner())
     server, port, _, _ = await create_oracle(oracle)
@@ -118,6 +118,8 @@ async def _oracle_gates_plans() -> None:
         assert [(await it.__anext__()).batch for _ in range(2)] == [0, 1]
         async with oracle.cond:
             await oracle.cond.wait_for(lambda: 2 in oracle.planned)
+            # batch 2 refetches keys batch 0 evicted (tiny tables), so it depends on batch 0's write-backs
+            assert oracle.planned[2].plan.depends_on == 0
             assert not oracle._dispatchable(2), "plan 2 must wait for the write-backs of batch 0"
         await stub.ReportProgress(opb.ProgressReport(rank=0, trained=0, written_back=0), timeout=5)
         assert (await it.__anext__()).batch == 2

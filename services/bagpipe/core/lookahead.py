@@ -1,21 +1,44 @@
-"""The oracle's lookahead algorithm (paper Algorithm 1), vectorised.
+"""The oracle's lookahead algorithm (paper Algorithm 1) with an LRPP cache, vectorised.
 
-Batches enter a window of ``L`` batches (the current one included, as in the paper's Figure 6). When
-the oldest batch leaves the window it gets a plan:
+Batches enter a window of up to ``L`` batches (the current one included, as in the paper's Figure 6).
+When the oldest batch leaves the window it gets a plan:
 
 * every key of the batch gets a time to live: the last batch *in the window* that uses it
   (Algorithm 1's ``LatestTracker``);
 * keys that are not cached are prefetched and get a cache slot (``InCache``);
 * keys whose time to live is the batch itself are evicted after it.
 
-The guarantee that keeps training identical to synchronous training: a key evicted after batch ``e``
-is not used by batches ``e+1 .. e+L-1`` (they were all in the window when ``e`` was planned), so a
-prefetch for batch ``x`` only has to wait for the write-backs of evictions at batches ``<= x-L``.
-The same bound makes slot reuse safe: a slot freed after ``e`` is handed out again only to a batch
-``x >= e+L``, whose prefetch cannot start before the evicted row has been copied out and written back.
+**Exactness.** A key evicted after batch ``e`` is not used by the batches that were in the window
+with ``e``, so it is prefetched again only by a later batch ``x``. Every plan carries ``depends_on``:
+the newest batch whose write-backs must be durable before the plan's prefetches may start: the last
+eviction of every key it prefetches, and the release of every slot it reuses. The oracle dispatches a
+plan only then, so a prefetch always reads the newest value and never overwrites a row that is still
+being written back. With a full window of ``L`` and the default reuse delay this is at most ``x-L``
+for keys (DESIGN.md rule 1).
 
-State is one int32 per key (latest use) and one int32 per key (slot, -1 when not cached), so each
-batch costs a few gathers and scatters over its unique keys and no Python loop over ids.
+**LRPP (logically replicated, physically partitioned).** Slots are global: a cached key has the same
+slot on every trainer, so the oracle reasons about one logical cache. Physically, only the key's
+*holders* (the trainers whose samples use it during its stay, as far as the window shows) fetch and keep
+it. Each batch's update of a key is all-reduced only when it has more than one holder; a key with one
+holder is updated there alone (its gradient is already the global one, since nobody else has a
+contribution) and written back by it. When a batch entering the window uses a cached key from a trainer
+that does not hold it (the key's use *spreads*), the key is handed over: after the holders' last update
+before that batch, one holder sends the row and its optimizer state to the new holders (an all-reduce in
+which only the sender contributes), so the newcomer trains on the newest value.
+
+**Delayed synchronisation.** An all-reduce (or hand-over) is *critical* when the next batch reads the
+row; the others may run in the background, overlapped with the next batch's compute, as long as they
+end before the next critical synchronisation. Rows the next batch reads are exactly those in its keys.
+
+**Capacity.** With ``capacity`` slots, a batch enters the window only while the window's distinct keys fit;
+otherwise the window shrinks (the effective L drops) until they do, and grows back when the data allows.
+Every cached key is used within the window, so live rows never exceed the capacity; slots of evicted
+rows wait ``reuse_delay`` batches before reuse (so prefetches run ahead of write-backs) unless the
+capacity is needed, in which case they are reused at once and ``depends_on`` reflects it.
+
+State is per key: latest use (int32; after eviction, the eviction batch), slot (int32), holders and
+pending hand-over recipients (bit masks of trainers); each batch costs a few gathers and scatters over
+its unique keys and no Python loop over ids.
 """
 
 from __future__ import annotations
@@ -28,53 +51,152 @@ import numpy as np
 
 logger = logging.getLogger(__name__)
 
-__all__ = ["BatchPlan", "LookaheadPlanner", "SlotAllocator"]
+__all__ = ["BatchPlan", "CapacityError", "LookaheadPlanner", "SlotAllocator", "mask_dtype", "trainer_users"]
+
+MAX_TRAINERS = 64
+
+
+class CapacityError(ValueError):
+    """A single batch needs more cache rows than the capacity allows."""
+
+
+def mask_dtype(trainers: int) -> np.dtype:
+    """The smallest unsigned integer type with one bit per trainer."""
+    if not 1 <= trainers <= MAX_TRAINERS:
+        raise ValueError(f"trainers: must be in [1, {MAX_TRAINERS}], got {trainers}")
+    for dt in (np.uint8, np.uint16, np.uint32, np.uint64):
+        if trainers <= np.iinfo(dt).bits:
+            return np.dtype(dt)
+    raise AssertionError("unreachable")
+
+
+def all_trainers(trainers: int) -> np.generic:
+    dt = mask_dtype(trainers)
+    return dt.type((1 << trainers) - 1)
+
+
+def trainer_users(inverse: np.ndarray, unique: int, trainers: int) -> np.ndarray:
+    """Per key of a global batch, the bit mask of trainers whose contiguous slice of samples uses it.
+
+    ``inverse`` is the batch's int32 ``[B, tables]`` index into its ``unique`` keys; trainer ``t`` takes
+    samples ``[t*B/T, (t+1)*B/T)``.
+    """
+    dt = mask_dtype(trainers)
+    size = inverse.shape[0]
+    if size % trainers:
+        raise ValueError(f"batch of {size} samples does not split over {trainers} trainers")
+    per = size // trainers
+    users = np.zeros(unique, dtype=dt)
+    seen = np.empty(unique, dtype=bool)
+    for t in range(trainers):
+        seen[:] = False
+        seen[inverse[t * per : (t + 1) * per].ravel()] = True
+        users[seen] |= dt.type(1 << t)
+    return users
+
+
+def nth_set_bit(masks: np.ndarray, n: np.ndarray, width: int) -> np.ndarray:
+    """Position of the ``n``-th (0-based) set bit of every mask."""
+    out = np.full(masks.shape, -1, dtype=np.int32)
+    seen = np.zeros(masks.shape, dtype=np.int64)
+    for t in range(width):
+        has = ((masks >> masks.dtype.type(t)) & masks.dtype.type(1)).astype(bool)
+        out[has & (seen == n)] = t
+        seen += has
+    return out
+
+
+@dataclass(frozen=True)
+class Handovers:
+    """Rows copied from one holder to new holders after a batch's update. Arrays are aligned."""
+
+    keys: np.ndarray  # int64 [H]
+    slots: np.ndarray  # int32 [H]
+    source: np.ndarray  # mask [H]: the one trainer that sends
+    recipients: np.ndarray  # mask [H]: trainers that receive
+    critical: np.ndarray  # bool [H]: the next batch reads the row
+
+    @staticmethod
+    def empty(dt: np.dtype) -> Handovers:
+        return Handovers(
+            np.zeros(0, np.int64), np.zeros(0, np.int32), np.zeros(0, dt), np.zeros(0, dt), np.zeros(0, bool)
+        )
 
 
 @dataclass(frozen=True)
 class BatchPlan:
-    """What every trainer does for one global batch.
+    """What the trainers do for one global batch.
 
-    ``prefetch`` and ``evict`` are indices into ``keys``; evicted keys are always keys of the batch
-    itself, because only the batch that is a key's last use in the window can expire it.
+    Per-key arrays are aligned with ``keys``; ``prefetch`` and ``evict`` index into them. Evicted keys
+    are always keys of the batch itself, because only a key's last use in the window expires it.
     """
 
     batch: int
     keys: np.ndarray  # int64 [U], sorted unique global keys
     slots: np.ndarray  # int32 [U]
     ttl: np.ndarray  # int64 [U]
-    prefetch: np.ndarray  # int32 [P]
+    users: np.ndarray  # mask [U]: trainers whose samples use the key in this batch
+    holders: np.ndarray  # mask [U]: trainers that hold the key during this batch
+    sync: np.ndarray  # bool [U]: the update is all-reduced (more than one holder)
+    critical: np.ndarray  # bool [U]: ... before the next batch (it reads the key); else in the background
+    prefetch: np.ndarray  # int32 [P]: fetched by their holders before this batch
     evict: np.ndarray  # int32 [E]
+    writer: np.ndarray  # int32 [E]: the trainer that writes each evicted key back
+    handovers: Handovers  # after this batch's update
+    depends_on: int  # write-backs of this batch must be durable before the prefetches start
+    window: int  # batches in the window (the effective L) when the plan was made
     slot_high_water: int
     occupancy: int
     last: bool
+
+    @property
+    def unique(self) -> int:
+        return int(self.keys.size)
 
 
 class SlotAllocator:
     """Cache slots as a free stack plus a quarantine of slots freed too recently to reuse.
 
-    A slot released after batch ``e`` becomes free for batches ``>= e + delay``.
+    A slot released after batch ``e`` is reused for batches ``>= e + delay``, or earlier when the
+    capacity leaves no other choice; ``take`` then reports ``e`` as a dependency.
     """
 
-    def __init__(self, delay: int) -> None:
+    def __init__(self, delay: int, capacity: int | None = None) -> None:
         if delay < 1:
             raise ValueError(f"delay: must be >= 1, got {delay}")
-        self._delay = delay
+        if capacity is not None and capacity < 1:
+            raise ValueError(f"capacity: must be >= 1, got {capacity}")
+        self.delay = delay
+        self.capacity = capacity
         self._free = np.empty(0, dtype=np.int32)
+        self._free_at = np.empty(0, dtype=np.int64)  # the batch after which each free slot was released
         self._quarantine: deque[tuple[int, np.ndarray]] = deque()
         self.high_water = 0
+        self.early_reuses = 0
 
-    def take(self, count: int, batch: int) -> np.ndarray:
-        """Returns ``count`` slots usable by a prefetch for ``batch``."""
-        while self._quarantine and self._quarantine[0][0] + self._delay <= batch:
-            _, slots = self._quarantine.popleft()
-            self._free = np.concatenate([self._free, slots])
-        reused = min(count, self._free.size)
-        taken = self._free[self._free.size - reused :]
-        self._free = self._free[: self._free.size - reused]
+    def take(self, count: int, batch: int) -> tuple[np.ndarray, int]:
+        """Returns ``count`` slots for a prefetch for ``batch`` and the newest batch whose write-backs
+        must be durable before they are overwritten (-1: none)."""
+        while self._quarantine and self._quarantine[0][0] + self.delay <= batch:
+            self._unquarantine()
+        room = self.capacity - self.high_water if self.capacity is not None else count
+        while self._free.size + room < count and self._quarantine:
+            self._unquarantine()
+            self.early_reuses += 1
+        if self._free.size + room < count:
+            raise CapacityError(f"batch {batch}: needs {count} new cache rows, only {self._free.size + room} are free")
+        reused = min(count, self._free.size)  # the longest-free slots first: the oldest dependency
+        taken, released = self._free[:reused], self._free_at[:reused]
+        self._free, self._free_at = self._free[reused:], self._free_at[reused:]
+        depends_on = int(released.max()) if reused else -1
         fresh = np.arange(self.high_water, self.high_water + count - reused, dtype=np.int32)
         self.high_water += count - reused
-        return np.concatenate([taken, fresh]) if reused else fresh
+        return (np.concatenate([taken, fresh]) if reused else fresh), depends_on
+
+    def _unquarantine(self) -> None:
+        released, slots = self._quarantine.popleft()
+        self._free = np.concatenate([self._free, slots])
+        self._free_at = np.concatenate([self._free_at, np.full(slots.size, released, dtype=np.int64)])
 
     def release(self, slots: np.ndarray, batch: int) -> None:
         """Frees ``slots`` after ``batch``."""
@@ -86,28 +208,59 @@ class SlotAllocator:
         return int(sum(s.size for _, s in self._quarantine))
 
 
-class LookaheadPlanner:
-    """Algorithm 1 over global keys ``0 .. num_keys-1``.
+@dataclass
+class _Entry:
+    batch: int
+    keys: np.ndarray
+    users: np.ndarray
+    depends_on: int  # last eviction of keys first seen with this batch
 
-    ``push`` batches in order (lines 5-11); ``pop`` plans the oldest one (lines 12-25) once the window
-    holds ``lookahead`` batches or the last batch has been pushed.
+
+class LookaheadPlanner:
+    """Algorithm 1 with LRPP over global keys ``0 .. num_keys-1`` for ``trainers`` trainers.
+
+    ``push`` batches in order (lines 5-11) with the mask of trainers using each key (``users``;
+    all trainers for a replicated cache); ``pop`` plans the oldest one (lines 12-25) once the window
+    holds ``lookahead`` batches, the next batch does not fit the capacity, or the last batch has been
+    pushed. ``delayed_sync`` off makes every synchronisation critical.
     """
 
-    def __init__(self, num_keys: int, lookahead: int) -> None:
+    def __init__(
+        self,
+        num_keys: int,
+        lookahead: int,
+        trainers: int = 1,
+        capacity: int | None = None,
+        reuse_delay: int | None = None,
+        delayed_sync: bool = True,
+    ) -> None:
         if num_keys < 1:
             raise ValueError(f"num_keys: must be >= 1, got {num_keys}")
         if lookahead < 1:
             raise ValueError(f"lookahead: must be >= 1, got {lookahead}")
+        if capacity is not None and capacity < 1:
+            raise ValueError(f"capacity: must be >= 1 rows, got {capacity}")
         self.num_keys = num_keys
         self.lookahead = lookahead
-        self._latest = np.full(num_keys, -1, dtype=np.int32)  # LatestTracker
+        self.trainers = trainers
+        self.capacity = capacity
+        self.delayed_sync = delayed_sync
+        self.mask = mask_dtype(trainers)
+        self._all = all_trainers(trainers)
+        self._latest = np.full(num_keys, -1, dtype=np.int32)  # LatestTracker; eviction batch once evicted
         self._slot = np.full(num_keys, -1, dtype=np.int32)  # InCache, with the key's slot
-        self._window: deque[tuple[int, np.ndarray]] = deque()
-        self._allocator = SlotAllocator(delay=lookahead)
+        self._holders = np.zeros(num_keys, dtype=self.mask)
+        self._pending = np.zeros(num_keys, dtype=self.mask)  # holders still waiting for a hand-over
+        self._handovers: dict[int, list[tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]]] = {}
+        self._window: deque[_Entry] = deque()
+        self._allocator = SlotAllocator(delay=min(lookahead, reuse_delay or lookahead), capacity=capacity)
         self._next_push: int | None = None
         self._ended = False
+        self._blocked = False
+        self.distinct = 0  # distinct keys used by the batches in the window
         self.occupancy = 0
         self.peak_occupancy = 0
+        self.min_window = lookahead
 
     @property
     def next_push(self) -> int | None:
@@ -122,29 +275,72 @@ class LookaheadPlanner:
     def slot_high_water(self) -> int:
         return self._allocator.high_water
 
+    @property
+    def early_reuses(self) -> int:
+        return self._allocator.early_reuses
+
     def wants_more(self) -> bool:
-        """True while the window is not full and the last batch has not been pushed."""
-        return not self._ended and len(self._window) < self.lookahead
+        """True while the window has room and the last batch has not been pushed."""
+        return not self._ended and not self._blocked and len(self._window) < self.lookahead
 
     def can_pop(self) -> bool:
-        return bool(self._window) and (self._ended or len(self._window) >= self.lookahead)
+        return bool(self._window) and (self._ended or self._blocked or len(self._window) >= self.lookahead)
 
-    def push(self, batch: int, keys: np.ndarray, last: bool = False) -> None:
-        """Adds the next batch (its sorted unique keys) to the window."""
+    def push(self, batch: int, keys: np.ndarray, last: bool = False, users: np.ndarray | None = None) -> bool:
+        """Adds the next batch (its sorted unique keys) to the window.
+
+        Returns False, changing nothing, when the batch does not fit the capacity next to the window:
+        pop, then push it again. Raises ``CapacityError`` when it does not fit even alone.
+        """
         if self._ended:
             raise ValueError(f"batch {batch}: pushed after the last batch")
         if self._next_push is not None and batch != self._next_push:
             raise ValueError(f"batch {batch}: expected batch {self._next_push}")
         if not self.wants_more():
-            raise ValueError(f"batch {batch}: the window already holds {self.lookahead} batches")
+            raise ValueError(f"batch {batch}: the window is full ({len(self._window)} batches)")
         if keys.dtype != np.int64 or keys.ndim != 1:
             raise ValueError(f"keys: expected a 1-D int64 array, got {keys.dtype} {keys.shape}")
         if keys.size and (keys[0] < 0 or keys[-1] >= self.num_keys):
             raise ValueError(f"keys: batch {batch} has keys outside [0, {self.num_keys})")
+        if users is None:
+            users = np.full(keys.size, self._all, dtype=self.mask)
+        elif users.dtype != self.mask or users.shape != keys.shape:
+            raise ValueError(f"users: expected {self.mask} {keys.shape}, got {users.dtype} {users.shape}")
+        oldest = self._window[0].batch if self._window else batch
+        prev = self._latest[keys]
+        fresh = prev < oldest  # not used by any batch in the window: not cached either
+        distinct = self.distinct + int(fresh.sum())
+        if self.capacity is not None and distinct > self.capacity:
+            if not self._window:
+                raise CapacityError(
+                    f"cache capacity of {self.capacity} rows is smaller than batch {batch}, which uses {keys.size} rows"
+                )
+            self._blocked = True
+            return False
+        depends_on = int(prev[fresh].max()) if fresh.any() else -1
+        old = self._holders[keys]
+        joiners = users & ~old
+        spread = np.flatnonzero(~fresh & (self._slot[keys] >= 0) & (joiners != 0))
+        if spread.size:
+            self._schedule_handovers(batch, keys[spread], prev[spread], old[spread], joiners[spread])
+        self._holders[keys] = np.where(fresh, users, old | users)
         self._latest[keys] = batch
-        self._window.append((batch, keys))
+        self.distinct = distinct
+        self._window.append(_Entry(batch, keys, users, depends_on))
         self._next_push = batch + 1
         self._ended = last
+        return True
+
+    def _schedule_handovers(
+        self, batch: int, keys: np.ndarray, after: np.ndarray, old: np.ndarray, joiners: np.ndarray
+    ) -> None:
+        """New holders get a cached key after its latest update before ``batch``, which they read it in."""
+        source = old & (~old + self.mask.type(1))  # lowest set bit: a holder with the newest value
+        self._pending[keys] |= joiners
+        for z in np.unique(after).tolist():
+            sel = after == z
+            need_by = np.full(int(sel.sum()), batch, dtype=np.int64)
+            self._handovers.setdefault(z, []).append((keys[sel], source[sel], joiners[sel], need_by))
 
     def finish(self) -> None:
         """Marks the last pushed batch as the end of the data (when no batch carried ``last``)."""
@@ -154,31 +350,84 @@ class LookaheadPlanner:
         """Plans the oldest batch of the window and removes it."""
         if not self.can_pop():
             raise RuntimeError("pop: the window is not full and the last batch has not been pushed")
-        batch, keys = self._window.popleft()
+        window = len(self._window)
+        if not self._ended:
+            self.min_window = min(self.min_window, window)
+        entry = self._window.popleft()
+        x, keys = entry.batch, entry.keys
         ttl = self._latest[keys].astype(np.int64)
         slots = self._slot[keys]
         prefetch = np.flatnonzero(slots < 0).astype(np.int32)
+        depends_on = entry.depends_on
         if prefetch.size:
-            new_slots = self._allocator.take(prefetch.size, batch)
+            new_slots, reused_after = self._allocator.take(prefetch.size, x)
+            depends_on = max(depends_on, reused_after)
             slots[prefetch] = new_slots
             self._slot[keys[prefetch]] = new_slots
         self.occupancy += prefetch.size
         self.peak_occupancy = max(self.peak_occupancy, self.occupancy)
-        evict = np.flatnonzero(ttl == batch).astype(np.int32)
+
+        holders = self._holders[keys] & ~self._pending[keys]
+        sync = np.bitwise_count(holders) > 1
+        following = self._window[0] if self._window and self._window[0].batch == x + 1 else None
+        if not self.delayed_sync:
+            critical = sync.copy()
+        elif following is None:
+            critical = np.zeros(keys.size, dtype=bool)
+        else:
+            critical = sync & _member(keys, following.keys)
+
+        handovers = self._take_handovers(x, following)
+
+        evict = np.flatnonzero(ttl == x).astype(np.int32)
+        writer = np.zeros(0, dtype=np.int32)
         if evict.size:
             gone = keys[evict]
+            owners = self._holders[gone]
+            writer = nth_set_bit(owners, gone % np.bitwise_count(owners), self.trainers)
             self._slot[gone] = -1
-            self._latest[gone] = -1
-            self._allocator.release(slots[evict], batch)
+            self._holders[gone] = 0
+            self._allocator.release(slots[evict], x)
         self.occupancy -= evict.size
+        self.distinct -= evict.size
+        self._blocked = False
         return BatchPlan(
-            batch=batch,
+            batch=x,
             keys=keys,
             slots=slots,
             ttl=ttl,
+            users=entry.users,
+            holders=holders,
+            sync=sync,
+            critical=critical,
             prefetch=prefetch,
             evict=evict,
+            writer=writer,
+            handovers=handovers,
+            depends_on=depends_on,
+            window=window,
             slot_high_water=self._allocator.high_water,
             occupancy=self.occupancy + evict.size,
             last=self._ended and not self._window,
         )
+
+    def _take_handovers(self, x: int, following: _Entry | None) -> Handovers:
+        parts = self._handovers.pop(x, None)
+        if not parts:
+            return Handovers.empty(self.mask)
+        keys = np.concatenate([p[0] for p in parts])
+        source = np.concatenate([p[1] for p in parts])
+        recipients = np.concatenate([p[2] for p in parts])
+        need_by = np.concatenate([p[3] for p in parts])
+        self._pending[keys] &= ~recipients
+        critical = need_by == x + 1 if self.delayed_sync else np.ones(keys.size, dtype=bool)
+        assert following is None or not critical.any() or following.batch == x + 1
+        return Handovers(keys, self._slot[keys].copy(), source, recipients, critical)
+
+
+def _member(keys: np.ndarray, sorted_other: np.ndarray) -> np.ndarray:
+    """``keys[i] in sorted_other`` for every i (both sorted, unique)."""
+    if not sorted_other.size:
+        return np.zeros(keys.size, dtype=bool)
+    pos = np.searchsorted(sorted_other, keys).clip(max=sorted_other.size - 1)
+    return sorted_other[pos] == keys

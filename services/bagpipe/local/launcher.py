@@ -174,8 +174,8 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
                        *tables, *skew, *coord])  # fmt: skip
         job.spawn("oracle-cacher", "bagpipe.oracle_cacher",
                   ["--batch-size", str(args.batch_size), "--trainers", str(args.trainers),
-                   "--lookahead", str(args.lookahead), "--data-processors", str(args.data_processors),
-                   "--iterations", str(args.iterations), *tables, *coord])  # fmt: skip
+                   "--data-processors", str(args.data_processors), "--iterations", str(args.iterations),
+                   *cache_args(args), *tables, *coord])  # fmt: skip
         dist_init = f"tcp://127.0.0.1:{free_port()}"
         trainer_procs = []
         for r in range(args.trainers):
@@ -188,7 +188,8 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
                 job.spawn(f"trainer-{r}", "bagpipe.trainer",
                           ["--rank", str(r), "--world-size", str(args.trainers), "--dist-init", dist_init,
                            "--device", args.device, "--bottom-mlp", ",".join(map(str, args.bottom_mlp)),
-                           "--top-mlp", ",".join(map(str, args.top_mlp)), *tables, *model, *coord, *extra])  # fmt: skip
+                           "--top-mlp", ",".join(map(str, args.top_mlp)), *tables, *model, *coord, *extra,
+                           *(["--cache-rows", str(args.cache_rows)] if args.cache_rows else [])])  # fmt: skip
             )
         _watch(job, registry, trainer_procs, args)
         stats = [registry.get_json(f"stats:{r}") for r in range(args.trainers)]
@@ -200,6 +201,17 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         job.stop_all()
         registry.close()
         redis_server.stop()
+
+
+def cache_args(args: argparse.Namespace) -> list[str]:
+    """The oracle's cache flags, as ``bagpipe run`` got them."""
+    out = ["--max-lookahead", str(args.max_lookahead), "--reuse-delay", str(args.reuse_delay),
+           "--cache-mode", args.cache_mode, "--sync", args.sync]  # fmt: skip
+    if args.lookahead is not None:
+        out += ["--lookahead", str(args.lookahead)]
+    if args.cache_rows is not None:
+        out += ["--cache-rows", str(args.cache_rows)]
+    return out
 
 
 def _raise_if_failed(job: LocalJob) -> None:
@@ -238,13 +250,26 @@ def summarize(stats: list[dict[str, Any]], args: argparse.Namespace, run_dir: Pa
         "trainers": n,
         "embedding_servers": args.embedding_servers,
         "batch_size": args.batch_size,
-        "lookahead": args.lookahead,
+        "lookahead": {
+            "min": min(st["lookahead"]["min"] for st in stats),
+            "max": max(st["lookahead"]["max"] for st in stats),
+            "mean": stats[0]["lookahead"]["mean"],
+            "requested": args.lookahead,
+        },
+        "cache_mode": args.cache_mode,
+        "sync": args.sync,
+        "cache_rows": args.cache_rows,
+        "cache_peak_occupancy_rows": max(st["cache_peak_occupancy_rows"] for st in stats),
+        "cache_capacity_rows": max(st["cache_capacity_rows"] for st in stats),
         "samples_per_second": min(st["samples_per_second"] for st in stats),
         "seconds_per_iteration": max(st["seconds"] / max(1, st["iterations"]) for st in stats),
         "stage_seconds_per_iteration": stages,
         "cache_hit_rate": sum(st["cache_hit_rate"] for st in stats) / n,
-        "rows_per_iteration": stats[0]["rows_per_iteration"],
+        "rows_per_iteration": stats[0]["unique_rows_per_iteration"],
         "rows_fetched_per_iteration": sum(st["rows_prefetched_per_iteration"] for st in stats),
+        "rows_private_per_iteration": sum(st["rows_private_per_iteration"] for st in stats),
+        "rows_synced_critical_per_iteration": stats[0]["rows_synced_critical_per_iteration"],
+        "rows_synced_background_per_iteration": stats[0]["rows_synced_background_per_iteration"],
         "rows_written_back_per_iteration": sum(st["rows_written_back_per_iteration"] for st in stats),
         "first_loss": losses[0] if losses else None,
         "final_loss": sum(losses[-10:]) / len(losses[-10:]) if losses else None,
@@ -256,7 +281,11 @@ def format_summary(s: dict[str, Any]) -> str:
     lines = [
         f"run directory        {s['run_dir']}",
         f"iterations           {s['iterations']}  ({s['trainers']} trainers, {s['embedding_servers']} embedding servers, "
-        f"batch {s['batch_size']}, L={s['lookahead']})",
+        f"batch {s['batch_size']})",
+        f"lookahead L          {s['lookahead']['mean']:.1f} mean, {s['lookahead']['min']}..{s['lookahead']['max']} "
+        f"({'automatic' if s['lookahead']['requested'] is None else 'at most ' + str(s['lookahead']['requested'])})",
+        f"cache                {s['cache_mode']}, {s['sync']} sync; peak {s['cache_peak_occupancy_rows']:,} rows cached, "
+        f"{s['cache_capacity_rows']:,} allocated" + (f" (--cache-rows {s['cache_rows']:,})" if s["cache_rows"] else ""),
         f"samples/s            {s['samples_per_second']:,.0f}",
         f"time per iteration   {1000 * s['seconds_per_iteration']:.1f} ms",
     ]
@@ -266,6 +295,9 @@ def format_summary(s: dict[str, Any]) -> str:
         f"cache hit rate       {100 * s['cache_hit_rate']:.1f}%",
         f"rows per iteration   {s['rows_per_iteration']:,.0f} used, {s['rows_fetched_per_iteration']:,.0f} fetched, "
         f"{s['rows_written_back_per_iteration']:,.0f} written back",
+        f"rows synchronised    {s['rows_synced_critical_per_iteration']:,.0f} critical, "
+        f"{s['rows_synced_background_per_iteration']:,.0f} background, "
+        f"{s['rows_private_per_iteration']:,.0f} updated by one trainer only (per iteration)",
     ]
     if s["first_loss"] is not None:
         lines.append(f"loss                 {s['first_loss']:.4f} first, {s['final_loss']:.4f} last (mean of the last 10)")

@@ -5,7 +5,16 @@ from __future__ import annotations
 import argparse
 from dataclasses import dataclass
 
-from bagpipe.config_args import add_coordination_args, add_table_args, table_rows_of
+from bagpipe.config_args import (
+    CACHE_MODES,
+    DEFAULT_MAX_LOOKAHEAD,
+    DEFAULT_REUSE_DELAY,
+    add_cache_args,
+    add_coordination_args,
+    add_table_args,
+    table_rows_of,
+)
+from bagpipe.core.lookahead import MAX_TRAINERS
 
 
 @dataclass(frozen=True)
@@ -15,20 +24,40 @@ class OracleConfig:
     table_rows: tuple[int, ...]
     batch_size: int
     trainers: int
-    lookahead: int
+    lookahead: int | None
     data_processors: int
     iterations: int
     address: str
     redis_url: str
     job: str
+    cache_rows: int | None = None
+    max_lookahead: int = DEFAULT_MAX_LOOKAHEAD
+    reuse_delay: int = DEFAULT_REUSE_DELAY
+    cache_mode: str = "lrpp"
+    delayed_sync: bool = True
+
+    @property
+    def window(self) -> int:
+        """The most batches the window may hold: --lookahead, or --max-lookahead when L is automatic."""
+        return self.lookahead if self.lookahead is not None else self.max_lookahead
 
     def __post_init__(self) -> None:
         if self.trainers < 1:
             raise ValueError(f"trainers: must be >= 1, got {self.trainers}")
         if self.batch_size < 1 or self.batch_size % self.trainers:
             raise ValueError(f"batch_size: must be a positive multiple of trainers ({self.trainers}), got {self.batch_size}")
-        if self.lookahead < 1:
+        if self.lookahead is not None and self.lookahead < 1:
             raise ValueError(f"lookahead: must be >= 1, got {self.lookahead}")
+        if self.max_lookahead < 1:
+            raise ValueError(f"max_lookahead: must be >= 1, got {self.max_lookahead}")
+        if self.reuse_delay < 1:
+            raise ValueError(f"reuse_delay: must be >= 1, got {self.reuse_delay}")
+        if self.cache_rows is not None and self.cache_rows < 1:
+            raise ValueError(f"cache_rows: must be >= 1, got {self.cache_rows}")
+        if self.cache_mode not in CACHE_MODES:
+            raise ValueError(f"cache_mode: must be one of {', '.join(CACHE_MODES)}, got {self.cache_mode!r}")
+        if self.trainers > MAX_TRAINERS:
+            raise ValueError(f"trainers: at most {MAX_TRAINERS}, got {self.trainers}")
         if self.data_processors < 1:
             raise ValueError(f"data_processors: must be >= 1, got {self.data_processors}")
         if self.iterations < 0:
@@ -39,7 +68,7 @@ def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="bagpipe-oracle-cacher", description=OracleConfig.__doc__)
     p.add_argument("--batch-size", type=int, required=True, help="global batch size")
     p.add_argument("--trainers", type=int, required=True, help="number of trainers")
-    p.add_argument("--lookahead", type=int, default=4, help="lookahead L in batches (default 4)")
+    add_cache_args(p)
     p.add_argument("--data-processors", type=int, default=1, help="number of data processors to read from")
     p.add_argument("--iterations", type=int, default=0, help="batches to plan (0: until the data ends)")
     p.add_argument("--address", default="127.0.0.1:0", help="host:port to listen on (port 0: any)")
@@ -55,6 +84,11 @@ def parse(argv: list[str] | None = None) -> tuple[OracleConfig, argparse.Namespa
         batch_size=a.batch_size,
         trainers=a.trainers,
         lookahead=a.lookahead,
+        cache_rows=a.cache_rows,
+        max_lookahead=a.max_lookahead,
+        reuse_delay=a.reuse_delay,
+        cache_mode=a.cache_mode,
+        delayed_sync=a.sync == "delayed",
         data_processors=a.data_processors,
         iterations=a.iterations,
         address=a.address,

@@ -18,7 +18,8 @@ import numpy as np
 
 from bagpipe import serving
 from bagpipe.core.data import table_offsets
-from bagpipe.core.lookahead import BatchPlan, LookaheadPlanner
+from bagpipe.core.lookahead import BatchPlan, LookaheadPlanner, all_trainers, mask_dtype, trainer_users
+from bagpipe.core.plans import SyncStep, for_trainer
 from bagpipe.errors import InvalidArgument, grpc_errors
 from bagpipe.oracle_cacher import metrics
 from bagpipe.oracle_cacher.config import OracleConfig
@@ -34,6 +35,7 @@ logger = logging.getLogger(__name__)
 class _Received:
     batch: data_processor_pb2.Batch
     keys: np.ndarray
+    users: np.ndarray
 
 
 @dataclass
@@ -43,37 +45,48 @@ class _Planned:
     taken: set[int] = field(default_factory=set)
 
 
-def split_plan(plan: BatchPlan, batch: data_processor_pb2.Batch, trainers: int, lookahead: int) -> list[pb.Plan]:
-    """One message per trainer: the shared cache plan plus the trainer's slice of samples and its
-    share of the write-backs (replicated cache: every trainer holds every row, key % T writes it)."""
+def _sync_message(step: SyncStep) -> pb.Sync:
+    return pb.Sync(
+        slots=to_tensor(step.slots),
+        local=to_tensor(step.local),
+        handover_slots=to_tensor(step.handover_slots),
+        handover_send=to_tensor(step.handover_send),
+        handover_recv=to_tensor(step.handover_recv),
+    )
+
+
+def split_plan(plan: BatchPlan, batch: data_processor_pb2.Batch, trainers: int) -> list[pb.Plan]:
+    """One message per trainer: its share of the plan (core/plans.py) and its slice of the samples."""
     size = int(batch.labels.shape[0])
     dense = from_tensor(batch.dense, "dense", np.float32, ndim=2)
     labels = from_tensor(batch.labels, "labels", np.float32, shape=(size,))
     inverse = from_tensor(batch.inverse, "inverse", np.int32, ndim=2)
-    shared = {
-        "batch": plan.batch,
-        "keys": to_tensor(plan.keys),
-        "slots": to_tensor(plan.slots),
-        "ttl": to_tensor(plan.ttl),
-        "prefetch": to_tensor(plan.prefetch),
-        "evict": to_tensor(plan.evict),
-        "slot_high_water": plan.slot_high_water,
-        "global_batch_size": size,
-        "last": plan.last,
-        "lookahead": lookahead,
-    }
-    owner = plan.keys[plan.evict] % trainers
     per = size // trainers
     out = []
     for rank in range(trainers):
+        share = for_trainer(plan, inverse, rank, trainers)
         sl = slice(rank * per, (rank + 1) * per)
         out.append(
             pb.Plan(
-                **shared,
-                writeback=to_tensor(plan.evict[owner == rank]),
+                batch=plan.batch,
+                slots=to_tensor(share.slots),
                 dense=to_tensor(dense[sl]),
                 labels=to_tensor(labels[sl]),
-                inverse=to_tensor(inverse[sl]),
+                inverse=to_tensor(share.inverse),
+                prefetch_keys=to_tensor(share.prefetch_keys),
+                prefetch_slots=to_tensor(share.prefetch_slots),
+                private_rows=to_tensor(share.private_rows),
+                critical=_sync_message(share.critical),
+                background=_sync_message(share.background),
+                writeback_keys=to_tensor(share.writeback_keys),
+                writeback_slots=to_tensor(share.writeback_slots),
+                slot_high_water=plan.slot_high_water,
+                global_batch_size=size,
+                last=plan.last,
+                lookahead=plan.window,
+                depends_on=plan.depends_on,
+                occupancy=plan.occupancy,
+                unique_rows=plan.unique,
             )
         )
     return out
@@ -85,7 +98,14 @@ class Oracle(pb_grpc.OracleCacherServicer):
     def __init__(self, config: OracleConfig) -> None:
         self.config = config
         self.num_keys = int(table_offsets(config.table_rows)[-1])
-        self.planner = LookaheadPlanner(self.num_keys, config.lookahead)
+        self.planner = LookaheadPlanner(
+            self.num_keys,
+            config.window,
+            trainers=config.trainers,
+            capacity=config.cache_rows,
+            reuse_delay=config.reuse_delay,
+            delayed_sync=config.delayed_sync,
+        )
         self.received: dict[int, _Received] = {}
         self.planned: dict[int, _Planned] = {}
         self.written_back = [-1] * config.trainers
@@ -94,8 +114,9 @@ class Oracle(pb_grpc.OracleCacherServicer):
         self.readers_done = 0
         self.failure: str | None = None
         self.next_push = 0
-        self.plan_buffer = config.lookahead + 2
-        metrics.LOOKAHEAD.set(config.lookahead)
+        self.plan_buffer = config.window + 2
+        self.windows: list[int] = []
+        metrics.LOOKAHEAD.set(config.window)
 
     # ---- data processors -> oracle
     async def read_processor(self, address: str, offset: int, stride: int) -> None:
@@ -110,12 +131,22 @@ class Oracle(pb_grpc.OracleCacherServicer):
                     raise InvalidArgument("keys", f"batch {batch.number}: keys outside [0, {self.num_keys})")
                 if batch.labels.shape[0] != self.config.batch_size:
                     raise InvalidArgument("labels", f"batch {batch.number}: {batch.labels.shape[0]} samples, expected {self.config.batch_size}")
+                users = self._users(batch, keys.size)
                 async with self.cond:
-                    cap = 2 * self.config.lookahead + 2 * stride
+                    cap = 2 * stride + 4  # batches read ahead of the window
                     await self.cond.wait_for(lambda n=batch.number, c=cap: n < self.next_push + c or self.failure is not None)
-                    self.received[batch.number] = _Received(batch, keys)
+                    self.received[batch.number] = _Received(batch, keys, users)
                     metrics.BATCHES_RECEIVED.inc()
                     self.cond.notify_all()
+
+    def _users(self, batch: data_processor_pb2.Batch, unique: int) -> np.ndarray:
+        """Which trainers use each key (every trainer, for a replicated cache)."""
+        if self.config.cache_mode == "replicated":
+            return np.full(unique, all_trainers(self.config.trainers), dtype=mask_dtype(self.config.trainers))
+        inverse = from_tensor(batch.inverse, "inverse", np.int32, ndim=2)
+        if inverse.size and (inverse.min() < 0 or inverse.max() >= unique):
+            raise InvalidArgument("inverse", f"batch {batch.number}: indices outside [0, {unique})")
+        return trainer_users(inverse, unique, self.config.trainers)
 
     async def run_readers(self, addresses: list[str]) -> None:
         async def one(i: int, addr: str) -> None:
@@ -175,7 +206,8 @@ class Oracle(pb_grpc.OracleCacherServicer):
                     return
                 while self.planner.wants_more() and self.next_push in self.received:
                     item = self.received[self.next_push]
-                    self.planner.push(self.next_push, item.keys, last=item.batch.last)
+                    if not self.planner.push(self.next_push, item.keys, last=item.batch.last, users=item.users):
+                        break  # the cache cannot hold it next to the window: plan the oldest first
                     self.next_push += 1
                 if self.planner.wants_more() and self.readers_done == self.config.data_processors:
                     if self.planner.window_size == 0:
@@ -188,19 +220,25 @@ class Oracle(pb_grpc.OracleCacherServicer):
                 t0 = time.perf_counter()
                 plan = self.planner.pop()
                 source = self.received.pop(plan.batch).batch
-                messages = split_plan(plan, source, self.config.trainers, self.config.lookahead)
+                messages = split_plan(plan, source, self.config.trainers)
                 metrics.PLAN_SECONDS.observe(time.perf_counter() - t0)
                 metrics.BATCHES_PLANNED.inc()
                 metrics.OCCUPANCY.set(plan.occupancy)
+                metrics.LOOKAHEAD.set(plan.window)
+                self.windows.append(plan.window)
                 self.planned[plan.batch] = _Planned(plan, messages)
                 self.cond.notify_all()
                 if plan.last:
-                    logger.info("planned the last batch %d; peak occupancy %d rows", plan.batch, self.planner.peak_occupancy)
+                    logger.info(
+                        "planned the last batch %d; L %d..%d, peak occupancy %d rows, %d slots",
+                        plan.batch, self.planner.min_window, max(self.windows), self.planner.peak_occupancy,
+                        self.planner.slot_high_water,
+                    )  # fmt: skip
                     return
 
     # ---- oracle -> trainers
     def _dispatchable(self, batch: int) -> bool:
-        return batch in self.planned and min(self.written_back) >= batch - self.config.lookahead
+        return batch in self.planned and min(self.written_back) >= self.planned[batch].plan.depends_on
 
     @grpc_errors
     async def StreamPlans(self, request: pb.StreamPlansRequest, context: grpc.aio.ServicerContext):  # noqa: N802
@@ -238,7 +276,8 @@ class Oracle(pb_grpc.OracleCacherServicer):
     def counters(self) -> dict[str, float]:
         return {
             "next_batch": float(self.next_push),
-            "lookahead": float(self.config.lookahead),
+            "lookahead": float(self.windows[-1] if self.windows else self.config.window),
+            "min_lookahead": float(self.planner.min_window),
             "peak_occupancy": float(self.planner.peak_occupancy),
             "slot_high_water": float(self.planner.slot_high_water),
             "min_written_back": float(min(self.written_back)),

@@ -5,7 +5,7 @@ from __future__ import annotations
 import argparse
 from dataclasses import dataclass
 
-from bagpipe.config_args import add_coordination_args, add_model_args, add_table_args, table_rows_of
+from bagpipe.config_args import add_coordination_args, add_model_args, add_table_args, positive_int, table_rows_of
 from bagpipe.core.model import DLRMConfig
 from bagpipe.core.optim import OptimizerConfig
 
@@ -27,8 +27,11 @@ class TrainerConfig:
     device: str
     redis_url: str
     job: str
+    cache_rows: int | None = None
 
     def __post_init__(self) -> None:
+        if self.cache_rows is not None and self.cache_rows < 1:
+            raise ValueError(f"cache_rows: must be >= 1, got {self.cache_rows}")
         if not 0 <= self.rank < self.world_size:
             raise ValueError(f"rank: must be in [0, {self.world_size}), got {self.rank}")
         if self.device not in ("auto", "cpu", "cuda"):
@@ -45,6 +48,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--device", default="auto", help="auto (CUDA when present), cpu or cuda")
     p.add_argument("--save-initial", default=None, help="rank 0 writes the initial interchange checkpoint here")
     p.add_argument("--save-final", default=None, help="rank 0 writes the final interchange checkpoint here")
+    p.add_argument("--cache-rows", type=positive_int, default=None, help="cache rows (default: grow as planned)")
     add_table_args(p)
     add_model_args(p, dense=True)
     add_coordination_args(p)
@@ -70,5 +74,6 @@ def parse(argv: list[str] | None = None) -> tuple[TrainerConfig, argparse.Namesp
         device=a.device,
         redis_url=a.redis,
         job=a.job,
+        cache_rows=a.cache_rows,
     )
     return cfg, a

@@ -13,3 +13,11 @@ ROWS_PREFETCHED = Counter("bagpipe_trainer_rows_prefetched_total", "Rows fetched
 ROWS_WRITTEN_BACK = Counter("bagpipe_trainer_rows_written_back_total", "Rows written back to embedding servers")
 LOSS = Gauge("bagpipe_trainer_loss", "Mean loss of the last global batch")
 HEARTBEAT = Gauge("bagpipe_trainer_heartbeat_timestamp_seconds", "Unix time of the last finished iteration")
+ROWS_SYNCED = Counter(
+    "bagpipe_trainer_rows_synced_total",
+    "Cache rows synchronised with other trainers (all-reduced or handed over), by path",
+    ["path"],
+)
+CACHE_OCCUPANCY = Gauge("bagpipe_trainer_cache_occupancy_rows", "Rows in the logical cache during the last batch")
+CACHE_CAPACITY = Gauge("bagpipe_trainer_cache_capacity_rows", "Rows the trainer's cache tensors hold")
+LOOKAHEAD = Gauge("bagpipe_trainer_lookahead_batches", "Lookahead L the oracle used for the last batch")

@@ -2,10 +2,15 @@
 
 Threads:
 * receiver — reads the oracle's plan stream (plans arrive only once their prefetch is safe);
-* prefetcher — fetches each plan's missing rows into the cache, in batch order, ahead of compute;
-* writer — writes evicted rows back and then reports the batch's write-backs durable to the oracle;
-* the calling thread trains: forward, backward, all-reduce (embedding rows, then dense gradients and
-  the loss in one flat buffer), optimizer, and hands evicted rows to the writer.
+* prefetcher — fetches the rows this trainer holds (LRPP) into the cache, in batch order, ahead of compute;
+* the calling thread trains: forward and backward on its rows; then, once the previous batch's
+  background synchronisation is done, the critical synchronisation (all-reduce of the shared rows the
+  next batch reads, then of the dense gradients and the loss), the optimizer (dense, private rows,
+  critical rows) and the critical hand-overs of rows to new holders;
+* syncer — the background synchronisation of the batch (all-reduce of the other shared rows on a second
+  process group, their update, background hand-overs), overlapped with the next batch's forward and
+  backward; it then copies the evicted rows out for the writer;
+* writer — writes evicted rows back and then reports the batch's write-backs durable to the oracle.
 """
 
 from __future__ import annotations
@@ -26,9 +31,10 @@ from bagpipe import serving
 from bagpipe.control.registry import Registry
 from bagpipe.core import checkpoint
 from bagpipe.core.cache import EmbeddingCache
-from bagpipe.core.data import table_offsets
+from bagpipe.core.data import NUM_DENSE, table_offsets
 from bagpipe.core.model import DLRM, batch_loss
 from bagpipe.core.optim import apply_rows, restore_sums, saved_sums
+from bagpipe.core.plans import SyncStep, TrainerPlan
 from bagpipe.embedding_server.client import EmbeddingClient, call_with_retry
 from bagpipe.trainer import metrics
 from bagpipe.trainer.config import TrainerConfig
@@ -41,43 +47,91 @@ logger = logging.getLogger(__name__)
 PLAN_STREAM_TIMEOUT_S = 7 * 24 * 3600.0
 
 
+def _tensor(msg: Any, name: str, dtype: Any, batch: int, **kw: Any) -> np.ndarray:
+    return from_tensor(getattr(msg, name), f"plan {batch}: {name}", dtype, **kw)
+
+
+def _check_index(values: np.ndarray, bound: int, what: str, allow_missing: bool = False) -> None:
+    low = -1 if allow_missing else 0
+    if values.size and (values.min() < low or values.max() >= bound):
+        raise ValueError(f"{what}: index outside [{low}, {bound})")
+
+
+def _decode_sync(msg: opb.Sync, rows: int, batch: int, name: str) -> SyncStep:
+    slots = _tensor(msg, "slots", np.int32, batch, ndim=1)
+    local = _tensor(msg, "local", np.int32, batch, shape=slots.shape)
+    handover = _tensor(msg, "handover_slots", np.int32, batch, ndim=1)
+    send = _tensor(msg, "handover_send", np.int32, batch, ndim=1)
+    recv = _tensor(msg, "handover_recv", np.int32, batch, ndim=1)
+    _check_index(local, rows, f"plan {batch}: {name}.local", allow_missing=True)
+    _check_index(send, handover.size, f"plan {batch}: {name}.handover_send")
+    _check_index(recv, handover.size, f"plan {batch}: {name}.handover_recv")
+    return SyncStep(slots, local, handover, send, recv)
+
+
 @dataclass(frozen=True)
 class PlanArrays:
-    """A decoded Plan."""
+    """A decoded Plan: this trainer's share of one global batch (see core/plans.py)."""
 
-    batch: int
-    keys: np.ndarray
-    slots: np.ndarray
-    prefetch: np.ndarray
-    writeback: np.ndarray
-    slot_high_water: int
+    share: TrainerPlan
     dense: np.ndarray
     labels: np.ndarray
-    inverse: np.ndarray
+    slot_high_water: int
     global_batch_size: int
     last: bool
+    lookahead: int
+    occupancy: int
+    unique_rows: int
+
+    @property
+    def batch(self) -> int:
+        return self.share.batch
 
     @classmethod
     def decode(cls, msg: opb.Plan, num_tables: int) -> PlanArrays:
-        keys = from_tensor(msg.keys, "keys", np.int64, ndim=1)
-        u = keys.size
-        labels = from_tensor(msg.labels, "labels", np.float32, ndim=1)
-        inverse = from_tensor(msg.inverse, "inverse", np.int32, shape=(labels.size, num_tables))
-        if inverse.size and (inverse.min() < 0 or inverse.max() >= u):
-            raise ValueError(f"plan {msg.batch}: inverse index outside [0, {u})")
-        return cls(
-            batch=msg.batch,
-            keys=keys,
-            slots=from_tensor(msg.slots, "slots", np.int32, shape=(u,)),
-            prefetch=from_tensor(msg.prefetch, "prefetch", np.int32, ndim=1),
-            writeback=from_tensor(msg.writeback, "writeback", np.int32, ndim=1),
-            slot_high_water=msg.slot_high_water,
-            dense=from_tensor(msg.dense, "dense", np.float32, ndim=2),
-            labels=labels,
+        b = msg.batch
+        slots = _tensor(msg, "slots", np.int32, b, ndim=1)
+        labels = _tensor(msg, "labels", np.float32, b, ndim=1)
+        inverse = _tensor(msg, "inverse", np.int32, b, shape=(labels.size, num_tables))
+        _check_index(inverse, slots.size, f"plan {b}: inverse")
+        prefetch_keys = _tensor(msg, "prefetch_keys", np.int64, b, ndim=1)
+        private = _tensor(msg, "private_rows", np.int32, b, ndim=1)
+        _check_index(private, slots.size, f"plan {b}: private_rows")
+        writeback_keys = _tensor(msg, "writeback_keys", np.int64, b, ndim=1)
+        share = TrainerPlan(
+            batch=b,
+            slots=slots,
             inverse=inverse,
+            prefetch_keys=prefetch_keys,
+            prefetch_slots=_tensor(msg, "prefetch_slots", np.int32, b, shape=prefetch_keys.shape),
+            private_rows=private,
+            critical=_decode_sync(msg.critical, slots.size, b, "critical"),
+            background=_decode_sync(msg.background, slots.size, b, "background"),
+            writeback_keys=writeback_keys,
+            writeback_slots=_tensor(msg, "writeback_slots", np.int32, b, shape=writeback_keys.shape),
+        )
+        return cls(
+            share=share,
+            dense=_tensor(msg, "dense", np.float32, b, shape=(labels.size, NUM_DENSE)),
+            labels=labels,
+            slot_high_water=msg.slot_high_water,
             global_batch_size=msg.global_batch_size,
             last=msg.last,
+            lookahead=msg.lookahead,
+            occupancy=msg.occupancy,
+            unique_rows=msg.unique_rows,
         )
+
+
+@dataclass(frozen=True)
+class _Background:
+    """One batch's work for the syncer thread."""
+
+    batch: int
+    step: SyncStep
+    grads: torch.Tensor
+    writeback_keys: np.ndarray
+    writeback_slots: np.ndarray
 
 
 class _Pipeline:
@@ -116,14 +170,25 @@ class Trainer:
         self.model = DLRM(config.model, seed=config.seed).to(self.device)
         self.params = list(self.model.parameters())
         self.dense_opt = config.optimizer.dense_optimizer(self.params)
-        self.cache = EmbeddingCache(config.model.embedding_dim, self.state_width, self.device)
+        if config.cache_rows is not None:
+            self.cache = EmbeddingCache(
+                config.model.embedding_dim, self.state_width, self.device, capacity=config.cache_rows, fixed=True
+            )
+        else:
+            self.cache = EmbeddingCache(config.model.embedding_dim, self.state_width, self.device)
         self.pipeline = _Pipeline()
         self.prefetch_queue: queue.Queue[PlanArrays | None] = queue.Queue()
+        self.sync_queue: queue.Queue[_Background | None] = queue.Queue()
         self.writeback_queue: queue.Queue[tuple[int, np.ndarray, torch.Tensor, torch.Tensor] | None] = queue.Queue(maxsize=8)
+        self.background_group: Any = None
+        self.synced = -1  # last batch whose background synchronisation is done
         self.written_back = -1
         self.stage_seconds: dict[str, float] = defaultdict(float)
         self.counts: dict[str, int] = defaultdict(int)
         self.losses: list[float] = []
+        self.step_seconds: dict[str, float] = {}
+        self.lookaheads: list[int] = []
+        self.peak_occupancy = 0
         self.client: EmbeddingClient | None = None
         self.oracle: opb_grpc.OracleCacherStub | None = None
 
@@ -151,6 +216,8 @@ class Trainer:
             dist.init_process_group(
                 backend, init_method=self.config.dist_init, rank=self.rank, world_size=self.config.world_size
             )
+            # background synchronisation runs beside the critical one: its own group, its own order
+            self.background_group = dist.new_group(backend=backend)
 
     def _load_initial(self) -> None:
         if not self.config.init_from:
@@ -216,10 +283,10 @@ class Trainer:
             assert self.client is not None
             while (plan := self.prefetch_queue.get()) is not None:
                 self.cache.ensure_capacity(plan.slot_high_water)
-                if plan.prefetch.size:
-                    rows, state = self.client.lookup(plan.keys[plan.prefetch])
-                    slots = torch.from_numpy(plan.slots[plan.prefetch].astype(np.int64)).to(self.device)
-                    self.cache.insert(slots, torch.from_numpy(rows), torch.from_numpy(state))
+                share = plan.share
+                if share.prefetch_keys.size:
+                    rows, state = self.client.lookup(share.prefetch_keys)
+                    self.cache.insert(self._index(share.prefetch_slots), torch.from_numpy(rows), torch.from_numpy(state))
                 with self.pipeline.cond:
                     self.pipeline.ready.add(plan.batch)
                     self.pipeline.cond.notify_all()
@@ -240,14 +307,71 @@ class Trainer:
         except BaseException as e:
             self.pipeline.fail(e)
 
+    def _background(self) -> None:
+        """Background synchronisation of each batch in order, then its evicted rows to the writer."""
+        try:
+            while (work := self.sync_queue.get()) is not None:
+                if self.config.world_size > 1 and work.step.slots.size:
+                    dist.all_reduce(work.grads, group=self.background_group)
+                self._apply(work.step, work.grads)
+                self._hand_over(work.step, self.background_group)
+                with self.cache.lock.shared():
+                    rows, state = self.cache.read(self._index(work.writeback_slots))
+                self.writeback_queue.put((work.batch, work.writeback_keys, rows, state))
+                with self.pipeline.cond:
+                    self.synced = work.batch
+                    self.pipeline.cond.notify_all()
+        except BaseException as e:
+            self.pipeline.fail(e)
+        finally:
+            self.writeback_queue.put(None)
+
+    # ---- synchronisation
+    def _index(self, values: np.ndarray) -> torch.Tensor:
+        return torch.from_numpy(values.astype(np.int64)).to(self.device)
+
+    @staticmethod
+    def _gather(grad: torch.Tensor, local: np.ndarray) -> torch.Tensor:
+        """[C, dim] gradients in sync order; zero where this trainer did not use the row."""
+        out = grad.new_zeros((local.size, grad.shape[1]))
+        mine = np.flatnonzero(local >= 0)
+        if mine.size:
+            index = torch.from_numpy(mine).to(grad.device)
+            out.index_copy_(0, index, grad.index_select(0, torch.from_numpy(local[mine].astype(np.int64)).to(grad.device)))
+        return out
+
+    def _apply(self, step: SyncStep, grads: torch.Tensor) -> None:
+        """Applies the all-reduced ``grads`` of ``step.slots``."""
+        if step.slots.size:
+            with self.cache.lock.shared():
+                apply_rows(self.config.optimizer, self.cache.weights, self.cache.state, self._index(step.slots), grads)
+
+    def _hand_over(self, step: SyncStep, group: Any) -> None:
+        """Copies rows to their new holders: the sender contributes row and state, everyone else zeros,
+        so the all-reduced sum is the sender's copy."""
+        if not step.handover_slots.size or self.config.world_size == 1:
+            return
+        buffer = torch.zeros((step.handover_slots.size, self.cache.dim + self.state_width), device=self.device)
+        if step.handover_send.size:
+            with self.cache.lock.shared():
+                sent = self.cache.packed(self._index(step.handover_slots[step.handover_send]))
+            buffer.index_copy_(0, self._index(step.handover_send), sent)
+        dist.all_reduce(buffer, group=group)
+        if step.handover_recv.size:
+            with self.cache.lock.shared():
+                self.cache.unpack(
+                    self._index(step.handover_slots[step.handover_recv]),
+                    buffer.index_select(0, self._index(step.handover_recv)),
+                )
+
     # ---- the training step
     def _timed(self, stage: str, start: float) -> float:
         now = time.perf_counter()
-        self.stage_seconds[stage] += now - start
-        metrics.STAGE_SECONDS.labels(stage).observe(now - start)
+        self.step_seconds[stage] += now - start
         return now
 
     def step(self, batch: int) -> PlanArrays:
+        self.step_seconds = dict.fromkeys(metrics.STAGES, 0.0)
         t = time.perf_counter()
         self.pipeline.wait(lambda: batch in self.pipeline.received)
         t = self._timed("data_wait", t)
@@ -256,55 +380,89 @@ class Trainer:
         with self.pipeline.cond:
             plan = self.pipeline.received.pop(batch)
             self.pipeline.ready.discard(batch)
+        share = plan.share
 
         dev = self.device
-        slots = torch.from_numpy(plan.slots.astype(np.int64)).to(dev)
-        inverse = torch.from_numpy(plan.inverse.astype(np.int64)).to(dev)
+        slots = self._index(share.slots)
+        inverse = torch.from_numpy(share.inverse.astype(np.int64)).to(dev)
         dense = torch.from_numpy(plan.dense).to(dev)
         labels = torch.from_numpy(plan.labels).to(dev)
-        with self.cache.lock:
+        with self.cache.lock.shared():
             rows = self.cache.weights.index_select(0, slots).requires_grad_()
-            loss = batch_loss(self.model(dense, rows[inverse]), labels, plan.global_batch_size)
-            t = self._timed("forward", t)
-            self.dense_opt.zero_grad(set_to_none=False)
-            loss.backward()
-            t = self._timed("backward", t)
-            row_grad = rows.grad
-            assert row_grad is not None
-            if self.config.world_size > 1:
-                dist.all_reduce(row_grad)
-            t = self._timed("embedding_sync", t)
-            flat = torch.cat([p.grad.reshape(-1) for p in self.params] + [loss.detach().reshape(1)])  # type: ignore[union-attr]
-            if self.config.world_size > 1:
-                dist.all_reduce(flat)
-            offset = 0
-            for p in self.params:
-                n = p.numel()
-                p.grad.copy_(flat[offset : offset + n].view_as(p))  # type: ignore[union-attr]
-                offset += n
-            t = self._timed("dense_sync", t)
-            self.dense_opt.step()
-            apply_rows(self.config.optimizer, self.cache.weights, self.cache.state, slots, row_grad)
-            t = self._timed("optimizer", t)
-            wb = plan.writeback
-            wb_rows, wb_state = self.cache.read(slots[torch.from_numpy(wb.astype(np.int64)).to(dev)])
-        self.writeback_queue.put((batch, plan.keys[wb], wb_rows, wb_state))
-        self._timed("write_back", t)
+        loss = batch_loss(self.model(dense, rows[inverse]), labels, plan.global_batch_size)
+        t = self._timed("forward", t)
+        self.dense_opt.zero_grad(set_to_none=False)
+        loss.backward()
+        row_grad = rows.grad
+        assert row_grad is not None
+        t = self._timed("backward", t)
 
-        u, p = int(plan.keys.size), int(plan.prefetch.size)
+        # the previous batch's background synchronisation ends before this critical one starts
+        self.pipeline.wait(lambda: self.synced >= batch - 1)
+        critical = self._gather(row_grad, share.critical.local)
+        if self.config.world_size > 1 and critical.numel():
+            dist.all_reduce(critical)
+        t = self._timed("embedding_sync", t)
+        flat = torch.cat([p.grad.reshape(-1) for p in self.params] + [loss.detach().reshape(1)])  # type: ignore[union-attr]
+        if self.config.world_size > 1:
+            dist.all_reduce(flat)
+        offset = 0
+        for p in self.params:
+            n = p.numel()
+            p.grad.copy_(flat[offset : offset + n].view_as(p))  # type: ignore[union-attr]
+            offset += n
+        t = self._timed("dense_sync", t)
+        self.dense_opt.step()
+        if share.private_rows.size:
+            private = self._index(share.private_rows)
+            with self.cache.lock.shared():
+                apply_rows(
+                    self.config.optimizer, self.cache.weights, self.cache.state,
+                    slots.index_select(0, private), row_grad.index_select(0, private),
+                )  # fmt: skip
+        self._apply(share.critical, critical)
+        t = self._timed("optimizer", t)
+        self._hand_over(share.critical, None)
+        t = self._timed("embedding_sync", t)
+        background = self._gather(row_grad, share.background.local)
+        self.sync_queue.put(
+            _Background(batch, share.background, background, share.writeback_keys, share.writeback_slots)
+        )
+        self._timed("write_back", t)
+        for stage, seconds in self.step_seconds.items():
+            self.stage_seconds[stage] += seconds
+            metrics.STAGE_SECONDS.labels(stage).observe(seconds)
+
+        used = int(share.slots.size)
+        missed = int(np.isin(share.slots, share.prefetch_slots, assume_unique=True).sum()) if share.prefetch_slots.size else 0
+        fetched, written = int(share.prefetch_keys.size), int(share.writeback_keys.size)
+        crit_rows = int(share.critical.slots.size + share.critical.handover_slots.size)
+        bg_rows = int(share.background.slots.size + share.background.handover_slots.size)
         self.counts["iterations"] += 1
         self.counts["samples"] += int(plan.labels.size)
         self.counts["global_samples"] += plan.global_batch_size
-        self.counts["rows"] += u
-        self.counts["prefetched"] += p
-        self.counts["written_back"] += int(wb.size)
+        self.counts["rows"] += used
+        self.counts["unique_rows"] += plan.unique_rows
+        self.counts["misses"] += missed
+        self.counts["prefetched"] += fetched
+        self.counts["written_back"] += written
+        self.counts["critical_rows"] += crit_rows
+        self.counts["background_rows"] += bg_rows
+        self.counts["private_rows"] += int(share.private_rows.size)
+        self.lookaheads.append(plan.lookahead)
+        self.peak_occupancy = max(self.peak_occupancy, plan.occupancy)
         self.losses.append(float(flat[-1]))
         metrics.ITERATIONS.inc()
         metrics.SAMPLES.inc(int(plan.labels.size))
-        metrics.CACHE_HITS.inc(u - p)
-        metrics.CACHE_MISSES.inc(p)
-        metrics.ROWS_PREFETCHED.inc(p)
-        metrics.ROWS_WRITTEN_BACK.inc(int(wb.size))
+        metrics.CACHE_HITS.inc(used - missed)
+        metrics.CACHE_MISSES.inc(missed)
+        metrics.ROWS_PREFETCHED.inc(fetched)
+        metrics.ROWS_WRITTEN_BACK.inc(written)
+        metrics.ROWS_SYNCED.labels("critical").inc(crit_rows)
+        metrics.ROWS_SYNCED.labels("background").inc(bg_rows)
+        metrics.CACHE_OCCUPANCY.set(plan.occupancy)
+        metrics.CACHE_CAPACITY.set(self.cache.capacity)
+        metrics.LOOKAHEAD.set(plan.lookahead)
         metrics.LOSS.set(self.losses[-1])
         metrics.HEARTBEAT.set(time.time())
         return plan
@@ -321,6 +479,7 @@ class Trainer:
         threads = [
             threading.Thread(target=self._receive, name="receiver", daemon=True),
             threading.Thread(target=self._prefetch, name="prefetcher", daemon=True),
+            threading.Thread(target=self._background, name="syncer", daemon=True),
             threading.Thread(target=self._write_back, name="writer", daemon=True),
         ]
         for th in threads:
@@ -332,8 +491,8 @@ class Trainer:
             if plan.last:
                 break
             batch += 1
-        self.writeback_queue.put(None)
-        threads[2].join()
+        self.sync_queue.put(None)
+        threads[3].join()
         if self.pipeline.error is not None:
             raise RuntimeError("a trainer thread failed") from self.pipeline.error
         elapsed = time.perf_counter() - start
@@ -354,11 +513,21 @@ class Trainer:
             "seconds": elapsed,
             "samples_per_second": self.counts["global_samples"] / elapsed if elapsed > 0 else 0.0,
             "stage_seconds_per_iteration": {s: self.stage_seconds[s] / it for s in metrics.STAGES},
+            "unique_rows_per_iteration": self.counts["unique_rows"] / it,
             "rows_per_iteration": self.counts["rows"] / it,
             "rows_prefetched_per_iteration": self.counts["prefetched"] / it,
             "rows_written_back_per_iteration": self.counts["written_back"] / it,
-            "cache_hit_rate": 1.0 - self.counts["prefetched"] / max(1, self.counts["rows"]),
+            "rows_private_per_iteration": self.counts["private_rows"] / it,
+            "rows_synced_critical_per_iteration": self.counts["critical_rows"] / it,
+            "rows_synced_background_per_iteration": self.counts["background_rows"] / it,
+            "cache_hit_rate": 1.0 - self.counts["misses"] / max(1, self.counts["rows"]),
             "cache_capacity_rows": self.cache.capacity,
+            "cache_peak_occupancy_rows": self.peak_occupancy,
+            "lookahead": {
+                "min": min(self.lookaheads, default=0),
+                "max": max(self.lookaheads, default=0),
+                "mean": sum(self.lookaheads) / max(1, len(self.lookaheads)),
+            },
             "bytes_sent": self.client.bytes_sent,
             "bytes_received": self.client.bytes_received,
             "losses": self.losses,

@@ -1,0 +1,121 @@
+"""From one logical plan (``BatchPlan``) to what each trainer does, and what it costs in traffic.
+
+``for_trainer`` cuts a plan into one trainer's share: the rows its samples use (with a local inverse
+index), what it prefetches, which of its rows it updates alone, the synchronisation steps (identical on
+every trainer, so the all-reduces line up) and what it writes back. ``traffic`` counts rows and bytes
+per iteration across all trainers; ``bagpipe plan-stats`` and the oracle's metrics use it.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+
+from bagpipe.core.lookahead import BatchPlan
+
+__all__ = ["SyncStep", "TrainerPlan", "Traffic", "for_trainer", "traffic"]
+
+
+@dataclass(frozen=True)
+class SyncStep:
+    slots: np.ndarray  # int32 [C]: all-reduced gradients, applied by every trainer
+    local: np.ndarray  # int32 [C]: index into TrainerPlan.slots, -1 when this trainer has no gradient
+    handover_slots: np.ndarray  # int32 [H]
+    handover_send: np.ndarray  # int32: indices into handover_slots
+    handover_recv: np.ndarray  # int32
+
+    @property
+    def empty(self) -> bool:
+        return not self.slots.size and not self.handover_slots.size
+
+
+@dataclass(frozen=True)
+class TrainerPlan:
+    batch: int
+    slots: np.ndarray  # int32 [R]
+    inverse: np.ndarray  # int32 [b, tables] into slots
+    prefetch_keys: np.ndarray  # int64 [P]
+    prefetch_slots: np.ndarray  # int32 [P]
+    private_rows: np.ndarray  # int32: indices into slots
+    critical: SyncStep
+    background: SyncStep
+    writeback_keys: np.ndarray  # int64 [W]
+    writeback_slots: np.ndarray  # int32 [W]
+
+
+def for_trainer(plan: BatchPlan, inverse: np.ndarray, rank: int, trainers: int) -> TrainerPlan:
+    """Trainer ``rank``'s share of ``plan``; ``inverse`` is the global batch's [B, tables] index."""
+    bit = plan.users.dtype.type(1 << rank)
+    per = inverse.shape[0] // trainers
+    mine = (plan.users & bit) != 0
+    local = np.flatnonzero(mine)
+    position = np.full(plan.unique, -1, dtype=np.int32)
+    position[local] = np.arange(local.size, dtype=np.int32)
+    fetch = plan.prefetch[(plan.holders[plan.prefetch] & bit) != 0]
+    written = plan.evict[plan.writer == rank]
+    return TrainerPlan(
+        batch=plan.batch,
+        slots=plan.slots[local],
+        inverse=position[inverse[rank * per : (rank + 1) * per]],
+        prefetch_keys=plan.keys[fetch],
+        prefetch_slots=plan.slots[fetch],
+        private_rows=np.flatnonzero(~plan.sync[local]).astype(np.int32),
+        critical=_step(plan, plan.sync & plan.critical, plan.handovers.critical, position, bit),
+        background=_step(plan, plan.sync & ~plan.critical, ~plan.handovers.critical, position, bit),
+        writeback_keys=plan.keys[written],
+        writeback_slots=plan.slots[written],
+    )
+
+
+def _step(plan: BatchPlan, rows: np.ndarray, handed: np.ndarray, position: np.ndarray, bit: np.generic) -> SyncStep:
+    index = np.flatnonzero(rows)
+    h = plan.handovers
+    chosen = np.flatnonzero(handed)
+    return SyncStep(
+        slots=plan.slots[index],
+        local=position[index],
+        handover_slots=h.slots[chosen],
+        handover_send=np.flatnonzero((h.source[chosen] & bit) != 0).astype(np.int32),
+        handover_recv=np.flatnonzero((h.recipients[chosen] & bit) != 0).astype(np.int32),
+    )
+
+
+@dataclass(frozen=True)
+class Traffic:
+    """Rows moved for one batch, summed over trainers. Synchronised rows count once per all-reduce
+    (every trainer sends and receives about that many); prefetched rows count once per trainer that
+    fetches them."""
+
+    unique: int
+    prefetched: int
+    written_back: int
+    critical_rows: int
+    background_rows: int
+    critical_bytes: int
+    background_bytes: int
+    fetch_bytes: int
+
+    def as_dict(self) -> dict[str, int]:
+        return dict(self.__dict__)
+
+
+def traffic(plan: BatchPlan, dim: int, state_width: int) -> Traffic:
+    """Rows and bytes of ``plan``: gradients are ``dim`` floats, a row with its state ``dim+state``."""
+    grad, row = 4 * dim, 4 * (dim + state_width)
+    h = plan.handovers
+    crit_sync = int((plan.sync & plan.critical).sum())
+    bg_sync = int((plan.sync & ~plan.critical).sum())
+    crit_hand = int(h.critical.sum())
+    bg_hand = int(h.critical.size - crit_hand)
+    prefetched = int(np.bitwise_count(plan.holders[plan.prefetch]).sum())
+    return Traffic(
+        unique=plan.unique,
+        prefetched=prefetched,
+        written_back=int(plan.evict.size),
+        critical_rows=crit_sync + crit_hand,
+        background_rows=bg_sync + bg_hand,
+        critical_bytes=crit_sync * grad + crit_hand * row,
+        background_bytes=bg_sync * grad + bg_hand * row,
+        fetch_bytes=(prefetched + int(plan.evict.size)) * row,
+    )

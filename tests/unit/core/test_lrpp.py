@@ -1,0 +1,182 @@
+"""LRPP and delayed synchronisation, checked by replaying plans against a model of every trainer's cache.
+
+The replay keeps, per trainer, what each slot holds (key and version: the batch of the key's last
+update) and, per key, the newest version and the version on the embedding servers. It fails when a
+trainer reads a row that is not the newest value, when an update reaches only some holders, when a
+background synchronisation or hand-over is read by the next batch, when a prefetch can run before the
+write-back it needs, or when the cache holds more rows than allowed.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from bagpipe.core.lookahead import CapacityError, LookaheadPlanner, mask_dtype, trainer_users
+from bagpipe.core.plans import for_trainer, traffic
+
+
+def bits(mask: int, trainers: int) -> list[int]:
+    return [t for t in range(trainers) if int(mask) >> t & 1]
+
+
+def make_stream(n: int, trainers: int, keys: int, per: int, seed: int) -> list[list[set[int]]]:
+    """batches[b][t]: the keys trainer t's samples use in batch b (skewed, so rows change hands)."""
+    rng = np.random.default_rng(seed)
+    weights = 1.0 / np.arange(1, keys + 1) ** 1.1
+    weights /= weights.sum()
+    return [[set(rng.choice(keys, size=per, p=weights).tolist()) for _ in range(trainers)] for _ in range(n)]
+
+
+def plan_stream(stream, trainers, lookahead, num_keys, capacity=None, delayed=True, reuse_delay=None, replicated=False):
+    planner = LookaheadPlanner(num_keys, lookahead, trainers, capacity=capacity, reuse_delay=reuse_delay, delayed_sync=delayed)
+    dt = mask_dtype(trainers)
+    plans, nxt = [], 0
+    while len(plans) < len(stream):
+        while planner.wants_more() and nxt < len(stream):
+            used = stream[nxt]
+            keys = np.array(sorted(set().union(*used)), dtype=np.int64)
+            users = np.array([sum(1 << t for t in range(trainers) if k in used[t]) for k in keys.tolist()], dtype=dt)
+            if replicated:
+                users[:] = (1 << trainers) - 1
+            if not planner.push(nxt, keys, last=nxt == len(stream) - 1, users=users):
+                break
+            nxt += 1
+        plans.append(planner.pop())
+    return plans, planner
+
+
+def replay(stream, plans, trainers, capacity=None, delayed=True) -> dict[str, int]:
+    newest: dict[int, int] = {}  # key -> version (batch of its last update; -1: initial)
+    server: dict[int, int] = {}
+    caches: list[dict[int, tuple[int, int]]] = [{} for _ in range(trainers)]
+    owner: dict[int, int] = {}  # slot -> key, in the logical cache
+    evicted_at: dict[int, int] = {}
+    released_at: dict[int, int] = {}
+    seen = {"handovers": 0, "background": 0, "private": 0}
+    for p in plans:
+        x = p.batch
+        keys = p.keys.tolist()
+        slot_of = dict(zip(keys, p.slots.tolist(), strict=True))
+        nxt = set().union(*stream[x + 1]) if x + 1 < len(stream) else set()
+        for i in p.prefetch.tolist():
+            k, s = keys[i], slot_of[keys[i]]
+            assert evicted_at.get(k, -1) <= p.depends_on, f"batch {x}: prefetch of {k} before its write-back"
+            assert released_at.get(s, -1) <= p.depends_on, f"batch {x}: slot {s} reused before its write-back"
+            assert s not in owner, f"batch {x}: slot {s} still holds {owner.get(s)}"
+            assert server.get(k, -1) == newest.get(k, -1), f"batch {x}: server copy of {k} is stale"
+            owner[s] = k
+            for t in bits(p.holders[i], trainers):
+                caches[t][s] = (k, server.get(k, -1))
+        if capacity is not None:
+            assert p.slot_high_water <= capacity and len(owner) <= capacity
+        for t in range(trainers):  # every read is the newest value
+            for k in stream[x][t]:
+                assert caches[t].get(slot_of[k]) == (k, newest.get(k, -1)), f"batch {x}: trainer {t} reads stale {k}"
+        for i, k in enumerate(keys):
+            holders = bits(p.holders[i], trainers)
+            users = [t for t in range(trainers) if k in stream[x][t]]
+            assert bits(p.users[i], trainers) == users or p.users[i] == (1 << trainers) - 1
+            assert set(users) <= set(holders), f"batch {x}: {k} used by {users}, held by {holders}"
+            for t in holders:
+                assert caches[t].get(slot_of[k]) == (k, newest.get(k, -1)), f"batch {x}: holder {t} of {k} is stale"
+            assert p.sync[i] == (len(holders) > 1)
+            if p.sync[i] and k in nxt and p.ttl[i] > x:  # (an evicted row is fetched again after its write-back)
+                assert p.critical[i], f"batch {x}: {k} is read by batch {x + 1} but synchronised in the background"
+            if not delayed:
+                assert p.critical[i] == p.sync[i]
+            seen["background"] += int(p.sync[i] and not p.critical[i])
+            seen["private"] += int(not p.sync[i])
+            newest[k] = x
+            for t in holders:  # the update reaches every holder (all-reduce) or the only one
+                caches[t][slot_of[k]] = (k, x)
+        h = p.handovers
+        for k, s, src, dst, crit in zip(h.keys.tolist(), h.slots.tolist(), h.source, h.recipients, h.critical, strict=True):
+            (sender,) = bits(src, trainers)
+            assert caches[sender].get(s) == (k, newest[k]), f"batch {x}: hand-over of {k} from a stale copy"
+            assert crit or k not in nxt, f"batch {x}: hand-over of {k} in the background but batch {x + 1} reads it"
+            for t in bits(dst, trainers):
+                caches[t][s] = (k, newest[k])
+            seen["handovers"] += 1
+        for i, w in zip(p.evict.tolist(), p.writer.tolist(), strict=True):
+            k, s = keys[i], slot_of[keys[i]]
+            assert w in bits(p.holders[i], trainers)
+            assert caches[w][s] == (k, newest[k])
+            server[k] = newest[k]
+            evicted_at[k] = x
+            released_at[s] = x
+            del owner[s]
+    assert not owner, "every row is written back by the end"
+    assert server == newest
+    return seen
+
+
+@pytest.mark.parametrize("trainers", [2, 3, 5])
+@pytest.mark.parametrize("lookahead", [1, 2, 4, 9])
+@pytest.mark.parametrize("delayed", [True, False])
+def test_every_read_is_the_newest_value(trainers: int, lookahead: int, delayed: bool) -> None:
+    stream = make_stream(80, trainers, keys=60, per=5, seed=trainers * 100 + lookahead)
+    plans, planner = plan_stream(stream, trainers, lookahead, 60, delayed=delayed)
+    seen = replay(stream, plans, trainers, delayed=delayed)
+    assert seen["private"] > 0
+    if lookahead >= 4:
+        assert seen["handovers"] > 0, "with a long window, rows must change hands"
+        assert seen["background"] > 0 or not delayed
+    assert planner.occupancy == 0
+
+
+def test_replicated_cache_holds_everything_everywhere() -> None:
+    stream = make_stream(40, 3, keys=40, per=4, seed=7)
+    plans, _ = plan_stream(stream, 3, 4, 40, replicated=True)
+    seen = replay(stream, plans, 3)
+    assert seen["handovers"] == 0 and seen["private"] == 0
+    assert all((p.holders == 7).all() for p in plans)
+
+
+def test_use_spreading_to_a_second_trainer_hands_the_row_over() -> None:
+    # key 5: trainer 0 in batches 0-4, trainer 1 from batch 5 (read right after batch 4: critical);
+    # key 7: trainer 0 in batches 0-2, trainer 1 in batch 4 (batch 3 does not read it: background)
+    stream = [[{5, 7}, {1}] for _ in range(3)] + [[{5}, {2}], [{5}, {7}]] + [[{5}, {5}] for _ in range(3)]
+    plans, _ = plan_stream(stream, 2, 4, 10)
+    replay(stream, plans, 2)
+    by_batch = {p.batch: p for p in plans}
+    h2, h4 = by_batch[2].handovers, by_batch[4].handovers
+    assert h2.keys.tolist() == [7] and h2.recipients.tolist() == [2] and not h2.critical[0]
+    assert h4.keys.tolist() == [5] and h4.recipients.tolist() == [2] and h4.critical[0]
+    # before the hand-over key 5 is private to trainer 0; afterwards its updates are all-reduced
+    assert not by_batch[4].sync[by_batch[4].keys.tolist().index(5)]
+    assert by_batch[5].sync[by_batch[5].keys.tolist().index(5)]
+
+
+@pytest.mark.parametrize("capacity", [14, 20, 30])
+def test_a_small_cache_shrinks_the_window_and_stays_exact(capacity: int) -> None:
+    stream = make_stream(80, 3, keys=60, per=4, seed=capacity)
+    plans, planner = plan_stream(stream, 3, 16, 60, capacity=capacity)
+    replay(stream, plans, 3, capacity=capacity)
+    windows = [p.window for p in plans]
+    assert min(windows[:-16]) < 16, "the window must have shrunk"
+    assert planner.slot_high_water <= capacity
+    unbounded, _ = plan_stream(stream, 3, 16, 60)
+    assert max(p.slot_high_water for p in unbounded) > capacity, "the capacity must actually bind"
+
+
+def test_a_batch_larger_than_the_cache_is_a_clear_error() -> None:
+    planner = LookaheadPlanner(100, 4, capacity=3)
+    with pytest.raises(CapacityError, match="capacity of 3 rows is smaller than batch 0, which uses 4 rows"):
+        planner.push(0, np.arange(4, dtype=np.int64))
+
+
+def test_trainer_users_and_shares_follow_the_sample_slices() -> None:
+    # 4 samples, 2 tables, 2 trainers: samples 0-1 go to trainer 0, 2-3 to trainer 1
+    inverse = np.array([[0, 3], [1, 3], [1, 4], [2, 4]], dtype=np.int32)
+    users = trainer_users(inverse, 5, 2)
+    assert users.tolist() == [1, 3, 2, 1, 2]
+    stream = [[{0, 1, 3}, {1, 2, 4}]]
+    plans, _ = plan_stream(stream, 2, 1, 5)
+    share = for_trainer(plans[0], inverse, 1, 2)
+    assert share.slots.tolist() == plans[0].slots[[1, 2, 4]].tolist()
+    assert share.inverse.tolist() == [[0, 2], [1, 2]]
+    assert sorted(share.prefetch_keys.tolist()) == [1, 2, 4]
+    assert share.private_rows.tolist() == [1, 2]  # keys 2 and 4; key 1 is shared
+    t = traffic(plans[0], dim=4, state_width=0)
+    assert (t.unique, t.prefetched, t.critical_rows, t.background_rows) == (5, 6, 0, 1)
