@@ -36,18 +36,90 @@ def assert_same_model(final_path: Path, expected: dict) -> None:
     assert max(moved.values()) > 100 * TOLERANCE
 
 
-@pytest.mark.parametrize("optimizer", ["sgd", "adagrad"])
-def test_two_trainers_two_servers_match_synchronous_training(run_job, optimizer: str) -> None:
-    iterations = 12
+@pytest.mark.parametrize(
+    ("trainers", "lookahead", "optimizer"), [(2, 4, "sgd"), (2, 4, "adagrad"), (3, 8, "sgd"), (3, 8, "adagrad")]
+)
+def test_trainers_match_synchronous_training(run_job, trainers: int, lookahead: int, optimizer: str) -> None:
+    """LRPP and delayed synchronisation are on (the defaults); with L=8 rows change hands."""
+    iterations, batch = 12 + 2 * lookahead, 32 * trainers
     summary, paths = run_job(
-        optimizer, "--trainers", "2", "--embedding-servers", "2", "--lookahead", "4",
-        "--iterations", str(iterations), "--optimizer", optimizer, "--lr", "0.05",
+        f"t{trainers}-{optimizer}", "--trainers", str(trainers), "--embedding-servers", "2",
+        "--lookahead", str(lookahead), "--iterations", str(iterations), "--batch-size", str(batch),
+        "--optimizer", optimizer, "--lr", "0.05",
     )  # fmt: skip
     assert summary["iterations"] == iterations
     assert 0 < summary["cache_hit_rate"] < 1, "rows must be both reused from the cache and prefetched"
+    assert summary["rows_private_per_iteration"] > 0, "some rows must be updated by one trainer only"
+    assert summary["rows_synced_critical_per_iteration"] > 0
+    assert summary["rows_synced_background_per_iteration"] > 0
+    if lookahead == 8:
+        assert summary["rows_handed_over"] > 0, "rows must change hands between trainers"
     expected = train_reference(
-        checkpoint.load(paths["initial"]), synthetic_batches(iterations), MODEL, OptimizerConfig(optimizer, 0.05)
+        checkpoint.load(paths["initial"]), synthetic_batches(iterations, batch), MODEL, OptimizerConfig(optimizer, 0.05)
     )
+    assert_same_model(paths["final"], expected)
+
+
+def test_replicated_cache_with_critical_sync_matches_synchronous_training(run_job) -> None:
+    iterations = 10
+    summary, paths = run_job(
+        "replicated", "--trainers", "2", "--lookahead", "4", "--iterations", str(iterations),
+        "--cache-mode", "replicated", "--sync", "critical", "--optimizer", "adagrad", "--lr", "0.05",
+    )  # fmt: skip
+    assert summary["rows_private_per_iteration"] == 0 and summary["rows_synced_background_per_iteration"] == 0
+    expected = train_reference(
+        checkpoint.load(paths["initial"]), synthetic_batches(iterations), MODEL, OptimizerConfig("adagrad", 0.05)
+    )
+    assert_same_model(paths["final"], expected)
+
+
+def test_a_cache_smaller_than_the_window_shrinks_lookahead_and_stays_exact(run_job) -> None:
+    """No --lookahead: the oracle picks L from --cache-rows (live rows at L=8 peak near 580 here)."""
+    iterations, cache_rows = 24, 450
+    summary, paths = run_job(
+        "small-cache", "--trainers", "2", "--cache-rows", str(cache_rows), "--max-lookahead", "8",
+        "--iterations", str(iterations), "--optimizer", "adagrad", "--lr", "0.05",
+    )  # fmt: skip
+    assert summary["iterations"] == iterations
+    assert summary["lookahead"]["requested"] is None and 1 <= summary["lookahead"]["min"] < 8
+    assert summary["cache_capacity_rows"] == cache_rows
+    assert summary["cache_peak_occupancy_rows"] <= cache_rows
+    expected = train_reference(
+        checkpoint.load(paths["initial"]), synthetic_batches(iterations), MODEL, OptimizerConfig("adagrad", 0.05)
+    )
+    assert_same_model(paths["final"], expected)
+
+
+def handover_tsv(path: Path, batches: int, batch_size: int) -> None:
+    """Two trainers, 4 samples each. Table 0 row 5: trainer 0 from the start, trainer 1 from batch 6
+    (read right after trainer 0's update: a critical hand-over). Table 1 row 7: trainer 0 in batches
+    0-2, trainer 1 in batch 4 only (a background hand-over). Other tables: a few shared rows."""
+    half = batch_size // 2
+    lines = []
+    for b in range(batches):
+        for i in range(batch_size):
+            first = i < half
+            c1 = 5 if first or b >= 6 else 1 + i % 3
+            c2 = 7 if (first and b <= 2 and i == 0) or (not first and b == 4) else 2 + (i + b) % 3
+            cats = [format(c1, "x"), format(c2, "x")] + [format((i + k) % 3, "x") for k in range(24)]
+            ints = [str((i * 5 + b * 3 + k) % 20) for k in range(13)]
+            lines.append("\t".join([str((i + b) % 2), *ints, *cats]))
+    path.write_text("\n".join(lines) + "\n")
+
+
+@pytest.mark.parametrize("optimizer", ["sgd", "adagrad"])
+def test_second_trainer_trains_on_the_first_trainers_update(run_job, tmp_path: Path, optimizer: str) -> None:
+    data, rows, batch = tmp_path / "handover.tsv", [10] * 26, 8
+    handover_tsv(data, 12, batch)
+    summary, paths = run_job(
+        f"handover-{optimizer}", "--data", f"criteo:{data}", "--table-rows", ",".join(map(str, rows)),
+        "--iterations", "0", "--trainers", "2", "--embedding-servers", "2", "--lookahead", "4",
+        "--batch-size", str(batch), "--optimizer", optimizer, "--lr", "0.1",
+    )  # fmt: skip
+    assert summary["rows_handed_over"] >= 2
+    source = CriteoTSVSource(CriteoConfig(paths=(str(data),), table_rows=tuple(rows)))
+    batches = [s for _, s in source.batches(batch)]
+    expected = train_reference(checkpoint.load(paths["initial"]), batches, MODEL, OptimizerConfig(optimizer, 0.1))
     assert_same_model(paths["final"], expected)
 
 

@@ -30,11 +30,13 @@ which only the sender contributes), so the newcomer trains on the newest value.
 row; the others may run in the background, overlapped with the next batch's compute, as long as they
 end before the next critical synchronisation. Rows the next batch reads are exactly those in its keys.
 
-**Capacity.** With ``capacity`` slots, a batch enters the window only while the window's distinct keys fit;
+**Capacity.** The planner keeps, for every batch in the window, how many rows will be live (cached) while
+it runs: a key's stay runs from its first use to its last use in the window. A batch enters the window
+only if, with it, every batch's live rows fit ``capacity``;
 otherwise the window shrinks (the effective L drops) until they do, and grows back when the data allows.
-Every cached key is used within the window, so live rows never exceed the capacity; slots of evicted
-rows wait ``reuse_delay`` batches before reuse (so prefetches run ahead of write-backs) unless the
-capacity is needed, in which case they are reused at once and ``depends_on`` reflects it.
+Slots of evicted rows wait ``reuse_delay`` batches before reuse (so prefetches run ahead of
+write-backs) unless the capacity is needed, in which case they are reused at once and ``depends_on``
+reflects it.
 
 State is per key: latest use (int32; after eviction, the eviction batch), slot (int32), holders and
 pending hand-over recipients (bit masks of trainers); each batch costs a few gathers and scatters over
@@ -257,7 +259,7 @@ class LookaheadPlanner:
         self._next_push: int | None = None
         self._ended = False
         self._blocked = False
-        self.distinct = 0  # distinct keys used by the batches in the window
+        self._live = np.zeros(0, dtype=np.int64)  # per batch in the window: rows cached while it runs
         self.occupancy = 0
         self.peak_occupancy = 0
         self.min_window = lookahead
@@ -309,14 +311,18 @@ class LookaheadPlanner:
         oldest = self._window[0].batch if self._window else batch
         prev = self._latest[keys]
         fresh = prev < oldest  # not used by any batch in the window: not cached either
-        distinct = self.distinct + int(fresh.sum())
-        if self.capacity is not None and distinct > self.capacity:
-            if not self._window:
+        here = len(self._window)
+        # a fresh key is live at this batch only; another one from the batch after its last use on
+        starts = np.where(fresh, here, prev - oldest + 1)
+        live = np.append(self._live, 0) + np.cumsum(np.bincount(starts, minlength=here + 1))
+        if self.capacity is not None:
+            if not self._window and keys.size > self.capacity:
                 raise CapacityError(
                     f"cache capacity of {self.capacity} rows is smaller than batch {batch}, which uses {keys.size} rows"
                 )
-            self._blocked = True
-            return False
+            if int(live.max()) > self.capacity:
+                self._blocked = True
+                return False
         depends_on = int(prev[fresh].max()) if fresh.any() else -1
         old = self._holders[keys]
         joiners = users & ~old
@@ -325,7 +331,7 @@ class LookaheadPlanner:
             self._schedule_handovers(batch, keys[spread], prev[spread], old[spread], joiners[spread])
         self._holders[keys] = np.where(fresh, users, old | users)
         self._latest[keys] = batch
-        self.distinct = distinct
+        self._live = live
         self._window.append(_Entry(batch, keys, users, depends_on))
         self._next_push = batch + 1
         self._ended = last
@@ -389,7 +395,8 @@ class LookaheadPlanner:
             self._holders[gone] = 0
             self._allocator.release(slots[evict], x)
         self.occupancy -= evict.size
-        self.distinct -= evict.size
+        assert self.occupancy + evict.size == self._live[0], "live-row accounting is off"
+        self._live = self._live[1:]
         self._blocked = False
         return BatchPlan(
             batch=x,

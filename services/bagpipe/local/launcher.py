@@ -270,6 +270,7 @@ def summarize(stats: list[dict[str, Any]], args: argparse.Namespace, run_dir: Pa
         "rows_private_per_iteration": sum(st["rows_private_per_iteration"] for st in stats),
         "rows_synced_critical_per_iteration": stats[0]["rows_synced_critical_per_iteration"],
         "rows_synced_background_per_iteration": stats[0]["rows_synced_background_per_iteration"],
+        "rows_handed_over": stats[0]["rows_handed_over"],
         "rows_written_back_per_iteration": sum(st["rows_written_back_per_iteration"] for st in stats),
         "first_loss": losses[0] if losses else None,
         "final_loss": sum(losses[-10:]) / len(losses[-10:]) if losses else None,

@@ -187,7 +187,7 @@ class Trainer:
         self.counts: dict[str, int] = defaultdict(int)
         self.losses: list[float] = []
         self.step_seconds: dict[str, float] = {}
-        self.lookaheads: list[int] = []
+        self.lookaheads: list[tuple[int, int]] = []  # (batch, L of its plan)
         self.peak_occupancy = 0
         self.client: EmbeddingClient | None = None
         self.oracle: opb_grpc.OracleCacherStub | None = None
@@ -449,7 +449,8 @@ class Trainer:
         self.counts["critical_rows"] += crit_rows
         self.counts["background_rows"] += bg_rows
         self.counts["private_rows"] += int(share.private_rows.size)
-        self.lookaheads.append(plan.lookahead)
+        self.counts["handed_over"] += int(share.critical.handover_slots.size + share.background.handover_slots.size)
+        self.lookaheads.append((batch, plan.lookahead))
         self.peak_occupancy = max(self.peak_occupancy, plan.occupancy)
         self.losses.append(float(flat[-1]))
         metrics.ITERATIONS.inc()
@@ -504,6 +505,12 @@ class Trainer:
         self.registry.put_json(f"stats:{self.rank}", stats)
         return stats
 
+    def _lookahead_stats(self) -> dict[str, float]:
+        """L over the plans whose window did not reach the end of the data (the tail's shrinks anyway)."""
+        final = self.lookaheads[-1][0] if self.lookaheads else 0
+        inner = [w for b, w in self.lookaheads if b + w <= final] or [w for _, w in self.lookaheads] or [0]
+        return {"min": min(inner), "max": max(inner), "mean": sum(inner) / len(inner)}
+
     def statistics(self, elapsed: float) -> dict[str, Any]:
         it = max(1, self.counts["iterations"])
         assert self.client is not None
@@ -520,14 +527,11 @@ class Trainer:
             "rows_private_per_iteration": self.counts["private_rows"] / it,
             "rows_synced_critical_per_iteration": self.counts["critical_rows"] / it,
             "rows_synced_background_per_iteration": self.counts["background_rows"] / it,
+            "rows_handed_over": self.counts["handed_over"],
             "cache_hit_rate": 1.0 - self.counts["misses"] / max(1, self.counts["rows"]),
             "cache_capacity_rows": self.cache.capacity,
             "cache_peak_occupancy_rows": self.peak_occupancy,
-            "lookahead": {
-                "min": min(self.lookaheads, default=0),
-                "max": max(self.lookaheads, default=0),
-                "mean": sum(self.lookaheads) / max(1, len(self.lookaheads)),
-            },
+            "lookahead": self._lookahead_stats(),
             "bytes_sent": self.client.bytes_sent,
             "bytes_received": self.client.bytes_received,
             "losses": self.losses,
