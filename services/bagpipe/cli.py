@@ -31,6 +31,24 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--quiet", action="store_true", help="no progress bar")
     g.add_argument("--log-level", default="INFO", help="services' logging level (default INFO)")
     add_cache_args(r)
+
+    s = sub.add_parser(
+        "plan-stats",
+        help="plan a data source for T logical trainers (no trainers run) and report rows and bytes per "
+        "iteration for a replicated cache, LRPP and LRPP with delayed synchronisation",
+    )
+    add_source_args(s)
+    g = s.add_argument_group("plan")
+    g.add_argument("--batch-size", type=int, default=16384, help="global batch size (default 16384)")
+    g.add_argument("--trainers", type=int, default=8, help="logical trainers (default 8)")
+    g.add_argument("--iterations", type=int, default=60, help="batches measured (default 60)")
+    g.add_argument("--embedding-dim", type=int, default=16, help="embedding dimension, for bytes (default 16)")
+    g.add_argument("--optimizer", default="sgd", choices=["sgd", "adagrad"], help="for the bytes of a row's state")
+    g.add_argument("--seed", type=int, default=0, help="seed of the synthetic data")
+    g.add_argument("--json", action="store_true", help="print JSON instead of a table")
+    g.add_argument("--output", default=None, help="also write the JSON here")
+    add_cache_args(s)
+    s.set_defaults(lookahead=200, scale=1.0)  # the Kaggle cardinalities, as in paper §3.3
     return p
 
 
@@ -54,6 +72,12 @@ def main(argv: list[str] | None = None) -> None:
             print(f"bagpipe run failed: {e}", file=sys.stderr)
             raise SystemExit(1) from None
         print(format_summary(summary))
+    elif args.command == "plan-stats":
+        from bagpipe.oracle_cacher.plan_stats import main as plan_stats_main
+
+        if args.iterations < 1:
+            raise SystemExit(f"--iterations: must be >= 1, got {args.iterations}")
+        plan_stats_main(args)
 
 
 if __name__ == "__main__":

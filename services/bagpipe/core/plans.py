@@ -100,13 +100,16 @@ class Traffic:
         return dict(self.__dict__)
 
 
-def traffic(plan: BatchPlan, dim: int, state_width: int) -> Traffic:
-    """Rows and bytes of ``plan``: gradients are ``dim`` floats, a row with its state ``dim+state``."""
+def traffic(plan: BatchPlan, dim: int, state_width: int, delayed: bool = True) -> Traffic:
+    """Rows and bytes of ``plan``: gradients are ``dim`` floats, a row with its state ``dim+state``.
+    With ``delayed`` False every synchronisation counts as critical (what the plan would have been
+    without delayed synchronisation: the cache decisions do not depend on it)."""
     grad, row = 4 * dim, 4 * (dim + state_width)
     h = plan.handovers
-    crit_sync = int((plan.sync & plan.critical).sum())
-    bg_sync = int((plan.sync & ~plan.critical).sum())
-    crit_hand = int(h.critical.sum())
+    critical = plan.critical if delayed else np.ones_like(plan.critical)
+    crit_sync = int((plan.sync & critical).sum())
+    bg_sync = int((plan.sync & ~critical).sum())
+    crit_hand = int(h.critical.sum()) if delayed else int(h.critical.size)
     bg_hand = int(h.critical.size - crit_hand)
     prefetched = int(np.bitwise_count(plan.holders[plan.prefetch]).sum())
     return Traffic(

@@ -1,0 +1,144 @@
+"""``bagpipe plan-stats``: what the cache plans cost, without trainers (paper §3.3, Figures 7 and 8).
+
+Runs the data processor's batch generator and the oracle's planner in one process over a data source
+for any number of *logical* trainers, and reports per iteration: unique rows, rows prefetched (summed
+over trainers), rows synchronised on the critical path and in the background, and bytes — for a
+replicated cache, for LRPP, and for LRPP with delayed synchronisation. LRPP with and without delayed
+synchronisation share one planner (delaying changes when rows are synchronised, not what is cached).
+
+Averages cover the first ``--iterations`` batches; the planner reads ``L-1`` more so that every
+measured batch was planned with a full window.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import time
+from collections import deque
+from dataclasses import dataclass, field
+from typing import Any
+
+import numpy as np
+
+from bagpipe.core.data import table_offsets
+from bagpipe.core.lookahead import LookaheadPlanner, all_trainers, mask_dtype, trainer_users
+from bagpipe.core.optim import OptimizerConfig
+from bagpipe.core.plans import traffic
+from bagpipe.data_processor.config import source_of
+from bagpipe.data_processor.server import generate
+
+MODES = ("replicated", "lrpp", "lrpp+delayed")
+
+
+@dataclass
+class _Totals:
+    batches: int = 0
+    sums: dict[str, int] = field(default_factory=dict)
+
+    def add(self, figures: dict[str, int]) -> None:
+        self.batches += 1
+        for k, v in figures.items():
+            self.sums[k] = self.sums.get(k, 0) + v
+
+    def per_iteration(self) -> dict[str, float]:
+        return {k: v / max(1, self.batches) for k, v in self.sums.items()}
+
+
+def plan_stats(args: argparse.Namespace) -> dict[str, Any]:
+    """Plans ``args.iterations`` batches three ways and returns the per-iteration figures."""
+    if args.batch_size % args.trainers:
+        raise SystemExit(f"--batch-size: {args.batch_size} does not split over {args.trainers} trainers")
+    source = source_of(args)
+    num_keys = int(table_offsets(source.table_rows)[-1])
+    lookahead = args.lookahead or args.max_lookahead
+    width = OptimizerConfig(args.optimizer).state_width(args.embedding_dim)
+    planners = {
+        "replicated": LookaheadPlanner(num_keys, lookahead, args.trainers, args.cache_rows, args.reuse_delay, False),
+        "lrpp": LookaheadPlanner(num_keys, lookahead, args.trainers, args.cache_rows, args.reuse_delay, True),
+    }
+    everyone = np.full(1, all_trainers(args.trainers), dtype=mask_dtype(args.trainers))
+    totals = {mode: _Totals() for mode in MODES}
+    windows: dict[str, list[int]] = {name: [] for name in planners}
+    waiting: dict[str, deque[tuple[int, np.ndarray, np.ndarray, bool]]] = {name: deque() for name in planners}
+    measured = args.iterations
+    plan_seconds = 0.0
+    started = time.perf_counter()
+    for arrays, last in generate(source, args.batch_size, 0, 1, measured + lookahead - 1):
+        users = trainer_users(arrays.inverse, arrays.keys.size, args.trainers)
+        t0 = time.perf_counter()
+        for name, planner in planners.items():
+            replicated = name == "replicated"
+            waiting[name].append((arrays.number, arrays.keys, np.repeat(everyone, users.size) if replicated else users, last))
+            while True:
+                while waiting[name] and planner.wants_more():
+                    number, keys, u, is_last = waiting[name][0]
+                    if not planner.push(number, keys, last=is_last, users=u):
+                        break
+                    waiting[name].popleft()
+                if not planner.can_pop():
+                    break
+                plan = planner.pop()
+                if plan.batch >= measured:
+                    continue
+                windows[name].append(plan.window)
+                totals[name].add(traffic(plan, args.embedding_dim, width, delayed=False).as_dict())
+                if not replicated:
+                    totals["lrpp+delayed"].add(traffic(plan, args.embedding_dim, width, delayed=True).as_dict())
+        plan_seconds += time.perf_counter() - t0
+    elapsed = time.perf_counter() - started
+    result: dict[str, Any] = {
+        "data": args.data,
+        "scale": args.scale,
+        "total_rows": int(num_keys),
+        "batch_size": args.batch_size,
+        "trainers": args.trainers,
+        "lookahead": lookahead,
+        "cache_rows": args.cache_rows,
+        "embedding_dim": args.embedding_dim,
+        "optimizer": args.optimizer,
+        "iterations": totals["lrpp"].batches,
+        "seconds": elapsed,
+        "planning_seconds": plan_seconds,
+        "modes": {},
+    }
+    for mode in MODES:
+        planner_name = "replicated" if mode == "replicated" else "lrpp"
+        figures = totals[mode].per_iteration()
+        figures["peak_occupancy_rows"] = planners[planner_name].peak_occupancy
+        figures["slot_high_water"] = planners[planner_name].slot_high_water
+        figures["lookahead_min"] = min(windows[planner_name], default=0)
+        result["modes"][mode] = figures
+    base = result["modes"]["replicated"]
+    for mode in MODES:
+        m = result["modes"][mode]
+        m["critical_rows_vs_replicated"] = 1 - m["critical_rows"] / base["critical_rows"] if base["critical_rows"] else 0.0
+        m["critical_bytes_vs_replicated"] = (
+            1 - m["critical_bytes"] / base["critical_bytes"] if base["critical_bytes"] else 0.0
+        )
+    return result
+
+
+def format_stats(r: dict[str, Any]) -> str:
+    lines = [
+        f"plan statistics: {r['data']} (scale {r['scale']}, {r['total_rows']:,} rows), batch {r['batch_size']:,}, "
+        f"{r['trainers']} logical trainers, L={r['lookahead']}, {r['iterations']} iterations "
+        f"({r['seconds']:.1f} s, planning {r['planning_seconds']:.1f} s)",
+        "per iteration            unique   prefetched  critical rows  background rows  critical MB  background MB  "
+        "critical rows saved",
+    ]
+    for mode, m in r["modes"].items():
+        lines.append(
+            f"  {mode:<20} {m['unique']:>9,.0f} {m['prefetched']:>12,.0f} {m['critical_rows']:>14,.0f} "
+            f"{m['background_rows']:>16,.0f} {m['critical_bytes'] / 1e6:>12.2f} {m['background_bytes'] / 1e6:>14.2f} "
+            f"{100 * m['critical_rows_vs_replicated']:>19.1f}%"
+        )
+    return "\n".join(lines)
+
+
+def main(args: argparse.Namespace) -> None:
+    result = plan_stats(args)
+    if args.output:
+        with open(args.output, "w") as f:
+            json.dump(result, f, indent=2)
+    print(json.dumps(result, indent=2) if args.json else format_stats(result))
