@@ -2,9 +2,11 @@
 
 Batches of synthetic Criteo-Kaggle data (26 tables, full Kaggle cardinalities) are generated and
 deduplicated first, as the data processors do; the timed part is what the oracle does per batch:
-push into the window, plan (TTLs, prefetches, slots, evictions), and — with ``--split`` — cut the
-plan into per-trainer messages. Runs on one core (numpy is single-threaded here). The window is
-filled before timing starts, so every timed batch is planned against a full window of L batches.
+push into the window and plan it (TTLs, prefetches, slots, evictions, and LRPP for ``--trainers``:
+holders, synchronisation sets, critical vs background, hand-overs, writers). Computing which trainers
+use each key (done as a batch arrives) is timed separately and reported as a second figure. Runs on
+one core (numpy is single-threaded here). The window is filled before timing starts, so every timed
+batch is planned against a full window of L batches.
 
     .venv/bin/python bench/oracle_throughput.py [--batch-size 16384 --lookahead 200 --timed 200]
 """
@@ -24,7 +26,7 @@ os.environ.setdefault("OMP_NUM_THREADS", "1")
 import numpy as np  # noqa: E402
 
 from bagpipe.core.data import KAGGLE_TABLE_ROWS, SyntheticConfig, SyntheticSource, build_batch, table_offsets  # noqa: E402
-from bagpipe.core.lookahead import LookaheadPlanner  # noqa: E402
+from bagpipe.core.lookahead import LookaheadPlanner, trainer_users  # noqa: E402
 
 PAPER_SAMPLES_PER_SECOND = 3.27e6
 
@@ -35,6 +37,7 @@ def main() -> None:
     p.add_argument("--lookahead", type=int, default=200)
     p.add_argument("--timed", type=int, default=200, help="batches timed after the window is full")
     p.add_argument("--zipf-alpha", type=float, default=1.1)
+    p.add_argument("--trainers", type=int, default=8, help="trainers the LRPP plan is made for (timed)")
     p.add_argument("--out", default="bench/results/oracle_throughput.json")
     a = p.parse_args()
 
@@ -43,17 +46,21 @@ def main() -> None:
     source = SyntheticSource(SyntheticConfig(table_rows=rows, zipf_alpha=a.zipf_alpha))
     total = a.lookahead + a.timed
     t0 = time.perf_counter()
-    keys = [build_batch(b, source.batch(b, a.batch_size), offsets).keys for b in range(total)]
+    batches = [build_batch(b, source.batch(b, a.batch_size), offsets) for b in range(total)]
+    keys = [arrays.keys for arrays in batches]
     gen_s = time.perf_counter() - t0
-    planner = LookaheadPlanner(int(offsets[-1]), a.lookahead)
+    planner = LookaheadPlanner(int(offsets[-1]), a.lookahead, trainers=a.trainers)
     for b in range(a.lookahead):
-        planner.push(b, keys[b])
-    per_batch = []
+        planner.push(b, keys[b], users=trainer_users(batches[b].inverse, keys[b].size, a.trainers))
+    per_batch, users_seconds = [], []
     for b in range(a.lookahead, total):
-        start = time.perf_counter()
+        start = time.perf_counter()  # which trainers use each key (done as a batch arrives)
+        users = trainer_users(batches[b].inverse, keys[b].size, a.trainers)
+        mid = time.perf_counter()  # the plan: Algorithm 1 with LRPP and delayed sync
         plan = planner.pop()
-        planner.push(b, keys[b], last=b == total - 1)
-        per_batch.append(time.perf_counter() - start)
+        planner.push(b, keys[b], last=b == total - 1, users=users)
+        per_batch.append(time.perf_counter() - mid)
+        users_seconds.append(mid - start)
         assert plan.batch == b - a.lookahead
     seconds = sum(per_batch)
     sps = a.timed * a.batch_size / seconds
@@ -63,12 +70,15 @@ def main() -> None:
         "tables": len(rows),
         "total_rows": int(offsets[-1]),
         "lookahead": a.lookahead,
+        "trainers": a.trainers,
         "timed_batches": a.timed,
         "zipf_alpha": a.zipf_alpha,
         "unique_keys_per_batch": float(np.mean([k.size for k in keys])),
         "median_ms_per_batch": 1000 * statistics.median(per_batch),
         "p90_ms_per_batch": 1000 * sorted(per_batch)[int(0.9 * len(per_batch))],
         "samples_per_second": sps,
+        "median_ms_per_batch_trainer_masks": 1000 * statistics.median(users_seconds),
+        "samples_per_second_with_trainer_masks": a.timed * a.batch_size / (seconds + sum(users_seconds)),
         "paper_samples_per_second": PAPER_SAMPLES_PER_SECOND,
         "ratio_to_paper": sps / PAPER_SAMPLES_PER_SECOND,
         "peak_occupancy_rows": planner.peak_occupancy,
@@ -78,9 +88,10 @@ def main() -> None:
     Path(a.out).parent.mkdir(parents=True, exist_ok=True)
     Path(a.out).write_text(json.dumps(result, indent=2))
     print(
-        f"oracle: batch {a.batch_size}, {len(rows)} tables, L={a.lookahead}: "
+        f"oracle: batch {a.batch_size}, {len(rows)} tables, L={a.lookahead}, LRPP for {a.trainers} trainers: "
         f"{sps / 1e6:.2f} M samples/s (median {result['median_ms_per_batch']:.2f} ms/batch, "
-        f"{result['unique_keys_per_batch']:,.0f} unique keys/batch); paper 3.27 M -> ratio {result['ratio_to_paper']:.2f}"
+        f"{result['unique_keys_per_batch']:,.0f} unique keys/batch); paper 3.27 M -> ratio {result['ratio_to_paper']:.2f}; "
+        f"with the per-trainer usage masks {result['samples_per_second_with_trainer_masks'] / 1e6:.2f} M samples/s"
     )
 
 

@@ -81,24 +81,24 @@ def trainer_users(inverse: np.ndarray, unique: int, trainers: int) -> np.ndarray
     """Per key of a global batch, the bit mask of trainers whose contiguous slice of samples uses it.
 
     ``inverse`` is the batch's int32 ``[B, tables]`` index into its ``unique`` keys; trainer ``t`` takes
-    samples ``[t*B/T, (t+1)*B/T)``.
+    samples ``[t*B/T, (t+1)*B/T)``. One scatter into a [keys, bits] table, then ``packbits``.
     """
     dt = mask_dtype(trainers)
     size = inverse.shape[0]
     if size % trainers:
         raise ValueError(f"batch of {size} samples does not split over {trainers} trainers")
-    per = size // trainers
-    users = np.zeros(unique, dtype=dt)
-    seen = np.empty(unique, dtype=bool)
-    for t in range(trainers):
-        seen[:] = False
-        seen[inverse[t * per : (t + 1) * per].ravel()] = True
-        users[seen] |= dt.type(1 << t)
-    return users
+    width = dt.itemsize * 8
+    owner = np.repeat(np.arange(trainers, dtype=np.int64), (size // trainers) * inverse.shape[1])
+    seen = np.zeros(unique * width, dtype=bool)
+    seen[inverse.reshape(-1).astype(np.int64) * width + owner] = np.ones(owner.size, dtype=bool)  # (array: faster)
+    packed = np.packbits(seen.reshape(unique, width), axis=1, bitorder="little")
+    return packed.view(dt.newbyteorder("<")).reshape(unique).astype(dt, copy=False)
 
 
 def nth_set_bit(masks: np.ndarray, n: np.ndarray, width: int) -> np.ndarray:
     """Position of the ``n``-th (0-based) set bit of every mask."""
+    if masks.dtype == np.uint8:
+        return _NTH_BIT_8[masks, n]
     out = np.full(masks.shape, -1, dtype=np.int32)
     seen = np.zeros(masks.shape, dtype=np.int64)
     for t in range(width):
@@ -106,6 +106,17 @@ def nth_set_bit(masks: np.ndarray, n: np.ndarray, width: int) -> np.ndarray:
         out[has & (seen == n)] = t
         seen += has
     return out
+
+
+def _nth_bit_table() -> np.ndarray:
+    table = np.full((256, 8), -1, dtype=np.int32)
+    for m in range(256):
+        for i, bit in enumerate(b for b in range(8) if m >> b & 1):
+            table[m, i] = bit
+    return table
+
+
+_NTH_BIT_8 = _nth_bit_table()
 
 
 @dataclass(frozen=True)
@@ -252,8 +263,9 @@ class LookaheadPlanner:
         self._latest = np.full(num_keys, -1, dtype=np.int32)  # LatestTracker; eviction batch once evicted
         self._slot = np.full(num_keys, -1, dtype=np.int32)  # InCache, with the key's slot
         self._holders = np.zeros(num_keys, dtype=self.mask)
-        self._pending = np.zeros(num_keys, dtype=self.mask)  # holders still waiting for a hand-over
-        self._handovers: dict[int, list[tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]]] = {}
+        self._handover_at = np.full(num_keys, -1, dtype=np.int32)  # pending hand-over: after this batch
+        self._handover_to = np.zeros(num_keys, dtype=self.mask)  # ... to these new holders
+        self._mark = np.full(num_keys, -1, dtype=np.int32)  # scratch: stamped with the batch that reads a key
         self._window: deque[_Entry] = deque()
         self._allocator = SlotAllocator(delay=min(lookahead, reuse_delay or lookahead), capacity=capacity)
         self._next_push: int | None = None
@@ -328,25 +340,24 @@ class LookaheadPlanner:
         joiners = users & ~old
         spread = np.flatnonzero(~fresh & (self._slot[keys] >= 0) & (joiners != 0))
         if spread.size:
-            self._schedule_handovers(batch, keys[spread], prev[spread], old[spread], joiners[spread])
+            self._schedule_handovers(keys[spread], prev[spread], joiners[spread], oldest)
         self._holders[keys] = np.where(fresh, users, old | users)
-        self._latest[keys] = batch
+        self._latest[keys] = np.full(keys.size, batch, dtype=np.int32)  # an array scatters ~20x faster than a scalar
         self._live = live
         self._window.append(_Entry(batch, keys, users, depends_on))
         self._next_push = batch + 1
         self._ended = last
         return True
 
-    def _schedule_handovers(
-        self, batch: int, keys: np.ndarray, after: np.ndarray, old: np.ndarray, joiners: np.ndarray
-    ) -> None:
-        """New holders get a cached key after its latest update before ``batch``, which they read it in."""
-        source = old & (~old + self.mask.type(1))  # lowest set bit: a holder with the newest value
-        self._pending[keys] |= joiners
-        for z in np.unique(after).tolist():
-            sel = after == z
-            need_by = np.full(int(sel.sum()), batch, dtype=np.int64)
-            self._handovers.setdefault(z, []).append((keys[sel], source[sel], joiners[sel], need_by))
+    def _schedule_handovers(self, keys: np.ndarray, after: np.ndarray, joiners: np.ndarray, oldest: int) -> None:
+        """New holders get a cached key after its latest update before the batch being pushed (``after``).
+
+        A key has at most one pending hand-over: a second joiner rides along with the first one
+        (it becomes a holder a little early, which costs synchronisation, not exactness).
+        """
+        pending = self._handover_at[keys] >= oldest
+        self._handover_to[keys] = np.where(pending, self._handover_to[keys] | joiners, joiners)
+        self._handover_at[keys] = np.where(pending, self._handover_at[keys], after).astype(np.int32)
 
     def finish(self) -> None:
         """Marks the last pushed batch as the end of the data (when no batch carried ``last``)."""
@@ -373,7 +384,9 @@ class LookaheadPlanner:
         self.occupancy += prefetch.size
         self.peak_occupancy = max(self.peak_occupancy, self.occupancy)
 
-        holders = self._holders[keys] & ~self._pending[keys]
+        handover_at = self._handover_at[keys]
+        waiting = np.where(handover_at >= x, self._handover_to[keys], self.mask.type(0))
+        holders = self._holders[keys] & ~waiting  # those that have the newest value during this batch
         sync = np.bitwise_count(holders) > 1
         following = self._window[0] if self._window and self._window[0].batch == x + 1 else None
         if not self.delayed_sync:
@@ -381,9 +394,10 @@ class LookaheadPlanner:
         elif following is None:
             critical = np.zeros(keys.size, dtype=bool)
         else:
-            critical = sync & _member(keys, following.keys)
+            self._mark[following.keys] = np.full(following.keys.size, x + 1, dtype=np.int32)  # next batch's keys
+            critical = sync & (self._mark[keys] == x + 1)
 
-        handovers = self._take_handovers(x, following)
+        handovers = self._take_handovers(x, keys, np.flatnonzero(handover_at == x), holders, following)
 
         evict = np.flatnonzero(ttl == x).astype(np.int32)
         writer = np.zeros(0, dtype=np.int32)
@@ -391,8 +405,8 @@ class LookaheadPlanner:
             gone = keys[evict]
             owners = self._holders[gone]
             writer = nth_set_bit(owners, gone % np.bitwise_count(owners), self.trainers)
-            self._slot[gone] = -1
-            self._holders[gone] = 0
+            self._slot[gone] = np.full(gone.size, -1, dtype=np.int32)
+            self._holders[gone] = np.zeros(gone.size, dtype=self.mask)
             self._allocator.release(slots[evict], x)
         self.occupancy -= evict.size
         assert self.occupancy + evict.size == self._live[0], "live-row accounting is off"
@@ -418,23 +432,21 @@ class LookaheadPlanner:
             last=self._ended and not self._window,
         )
 
-    def _take_handovers(self, x: int, following: _Entry | None) -> Handovers:
-        parts = self._handovers.pop(x, None)
-        if not parts:
+    def _take_handovers(
+        self, x: int, keys: np.ndarray, due: np.ndarray, holders: np.ndarray, following: _Entry | None
+    ) -> Handovers:
+        if not due.size:
             return Handovers.empty(self.mask)
-        keys = np.concatenate([p[0] for p in parts])
-        source = np.concatenate([p[1] for p in parts])
-        recipients = np.concatenate([p[2] for p in parts])
-        need_by = np.concatenate([p[3] for p in parts])
-        self._pending[keys] &= ~recipients
-        critical = need_by == x + 1 if self.delayed_sync else np.ones(keys.size, dtype=bool)
-        assert following is None or not critical.any() or following.batch == x + 1
-        return Handovers(keys, self._slot[keys].copy(), source, recipients, critical)
-
-
-def _member(keys: np.ndarray, sorted_other: np.ndarray) -> np.ndarray:
-    """``keys[i] in sorted_other`` for every i (both sorted, unique)."""
-    if not sorted_other.size:
-        return np.zeros(keys.size, dtype=bool)
-    pos = np.searchsorted(sorted_other, keys).clip(max=sorted_other.size - 1)
-    return sorted_other[pos] == keys
+        hk = keys[due]
+        recipients = self._handover_to[hk]
+        source = holders[due] & (~holders[due] + self.mask.type(1))  # lowest set bit
+        self._handover_at[hk] = np.full(hk.size, -1, dtype=np.int32)
+        if not self.delayed_sync:
+            critical = np.ones(hk.size, dtype=bool)
+        elif following is None:
+            critical = np.zeros(hk.size, dtype=bool)
+        else:  # critical when a new holder reads the key in the next batch
+            pos = np.searchsorted(following.keys, hk).clip(max=max(following.keys.size - 1, 0))
+            inside = following.keys[pos] == hk if following.keys.size else np.zeros(hk.size, dtype=bool)
+            critical = inside & ((following.users[pos] & recipients) != 0)
+        return Handovers(hk, self._slot[hk].copy(), source, recipients, critical)

@@ -8,3 +8,11 @@ PLANS_DISPATCHED = Counter("bagpipe_oracle_cacher_plans_dispatched_total", "Plan
 PLAN_SECONDS = Histogram("bagpipe_oracle_cacher_plan_seconds", "Time to plan one batch")
 LOOKAHEAD = Gauge("bagpipe_oracle_cacher_lookahead_batches", "Lookahead L in use")
 OCCUPANCY = Gauge("bagpipe_oracle_cacher_cache_occupancy_rows", "Rows resident in the (logical) cache")
+PEAK_OCCUPANCY = Gauge("bagpipe_oracle_cacher_cache_peak_occupancy_rows", "Most rows resident in the logical cache so far")
+SLOT_HIGH_WATER = Gauge("bagpipe_oracle_cacher_cache_slots_rows", "Cache slots a trainer needs (live plus waiting for reuse)")
+ROWS_SYNCED = Counter(
+    "bagpipe_oracle_cacher_rows_synced_total", "Rows planned for synchronisation between trainers, by path", ["path"]
+)
+EARLY_REUSES = Counter(
+    "bagpipe_oracle_cacher_early_slot_reuses_total", "Times the capacity forced a freed slot to be reused early"
+)

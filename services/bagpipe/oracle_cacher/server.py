@@ -116,6 +116,7 @@ class Oracle(pb_grpc.OracleCacherServicer):
         self.next_push = 0
         self.plan_buffer = config.window + 2
         self.windows: list[int] = []
+        self.early_reuses = 0
         metrics.LOOKAHEAD.set(config.window)
 
     # ---- data processors -> oracle
@@ -225,6 +226,15 @@ class Oracle(pb_grpc.OracleCacherServicer):
                 metrics.BATCHES_PLANNED.inc()
                 metrics.OCCUPANCY.set(plan.occupancy)
                 metrics.LOOKAHEAD.set(plan.window)
+                metrics.PEAK_OCCUPANCY.set(self.planner.peak_occupancy)
+                metrics.SLOT_HIGH_WATER.set(plan.slot_high_water)
+                critical = int((plan.sync & plan.critical).sum() + plan.handovers.critical.sum())
+                total = int(plan.sync.sum() + plan.handovers.critical.size)
+                metrics.ROWS_SYNCED.labels("critical").inc(critical)
+                metrics.ROWS_SYNCED.labels("background").inc(total - critical)
+                if self.planner.early_reuses > self.early_reuses:
+                    metrics.EARLY_REUSES.inc(self.planner.early_reuses - self.early_reuses)
+                    self.early_reuses = self.planner.early_reuses
                 self.windows.append(plan.window)
                 self.planned[plan.batch] = _Planned(plan, messages)
                 self.cond.notify_all()
