@@ -44,8 +44,9 @@ lint: $(STAMP)  ## ruff and mypy
 	$(VENV)/bin/ruff format --check services tests bench
 	$(VENV)/bin/mypy services
 
-bench: $(STAMP)  ## oracle throughput benchmark (paper §5.3)
+bench: $(STAMP)  ## oracle throughput (paper §5.3) and cache-design traffic (paper §3.3)
 	$(PY) bench/oracle_throughput.py
+	$(VENV)/bin/bagpipe plan-stats --iterations 100 --output bench/results/plan_stats.json
 
 clean:  ## remove the virtual environment and caches
 	rm -rf $(VENV) .pytest_cache .mypy_cache .ruff_cache runs
