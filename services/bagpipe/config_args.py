@@ -76,6 +76,11 @@ def add_coordination_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--redis", default="redis://127.0.0.1:6379/0", help="Redis URL")
     g.add_argument("--job", default="bagpipe", help="job name (namespaces the Redis keys)")
     g.add_argument("--log-level", default="INFO", help="logging level")
+    g.add_argument(
+        "--metrics-address",
+        default="127.0.0.1:0",
+        help="host:port of the HTTP endpoint with /metrics, /healthz and /readyz (port 0: any free port)",
+    )
 
 
 def positive_int(text: str) -> int:

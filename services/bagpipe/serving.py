@@ -9,6 +9,8 @@ from collections.abc import Callable
 import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 
+from bagpipe.control.registry import Registry
+from bagpipe.metrics_http import Health, MetricsServer
 from bagpipe.v1 import control_pb2, control_pb2_grpc
 
 logger = logging.getLogger(__name__)
@@ -67,6 +69,15 @@ async def create_server(
 async def stop_gracefully(server: grpc.aio.Server, health_servicer: health.HealthServicer) -> None:
     await health_servicer.enter_graceful_shutdown()
     await server.stop(GRACE_S)
+
+
+def start_metrics(
+    address: str, service: str, member: str, registry: Registry, health: Health | None = None
+) -> MetricsServer:
+    """Starts the service's /metrics, /healthz, /readyz endpoint and registers it in Redis."""
+    metrics_server = MetricsServer(address, service, health)
+    registry.register_metrics(service, member, metrics_server.address)
+    return metrics_server
 
 
 def channel(address: str) -> grpc.Channel:

@@ -20,10 +20,10 @@ TINY = [
 def run_job(tmp_path: Path):
     """Runs ``bagpipe run`` with TINY defaults plus ``extra`` flags; returns (summary, paths)."""
 
-    def _run(name: str, *extra: str) -> tuple[dict[str, Any], dict[str, Path]]:
+    def _run(name: str, *extra: str, after_training: Any = None) -> tuple[dict[str, Any], dict[str, Path]]:
         paths = {"initial": tmp_path / f"{name}-initial.pt", "final": tmp_path / f"{name}-final.pt"}
         argv = ["run", *TINY, *extra, "--run-dir", str(tmp_path / name),
                 "--save-initial", str(paths["initial"]), "--save-final", str(paths["final"])]  # fmt: skip
-        return run(build_parser().parse_args(argv)), paths
+        return run(build_parser().parse_args(argv), after_training=after_training), paths
 
     return _run

@@ -53,6 +53,14 @@ class Registry:
                 raise TimeoutError(f"{service}: {len(found)} of {count} members registered after {timeout}s")
             time.sleep(0.05)
 
+    def register_metrics(self, service: str, member: str, address: str) -> None:
+        """Where ``service``'s ``member`` serves /metrics (the local Prometheus and the launcher scrape it)."""
+        self._redis.hset(self._key("metrics"), f"{service}/{member}", address)
+
+    def metrics_endpoints(self) -> dict[str, str]:
+        """``service/member`` -> ``host:port`` of every registered /metrics endpoint."""
+        return dict(self._redis.hgetall(self._key("metrics")))
+
     # shard map
     def publish_shard_map(self, shard_map: ShardMap) -> ShardMap:
         """Stores ``shard_map`` unless one exists; returns the one in force (first writer wins)."""

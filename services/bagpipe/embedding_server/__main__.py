@@ -19,8 +19,9 @@ from bagpipe.embedding_server.server import create_server
 logger = logging.getLogger("bagpipe.embedding_server")
 
 
-async def serve(cfg: EmbeddingServerConfig) -> None:
+async def serve(cfg: EmbeddingServerConfig, metrics_address: str) -> None:
     registry = Registry(cfg.redis_url, cfg.job)
+    http = serving.start_metrics(metrics_address, "embedding_server", str(cfg.shard), registry)
     offsets = table_offsets(cfg.table_rows)
     shard_map = registry.publish_shard_map(ShardMap.create(int(offsets[-1]), cfg.num_shards))
     if shard_map.num_keys != int(offsets[-1]) or shard_map.num_shards != cfg.num_shards:
@@ -35,16 +36,19 @@ async def serve(cfg: EmbeddingServerConfig) -> None:
         store.load_checkpoint(ckpt["embeddings"], (ckpt.get("optimizer") or {}).get("embeddings"))
     server, port, control, health = await create_server(store, cfg.address)
     registry.register("embedding_server", str(cfg.shard), control.address)
+    http.ready.set()
     logger.info("shard %d/%d serving %d rows on %s", cfg.shard, cfg.num_shards, store.rows_held, control.address)
     await control.stop.wait()
     registry.unregister("embedding_server", str(cfg.shard))
     await serving.stop_gracefully(server, health)
+    http.stop()
 
 
 def main(argv: list[str] | None = None) -> None:
     cfg = parse(argv)
-    serving.configure_logging(build_parser().parse_args(argv).log_level)
-    asyncio.run(serve(cfg))
+    args = build_parser().parse_args(argv)
+    serving.configure_logging(args.log_level)
+    asyncio.run(serve(cfg, args.metrics_address))
 
 
 if __name__ == "__main__":

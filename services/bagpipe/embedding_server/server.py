@@ -40,6 +40,7 @@ class EmbeddingServicer(pb_grpc.EmbeddingServerServicer):
             rows, state = self.store.lookup(keys)
             metrics.ROWS.labels("lookup").inc(keys.size)
             metrics.REQUESTS.labels("lookup").inc()
+            metrics.BYTES.labels("lookup").inc(rows.nbytes + state.nbytes)
             return pb.LookupResponse(rows=to_tensor(rows), state=to_tensor(state))
 
     @grpc_errors
@@ -53,6 +54,7 @@ class EmbeddingServicer(pb_grpc.EmbeddingServerServicer):
             self.store.write(keys, rows, state)
             metrics.ROWS.labels("write_back").inc(n)
             metrics.REQUESTS.labels("write_back").inc()
+            metrics.BYTES.labels("write_back").inc(rows.nbytes + state.nbytes)
             return pb.WriteBackResponse(rows=n)
 
 

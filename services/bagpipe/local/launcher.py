@@ -14,7 +14,9 @@ import subprocess
 import sys
 import sysconfig
 import time
+import urllib.request
 import uuid
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -25,6 +27,8 @@ from tqdm import tqdm
 from bagpipe import serving
 from bagpipe.config_args import table_rows_of
 from bagpipe.control.registry import Registry
+from bagpipe.local.prometheus import PrometheusServer
+from bagpipe.local.report import write_report
 from bagpipe.trainer.metrics import STAGES
 from bagpipe.v1 import control_pb2, control_pb2_grpc
 
@@ -142,8 +146,15 @@ def _shutdown_services(registry: Registry) -> None:
                 pass
 
 
-def run(args: argparse.Namespace) -> dict[str, Any]:
-    """Runs one local job to the end and returns its summary (raises on failure)."""
+AfterTraining = Callable[[dict[str, str], "PrometheusServer | None"], None]
+
+
+def run(args: argparse.Namespace, after_training: AfterTraining | None = None) -> dict[str, Any]:
+    """Runs one local job to the end and returns its summary (raises on failure).
+
+    ``after_training`` is called with every service's /metrics address (and the local Prometheus, if
+    any) once training is over and before the services stop: tests scrape the live services there.
+    """
     table_rows = table_rows_of(args)
     if args.batch_size % args.trainers:
         raise SystemExit(f"--batch-size: {args.batch_size} is not a multiple of --trainers {args.trainers}")
@@ -157,6 +168,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     tables = ["--data", args.data, "--table-rows", ",".join(map(str, table_rows))]
     model = ["--embedding-dim", str(args.embedding_dim), "--optimizer", args.optimizer, "--lr", repr(args.lr),
              "--seed", str(args.seed)] + (["--init-from", args.init_from] if args.init_from else [])  # fmt: skip
+    prometheus: PrometheusServer | None = None
     try:
         for s in range(args.embedding_servers):
             job.spawn(f"embedding-server-{s}", "bagpipe.embedding_server",
@@ -189,18 +201,60 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
                           ["--rank", str(r), "--world-size", str(args.trainers), "--dist-init", dist_init,
                            "--device", args.device, "--bottom-mlp", ",".join(map(str, args.bottom_mlp)),
                            "--top-mlp", ",".join(map(str, args.top_mlp)), *tables, *model, *coord, *extra,
+                           "--iteration-log", str(run_dir / "metrics" / f"trainer-{r}.csv"),
                            *(["--cache-rows", str(args.cache_rows)] if args.cache_rows else [])])  # fmt: skip
             )
+        services = args.embedding_servers + args.data_processors + 1 + args.trainers
+        endpoints = _wait_for_endpoints(job, registry, services)
+        if args.prometheus:
+            prometheus = PrometheusServer(run_dir / "prometheus", endpoints, args.prometheus_port or free_port())
+            print(f"prometheus: {prometheus.url} (scraping {len(endpoints)} services)", file=sys.stderr)
         _watch(job, registry, trainer_procs, args)
         stats = [registry.get_json(f"stats:{r}") for r in range(args.trainers)]
+        _save_scrapes(run_dir / "metrics", endpoints)
+        if after_training is not None:
+            after_training(endpoints, prometheus)
         _shutdown_services(registry)
         summary = summarize(stats, args, run_dir)
+        summary["report"] = str(run_dir / "report.html")
         (run_dir / "summary.json").write_text(json.dumps(summary, indent=2))
+        write_report(run_dir, summary)
+        if prometheus is not None and args.prometheus_linger > 0:
+            print(f"prometheus stays up at {prometheus.url} for {args.prometheus_linger:.0f} s (Ctrl-C ends it)",
+                  file=sys.stderr)  # fmt: skip
+            time.sleep(args.prometheus_linger)
         return summary
     finally:
+        if prometheus is not None:
+            prometheus.stop()
         job.stop_all()
         registry.close()
         redis_server.stop()
+
+
+def _wait_for_endpoints(job: LocalJob, registry: Registry, count: int, timeout: float = 120.0) -> dict[str, str]:
+    """Every service's /metrics address, once all have registered (they do so as they start)."""
+    deadline = time.monotonic() + timeout
+    while True:
+        _raise_if_failed(job)
+        endpoints = registry.metrics_endpoints()
+        if len(endpoints) >= count:
+            return endpoints
+        if time.monotonic() > deadline:
+            raise RuntimeError(f"only {len(endpoints)} of {count} services registered a metrics endpoint")
+        time.sleep(0.05)
+
+
+def _save_scrapes(directory: Path, endpoints: dict[str, str]) -> None:
+    """Final /metrics of every service, as ``<service>-<member>.prom`` (the exposition text)."""
+    directory.mkdir(parents=True, exist_ok=True)
+    for name, address in endpoints.items():
+        service, member = name.split("/", 1)
+        try:
+            with urllib.request.urlopen(f"http://{address}/metrics", timeout=10) as r:
+                (directory / f"{service}-{member}.prom").write_bytes(r.read())
+        except OSError as e:
+            logger.warning("could not scrape %s at %s: %s", name, address, e)
 
 
 def cache_args(args: argparse.Namespace) -> list[str]:
@@ -225,8 +279,11 @@ def _watch(job: LocalJob, registry: Registry, trainers: list[Process], args: arg
     bar = tqdm(total=total, unit="it", desc="training", disable=args.quiet, dynamic_ncols=True)
     done = 0
     try:
-        while any(p.proc.poll() is None for p in trainers):
+        # a finished trainer stores its statistics and keeps serving /metrics until it is stopped
+        while not all(registry.get_json(f"stats:{r}") is not None for r in range(len(trainers))):
             _raise_if_failed(job)
+            if all(p.proc.poll() is not None for p in trainers):
+                raise RuntimeError("the trainers exited without their statistics; see logs/trainer-*.log")
             progress = registry.progress()
             if len(progress) == len(trainers):
                 now = min(progress.values()) + 1
@@ -280,7 +337,7 @@ def summarize(stats: list[dict[str, Any]], args: argparse.Namespace, run_dir: Pa
 
 def format_summary(s: dict[str, Any]) -> str:
     lines = [
-        f"run directory        {s['run_dir']}",
+        f"run directory        {s['run_dir']}  (report: {s.get('report', '-')})",
         f"iterations           {s['iterations']}  ({s['trainers']} trainers, {s['embedding_servers']} embedding servers, "
         f"batch {s['batch_size']})",
         f"lookahead L          {s['lookahead']['mean']:.1f} mean, {s['lookahead']['min']}..{s['lookahead']['max']} "

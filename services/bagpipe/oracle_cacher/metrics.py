@@ -8,6 +8,12 @@ PLANS_DISPATCHED = Counter("bagpipe_oracle_cacher_plans_dispatched_total", "Plan
 PLAN_SECONDS = Histogram("bagpipe_oracle_cacher_plan_seconds", "Time to plan one batch")
 LOOKAHEAD = Gauge("bagpipe_oracle_cacher_lookahead_batches", "Lookahead L in use")
 OCCUPANCY = Gauge("bagpipe_oracle_cacher_cache_occupancy_rows", "Rows resident in the (logical) cache")
+QUEUE_DEPTH = Gauge(
+    "bagpipe_oracle_cacher_queue_depth_plans", "Plans made and not yet sent to a trainer", ["rank"]
+)
+READY_PLANS = Gauge(
+    "bagpipe_oracle_cacher_dispatchable_plans", "Planned batches whose write-back dependencies are met"
+)
 PEAK_OCCUPANCY = Gauge("bagpipe_oracle_cacher_cache_peak_occupancy_rows", "Most rows resident in the logical cache so far")
 SLOT_HIGH_WATER = Gauge("bagpipe_oracle_cacher_cache_slots_rows", "Cache slots a trainer needs (live plus waiting for reuse)")
 ROWS_SYNCED = Counter(

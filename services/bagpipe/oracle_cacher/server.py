@@ -237,6 +237,7 @@ class Oracle(pb_grpc.OracleCacherServicer):
                     self.early_reuses = self.planner.early_reuses
                 self.windows.append(plan.window)
                 self.planned[plan.batch] = _Planned(plan, messages)
+                self._update_queue_metrics()
                 self.cond.notify_all()
                 if plan.last:
                     logger.info(
@@ -245,6 +246,12 @@ class Oracle(pb_grpc.OracleCacherServicer):
                         self.planner.slot_high_water,
                     )  # fmt: skip
                     return
+
+    def _update_queue_metrics(self) -> None:
+        for rank in range(self.config.trainers):
+            waiting = sum(1 for entry in self.planned.values() if rank not in entry.taken)
+            metrics.QUEUE_DEPTH.labels(str(rank)).set(waiting)
+        metrics.READY_PLANS.set(sum(1 for b in self.planned if self._dispatchable(b)))
 
     # ---- oracle -> trainers
     def _dispatchable(self, batch: int) -> bool:
@@ -266,6 +273,7 @@ class Oracle(pb_grpc.OracleCacherServicer):
                 if len(entry.taken) == self.config.trainers:
                     del self.planned[batch]
                     self.cond.notify_all()
+                self._update_queue_metrics()
             metrics.PLANS_DISPATCHED.inc()
             yield entry.messages[rank]
             if entry.plan.last:
@@ -280,6 +288,7 @@ class Oracle(pb_grpc.OracleCacherServicer):
         async with self.cond:
             self.written_back[rank] = max(self.written_back[rank], request.written_back)
             self.trained[rank] = max(self.trained[rank], request.trained)
+            self._update_queue_metrics()
             self.cond.notify_all()
         return pb.ProgressAck()
 

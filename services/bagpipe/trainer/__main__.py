@@ -3,7 +3,9 @@
 from __future__ import annotations
 
 import logging
+import signal
 import sys
+import threading
 
 from bagpipe import serving
 from bagpipe.trainer.config import parse
@@ -16,11 +18,28 @@ def main(argv: list[str] | None = None) -> None:
     cfg, args = parse(argv)
     serving.configure_logging(args.log_level)
     trainer = Trainer(cfg)
+    http = serving.start_metrics(
+        args.metrics_address, "trainer", str(cfg.rank), trainer.registry,
+        lambda: repr(trainer.pipeline.error) if trainer.pipeline.error is not None else None,
+    )  # fmt: skip
+    trainer.on_ready = http.ready.set
     try:
         stats = trainer.run()
         logger.info("rank %d done: %d iterations, %.1f samples/s", cfg.rank, stats["iterations"], stats["samples_per_second"])
-    finally:
+    except BaseException:
         trainer.close()
+        http.stop()
+        raise
+    trainer.close()
+    if not args.exit_when_done:
+        # keep /metrics and /healthz up (Prometheus' last scrape, a StatefulSet that must not restart)
+        done = threading.Event()
+        signal.signal(signal.SIGTERM, lambda *_: done.set())
+        signal.signal(signal.SIGINT, lambda *_: done.set())
+        logger.info("training done; serving metrics until stopped (SIGTERM)")
+        while not done.wait(1.0):
+            pass
+    http.stop()
 
 
 if __name__ == "__main__":

@@ -28,6 +28,7 @@ class TrainerConfig:
     redis_url: str
     job: str
     cache_rows: int | None = None
+    iteration_log: str | None = None
 
     def __post_init__(self) -> None:
         if self.cache_rows is not None and self.cache_rows < 1:
@@ -48,6 +49,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--device", default="auto", help="auto (CUDA when present), cpu or cuda")
     p.add_argument("--save-initial", default=None, help="rank 0 writes the initial interchange checkpoint here")
     p.add_argument("--save-final", default=None, help="rank 0 writes the final interchange checkpoint here")
+    p.add_argument("--iteration-log", default=None, help="write one CSV row per iteration here")
+    p.add_argument("--exit-when-done", action="store_true",
+                   help="exit after training instead of serving /metrics until SIGTERM")
     p.add_argument("--cache-rows", type=positive_int, default=None, help="cache rows (default: grow as planned)")
     add_table_args(p)
     add_model_args(p, dense=True)
@@ -75,5 +79,6 @@ def parse(argv: list[str] | None = None) -> tuple[TrainerConfig, argparse.Namesp
         redis_url=a.redis,
         job=a.job,
         cache_rows=a.cache_rows,
+        iteration_log=a.iteration_log,
     )
     return cfg, a

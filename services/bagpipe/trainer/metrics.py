@@ -6,12 +6,23 @@ STAGES = ("data_wait", "prefetch_wait", "forward", "backward", "embedding_sync",
 
 ITERATIONS = Counter("bagpipe_trainer_iterations_total", "Training iterations completed")
 SAMPLES = Counter("bagpipe_trainer_samples_total", "Samples trained on by this trainer")
-STAGE_SECONDS = Histogram("bagpipe_trainer_stage_seconds", "Time of one stage of an iteration", ["stage"])
+STAGE_SECONDS = Histogram(
+    "bagpipe_trainer_stage_seconds", "Time of one stage of an iteration", ["stage"],
+    buckets=(0.0001, 0.0005, 0.001, 0.002, 0.005, 0.01, 0.02, 0.05, 0.1, 0.2, 0.5, 1.0, 2.0, 5.0),
+)  # fmt: skip
 CACHE_HITS = Counter("bagpipe_trainer_cache_hits_total", "Batch rows found in the cache")
 CACHE_MISSES = Counter("bagpipe_trainer_cache_misses_total", "Batch rows that had to be prefetched")
 ROWS_PREFETCHED = Counter("bagpipe_trainer_rows_prefetched_total", "Rows fetched from embedding servers")
 ROWS_WRITTEN_BACK = Counter("bagpipe_trainer_rows_written_back_total", "Rows written back to embedding servers")
 LOSS = Gauge("bagpipe_trainer_loss", "Mean loss of the last global batch")
+ITERATION_SECONDS = Histogram(
+    "bagpipe_trainer_iteration_seconds", "Time of one whole iteration (the stages add up to it)",
+    buckets=(0.005, 0.01, 0.02, 0.05, 0.1, 0.2, 0.5, 1.0, 2.0, 5.0, 10.0),
+)
+CACHE_LOOKUPS = Counter("bagpipe_trainer_cache_lookups_total", "Rows this trainer's samples read (hits + misses)")
+BYTES = Counter(
+    "bagpipe_trainer_embedding_bytes_total", "Embedding bytes exchanged with the embedding servers", ["direction"]
+)
 HEARTBEAT = Gauge("bagpipe_trainer_heartbeat_timestamp_seconds", "Unix time of the last finished iteration")
 ROWS_SYNCED = Counter(
     "bagpipe_trainer_rows_synced_total",

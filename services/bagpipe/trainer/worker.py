@@ -15,12 +15,14 @@ Threads:
 
 from __future__ import annotations
 
+import csv
 import logging
 import queue
 import threading
 import time
 from collections import defaultdict
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
 
 import numpy as np
@@ -134,6 +136,25 @@ class _Background:
     writeback_slots: np.ndarray
 
 
+class IterationLog:
+    """One CSV row per iteration (the run report's source): stage times, loss, cache and sync figures."""
+
+    def __init__(self, path: str) -> None:
+        Path(path).parent.mkdir(parents=True, exist_ok=True)
+        self._file = open(path, "w", newline="")  # noqa: SIM115 (closed by close())
+        self._writer: csv.DictWriter[str] | None = None
+
+    def write(self, row: dict[str, Any]) -> None:
+        if self._writer is None:
+            self._writer = csv.DictWriter(self._file, fieldnames=list(row))
+            self._writer.writeheader()
+        self._writer.writerow(row)
+        self._file.flush()
+
+    def close(self) -> None:
+        self._file.close()
+
+
 class _Pipeline:
     """Per-batch readiness shared by the threads, with the first error any thread hit."""
 
@@ -190,6 +211,9 @@ class Trainer:
         self.lookaheads: list[tuple[int, int]] = []  # (batch, L of its plan)
         self.peak_occupancy = 0
         self.client: EmbeddingClient | None = None
+        self.on_ready: Any = lambda: None  # called once connected and ready to train
+        self.iteration_log = IterationLog(config.iteration_log) if config.iteration_log else None
+        self._bytes_seen = (0, 0)
         self.oracle: opb_grpc.OracleCacherStub | None = None
 
     # ---- setup
@@ -372,7 +396,7 @@ class Trainer:
 
     def step(self, batch: int) -> PlanArrays:
         self.step_seconds = dict.fromkeys(metrics.STAGES, 0.0)
-        t = time.perf_counter()
+        t = started = time.perf_counter()
         self.pipeline.wait(lambda: batch in self.pipeline.received)
         t = self._timed("data_wait", t)
         self.pipeline.wait(lambda: batch in self.pipeline.ready)
@@ -428,10 +452,11 @@ class Trainer:
         self.sync_queue.put(
             _Background(batch, share.background, background, share.writeback_keys, share.writeback_slots)
         )
-        self._timed("write_back", t)
+        iteration = self._timed("write_back", t) - started
         for stage, seconds in self.step_seconds.items():
             self.stage_seconds[stage] += seconds
             metrics.STAGE_SECONDS.labels(stage).observe(seconds)
+        metrics.ITERATION_SECONDS.observe(iteration)
 
         used = int(share.slots.size)
         missed = int(np.isin(share.slots, share.prefetch_slots, assume_unique=True).sum()) if share.prefetch_slots.size else 0
@@ -455,6 +480,7 @@ class Trainer:
         self.losses.append(float(flat[-1]))
         metrics.ITERATIONS.inc()
         metrics.SAMPLES.inc(int(plan.labels.size))
+        metrics.CACHE_LOOKUPS.inc(used)
         metrics.CACHE_HITS.inc(used - missed)
         metrics.CACHE_MISSES.inc(missed)
         metrics.ROWS_PREFETCHED.inc(fetched)
@@ -465,7 +491,23 @@ class Trainer:
         metrics.CACHE_CAPACITY.set(self.cache.capacity)
         metrics.LOOKAHEAD.set(plan.lookahead)
         metrics.LOSS.set(self.losses[-1])
-        metrics.HEARTBEAT.set(time.time())
+        assert self.client is not None
+        sent, received = self.client.bytes_sent, self.client.bytes_received
+        metrics.BYTES.labels("sent").inc(sent - self._bytes_seen[0])
+        metrics.BYTES.labels("received").inc(received - self._bytes_seen[1])
+        self._bytes_seen = (sent, received)
+        now = time.time()
+        metrics.HEARTBEAT.set(now)
+        if self.iteration_log is not None:
+            self.iteration_log.write({
+                "batch": batch, "time": now, "iteration_seconds": iteration,
+                **{f"{stage}_seconds": sec for stage, sec in self.step_seconds.items()},
+                "loss": self.losses[-1], "samples": int(plan.labels.size), "rows_used": used, "rows_missed": missed,
+                "rows_prefetched": fetched, "rows_written_back": written, "rows_synced_critical": crit_rows,
+                "rows_synced_background": bg_rows, "rows_private": int(share.private_rows.size),
+                "lookahead": plan.lookahead, "cache_occupancy_rows": plan.occupancy,
+                "bytes_sent": sent, "bytes_received": received,
+            })  # fmt: skip
         return plan
 
     def run(self) -> dict[str, Any]:
@@ -477,6 +519,7 @@ class Trainer:
             self.export_checkpoint(self.config.save_initial, {"steps": 0})
         if self.config.world_size > 1:
             dist.barrier()
+        self.on_ready()
         threads = [
             threading.Thread(target=self._receive, name="receiver", daemon=True),
             threading.Thread(target=self._prefetch, name="prefetcher", daemon=True),
@@ -538,6 +581,8 @@ class Trainer:
         }
 
     def close(self) -> None:
+        if self.iteration_log is not None:
+            self.iteration_log.close()
         if self.client is not None:
             self.client.close()
         if self.config.world_size > 1 and dist.is_initialized():

@@ -1,0 +1,128 @@
+"""The run report: plots of a local run from the trainers' per-iteration CSV files.
+
+``write_report`` makes ``iteration_breakdown.png`` (stacked stage times per trainer), ``loss.png``,
+``cache.png`` (hit rate, rows fetched and synchronised per iteration) and ``report.html``, which shows
+the summary and the three plots and can be opened straight from the run directory.
+"""
+
+from __future__ import annotations
+
+import csv
+import html
+from pathlib import Path
+from typing import Any
+
+import matplotlib
+
+matplotlib.use("Agg")
+import matplotlib.pyplot as plt  # noqa: E402
+
+from bagpipe.trainer.metrics import STAGES  # noqa: E402
+
+COLOURS = ("#8c8c8c", "#c7c7c7", "#1f77b4", "#aec7e8", "#d62728", "#ff9896", "#2ca02c", "#ffbb78")
+
+
+def read_iterations(path: Path) -> dict[str, list[float]]:
+    """A trainer's CSV as columns of floats."""
+    with open(path, newline="") as f:
+        rows = list(csv.DictReader(f))
+    if not rows:
+        return {}
+    return {k: [float(r[k]) for r in rows] for k in rows[0]}
+
+
+def _smooth(values: list[float], window: int) -> list[float]:
+    out, total = [], 0.0
+    for i, v in enumerate(values):
+        total += v
+        if i >= window:
+            total -= values[i - window]
+        out.append(total / min(i + 1, window))
+    return out
+
+
+def write_report(run_dir: Path, summary: dict[str, Any]) -> Path:
+    """Writes the plots and ``report.html`` into ``run_dir``; returns the HTML path."""
+    files = sorted((run_dir / "metrics").glob("trainer-*.csv"), key=lambda p: int(p.stem.split("-")[1]))
+    trainers = {int(p.stem.split("-")[1]): read_iterations(p) for p in files}
+    trainers = {r: cols for r, cols in trainers.items() if cols}
+    if not trainers:
+        raise RuntimeError(f"no per-iteration metrics under {run_dir / 'metrics'}")
+    window = max(1, min(20, len(next(iter(trainers.values()))["batch"]) // 20))
+
+    fig, axes = plt.subplots(len(trainers), 1, figsize=(11, 3.2 * len(trainers)), sharex=True, squeeze=False)
+    for ax, (rank, cols) in zip(axes[:, 0], trainers.items(), strict=True):
+        stacks = [[1000 * v for v in _smooth(cols[f"{s}_seconds"], window)] for s in STAGES]
+        ax.stackplot(cols["batch"], stacks, labels=STAGES, colors=COLOURS, linewidth=0)
+        ax.plot(cols["batch"], [1000 * v for v in _smooth(cols["iteration_seconds"], window)], "k-", lw=0.8,
+                label="iteration")  # fmt: skip
+        ax.set_ylabel("ms per iteration")
+        ax.set_title(f"trainer {rank}: iteration breakdown (moving mean over {window})", fontsize=10)
+        ax.grid(alpha=0.3)
+    axes[0, 0].legend(loc="upper right", fontsize=7, ncol=3)
+    axes[-1, 0].set_xlabel("batch")
+    fig.tight_layout()
+    fig.savefig(run_dir / "iteration_breakdown.png", dpi=110)
+    plt.close(fig)
+
+    fig, ax = plt.subplots(figsize=(11, 3.5))
+    cols = trainers[min(trainers)]
+    ax.plot(cols["batch"], cols["loss"], color="#1f77b4", alpha=0.35, lw=0.8, label="global batch loss")
+    ax.plot(cols["batch"], _smooth(cols["loss"], window), color="#1f77b4", lw=1.6, label=f"moving mean ({window})")
+    ax.set_xlabel("batch")
+    ax.set_ylabel("BCE loss")
+    ax.set_title("loss", fontsize=10)
+    ax.grid(alpha=0.3)
+    ax.legend(fontsize=8)
+    fig.tight_layout()
+    fig.savefig(run_dir / "loss.png", dpi=110)
+    plt.close(fig)
+
+    fig, (ax1, ax2) = plt.subplots(2, 1, figsize=(11, 6), sharex=True)
+    for rank, c in trainers.items():
+        hit = [1 - m / u if u else 1.0 for m, u in zip(c["rows_missed"], c["rows_used"], strict=True)]
+        ax1.plot(c["batch"], [100 * v for v in _smooth(hit, window)], lw=1.2, label=f"trainer {rank}")
+    ax1.set_ylabel("cache hit rate (%)")
+    ax1.set_title("cache hit rate and rows moved per iteration", fontsize=10)
+    ax1.grid(alpha=0.3)
+    ax1.legend(fontsize=8)
+    for key, label in (("rows_prefetched", "fetched"), ("rows_synced_critical", "synchronised, critical"),
+                       ("rows_synced_background", "synchronised, background"), ("rows_written_back", "written back")):  # fmt: skip
+        ax2.plot(cols["batch"], _smooth(cols[key], window), lw=1.2, label=f"{label} (trainer {min(trainers)})")
+    ax2.set_xlabel("batch")
+    ax2.set_ylabel("rows")
+    ax2.grid(alpha=0.3)
+    ax2.legend(fontsize=8)
+    fig.tight_layout()
+    fig.savefig(run_dir / "cache.png", dpi=110)
+    plt.close(fig)
+
+    rows = "".join(
+        f"<tr><th>{html.escape(k)}</th><td>{html.escape(_fmt(v))}</td></tr>"
+        for k, v in summary.items()
+        if k != "losses"
+    )
+    page = f"""<!doctype html>
+<html><head><meta charset="utf-8"><title>Bagpipe run {html.escape(run_dir.name)}</title>
+<style>body{{font-family:sans-serif;max-width:1200px;margin:2em auto}}th{{text-align:left;padding-right:1em}}
+td,th{{font-size:13px;vertical-align:top}}img{{max-width:100%;border:1px solid #ddd;margin:.5em 0}}</style></head>
+<body><h1>Bagpipe run {html.escape(run_dir.name)}</h1>
+<h2>Iteration breakdown</h2><img src="iteration_breakdown.png" alt="iteration breakdown">
+<h2>Loss</h2><img src="loss.png" alt="loss">
+<h2>Cache</h2><img src="cache.png" alt="cache hit rate and rows moved">
+<h2>Summary</h2><table>{rows}</table>
+<p>Per-iteration data: <code>metrics/trainer-&lt;rank&gt;.csv</code>; final scrapes of every service:
+<code>metrics/*.prom</code>.</p>
+</body></html>
+"""
+    out = run_dir / "report.html"
+    out.write_text(page)
+    return out
+
+
+def _fmt(value: Any) -> str:
+    if isinstance(value, float):
+        return f"{value:,.4g}"
+    if isinstance(value, dict):
+        return ", ".join(f"{k}: {_fmt(v)}" for k, v in value.items())
+    return str(value)

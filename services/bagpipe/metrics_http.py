@@ -1,0 +1,69 @@
+"""Every service's HTTP endpoint: Prometheus ``/metrics``, liveness ``/healthz`` and readiness ``/readyz``.
+
+A small threaded ``http.server`` beside the service's gRPC server (the trainer has only this one).
+``/healthz`` answers 200 while the process is responsive and its health callable reports no failure;
+``/readyz`` answers 200 once the service has said it is ready (listening, registered).
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+from collections.abc import Callable
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+
+from prometheus_client import CONTENT_TYPE_LATEST, REGISTRY, generate_latest
+
+logger = logging.getLogger(__name__)
+
+Health = Callable[[], str | None]  # None when healthy, else what is wrong
+
+
+class MetricsServer:
+    """Serves the process's default Prometheus registry on ``address`` (``host:port``, port 0: any)."""
+
+    def __init__(self, address: str, service: str, health: Health | None = None) -> None:
+        host, _, port = address.rpartition(":")
+        if not host or not port.isdigit():
+            raise ValueError(f"metrics address: expected host:port, got {address!r}")
+        self.service = service
+        self.ready = threading.Event()
+        self._health = health or (lambda: None)
+        owner = self
+
+        class Handler(BaseHTTPRequestHandler):
+            def do_GET(self) -> None:  # noqa: N802
+                path = self.path.split("?", 1)[0]
+                if path == "/metrics":
+                    self._send(200, generate_latest(REGISTRY), CONTENT_TYPE_LATEST)
+                elif path == "/healthz":
+                    problem = owner._health()
+                    self._send(503 if problem else 200, (problem or "ok").encode() + b"\n")
+                elif path == "/readyz":
+                    ready = owner.ready.is_set()
+                    self._send(200 if ready else 503, b"ready\n" if ready else b"starting\n")
+                else:
+                    self._send(404, b"not found: try /metrics, /healthz or /readyz\n")
+
+            def _send(self, code: int, body: bytes, content_type: str = "text/plain; charset=utf-8") -> None:
+                self.send_response(code)
+                self.send_header("Content-Type", content_type)
+                self.send_header("Content-Length", str(len(body)))
+                self.end_headers()
+                self.wfile.write(body)
+
+            def log_message(self, format: str, *args: object) -> None:  # noqa: A002
+                logger.debug("%s: %s", owner.service, format % args)
+
+        bind = "" if host in ("0.0.0.0", "[::]") else host.strip("[]")
+        self._server = ThreadingHTTPServer((bind, int(port)), Handler)
+        self._server.daemon_threads = True
+        self.port = int(self._server.server_address[1])
+        self.address = f"{'127.0.0.1' if bind == '' else bind}:{self.port}"
+        self._thread = threading.Thread(target=self._server.serve_forever, name="metrics-http", daemon=True)
+        self._thread.start()
+        logger.info("%s: metrics on http://%s/metrics", service, self.address)
+
+    def stop(self) -> None:
+        self._server.shutdown()
+        self._server.server_close()

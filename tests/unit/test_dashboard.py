@@ -1,0 +1,38 @@
+"""The Grafana dashboard queries only metrics the code defines, and every query is valid PromQL."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+
+from bagpipe.local.prometheus import find_binary
+from tests.dashboard_exprs import DASHBOARD, dashboard_exprs, defined_metric_names, names_in
+
+
+def test_every_dashboard_metric_is_defined_in_the_code() -> None:
+    defined = defined_metric_names()
+    used = set().union(*(names_in(e) for e in dashboard_exprs()))
+    assert used, "the dashboard must query Bagpipe metrics"
+    assert not used - defined, f"the dashboard uses metrics no service defines: {sorted(used - defined)}"
+    for needed in ("bagpipe_trainer_stage_seconds_sum", "bagpipe_embedding_server_request_seconds_bucket",
+                   "bagpipe_oracle_cacher_queue_depth_plans", "bagpipe_trainer_heartbeat_timestamp_seconds",
+                   "bagpipe_trainer_rows_synced_total", "bagpipe_trainer_cache_hits_total"):  # fmt: skip
+        assert needed in used, f"the dashboard should show {needed}"
+
+
+def test_every_dashboard_expr_passes_promtool(tmp_path) -> None:
+    rules = {"groups": [{"name": "dashboard", "rules": [
+        {"record": f"dashboard:expr_{i}", "expr": e} for i, e in enumerate(dashboard_exprs())
+    ]}]}  # fmt: skip
+    path = tmp_path / "dashboard-rules.yml"
+    path.write_text(json.dumps(rules))  # JSON is YAML
+    out = subprocess.run([find_binary("promtool"), "check", "rules", str(path)], capture_output=True, text=True)
+    assert out.returncode == 0, out.stdout + out.stderr
+
+
+def test_dashboard_has_the_iteration_breakdown_per_trainer() -> None:
+    dash = json.loads(DASHBOARD.read_text())
+    breakdown = [p for p in dash["panels"] if "Iteration breakdown" in p.get("title", "")]
+    assert len(breakdown) == 1 and breakdown[0]["repeat"] == "trainer"
+    assert breakdown[0]["fieldConfig"]["defaults"]["custom"]["stacking"]["mode"] == "normal"
+    assert {v["name"] for v in dash["templating"]["list"]} >= {"datasource", "trainer"}
