@@ -36,3 +36,20 @@ def test_dashboard_has_the_iteration_breakdown_per_trainer() -> None:
     assert len(breakdown) == 1 and breakdown[0]["repeat"] == "trainer"
     assert breakdown[0]["fieldConfig"]["defaults"]["custom"]["stacking"]["mode"] == "normal"
     assert {v["name"] for v in dash["templating"]["list"]} >= {"datasource", "trainer"}
+
+
+def test_metric_names_follow_the_convention() -> None:
+    """bagpipe_<service>_<what>_<unit>, each service's metrics in its own module, low-cardinality labels."""
+    import importlib
+
+    from prometheus_client.metrics import MetricWrapperBase
+
+    from tests.dashboard_exprs import METRIC_MODULES
+
+    for service in METRIC_MODULES:
+        module = importlib.import_module(f"bagpipe.{service}.metrics")
+        found = [m for m in vars(module).values() if isinstance(m, MetricWrapperBase)]
+        assert found, service
+        for metric in found:
+            assert metric._name.startswith(f"bagpipe_{service}_"), metric._name
+            assert set(metric._labelnames) <= {"stage", "path", "direction", "op", "rank"}, metric._labelnames

@@ -409,8 +409,8 @@ class Trainer:
         dev = self.device
         slots = self._index(share.slots)
         inverse = torch.from_numpy(share.inverse.astype(np.int64)).to(dev)
-        dense = torch.from_numpy(plan.dense).to(dev)
-        labels = torch.from_numpy(plan.labels).to(dev)
+        dense = torch.from_numpy(np.require(plan.dense, requirements="W")).to(dev)  # (wire buffers are read-only)
+        labels = torch.from_numpy(np.require(plan.labels, requirements="W")).to(dev)
         with self.cache.lock.shared():
             rows = self.cache.weights.index_select(0, slots).requires_grad_()
         loss = batch_loss(self.model(dense, rows[inverse]), labels, plan.global_batch_size)
