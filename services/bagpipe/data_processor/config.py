@@ -47,7 +47,7 @@ class DataProcessorConfig:
 
     source: SourceConfig
     batch_size: int
-    index: int
+    index: int | None
     address: str
     redis_url: str
     job: str
@@ -80,7 +80,9 @@ def source_of(a: argparse.Namespace) -> SourceConfig:
 
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="bagpipe-data-processor", description=DataProcessorConfig.__doc__)
-    p.add_argument("--index", type=int, default=0, help="this processor's index (its Redis member name)")
+    p.add_argument(
+        "--index", type=int, default=None, help="this processor's index, its Redis member name (default: the host name)"
+    )
     p.add_argument("--batch-size", type=int, required=True, help="global batch size")
     p.add_argument("--seed", type=int, default=0, help="seed of the synthetic data")
     p.add_argument("--address", default="127.0.0.1:0", help="host:port to listen on (port 0: any)")

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import argparse
 import asyncio
 import logging
 import sys
@@ -19,9 +20,11 @@ from bagpipe.embedding_server.server import create_server
 logger = logging.getLogger("bagpipe.embedding_server")
 
 
-async def serve(cfg: EmbeddingServerConfig, metrics_address: str) -> None:
+async def serve(cfg: EmbeddingServerConfig, args: argparse.Namespace) -> None:
     registry = Registry(cfg.redis_url, cfg.job)
-    http = serving.start_metrics(metrics_address, "embedding_server", str(cfg.shard), registry)
+    http = serving.start_metrics(
+        args.metrics_address, "embedding_server", str(cfg.shard), registry, None, args.advertise_host
+    )
     offsets = table_offsets(cfg.table_rows)
     shard_map = registry.publish_shard_map(ShardMap.create(int(offsets[-1]), cfg.num_shards))
     if shard_map.num_keys != int(offsets[-1]) or shard_map.num_shards != cfg.num_shards:
@@ -35,6 +38,7 @@ async def serve(cfg: EmbeddingServerConfig, metrics_address: str) -> None:
         ckpt = checkpoint.load(cfg.init_from)
         store.load_checkpoint(ckpt["embeddings"], (ckpt.get("optimizer") or {}).get("embeddings"))
     server, port, control, health = await create_server(store, cfg.address)
+    control.address = serving.advertised(control.address, args.advertise_host)
     registry.register("embedding_server", str(cfg.shard), control.address)
     http.ready.set()
     logger.info("shard %d/%d serving %d rows on %s", cfg.shard, cfg.num_shards, store.rows_held, control.address)
@@ -48,7 +52,7 @@ def main(argv: list[str] | None = None) -> None:
     cfg = parse(argv)
     args = build_parser().parse_args(argv)
     serving.configure_logging(args.log_level)
-    asyncio.run(serve(cfg, args.metrics_address))
+    asyncio.run(serve(cfg, args))
 
 
 if __name__ == "__main__":

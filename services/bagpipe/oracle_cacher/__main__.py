@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import argparse
 import asyncio
 import logging
 import sys
@@ -14,13 +15,21 @@ from bagpipe.oracle_cacher.server import Oracle, create_server
 logger = logging.getLogger("bagpipe.oracle_cacher")
 
 
-async def serve(cfg: OracleConfig, metrics_address: str) -> None:
+def _member_order(name: str) -> tuple[int, str]:
+    """Data processors by index (local runs) or by pod name (a Deployment in Kubernetes)."""
+    return (int(name), "") if name.isdigit() else (1 << 30, name)
+
+
+async def serve(cfg: OracleConfig, args: argparse.Namespace) -> None:
     oracle = Oracle(cfg)
     registry = Registry(cfg.redis_url, cfg.job)
-    http = serving.start_metrics(metrics_address, "oracle_cacher", "0", registry, lambda: oracle.failure)
+    http = serving.start_metrics(
+        args.metrics_address, "oracle_cacher", "0", registry, lambda: oracle.failure, args.advertise_host
+    )
     server, port, control, health = await create_server(oracle, cfg.address)
+    control.address = serving.advertised(control.address, args.advertise_host)
     members = await asyncio.to_thread(registry.wait_for_members, "data_processor", cfg.data_processors)
-    addresses = [members[k] for k in sorted(members, key=int)][: cfg.data_processors]
+    addresses = [members[k] for k in sorted(members, key=_member_order)][: cfg.data_processors]
     tasks = oracle.start(addresses)
     registry.register("oracle_cacher", "0", control.address)
     http.ready.set()
@@ -39,7 +48,7 @@ async def serve(cfg: OracleConfig, metrics_address: str) -> None:
 def main(argv: list[str] | None = None) -> None:
     cfg, args = parse(argv)
     serving.configure_logging(args.log_level)
-    asyncio.run(serve(cfg, args.metrics_address))
+    asyncio.run(serve(cfg, args))
 
 
 if __name__ == "__main__":

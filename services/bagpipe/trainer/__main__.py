@@ -20,7 +20,7 @@ def main(argv: list[str] | None = None) -> None:
     trainer = Trainer(cfg)
     http = serving.start_metrics(
         args.metrics_address, "trainer", str(cfg.rank), trainer.registry,
-        lambda: repr(trainer.pipeline.error) if trainer.pipeline.error is not None else None,
+        lambda: repr(trainer.pipeline.error) if trainer.pipeline.error is not None else None, args.advertise_host,
     )  # fmt: skip
     trainer.on_ready = http.ready.set
     try:

@@ -23,6 +23,7 @@ CACHE_LOOKUPS = Counter("bagpipe_trainer_cache_lookups_total", "Rows this traine
 BYTES = Counter(
     "bagpipe_trainer_embedding_bytes_total", "Embedding bytes exchanged with the embedding servers", ["direction"]
 )
+FINISHED = Gauge("bagpipe_trainer_finished", "1 once this trainer has trained its last batch")
 HEARTBEAT = Gauge("bagpipe_trainer_heartbeat_timestamp_seconds", "Unix time of the last finished iteration")
 ROWS_SYNCED = Counter(
     "bagpipe_trainer_rows_synced_total",

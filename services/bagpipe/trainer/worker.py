@@ -546,6 +546,7 @@ class Trainer:
             self.export_checkpoint(self.config.save_final, {"steps": batch + 1})
         stats = self.statistics(elapsed)
         self.registry.put_json(f"stats:{self.rank}", stats)
+        metrics.FINISHED.set(1)
         return stats
 
     def _lookahead_stats(self) -> dict[str, float]:

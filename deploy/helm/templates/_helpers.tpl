@@ -1,0 +1,214 @@
+{{/* Names */}}
+{{- define "bagpipe.name" -}}
+{{- default .Chart.Name .Values.nameOverride | trunc 63 | trimSuffix "-" -}}
+{{- end -}}
+
+{{- define "bagpipe.fullname" -}}
+{{- if .Values.fullnameOverride -}}
+{{- .Values.fullnameOverride | trunc 40 | trimSuffix "-" -}}
+{{- else if contains (include "bagpipe.name" .) .Release.Name -}}
+{{- .Release.Name | trunc 40 | trimSuffix "-" -}}
+{{- else -}}
+{{- printf "%s-%s" .Release.Name (include "bagpipe.name" .) | trunc 40 | trimSuffix "-" -}}
+{{- end -}}
+{{- end -}}
+
+{{/* <fullname>-<component>, e.g. bagpipe-trainer */}}
+{{- define "bagpipe.component" -}}
+{{- printf "%s-%s" (include "bagpipe.fullname" .root) .component -}}
+{{- end -}}
+
+{{- define "bagpipe.labels" -}}
+helm.sh/chart: {{ printf "%s-%s" .root.Chart.Name .root.Chart.Version | replace "+" "_" }}
+app.kubernetes.io/name: {{ include "bagpipe.name" .root }}
+app.kubernetes.io/instance: {{ .root.Release.Name }}
+app.kubernetes.io/version: {{ .root.Chart.AppVersion | quote }}
+app.kubernetes.io/managed-by: {{ .root.Release.Service }}
+app.kubernetes.io/part-of: bagpipe
+app.kubernetes.io/component: {{ .component }}
+{{- end -}}
+
+{{- define "bagpipe.selectorLabels" -}}
+app.kubernetes.io/name: {{ include "bagpipe.name" .root }}
+app.kubernetes.io/instance: {{ .root.Release.Name }}
+app.kubernetes.io/component: {{ .component }}
+{{- end -}}
+
+{{/* Labels every Bagpipe pod of this release carries (NetworkPolicy peers) */}}
+{{- define "bagpipe.memberLabels" -}}
+app.kubernetes.io/name: {{ include "bagpipe.name" . }}
+app.kubernetes.io/instance: {{ .Release.Name }}
+{{- end -}}
+
+{{- define "bagpipe.serviceAccountName" -}}
+{{- if .Values.serviceAccount.create -}}
+{{- default (include "bagpipe.fullname" .) .Values.serviceAccount.name -}}
+{{- else -}}
+{{- default "default" .Values.serviceAccount.name -}}
+{{- end -}}
+{{- end -}}
+
+{{/* image: <registry>/<repository>:<tag>[-cuda] */}}
+{{- define "bagpipe.image" -}}
+{{- $tag := .values.image.tag | default .root.Values.image.tag | default .root.Chart.AppVersion -}}
+{{- if eq (.values.image.variant | default "cpu") "cuda" }}{{ $tag = printf "%s-cuda" $tag }}{{ end -}}
+{{- if .root.Values.image.registry -}}
+{{- printf "%s/%s:%s" .root.Values.image.registry .values.image.repository $tag -}}
+{{- else -}}
+{{- printf "%s:%s" .values.image.repository $tag -}}
+{{- end -}}
+{{- end -}}
+
+{{- define "bagpipe.redisUrl" -}}
+{{- if .Values.redis.enabled -}}
+{{- printf "redis://%s-redis:%d/0" (include "bagpipe.fullname" .) (int .Values.redis.port) -}}
+{{- else if .Values.externalRedis.url -}}
+{{- .Values.externalRedis.url -}}
+{{- else -}}
+{{- fail "redis.enabled is false: set externalRedis.url (redis://host:port/db)" -}}
+{{- end -}}
+{{- end -}}
+
+{{/* Flags every service takes: coordination and where it serves metrics */}}
+{{- define "bagpipe.coordinationArgs" -}}
+- --redis
+- {{ include "bagpipe.redisUrl" . | quote }}
+- --job
+- {{ .Release.Name | quote }}
+- --log-level
+- {{ .Values.training.logLevel | quote }}
+- --metrics-address
+- {{ printf "0.0.0.0:%d" (int .Values.ports.metrics) | quote }}
+- --advertise-host
+- $(POD_IP)
+{{- end -}}
+
+{{- define "bagpipe.tableArgs" -}}
+- --data
+- {{ .Values.training.data | quote }}
+{{- if .Values.training.tableRows }}
+- --table-rows
+- {{ include "bagpipe.intList" .Values.training.tableRows | quote }}
+{{- end }}
+- --scale
+- {{ .Values.training.scale | quote }}
+{{- end -}}
+
+{{- define "bagpipe.modelArgs" -}}
+- --embedding-dim
+- {{ .Values.training.embeddingDim | int64 | quote }}
+- --optimizer
+- {{ .Values.training.optimizer | quote }}
+- --lr
+- {{ .Values.training.lr | quote }}
+- --seed
+- {{ .Values.training.seed | int64 | quote }}
+{{- if .Values.training.initFrom }}
+- --init-from
+- {{ printf "%s/%s" .Values.trainer.checkpoints.mountPath .Values.training.initFrom | quote }}
+{{- end }}
+{{- end -}}
+
+{{- define "bagpipe.cacheArgs" -}}
+{{- with .Values.training }}
+{{- if .lookahead }}
+- --lookahead
+- {{ .lookahead | int64 | quote }}
+{{- end }}
+- --max-lookahead
+- {{ .maxLookahead | int64 | quote }}
+{{- if .cacheRows }}
+- --cache-rows
+- {{ .cacheRows | int64 | quote }}
+{{- end }}
+- --reuse-delay
+- {{ .reuseDelay | int64 | quote }}
+- --cache-mode
+- {{ .cacheMode | quote }}
+- --sync
+- {{ .sync | quote }}
+{{- end }}
+{{- end -}}
+
+{{/* env every container gets: its pod IP (advertised in Redis) and, in StatefulSets, its ordinal */}}
+{{- define "bagpipe.env" -}}
+- name: POD_IP
+  valueFrom:
+    fieldRef:
+      fieldPath: status.podIP
+{{- if .ordinal }}
+- name: POD_INDEX
+  valueFrom:
+    fieldRef:
+      fieldPath: metadata.labels['apps.kubernetes.io/pod-index']
+{{- end }}
+{{- with .values.extraEnv }}
+{{ toYaml . }}
+{{- end }}
+{{- end -}}
+
+{{- define "bagpipe.grpcProbes" -}}
+startupProbe:
+  grpc:
+    port: {{ .root.Values.ports.grpc }}
+  periodSeconds: {{ .values.probes.startup.periodSeconds }}
+  failureThreshold: {{ .values.probes.startup.failureThreshold }}
+readinessProbe:
+  grpc:
+    port: {{ .root.Values.ports.grpc }}
+  periodSeconds: {{ .values.probes.readiness.periodSeconds }}
+  failureThreshold: {{ .values.probes.readiness.failureThreshold }}
+livenessProbe:
+  httpGet:
+    path: /healthz
+    port: metrics
+  periodSeconds: {{ .values.probes.liveness.periodSeconds }}
+  failureThreshold: {{ .values.probes.liveness.failureThreshold }}
+{{- end -}}
+
+{{- define "bagpipe.podCommon" -}}
+serviceAccountName: {{ include "bagpipe.serviceAccountName" .root }}
+automountServiceAccountToken: {{ .automount | default false }}
+securityContext:
+  {{- toYaml .root.Values.podSecurityContext | nindent 2 }}
+{{- with .root.Values.imagePullSecrets }}
+imagePullSecrets:
+  {{- toYaml . | nindent 2 }}
+{{- end }}
+{{- with .values.nodeSelector }}
+nodeSelector:
+  {{- toYaml . | nindent 2 }}
+{{- end }}
+{{- with .values.tolerations }}
+tolerations:
+  {{- toYaml . | nindent 2 }}
+{{- end }}
+{{- with .values.affinity }}
+affinity:
+  {{- toYaml . | nindent 2 }}
+{{- end }}
+{{- end -}}
+
+{{- define "bagpipe.pdb" -}}
+{{- if .values.podDisruptionBudget.enabled }}
+---
+apiVersion: policy/v1
+kind: PodDisruptionBudget
+metadata:
+  name: {{ include "bagpipe.component" . }}
+  labels:
+    {{- include "bagpipe.labels" . | nindent 4 }}
+spec:
+  maxUnavailable: {{ .values.podDisruptionBudget.maxUnavailable }}
+  selector:
+    matchLabels:
+      {{- include "bagpipe.selectorLabels" . | nindent 6 }}
+{{- end }}
+{{- end -}}
+
+{{/* [1460, 10131227] -> "1460,10131227" (YAML numbers are floats to the template engine) */}}
+{{- define "bagpipe.intList" -}}
+{{- $out := list -}}
+{{- range . }}{{ $out = append $out (int64 . | toString) }}{{ end -}}
+{{- join "," $out -}}
+{{- end -}}

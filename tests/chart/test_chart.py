@@ -1,0 +1,268 @@
+"""The Helm chart and the Dockerfiles: lint, schema, Kubernetes validation, alert rules, and that what
+the chart tells each container agrees with what the services parse, listen on and dial."""
+
+from __future__ import annotations
+
+import importlib
+import json
+import os
+import shutil
+import subprocess
+import sysconfig
+from pathlib import Path
+from typing import Any
+from urllib.parse import urlparse
+
+import pytest
+import yaml
+
+from bagpipe.local.prometheus import find_binary
+
+REPO = Path(__file__).resolve().parents[2]
+CHART = REPO / "deploy" / "helm"
+CI_VALUES = sorted((CHART / "ci").glob("*.yaml"))
+BIN = Path(sysconfig.get_path("scripts"))
+NAMESPACE = "ml"
+# container name -> the module whose parser reads its args (the image's entry point)
+PARSERS = {
+    "data-processor": "bagpipe.data_processor.config",
+    "oracle-cacher": "bagpipe.oracle_cacher.config",
+    "trainer": "bagpipe.trainer.config",
+    "embedding-server": "bagpipe.embedding_server.config",
+}
+
+
+def helm() -> str:
+    for candidate in (os.environ.get("BAGPIPE_HELM"), shutil.which("helm"), str(REPO / ".tools" / "helm" / "helm")):
+        if candidate and os.access(candidate, os.X_OK):
+            return candidate
+    raise FileNotFoundError("no helm binary: run `make tools`")
+
+
+def run(*argv: str) -> subprocess.CompletedProcess[str]:
+    return subprocess.run(list(argv), capture_output=True, text=True, cwd=REPO)
+
+
+def render(*args: str, chart: Path = CHART) -> list[dict[str, Any]]:
+    out = run(helm(), "template", "bagpipe", str(chart), "--namespace", NAMESPACE, *args)
+    assert out.returncode == 0, out.stderr
+    return [d for d in yaml.safe_load_all(out.stdout) if d]
+
+
+def by_kind(docs: list[dict[str, Any]], kind: str) -> dict[str, dict[str, Any]]:
+    return {d["metadata"]["name"]: d for d in docs if d["kind"] == kind}
+
+
+def test_helm_lint() -> None:
+    out = run(helm(), "lint", str(CHART), "--strict")
+    assert out.returncode == 0, out.stdout + out.stderr
+
+
+@pytest.mark.parametrize("values", [None, *CI_VALUES], ids=lambda v: "default" if v is None else v.stem)
+def test_rendered_manifests_are_valid_kubernetes(values: Path | None, tmp_path: Path) -> None:
+    args = ["-f", str(values)] if values else []
+    out = run(helm(), "template", "bagpipe", str(CHART), "--namespace", NAMESPACE, *args)
+    assert out.returncode == 0, out.stderr
+    manifests = tmp_path / "manifests.yaml"
+    manifests.write_text(out.stdout)
+    check = run(str(BIN / "kubernetes-validate"), "--strict", "-k", "1.32.0", "--quiet", str(manifests))
+    assert check.returncode == 0, check.stdout + check.stderr
+    assert "ERROR" not in check.stdout.upper(), check.stdout
+
+
+def test_prometheus_rule_passes_promtool(tmp_path: Path) -> None:
+    (rule,) = by_kind(render(), "PrometheusRule").values()
+    alerts = {r["alert"] for g in rule["spec"]["groups"] for r in g["rules"]}
+    assert alerts == {"BagpipeTrainerHeartbeatStale", "BagpipeEmbeddingServerDown", "BagpipeOracleStarvingTrainers",
+                      "BagpipeIterationTimeRegressed"}  # fmt: skip
+    path = tmp_path / "rules.yml"
+    path.write_text(yaml.safe_dump({"groups": rule["spec"]["groups"]}))
+    out = run(find_binary("promtool"), "check", "rules", str(path))
+    assert out.returncode == 0, out.stdout + out.stderr
+
+
+def test_dockerfiles_pass_hadolint() -> None:
+    files = sorted((REPO / "docker").glob("*/Dockerfile"))
+    assert {f.parent.name for f in files} == {"base", *PARSERS}
+    out = run(str(BIN / "hadolint"), *map(str, files))
+    assert out.returncode == 0, out.stdout + out.stderr
+    for f in files:
+        text = f.read_text()
+        assert "USER 10001" in text, f"{f}: must run as the non-root user"
+        if f.parent.name in PARSERS:
+            module = PARSERS[f.parent.name].rsplit(".", 1)[0]
+            assert f'ENTRYPOINT ["python", "-m", "{module}"]' in text
+
+
+def expand(arg: str, env: dict[str, str]) -> str:
+    for name, value in env.items():
+        arg = arg.replace(f"$({name})", value)
+    assert "$(" not in arg, f"unexpanded variable in {arg!r}"
+    return arg
+
+
+def parse_container(container: dict[str, Any], env: dict[str, str]) -> Any:
+    module = importlib.import_module(PARSERS[container["name"]])
+    argv = [expand(str(a), env) for a in container["args"]]
+    parsed = module.parse(argv)  # the service's own parser and config validation
+    return parsed if isinstance(parsed, tuple) else (parsed, module.build_parser().parse_args(argv))
+
+
+def workloads(docs: list[dict[str, Any]]) -> dict[str, dict[str, Any]]:
+    return {**by_kind(docs, "StatefulSet"), **by_kind(docs, "Deployment")}
+
+
+def container_ports(container: dict[str, Any]) -> dict[str, int]:
+    return {p["name"]: p["containerPort"] for p in container.get("ports", [])}
+
+
+def check_consistency(docs: list[dict[str, Any]]) -> dict[str, Any]:
+    services = by_kind(docs, "Service")
+    loads = workloads(docs)
+    configs: dict[str, Any] = {}
+    for load in loads.values():
+        pod = load["spec"]["template"]
+        labels = pod["metadata"]["labels"]
+        (container,) = pod["spec"]["containers"]
+        if container["name"] == "redis":
+            continue
+        env_names = {e["name"]: e for e in container["env"]}
+        assert env_names["POD_IP"]["valueFrom"]["fieldRef"]["fieldPath"] == "status.podIP"
+        fake_env = {"POD_IP": "10.1.2.3"}
+        if load["kind"] == "StatefulSet":
+            ref = env_names["POD_INDEX"]["valueFrom"]["fieldRef"]["fieldPath"]
+            assert ref == "metadata.labels['apps.kubernetes.io/pod-index']", "rank/shard must come from the ordinal"
+            fake_env["POD_INDEX"] = str(load["spec"]["replicas"] - 1)
+            headless = services[load["spec"]["serviceName"]]
+            assert headless["spec"]["clusterIP"] == "None"
+        cfg, args = parse_container(container, fake_env)
+        configs[container["name"]] = (cfg, args, load)
+        ports = container_ports(container)
+        assert urlparse(f"http://{args.metrics_address}").port == ports["metrics"]
+        assert args.advertise_host == "10.1.2.3"
+        if hasattr(args, "address"):
+            assert urlparse(f"http://{args.address}").port == ports["grpc"]
+            assert pod["spec"]["containers"][0]["readinessProbe"]["grpc"]["port"] == ports["grpc"]
+        else:  # the trainer: HTTP readiness on its metrics port
+            assert container["readinessProbe"]["httpGet"] == {"path": "/readyz", "port": "metrics"}
+        assert container["livenessProbe"]["httpGet"]["path"] == "/healthz"
+        redis = urlparse(args.redis)
+        if redis.hostname in services:
+            assert services[redis.hostname]["spec"]["ports"][0]["port"] == redis.port
+        assert args.job == "bagpipe"
+        # every Service selecting these pods targets ports they have
+        for svc in services.values():
+            if all(labels.get(k) == v for k, v in svc["spec"]["selector"].items()):
+                for p in svc["spec"]["ports"]:
+                    assert p["targetPort"] in ports, f"{svc['metadata']['name']} targets a missing port {p['targetPort']}"
+        sc = container["securityContext"]
+        assert sc["readOnlyRootFilesystem"] and not sc["allowPrivilegeEscalation"] and sc["capabilities"]["drop"] == ["ALL"]
+        assert pod["spec"]["securityContext"]["runAsNonRoot"]
+
+    trainer_cfg, trainer_args, trainer_load = configs["trainer"]
+    oracle_cfg, _, _ = configs["oracle-cacher"]
+    emb_cfg, _, emb_load = configs["embedding-server"]
+    dp_cfg, _, dp_load = configs["data-processor"]
+    assert trainer_cfg.world_size == trainer_load["spec"]["replicas"] == oracle_cfg.trainers
+    assert trainer_cfg.rank == trainer_load["spec"]["replicas"] - 1
+    assert emb_cfg.num_shards == emb_load["spec"]["replicas"] and emb_cfg.shard == emb_cfg.num_shards - 1
+    assert oracle_cfg.data_processors == dp_load["spec"]["replicas"]
+    assert dp_cfg.index is None, "data processors in a Deployment register under their pod names"
+    assert oracle_cfg.batch_size == dp_cfg.batch_size
+    assert oracle_cfg.table_rows == trainer_cfg.table_rows == emb_cfg.table_rows == dp_cfg.source.table_rows
+    # torch.distributed rendezvous: trainer 0 through the trainers' headless Service
+    sts = trainer_load["metadata"]["name"]
+    rendezvous = urlparse(trainer_cfg.dist_init)
+    assert rendezvous.hostname == f"{sts}-0.{trainer_load['spec']['serviceName']}.{NAMESPACE}.svc.cluster.local"
+    (trainer_container,) = trainer_load["spec"]["template"]["spec"]["containers"]
+    assert rendezvous.port == container_ports(trainer_container)["rendezvous"]
+    # ServiceMonitors select Services that have a metrics port
+    for monitor in by_kind(docs, "ServiceMonitor").values():
+        matched = [s for s in services.values()
+                   if all(s["metadata"]["labels"].get(k) == v for k, v in monitor["spec"]["selector"]["matchLabels"].items())]  # fmt: skip
+        assert len(matched) == 1 and any(p["name"] == "metrics" for p in matched[0]["spec"]["ports"])
+    return configs
+
+
+@pytest.mark.parametrize("values", [None, *CI_VALUES], ids=lambda v: "default" if v is None else v.stem)
+def test_container_args_parse_and_agree_with_ports_and_services(values: Path | None) -> None:
+    check_consistency(render(*(["-f", str(values)] if values else [])))
+
+
+def test_scaling_renders_consistent_shards_and_ranks() -> None:
+    docs = render("--set", "embeddingServer.replicaCount=6", "--set", "trainer.replicaCount=4")
+    loads = workloads(docs)
+    assert loads["bagpipe-embedding-server"]["spec"]["replicas"] == 6
+    assert loads["bagpipe-trainer"]["spec"]["replicas"] == 4
+    configs = check_consistency(docs)
+    (emb,) = loads["bagpipe-embedding-server"]["spec"]["template"]["spec"]["containers"]
+    (trn,) = loads["bagpipe-trainer"]["spec"]["template"]["spec"]["containers"]
+    shards = {parse_container(emb, {"POD_IP": "10.0.0.1", "POD_INDEX": str(i)})[0].shard for i in range(6)}
+    ranks = {parse_container(trn, {"POD_IP": "10.0.0.1", "POD_INDEX": str(i)})[0].rank for i in range(4)}
+    assert shards == set(range(6)) and ranks == set(range(4))
+    assert configs["embedding-server"][0].num_shards == 6 and configs["oracle-cacher"][0].trainers == 4
+
+
+def test_gpu_values_ask_for_gpus_and_the_cuda_image() -> None:
+    docs = render("-f", str(CHART / "ci" / "gpu-trainers.yaml"))
+    (trn,) = workloads(docs)["bagpipe-trainer"]["spec"]["template"]["spec"]["containers"]
+    assert trn["image"].endswith("-cuda") and trn["resources"]["limits"]["nvidia.com/gpu"] == 1
+    assert "auto" in trn["args"], "the trainer falls back to CPU where no GPU is present"
+
+
+@pytest.mark.parametrize(
+    ("values", "message"),
+    [
+        ("trainer:\n  replicaCout: 3\n", "trainer: Additional property replicaCout is not allowed"),
+        ("embeddingServer:\n  replicaCount: six\n", "embeddingServer.replicaCount: Invalid type. Expected: integer, given: string"),
+        ("training:\n  batchSize: '16384'\n", "training.batchSize: Invalid type. Expected: integer, given: string"),
+        ("trainers:\n  replicaCount: 2\n", "Additional property trainers is not allowed"),
+        ("oracleCacher:\n  replicaCount: 2\n", "oracleCacher.replicaCount"),
+    ],
+)
+def test_schema_rejects_bad_values_with_a_clear_message(values: str, message: str, tmp_path: Path) -> None:
+    path = tmp_path / "values.yaml"
+    path.write_text(values)
+    out = run(helm(), "template", "bagpipe", str(CHART), "-f", str(path))
+    assert out.returncode != 0
+    assert message in out.stderr, out.stderr
+
+
+def test_external_redis_needs_a_url() -> None:
+    out = run(helm(), "template", "bagpipe", str(CHART), "--set", "redis.enabled=false")
+    assert out.returncode != 0 and "set externalRedis.url" in out.stderr
+
+
+def test_notes_tell_the_user_how_to_watch_the_run(tmp_path: Path) -> None:
+    chart = tmp_path / "chart"
+    shutil.copytree(CHART, chart)
+    notes = (chart / "templates" / "NOTES.txt").read_text()
+    body = "\n".join("    " + line for line in notes.splitlines())
+    (chart / "templates" / "zz-notes.yaml").write_text(
+        f"apiVersion: v1\nkind: ConfigMap\nmetadata:\n  name: notes\ndata:\n  notes: |\n{body}\n"
+    )
+    (doc,) = render("--show-only", "templates/zz-notes.yaml", chart=chart)
+    text = doc["data"]["notes"]
+    assert "kubectl -n ml get pods -l app.kubernetes.io/instance=bagpipe -w" in text
+    assert "port-forward pod/bagpipe-trainer-0 9400" in text and "Bagpipe training" in text
+
+
+def test_dashboard_configmap_carries_the_dashboard() -> None:
+    (cm,) = by_kind(render(), "ConfigMap").values()
+    assert cm["metadata"]["labels"]["grafana_dashboard"] == "1"
+    shipped = json.loads((CHART / "dashboards" / "bagpipe.json").read_text())
+    assert json.loads(cm["data"]["bagpipe.json"]) == shipped
+
+
+def test_network_policies_and_rbac() -> None:
+    docs = render()
+    policies = by_kind(docs, "NetworkPolicy")
+    assert set(policies) == {f"bagpipe-{c}" for c in ("data-processor", "oracle-cacher", "trainer", "embedding-server", "redis")}
+    for policy in policies.values():
+        peers = policy["spec"]["ingress"][0]["from"]
+        assert peers == [{"podSelector": {"matchLabels": {"app.kubernetes.io/name": "bagpipe",
+                                                           "app.kubernetes.io/instance": "bagpipe"}}}]  # fmt: skip
+    (role,) = by_kind(docs, "Role").values()
+    assert role["metadata"]["namespace"] == NAMESPACE
+    assert role["rules"] == [{"apiGroups": [""], "resources": ["pods"], "verbs": ["get", "list", "watch", "delete"]}]
+    assert {d["kind"] for d in docs} >= {"PodDisruptionBudget", "ServiceAccount", "RoleBinding", "Pod"}
