@@ -20,6 +20,7 @@ import platform
 import statistics
 import time
 from pathlib import Path
+from typing import Any
 
 os.environ.setdefault("OMP_NUM_THREADS", "1")
 
@@ -31,65 +32,73 @@ from bagpipe.core.lookahead import LookaheadPlanner, trainer_users  # noqa: E402
 PAPER_SAMPLES_PER_SECOND = 3.27e6
 
 
-def main() -> None:
-    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--batch-size", type=int, default=16384)
-    p.add_argument("--lookahead", type=int, default=200)
-    p.add_argument("--timed", type=int, default=200, help="batches timed after the window is full")
-    p.add_argument("--zipf-alpha", type=float, default=1.1)
-    p.add_argument("--trainers", type=int, default=8, help="trainers the LRPP plan is made for (timed)")
-    p.add_argument("--out", default="bench/results/oracle_throughput.json")
-    a = p.parse_args()
-
-    rows = KAGGLE_TABLE_ROWS
+def measure(
+    batch_size: int = 16384, tables: int = 26, lookahead: int = 200, timed: int = 200, trainers: int = 8,
+    zipf_alpha: float = 1.1,
+) -> dict[str, Any]:
+    """Plans ``timed`` batches against a full window; the first ``tables`` Kaggle tables."""
+    rows = KAGGLE_TABLE_ROWS[:tables]
     offsets = table_offsets(rows)
-    source = SyntheticSource(SyntheticConfig(table_rows=rows, zipf_alpha=a.zipf_alpha))
-    total = a.lookahead + a.timed
+    source = SyntheticSource(SyntheticConfig(table_rows=rows, zipf_alpha=zipf_alpha))
+    total = lookahead + timed
     t0 = time.perf_counter()
-    batches = [build_batch(b, source.batch(b, a.batch_size), offsets) for b in range(total)]
+    batches = [build_batch(b, source.batch(b, batch_size), offsets) for b in range(total)]
     keys = [arrays.keys for arrays in batches]
     gen_s = time.perf_counter() - t0
-    planner = LookaheadPlanner(int(offsets[-1]), a.lookahead, trainers=a.trainers)
-    for b in range(a.lookahead):
-        planner.push(b, keys[b], users=trainer_users(batches[b].inverse, keys[b].size, a.trainers))
+    planner = LookaheadPlanner(int(offsets[-1]), lookahead, trainers=trainers)
+    for b in range(lookahead):
+        planner.push(b, keys[b], users=trainer_users(batches[b].inverse, keys[b].size, trainers))
     per_batch, users_seconds = [], []
-    for b in range(a.lookahead, total):
+    for b in range(lookahead, total):
         start = time.perf_counter()  # which trainers use each key (done as a batch arrives)
-        users = trainer_users(batches[b].inverse, keys[b].size, a.trainers)
+        users = trainer_users(batches[b].inverse, keys[b].size, trainers)
         mid = time.perf_counter()  # the plan: Algorithm 1 with LRPP and delayed sync
         plan = planner.pop()
         planner.push(b, keys[b], last=b == total - 1, users=users)
         per_batch.append(time.perf_counter() - mid)
         users_seconds.append(mid - start)
-        assert plan.batch == b - a.lookahead
+        assert plan.batch == b - lookahead
     seconds = sum(per_batch)
-    sps = a.timed * a.batch_size / seconds
-    result = {
+    sps = timed * batch_size / seconds
+    return {
         "benchmark": "oracle_throughput",
-        "batch_size": a.batch_size,
+        "batch_size": batch_size,
         "tables": len(rows),
         "total_rows": int(offsets[-1]),
-        "lookahead": a.lookahead,
-        "trainers": a.trainers,
-        "timed_batches": a.timed,
-        "zipf_alpha": a.zipf_alpha,
+        "lookahead": lookahead,
+        "trainers": trainers,
+        "timed_batches": timed,
+        "zipf_alpha": zipf_alpha,
         "unique_keys_per_batch": float(np.mean([k.size for k in keys])),
         "median_ms_per_batch": 1000 * statistics.median(per_batch),
         "p90_ms_per_batch": 1000 * sorted(per_batch)[int(0.9 * len(per_batch))],
         "samples_per_second": sps,
         "median_ms_per_batch_trainer_masks": 1000 * statistics.median(users_seconds),
-        "samples_per_second_with_trainer_masks": a.timed * a.batch_size / (seconds + sum(users_seconds)),
+        "samples_per_second_with_trainer_masks": timed * batch_size / (seconds + sum(users_seconds)),
         "paper_samples_per_second": PAPER_SAMPLES_PER_SECOND,
         "ratio_to_paper": sps / PAPER_SAMPLES_PER_SECOND,
         "peak_occupancy_rows": planner.peak_occupancy,
         "batch_generation_seconds_untimed": gen_s,
         "machine": platform.processor() or platform.machine(),
     }
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--batch-size", type=int, default=16384)
+    p.add_argument("--tables", type=int, default=26, help="the first N Kaggle tables")
+    p.add_argument("--lookahead", type=int, default=200)
+    p.add_argument("--timed", type=int, default=200, help="batches timed after the window is full")
+    p.add_argument("--zipf-alpha", type=float, default=1.1)
+    p.add_argument("--trainers", type=int, default=8, help="trainers the LRPP plan is made for (timed)")
+    p.add_argument("--out", default="bench/results/oracle_throughput.json")
+    a = p.parse_args()
+    result = measure(a.batch_size, a.tables, a.lookahead, a.timed, a.trainers, a.zipf_alpha)
     Path(a.out).parent.mkdir(parents=True, exist_ok=True)
     Path(a.out).write_text(json.dumps(result, indent=2))
     print(
-        f"oracle: batch {a.batch_size}, {len(rows)} tables, L={a.lookahead}, LRPP for {a.trainers} trainers: "
-        f"{sps / 1e6:.2f} M samples/s (median {result['median_ms_per_batch']:.2f} ms/batch, "
+        f"oracle: batch {a.batch_size}, {result['tables']} tables, L={a.lookahead}, LRPP for {a.trainers} trainers: "
+        f"{result['samples_per_second'] / 1e6:.2f} M samples/s (median {result['median_ms_per_batch']:.2f} ms/batch, "
         f"{result['unique_keys_per_batch']:,.0f} unique keys/batch); paper 3.27 M -> ratio {result['ratio_to_paper']:.2f}; "
         f"with the per-trainer usage masks {result['samples_per_second_with_trainer_masks'] / 1e6:.2f} M samples/s"
     )

@@ -31,6 +31,16 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--quiet", action="store_true", help="no progress bar")
     g.add_argument("--log-level", default="INFO", help="services' logging level (default INFO)")
     add_cache_args(r)
+    g = r.add_argument_group("benchmarking")
+    g.add_argument(
+        "--system", choices=["bagpipe", "no-cache", "ideal"], default="bagpipe",
+        help="bagpipe (default); no-cache: L=1, every row fetched before and written back after each step "
+        "on the critical path; ideal: embeddings in shared memory beside the trainers, no network transfers",
+    )  # fmt: skip
+    g.add_argument("--embedding-server-netns", default=None, metavar="NAME",
+                   help="run the embedding servers in this network namespace (the benchmark's limited link)")
+    g.add_argument("--netns-addresses", default="10.231.0.1,10.231.0.2", metavar="HOST_IP,NETNS_IP",
+                   help="the link's address on this side and inside the namespace (default 10.231.0.1,10.231.0.2)")
     g = r.add_argument_group("monitoring")
     g.add_argument("--prometheus", action="store_true",
                    help="also start a real Prometheus server scraping every service (binary: make tools)")

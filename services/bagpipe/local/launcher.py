@@ -59,12 +59,13 @@ def find_redis_server() -> str:
 class RedisServer:
     """A throwaway redis-server on a free loopback port, without persistence."""
 
-    def __init__(self, workdir: Path) -> None:
+    def __init__(self, workdir: Path, extra_bind: str | None = None) -> None:
         self.port = free_port()
         self.url = f"redis://127.0.0.1:{self.port}/0"
         self.log = open(workdir / "redis.log", "wb")  # noqa: SIM115
+        bind = ["127.0.0.1", extra_bind] if extra_bind else ["127.0.0.1"]
         self.proc = subprocess.Popen(
-            [find_redis_server(), "--port", str(self.port), "--bind", "127.0.0.1", "--save", "",
+            [find_redis_server(), "--port", str(self.port), "--bind", *bind, "--protected-mode", "no", "--save", "",
              "--appendonly", "no", "--dir", str(workdir)],
             stdout=self.log, stderr=subprocess.STDOUT,
         )  # fmt: skip
@@ -102,11 +103,12 @@ class LocalJob:
     run_dir: Path
     processes: list[Process] = field(default_factory=list)
 
-    def spawn(self, name: str, module: str, argv: list[str]) -> Process:
+    def spawn(self, name: str, module: str, argv: list[str], prefix: list[str] | None = None) -> Process:
         log = self.run_dir / "logs" / f"{name}.log"
         env = dict(os.environ, PYTHONUNBUFFERED="1", OMP_NUM_THREADS=os.environ.get("OMP_NUM_THREADS", "1"))
+        command = [*(prefix or []), sys.executable, "-m", module, *argv]
         with open(log, "wb") as out:
-            proc = subprocess.Popen([sys.executable, "-m", module, *argv], stdout=out, stderr=subprocess.STDOUT, env=env)
+            proc = subprocess.Popen(command, stdout=out, stderr=subprocess.STDOUT, env=env)
         p = Process(name, proc, log)
         self.processes.append(p)
         return p
@@ -160,7 +162,10 @@ def run(args: argparse.Namespace, after_training: AfterTraining | None = None) -
         raise SystemExit(f"--batch-size: {args.batch_size} is not a multiple of --trainers {args.trainers}")
     run_dir = Path(args.run_dir or f"runs/{time.strftime('%Y%m%d-%H%M%S')}-{uuid.uuid4().hex[:4]}")
     (run_dir / "logs").mkdir(parents=True, exist_ok=True)
-    redis_server = RedisServer(run_dir)
+    netns = getattr(args, "embedding_server_netns", None)
+    if netns:  # embedding servers in a network namespace, behind a (bandwidth-limited) veth link
+        host_ip, netns_ip = args.netns_addresses.split(",")
+    redis_server = RedisServer(run_dir, extra_bind=host_ip if netns else None)
     job_name = f"local-{uuid.uuid4().hex[:8]}"
     registry = Registry(redis_server.url, job_name)
     job = LocalJob(args, run_dir)
@@ -171,8 +176,13 @@ def run(args: argparse.Namespace, after_training: AfterTraining | None = None) -
     prometheus: PrometheusServer | None = None
     try:
         for s in range(args.embedding_servers):
+            where: list[str] = []
+            if netns:
+                where = ["--address", f"{netns_ip}:0", "--metrics-address", f"{netns_ip}:0",
+                         "--redis", redis_server.url.replace("127.0.0.1", host_ip)]  # fmt: skip
             job.spawn(f"embedding-server-{s}", "bagpipe.embedding_server",
-                      ["--shard", str(s), "--num-shards", str(args.embedding_servers), *tables, *model, *coord])  # fmt: skip
+                      ["--shard", str(s), "--num-shards", str(args.embedding_servers), *tables, *model, *coord, *where],
+                      prefix=["ip", "netns", "exec", netns] if netns else None)  # fmt: skip
         skew = ["--zipf-alpha", repr(args.zipf_alpha)]
         if args.hot_fraction is not None:
             skew += ["--hot-fraction", repr(args.hot_fraction)]
@@ -202,6 +212,7 @@ def run(args: argparse.Namespace, after_training: AfterTraining | None = None) -
                            "--device", args.device, "--bottom-mlp", ",".join(map(str, args.bottom_mlp)),
                            "--top-mlp", ",".join(map(str, args.top_mlp)), *tables, *model, *coord, *extra,
                            "--iteration-log", str(run_dir / "metrics" / f"trainer-{r}.csv"),
+                           *system_args(args, job_name),
                            *(["--cache-rows", str(args.cache_rows)] if args.cache_rows else [])])  # fmt: skip
             )
         services = args.embedding_servers + args.data_processors + 1 + args.trainers
@@ -258,14 +269,27 @@ def _save_scrapes(directory: Path, endpoints: dict[str, str]) -> None:
 
 
 def cache_args(args: argparse.Namespace) -> list[str]:
-    """The oracle's cache flags, as ``bagpipe run`` got them."""
+    """The oracle's cache flags, as ``bagpipe run`` got them (``--system no-cache``: L=1, critical sync)."""
+    no_cache = getattr(args, "system", "bagpipe") == "no-cache"
     out = ["--max-lookahead", str(args.max_lookahead), "--reuse-delay", str(args.reuse_delay),
-           "--cache-mode", args.cache_mode, "--sync", args.sync]  # fmt: skip
-    if args.lookahead is not None:
+           "--cache-mode", args.cache_mode, "--sync", "critical" if no_cache else args.sync]  # fmt: skip
+    if no_cache:
+        out += ["--lookahead", "1"]
+    elif args.lookahead is not None:
         out += ["--lookahead", str(args.lookahead)]
     if args.cache_rows is not None:
         out += ["--cache-rows", str(args.cache_rows)]
     return out
+
+
+def system_args(args: argparse.Namespace, job_name: str) -> list[str]:
+    """Trainer flags of ``--system``: no-cache fetches synchronously, ideal uses a shared-memory table."""
+    system = getattr(args, "system", "bagpipe")
+    if system == "no-cache":
+        return ["--fetch", "synchronous"]
+    if system == "ideal":
+        return ["--shared-table", f"/dev/shm/bagpipe-{job_name}"]
+    return []
 
 
 def _raise_if_failed(job: LocalJob) -> None:

@@ -29,6 +29,8 @@ class TrainerConfig:
     job: str
     cache_rows: int | None = None
     iteration_log: str | None = None
+    fetch: str = "prefetch"
+    shared_table: str | None = None
 
     def __post_init__(self) -> None:
         if self.cache_rows is not None and self.cache_rows < 1:
@@ -50,6 +52,16 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--save-initial", default=None, help="rank 0 writes the initial interchange checkpoint here")
     p.add_argument("--save-final", default=None, help="rank 0 writes the final interchange checkpoint here")
     p.add_argument("--iteration-log", default=None, help="write one CSV row per iteration here")
+    p.add_argument(
+        "--fetch", choices=["prefetch", "synchronous"], default="prefetch",
+        help="prefetch: fetch ahead and write back in the background (Bagpipe); synchronous: fetch before "
+        "and write back after each step, on the critical path (the no-cache baseline)",
+    )  # fmt: skip
+    p.add_argument(
+        "--shared-table", default=None, metavar="PREFIX",
+        help="benchmark 'ideal' system: fetch from and write back to a table in shared memory at PREFIX "
+        "(e.g. /dev/shm/bagpipe-job) instead of the embedding servers",
+    )  # fmt: skip
     p.add_argument("--exit-when-done", action="store_true",
                    help="exit after training instead of serving /metrics until SIGTERM")
     p.add_argument("--cache-rows", type=positive_int, default=None, help="cache rows (default: grow as planned)")
@@ -80,5 +92,7 @@ def parse(argv: list[str] | None = None) -> tuple[TrainerConfig, argparse.Namesp
         job=a.job,
         cache_rows=a.cache_rows,
         iteration_log=a.iteration_log,
+        fetch=a.fetch,
+        shared_table=a.shared_table,
     )
     return cfg, a

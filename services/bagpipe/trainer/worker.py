@@ -40,6 +40,7 @@ from bagpipe.core.plans import SyncStep, TrainerPlan
 from bagpipe.embedding_server.client import EmbeddingClient, call_with_retry
 from bagpipe.trainer import metrics
 from bagpipe.trainer.config import TrainerConfig
+from bagpipe.trainer.shared_table import SharedTable
 from bagpipe.v1 import oracle_cacher_pb2 as opb
 from bagpipe.v1 import oracle_cacher_pb2_grpc as opb_grpc
 from bagpipe.wire import from_tensor
@@ -152,6 +153,10 @@ class IterationLog:
         self._file.flush()
 
     def close(self) -> None:
+        if isinstance(self.client, SharedTable):
+            if self.rank == 0:
+                self.client.unlink()
+            self.client = getattr(self, "remote", None)
         self._file.close()
 
 
@@ -243,6 +248,17 @@ class Trainer:
             # background synchronisation runs beside the critical one: its own group, its own order
             self.background_group = dist.new_group(backend=backend)
 
+    def _use_shared_table(self) -> None:
+        """--shared-table: rank 0 copies the servers' rows into shared memory; all trainers use it."""
+        assert self.config.shared_table and isinstance(self.client, EmbeddingClient)
+        num_keys, dim = int(self.offsets[-1]), self.config.model.embedding_dim
+        if self.rank == 0:
+            SharedTable(self.config.shared_table, num_keys, dim, self.state_width, create=True).fill_from(self.client)
+        if self.config.world_size > 1:
+            dist.barrier()
+        self.remote = self.client
+        self.client = SharedTable(self.config.shared_table, num_keys, dim, self.state_width, create=False)  # type: ignore[assignment]
+
     def _load_initial(self) -> None:
         if not self.config.init_from:
             return
@@ -307,15 +323,19 @@ class Trainer:
             assert self.client is not None
             while (plan := self.prefetch_queue.get()) is not None:
                 self.cache.ensure_capacity(plan.slot_high_water)
-                share = plan.share
-                if share.prefetch_keys.size:
-                    rows, state = self.client.lookup(share.prefetch_keys)
-                    self.cache.insert(self._index(share.prefetch_slots), torch.from_numpy(rows), torch.from_numpy(state))
+                if self.config.fetch == "prefetch":
+                    self._fetch(plan.share)
                 with self.pipeline.cond:
                     self.pipeline.ready.add(plan.batch)
                     self.pipeline.cond.notify_all()
         except BaseException as e:
             self.pipeline.fail(e)
+
+    def _fetch(self, share: TrainerPlan) -> None:
+        assert self.client is not None
+        if share.prefetch_keys.size:
+            rows, state = self.client.lookup(share.prefetch_keys)
+            self.cache.insert(self._index(share.prefetch_slots), torch.from_numpy(rows), torch.from_numpy(state))
 
     def _write_back(self) -> None:
         try:
@@ -326,7 +346,9 @@ class Trainer:
                     self.client.write_back(keys, rows.numpy(), state.numpy())
                 report = opb.ProgressReport(rank=self.rank, trained=batch, written_back=batch)
                 call_with_retry(lambda r=report: self.oracle.ReportProgress(r, timeout=serving.RPC_TIMEOUT_S), "progress")
-                self.written_back = batch
+                with self.pipeline.cond:
+                    self.written_back = batch
+                    self.pipeline.cond.notify_all()
                 self.registry.set_progress(self.rank, batch)
         except BaseException as e:
             self.pipeline.fail(e)
@@ -405,6 +427,9 @@ class Trainer:
             plan = self.pipeline.received.pop(batch)
             self.pipeline.ready.discard(batch)
         share = plan.share
+        if self.config.fetch == "synchronous":  # the no-cache baseline: fetch on the critical path
+            self._fetch(share)
+            t = self._timed("prefetch_wait", t)
 
         dev = self.device
         slots = self._index(share.slots)
@@ -452,6 +477,8 @@ class Trainer:
         self.sync_queue.put(
             _Background(batch, share.background, background, share.writeback_keys, share.writeback_slots)
         )
+        if self.config.fetch == "synchronous":  # ... and write back before the next batch
+            self.pipeline.wait(lambda: self.written_back >= batch)
         iteration = self._timed("write_back", t) - started
         for stage, seconds in self.step_seconds.items():
             self.stage_seconds[stage] += seconds
@@ -514,6 +541,8 @@ class Trainer:
         """Trains to the end and returns this trainer's statistics."""
         self._connect()
         self._init_dist()
+        if self.config.shared_table:
+            self._use_shared_table()
         self._load_initial()
         if self.config.save_initial and self.rank == 0:
             self.export_checkpoint(self.config.save_initial, {"steps": 0})
@@ -582,6 +611,10 @@ class Trainer:
         }
 
     def close(self) -> None:
+        if isinstance(self.client, SharedTable):
+            if self.rank == 0:
+                self.client.unlink()
+            self.client = getattr(self, "remote", None)
         if self.iteration_log is not None:
             self.iteration_log.close()
         if self.client is not None:

@@ -1,0 +1,352 @@
+"""``make bench``: Bagpipe side by side with the ideal and no-cache systems, and the paper's sweeps.
+
+Every comparison runs in one invocation on the same data and model, one system after the other, and
+reports medians and p90s of the per-iteration time (the trainers' own clocks, from their per-iteration
+logs, warm-up excluded) and their ratios, with Bagpipe's iteration-stage breakdown. Sections:
+
+* ``systems``   ideal / bagpipe / no-cache on loopback (2 trainers, 2 embedding servers);
+* ``network``   the same with the embedding servers in a network namespace behind a veth link limited
+                by ``tc tbf`` to 10 Gbit/s and 1 Gbit/s (skipped, saying why, where namespaces are not
+                permitted);
+* ``oracle``    oracle planning throughput versus batch size, number of tables and L (paper Figure 17);
+* ``lookahead`` L in {5, 10, 50, 100, 200, 300}: peak cache rows and time per iteration (paper Table 3);
+* ``skew``      top-1% share of accesses 90% .. 1% and Zipf alpha 1 .. 5: bagpipe and no-cache
+                (paper Figures 18 and 19).
+
+``--profile quick`` (``make bench``) fits in about ten minutes on 2 cores; ``--profile full`` uses the
+paper's DLRM (Table 2) and batch 16,384 where this machine can hold them, and takes hours here.
+Results: ``bench/results/bench-<profile>.json``, ``bench/results/*.png`` and a Markdown table
+``bench/results/bench-<profile>.md``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import csv
+import json
+import os
+import platform
+import shutil
+import statistics
+import subprocess
+import sys
+import time
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import matplotlib
+
+matplotlib.use("Agg")
+import matplotlib.pyplot as plt  # noqa: E402
+
+REPO = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(REPO / "services"))
+sys.path.insert(0, str(REPO / "bench"))
+
+from bagpipe.cli import build_parser  # noqa: E402
+from bagpipe.local.launcher import run as run_job  # noqa: E402
+from oracle_throughput import measure as oracle_measure  # noqa: E402
+
+PROFILES: dict[str, dict[str, Any]] = {
+    # DLRM of Table 2 scaled down (dim 48 as in the paper, narrower MLPs) so that 2 CPU cores train it
+    "quick": {
+        "model": ["--embedding-dim", "48", "--bottom-mlp", "128,64,48", "--top-mlp", "256,128,1"],
+        "batch": 2048, "scale": "0.01", "iterations": 120, "optimizer": ["--optimizer", "adagrad", "--lr", "0.05"],
+        "lookaheads": [5, 10, 50, 100, 200, 300], "lookahead_extra": 60,
+        "hot_shares": [0.9, 0.4, 0.1, 0.01], "zipf_alphas": [1.0, 2.0, 3.0, 5.0],
+        "oracle": {"batches": [1024, 4096, 16384], "tables": [8, 13, 26], "lookaheads": [10, 50, 200], "timed": 30},
+        "rates": ["10gbit", "1gbit"],
+    },
+    # the paper's DLRM (Table 2) and batch; hours on 2 cores
+    "full": {
+        "model": ["--embedding-dim", "48", "--bottom-mlp", "512,256,64,48", "--top-mlp", "1024,1024,1024,256,128,1"],
+        "batch": 16384, "scale": "0.1", "iterations": 300, "optimizer": ["--optimizer", "adagrad", "--lr", "0.05"],
+        "lookaheads": [5, 10, 50, 100, 200, 300], "lookahead_extra": 100,
+        "hot_shares": [0.9, 0.7, 0.4, 0.1, 0.01], "zipf_alphas": [1.0, 2.0, 3.0, 4.0, 5.0],
+        "oracle": {"batches": [1024, 4096, 16384, 65536], "tables": [4, 8, 13, 26], "lookaheads": [10, 50, 100, 200, 300],
+                   "timed": 100},
+        "rates": ["10gbit", "1gbit"],
+    },
+}  # fmt: skip
+NETNS, HOST_IF, NS_IF = "bagpipe-bench", "bpb-host", "bpb-ns"
+HOST_IP, NS_IP = "10.231.0.1", "10.231.0.2"
+
+
+def log(msg: str) -> None:
+    print(f"[bench {time.strftime('%H:%M:%S')}] {msg}", file=sys.stderr, flush=True)
+
+
+# ---- one job
+def job(name: str, profile: dict[str, Any], out: Path, *extra: str, iterations: int | None = None) -> dict[str, Any]:
+    """Runs ``bagpipe run`` with the profile's model and data; returns timings and the breakdown."""
+    run_dir = out / "runs" / name
+    shutil.rmtree(run_dir, ignore_errors=True)
+    n = iterations or profile["iterations"]
+    argv = ["run", "--quiet", "--log-level", "WARNING", "--scale", profile["scale"], "--batch-size",
+            str(profile["batch"]), "--iterations", str(n), "--trainers", "2", "--embedding-servers", "2",
+            *profile["model"], *profile["optimizer"], "--run-dir", str(run_dir), *extra]  # fmt: skip
+    t0 = time.perf_counter()
+    summary = run_job(build_parser().parse_args(argv))
+    per_iteration = iteration_times(run_dir)
+    warm = per_iteration[max(5, len(per_iteration) // 10) :]
+    result = {
+        "name": name,
+        "flags": list(extra),
+        "iterations": n,
+        "median_ms": 1000 * statistics.median(warm),
+        "p90_ms": 1000 * sorted(warm)[int(0.9 * (len(warm) - 1))],
+        "mean_ms": 1000 * statistics.fmean(warm),
+        "stage_ms": {k: 1000 * v for k, v in summary["stage_seconds_per_iteration"].items()},
+        "cache_hit_rate": summary["cache_hit_rate"],
+        "rows_fetched_per_iteration": summary["rows_fetched_per_iteration"],
+        "rows_synced_critical_per_iteration": summary["rows_synced_critical_per_iteration"],
+        "cache_peak_occupancy_rows": summary["cache_peak_occupancy_rows"],
+        "cache_capacity_rows": summary["cache_capacity_rows"],
+        "lookahead": summary["lookahead"],
+        "wall_s": time.perf_counter() - t0,
+    }
+    log(f"{name}: median {result['median_ms']:.1f} ms, p90 {result['p90_ms']:.1f} ms ({result['wall_s']:.0f} s)")
+    return result
+
+
+def iteration_times(run_dir: Path) -> list[float]:
+    """Per iteration, the slowest trainer's time (training is synchronous)."""
+    columns = []
+    for path in sorted((run_dir / "metrics").glob("trainer-*.csv")):
+        with open(path, newline="") as f:
+            columns.append([float(r["iteration_seconds"]) for r in csv.DictReader(f)])
+    return [max(values) for values in zip(*columns, strict=True)]
+
+
+SYSTEMS = {"ideal": ["--system", "ideal"], "bagpipe": [], "no-cache": ["--system", "no-cache"]}
+
+
+def compare(label: str, profile: dict[str, Any], out: Path, *extra: str) -> dict[str, Any]:
+    runs = {s: job(f"{label}-{s}", profile, out, *flags, *extra) for s, flags in SYSTEMS.items()}
+    return {
+        "systems": runs,
+        "bagpipe_over_ideal": runs["bagpipe"]["median_ms"] / runs["ideal"]["median_ms"],
+        "no_cache_over_bagpipe": runs["no-cache"]["median_ms"] / runs["bagpipe"]["median_ms"],
+        "bagpipe_over_ideal_p90": runs["bagpipe"]["p90_ms"] / runs["ideal"]["p90_ms"],
+        "no_cache_over_bagpipe_p90": runs["no-cache"]["p90_ms"] / runs["bagpipe"]["p90_ms"],
+    }
+
+
+# ---- the limited link
+def sh(*argv: str) -> None:
+    subprocess.run(argv, check=True, capture_output=True, text=True)
+
+
+@contextlib.contextmanager
+def limited_link(rate: str) -> Iterator[str | None]:
+    """A network namespace joined by a veth pair whose both directions ``tc tbf`` limits to ``rate``.
+    Yields the namespace's name, or None (with the reason logged) where namespaces are not permitted."""
+    subprocess.run(["ip", "netns", "del", NETNS], capture_output=True)
+    try:
+        sh("ip", "netns", "add", NETNS)
+    except (subprocess.CalledProcessError, FileNotFoundError) as e:
+        reason = getattr(e, "stderr", "") or str(e)
+        log(f"network-bound regime skipped: cannot create a network namespace ({reason.strip()}); needs root and iproute2")
+        yield None
+        return
+    try:
+        sh("ip", "link", "add", HOST_IF, "type", "veth", "peer", "name", NS_IF)
+        sh("ip", "link", "set", NS_IF, "netns", NETNS)
+        sh("ip", "addr", "add", f"{HOST_IP}/24", "dev", HOST_IF)
+        sh("ip", "link", "set", HOST_IF, "up")
+        for cmd in (["ip", "addr", "add", f"{NS_IP}/24", "dev", NS_IF], ["ip", "link", "set", NS_IF, "up"],
+                    ["ip", "link", "set", "lo", "up"]):  # fmt: skip
+            sh("ip", "netns", "exec", NETNS, *cmd)
+        tbf = ["root", "tbf", "rate", rate, "burst", "4mb" if rate.startswith("10") else "1mb", "latency", "20ms"]
+        sh("tc", "qdisc", "add", "dev", HOST_IF, *tbf)
+        sh("ip", "netns", "exec", NETNS, "tc", "qdisc", "add", "dev", NS_IF, *tbf)
+        yield NETNS
+    finally:
+        subprocess.run(["ip", "netns", "del", NETNS], capture_output=True)
+
+
+# ---- sections
+def section_systems(profile: dict[str, Any], out: Path) -> dict[str, Any]:
+    return {"loopback": compare("loopback", profile, out)}
+
+
+def section_network(profile: dict[str, Any], out: Path) -> dict[str, Any]:
+    results: dict[str, Any] = {}
+    for rate in profile["rates"]:
+        with limited_link(rate) as ns:
+            if ns is None:
+                return {"skipped": "network namespaces are not permitted here (needs root and iproute2)"}
+            results[rate] = compare(f"link-{rate}", profile, out, "--embedding-server-netns", ns,
+                                    "--netns-addresses", f"{HOST_IP},{NS_IP}")  # fmt: skip
+    return results
+
+
+def section_oracle(profile: dict[str, Any], out: Path) -> dict[str, Any]:
+    o = profile["oracle"]
+    points = []
+    for b in o["batches"]:
+        points.append({"sweep": "batch", **oracle_measure(batch_size=b, tables=26, lookahead=50, timed=o["timed"])})
+    for t in o["tables"]:
+        points.append({"sweep": "tables", **oracle_measure(batch_size=16384, tables=t, lookahead=50, timed=o["timed"])})
+    for lookahead in o["lookaheads"]:
+        points.append({"sweep": "lookahead", **oracle_measure(batch_size=16384, tables=26, lookahead=lookahead,
+                                                             timed=o["timed"])})  # fmt: skip
+    for p in points:
+        log(f"oracle {p['sweep']}: batch {p['batch_size']}, {p['tables']} tables, L={p['lookahead']}: "
+            f"{p['samples_per_second'] / 1e6:.2f} M samples/s")  # fmt: skip
+    return {"points": points, "paper_samples_per_second": 3.27e6}
+
+
+def section_lookahead(profile: dict[str, Any], out: Path) -> dict[str, Any]:
+    runs = []
+    for lookahead in profile["lookaheads"]:
+        r = job(f"lookahead-{lookahead}", profile, out, "--lookahead", str(lookahead),
+                iterations=lookahead + profile["lookahead_extra"])  # fmt: skip
+        runs.append({"lookahead": lookahead, **r})
+    return {"runs": runs}
+
+
+def section_skew(profile: dict[str, Any], out: Path) -> dict[str, Any]:
+    points = []
+    for share in profile["hot_shares"]:
+        flags = ["--hot-fraction", "0.01", "--hot-share", str(share)]
+        points.append({"skew": f"top 1% = {100 * share:g}%", "kind": "hot", "value": share,
+                       "bagpipe": job(f"hot-{share:g}-bagpipe", profile, out, *flags),
+                       "no-cache": job(f"hot-{share:g}-no-cache", profile, out, *flags, "--system", "no-cache")})  # fmt: skip
+    for alpha in profile["zipf_alphas"]:
+        flags = ["--zipf-alpha", str(alpha)]
+        points.append({"skew": f"zipf {alpha:g}", "kind": "zipf", "value": alpha,
+                       "bagpipe": job(f"zipf-{alpha:g}-bagpipe", profile, out, *flags),
+                       "no-cache": job(f"zipf-{alpha:g}-no-cache", profile, out, *flags, "--system", "no-cache")})  # fmt: skip
+    times = [p["bagpipe"]["median_ms"] for p in points]
+    return {"points": points, "bagpipe_spread": max(times) / min(times) - 1}
+
+
+SECTIONS = {"systems": section_systems, "network": section_network, "oracle": section_oracle,
+            "lookahead": section_lookahead, "skew": section_skew}  # fmt: skip
+
+
+# ---- report
+def plots(results: dict[str, Any], out: Path, profile: str) -> list[str]:
+    made = []
+    regimes = {**results.get("systems", {}), **{k: v for k, v in results.get("network", {}).items() if k != "skipped"}}
+    if regimes:
+        fig, axes = plt.subplots(1, len(regimes), figsize=(4.5 * len(regimes), 4), squeeze=False)
+        for ax, (regime, r) in zip(axes[0], regimes.items(), strict=True):
+            names = list(r["systems"])
+            stages = list(r["systems"]["bagpipe"]["stage_ms"])
+            bottom = [0.0] * len(names)
+            for stage in stages:
+                vals = [r["systems"][n]["stage_ms"][stage] for n in names]
+                ax.bar(names, vals, bottom=bottom, label=stage)
+                bottom = [b + v for b, v in zip(bottom, vals, strict=True)]
+            ax.plot(names, [r["systems"][n]["median_ms"] for n in names], "k_", markersize=30, label="median")
+            ax.set_title(regime)
+            ax.set_ylabel("ms per iteration")
+        axes[0][0].legend(fontsize=7)
+        fig.tight_layout()
+        fig.savefig(out / f"systems-{profile}.png", dpi=100)
+        plt.close(fig)
+        made.append(f"systems-{profile}.png")
+    if "lookahead" in results:
+        runs = results["lookahead"]["runs"]
+        fig, ax1 = plt.subplots(figsize=(7, 4))
+        ax1.plot([r["lookahead"] for r in runs], [r["cache_peak_occupancy_rows"] for r in runs], "o-", label="peak cache rows")
+        ax1.set_xlabel("L")
+        ax1.set_ylabel("peak cache rows")
+        ax2 = ax1.twinx()
+        ax2.plot([r["lookahead"] for r in runs], [r["median_ms"] for r in runs], "s--", color="C1", label="ms/iteration")
+        ax2.set_ylabel("median ms per iteration")
+        fig.legend(loc="upper left", fontsize=8)
+        fig.tight_layout()
+        fig.savefig(out / f"lookahead-{profile}.png", dpi=100)
+        plt.close(fig)
+        made.append(f"lookahead-{profile}.png")
+    if "skew" in results:
+        pts = results["skew"]["points"]
+        fig, ax = plt.subplots(figsize=(9, 4))
+        x = range(len(pts))
+        ax.bar([i - 0.2 for i in x], [p["bagpipe"]["median_ms"] for p in pts], 0.4, label="bagpipe")
+        ax.bar([i + 0.2 for i in x], [p["no-cache"]["median_ms"] for p in pts], 0.4, label="no-cache")
+        ax.set_xticks(list(x), [p["skew"] for p in pts], rotation=30, fontsize=8)
+        ax.set_ylabel("median ms per iteration")
+        ax.legend()
+        fig.tight_layout()
+        fig.savefig(out / f"skew-{profile}.png", dpi=100)
+        plt.close(fig)
+        made.append(f"skew-{profile}.png")
+    if "oracle" in results:
+        fig, axes = plt.subplots(1, 3, figsize=(12, 3.5))
+        for ax, (sweep, key) in zip(axes, (("batch", "batch_size"), ("tables", "tables"), ("lookahead", "lookahead")), strict=True):
+            pts = [p for p in results["oracle"]["points"] if p["sweep"] == sweep]
+            ax.plot([p[key] for p in pts], [p["median_ms_per_batch"] for p in pts], "o-")
+            ax.set_xlabel(key)
+            ax.set_ylabel("ms per batch")
+        fig.tight_layout()
+        fig.savefig(out / f"oracle-{profile}.png", dpi=100)
+        plt.close(fig)
+        made.append(f"oracle-{profile}.png")
+    return made
+
+
+def table(results: dict[str, Any]) -> str:
+    lines = []
+    regimes = {**results.get("systems", {}), **{k: v for k, v in results.get("network", {}).items() if k != "skipped"}}
+    if regimes:
+        lines += ["| regime | ideal median / p90 (ms) | bagpipe median / p90 (ms) | no-cache median / p90 (ms) | bagpipe/ideal | no-cache/bagpipe |",
+                  "|---|---|---|---|---|---|"]  # fmt: skip
+        for regime, r in regimes.items():
+            s = r["systems"]
+            lines.append(f"| {regime} | " + " | ".join(f"{s[n]['median_ms']:.1f} / {s[n]['p90_ms']:.1f}" for n in SYSTEMS)
+                         + f" | {r['bagpipe_over_ideal']:.2f}x | {r['no_cache_over_bagpipe']:.2f}x |")  # fmt: skip
+        lines += ["", "Bagpipe's iteration breakdown (ms): " + "; ".join(
+            f"{regime}: " + ", ".join(f"{k} {v:.1f}" for k, v in r["systems"]["bagpipe"]["stage_ms"].items())
+            for regime, r in regimes.items())]  # fmt: skip
+    if results.get("network", {}).get("skipped"):
+        lines += ["", f"Network-bound regime skipped: {results['network']['skipped']}"]
+    if "lookahead" in results:
+        lines += ["", "| L | peak cache rows | cache slots | median ms | p90 ms |", "|---|---|---|---|---|"]
+        lines += [f"| {r['lookahead']} | {r['cache_peak_occupancy_rows']:,} | {r['cache_capacity_rows']:,} | "
+                  f"{r['median_ms']:.1f} | {r['p90_ms']:.1f} |" for r in results["lookahead"]["runs"]]  # fmt: skip
+    if "skew" in results:
+        lines += ["", "| skew | bagpipe median ms | no-cache median ms | no-cache/bagpipe |", "|---|---|---|---|"]
+        lines += [f"| {p['skew']} | {p['bagpipe']['median_ms']:.1f} | {p['no-cache']['median_ms']:.1f} | "
+                  f"{p['no-cache']['median_ms'] / p['bagpipe']['median_ms']:.2f}x |" for p in results["skew"]["points"]]  # fmt: skip
+        lines.append(f"\nBagpipe's time varies by {100 * results['skew']['bagpipe_spread']:.1f}% across the skew sweep "
+                     "(max/min - 1; paper: at most 13%).")  # fmt: skip
+    if "oracle" in results:
+        lines += ["", "| oracle sweep | batch | tables | L | M samples/s | ms per batch |", "|---|---|---|---|---|---|"]
+        lines += [f"| {p['sweep']} | {p['batch_size']} | {p['tables']} | {p['lookahead']} | "
+                  f"{p['samples_per_second'] / 1e6:.2f} | {p['median_ms_per_batch']:.2f} |" for p in results["oracle"]["points"]]  # fmt: skip
+    return "\n".join(lines)
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--profile", choices=sorted(PROFILES), default="quick")
+    p.add_argument("--only", default=",".join(SECTIONS), help=f"comma-separated sections of {', '.join(SECTIONS)}")
+    p.add_argument("--out", default=str(REPO / "bench" / "results"))
+    a = p.parse_args()
+    out = Path(a.out)
+    out.mkdir(parents=True, exist_ok=True)
+    profile = PROFILES[a.profile]
+    started = time.perf_counter()
+    results: dict[str, Any] = {}
+    for name in a.only.split(","):
+        log(f"section {name}")
+        results[name] = SECTIONS[name](profile, out)
+    meta = {"profile": a.profile, "settings": profile, "seconds": time.perf_counter() - started,
+            "machine": f"{platform.machine()}, {os.cpu_count()} cores", "date": time.strftime("%Y-%m-%d")}  # fmt: skip
+    (out / f"bench-{a.profile}.json").write_text(json.dumps({"meta": meta, **results}, indent=2))
+    made = plots(results, out, a.profile)
+    text = table(results)
+    (out / f"bench-{a.profile}.md").write_text(f"# bench ({a.profile}, {meta['date']}, {meta['machine']})\n\n{text}\n")
+    shutil.rmtree(out / "runs", ignore_errors=True)
+    print(text)
+    print(f"\nwrote {out}/bench-{a.profile}.json, bench-{a.profile}.md, {', '.join(made)} in {meta['seconds']:.0f} s")
+
+
+if __name__ == "__main__":
+    main()
