@@ -223,6 +223,7 @@ def run(args: argparse.Namespace, after_training: AfterTraining | None = None) -
         _watch(job, registry, trainer_procs, args)
         stats = [registry.get_json(f"stats:{r}") for r in range(args.trainers)]
         _save_scrapes(run_dir / "metrics", endpoints)
+        _raise_if_failed(job)  # a service that crashed after training still fails the run
         if after_training is not None:
             after_training(endpoints, prometheus)
         _shutdown_services(registry)

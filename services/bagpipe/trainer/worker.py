@@ -153,10 +153,6 @@ class IterationLog:
         self._file.flush()
 
     def close(self) -> None:
-        if isinstance(self.client, SharedTable):
-            if self.rank == 0:
-                self.client.unlink()
-            self.client = getattr(self, "remote", None)
         self._file.close()
 
 
