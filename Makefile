@@ -13,7 +13,7 @@ IMAGE_TAG ?= 0.1.0
 # a container engine that actually answers (a docker CLI without a daemon does not count)
 ENGINE ?= $(shell for e in docker podman buildah; do command -v $$e >/dev/null && $$e info >/dev/null 2>&1 && { echo $$e; break; }; done)
 
-.PHONY: help venv tools protos check-protos run test lint lint-docker bench images clean
+.PHONY: help venv tools protos check-protos run test lint lint-docker bench bench-full bench-torchrec-env images clean
 
 help:  ## list the targets
 	@grep -E '^[a-z-]+:.*## ' $(MAKEFILE_LIST) | awk -F':.*## ' '{printf "  %-14s %s\n", $$1, $$2}'
@@ -57,9 +57,18 @@ lint: $(STAMP)  ## ruff and mypy
 	$(VENV)/bin/ruff format --check services tests bench
 	$(VENV)/bin/mypy services
 
-bench: $(STAMP)  ## oracle throughput (paper §5.3) and cache-design traffic (paper §3.3)
-	$(PY) bench/oracle_throughput.py
+bench: $(STAMP)  ## the quick benchmark profile (bench/README.md): systems side by side, sweeps, plan statistics
+	$(PY) bench/harness.py --profile quick
 	$(VENV)/bin/bagpipe plan-stats --iterations 100 --output bench/results/plan_stats.json
+
+bench-torchrec-env:  ## TorchRec 1.8 for CPU in bench/.venv-torchrec, the bench's outside reference (~2 min)
+	test -x bench/.venv-torchrec/bin/python || $(PYTHON) -m venv bench/.venv-torchrec
+	bench/.venv-torchrec/bin/pip install -q torch==2.13.0 fbgemm-gpu-cpu==1.8.0 tensordict torchmetrics==1.0.3 \
+		tqdm pyre-extensions numpy==2.4.6
+	bench/.venv-torchrec/bin/pip install -q --no-deps torchrec==1.8.0
+
+bench-full: $(STAMP)  ## the full profile: the paper's model and batch size (hours on 2 cores)
+	$(PY) bench/harness.py --profile full
 
 images:  ## build the container images (needs docker, podman or buildah; none on the dev machines: lint only)
 	@if [ -z "$(ENGINE)" ]; then \

@@ -5,6 +5,8 @@ reports medians and p90s of the per-iteration time (the trainers' own clocks, fr
 logs, warm-up excluded) and their ratios, with Bagpipe's iteration-stage breakdown. Sections:
 
 * ``systems``   ideal / bagpipe / no-cache on loopback (2 trainers, 2 embedding servers);
+* ``torchrec``  TorchRec's per-trainer compute on the same data and model (its own venv; skipped,
+                saying how to install it, when absent);
 * ``network``   the same with the embedding servers in a network namespace behind a veth link limited
                 by ``tc tbf`` to 10 Gbit/s and 1 Gbit/s (skipped, saying why, where namespaces are not
                 permitted);
@@ -50,13 +52,14 @@ from bagpipe.local.launcher import run as run_job  # noqa: E402
 from oracle_throughput import measure as oracle_measure  # noqa: E402
 
 PROFILES: dict[str, dict[str, Any]] = {
-    # DLRM of Table 2 scaled down (dim 48 as in the paper, narrower MLPs) so that 2 CPU cores train it
+    # DLRM of Table 2 scaled down: narrower MLPs, so that on 2 CPU cores compute and embedding traffic keep
+    # about the proportion they have on the paper's GPUs; wider rows (dim 64, Adagrad state) as the traffic
     "quick": {
-        "model": ["--embedding-dim", "48", "--bottom-mlp", "128,64,48", "--top-mlp", "256,128,1"],
-        "batch": 2048, "scale": "0.01", "iterations": 120, "optimizer": ["--optimizer", "adagrad", "--lr", "0.05"],
-        "lookaheads": [5, 10, 50, 100, 200, 300], "lookahead_extra": 60,
-        "hot_shares": [0.9, 0.4, 0.1, 0.01], "zipf_alphas": [1.0, 2.0, 3.0, 5.0],
-        "oracle": {"batches": [1024, 4096, 16384], "tables": [8, 13, 26], "lookaheads": [10, 50, 200], "timed": 30},
+        "model": ["--embedding-dim", "64", "--bottom-mlp", "128,64", "--top-mlp", "128,1"],
+        "batch": 2048, "scale": "0.01", "iterations": 100, "optimizer": ["--optimizer", "adagrad", "--lr", "0.05"],
+        "lookaheads": [5, 10, 50, 100, 200, 300], "lookahead_extra": 40,
+        "hot_shares": [0.9, 0.4, 0.01], "zipf_alphas": [1.0, 3.0, 5.0], "skew_iterations": 60,
+        "oracle": {"batches": [1024, 4096, 16384], "tables": [8, 13, 26], "lookaheads": [10, 50, 200], "timed": 40},
         "rates": ["10gbit", "1gbit"],
     },
     # the paper's DLRM (Table 2) and batch; hours on 2 cores
@@ -67,7 +70,7 @@ PROFILES: dict[str, dict[str, Any]] = {
         "hot_shares": [0.9, 0.7, 0.4, 0.1, 0.01], "zipf_alphas": [1.0, 2.0, 3.0, 4.0, 5.0],
         "oracle": {"batches": [1024, 4096, 16384, 65536], "tables": [4, 8, 13, 26], "lookaheads": [10, 50, 100, 200, 300],
                    "timed": 100},
-        "rates": ["10gbit", "1gbit"],
+        "rates": ["10gbit", "1gbit", "100mbit"], "skew_iterations": 200,
     },
 }  # fmt: skip
 NETNS, HOST_IF, NS_IF = "bagpipe-bench", "bpb-host", "bpb-ns"
@@ -204,27 +207,55 @@ def section_lookahead(profile: dict[str, Any], out: Path) -> dict[str, Any]:
     for lookahead in profile["lookaheads"]:
         r = job(f"lookahead-{lookahead}", profile, out, "--lookahead", str(lookahead),
                 iterations=lookahead + profile["lookahead_extra"])  # fmt: skip
-        runs.append({"lookahead": lookahead, **r})
+        runs.append({**r, "L": lookahead})
     return {"runs": runs}
 
 
 def section_skew(profile: dict[str, Any], out: Path) -> dict[str, Any]:
-    points = []
+    points, n = [], profile["skew_iterations"]
     for share in profile["hot_shares"]:
         flags = ["--hot-fraction", "0.01", "--hot-share", str(share)]
         points.append({"skew": f"top 1% = {100 * share:g}%", "kind": "hot", "value": share,
-                       "bagpipe": job(f"hot-{share:g}-bagpipe", profile, out, *flags),
-                       "no-cache": job(f"hot-{share:g}-no-cache", profile, out, *flags, "--system", "no-cache")})  # fmt: skip
+                       "ideal": job(f"hot-{share:g}-ideal", profile, out, *flags, "--system", "ideal", iterations=n),
+                       "bagpipe": job(f"hot-{share:g}-bagpipe", profile, out, *flags, iterations=n),
+                       "no-cache": job(f"hot-{share:g}-no-cache", profile, out, *flags, "--system", "no-cache",
+                                       iterations=n)})  # fmt: skip
     for alpha in profile["zipf_alphas"]:
         flags = ["--zipf-alpha", str(alpha)]
         points.append({"skew": f"zipf {alpha:g}", "kind": "zipf", "value": alpha,
-                       "bagpipe": job(f"zipf-{alpha:g}-bagpipe", profile, out, *flags),
-                       "no-cache": job(f"zipf-{alpha:g}-no-cache", profile, out, *flags, "--system", "no-cache")})  # fmt: skip
+                       "ideal": job(f"zipf-{alpha:g}-ideal", profile, out, *flags, "--system", "ideal", iterations=n),
+                       "bagpipe": job(f"zipf-{alpha:g}-bagpipe", profile, out, *flags, iterations=n),
+                       "no-cache": job(f"zipf-{alpha:g}-no-cache", profile, out, *flags, "--system", "no-cache",
+                                       iterations=n)})  # fmt: skip
     times = [p["bagpipe"]["median_ms"] for p in points]
-    return {"points": points, "bagpipe_spread": max(times) / min(times) - 1}
+    ideal = [p["ideal"]["median_ms"] for p in points]
+    over = [p["bagpipe"]["median_ms"] / p["ideal"]["median_ms"] for p in points]
+    return {"points": points, "bagpipe_spread": max(times) / min(times) - 1, "ideal_spread": max(ideal) / min(ideal) - 1,
+            "bagpipe_over_ideal_spread": max(over) / min(over) - 1}  # fmt: skip
 
 
-SECTIONS = {"systems": section_systems, "network": section_network, "oracle": section_oracle,
+TORCHREC_PYTHON = REPO / "bench" / ".venv-torchrec" / "bin" / "python"
+
+
+def section_torchrec(profile: dict[str, Any], out: Path) -> dict[str, Any]:
+    """TorchRec's per-trainer compute on the same data and model (its own venv: make bench-torchrec-env)."""
+    if not TORCHREC_PYTHON.exists():
+        reason = "bench/.venv-torchrec is missing: `make bench-torchrec-env` installs TorchRec 1.8 for CPU (~2 min)"
+        log(f"torchrec skipped: {reason}")
+        return {"skipped": reason}
+    model = dict(zip(profile["model"][::2], profile["model"][1::2], strict=True))
+    argv = [str(TORCHREC_PYTHON), str(REPO / "bench" / "torchrec_reference.py"), "--batch-size", str(profile["batch"]),
+            "--trainers", "2", "--scale", profile["scale"], "--embedding-dim", model["--embedding-dim"],
+            "--bottom-mlp", model["--bottom-mlp"], "--top-mlp", model["--top-mlp"], "--iterations", "60"]  # fmt: skip
+    done = subprocess.run(argv, capture_output=True, text=True)
+    if done.returncode != 0:
+        return {"skipped": f"torchrec_reference.py failed: {done.stderr.strip().splitlines()[-1:]}"}
+    result = json.loads(done.stdout.strip().splitlines()[-1])
+    log(f"torchrec compute reference: median {result['median_ms']:.1f} ms")
+    return result
+
+
+SECTIONS = {"systems": section_systems, "torchrec": section_torchrec, "network": section_network, "oracle": section_oracle,
             "lookahead": section_lookahead, "skew": section_skew}  # fmt: skip
 
 
@@ -253,11 +284,11 @@ def plots(results: dict[str, Any], out: Path, profile: str) -> list[str]:
     if "lookahead" in results:
         runs = results["lookahead"]["runs"]
         fig, ax1 = plt.subplots(figsize=(7, 4))
-        ax1.plot([r["lookahead"] for r in runs], [r["cache_peak_occupancy_rows"] for r in runs], "o-", label="peak cache rows")
+        ax1.plot([r["L"] for r in runs], [r["cache_peak_occupancy_rows"] for r in runs], "o-", label="peak cache rows")
         ax1.set_xlabel("L")
         ax1.set_ylabel("peak cache rows")
         ax2 = ax1.twinx()
-        ax2.plot([r["lookahead"] for r in runs], [r["median_ms"] for r in runs], "s--", color="C1", label="ms/iteration")
+        ax2.plot([r["L"] for r in runs], [r["median_ms"] for r in runs], "s--", color="C1", label="ms/iteration")
         ax2.set_ylabel("median ms per iteration")
         fig.legend(loc="upper left", fontsize=8)
         fig.tight_layout()
@@ -268,8 +299,8 @@ def plots(results: dict[str, Any], out: Path, profile: str) -> list[str]:
         pts = results["skew"]["points"]
         fig, ax = plt.subplots(figsize=(9, 4))
         x = range(len(pts))
-        ax.bar([i - 0.2 for i in x], [p["bagpipe"]["median_ms"] for p in pts], 0.4, label="bagpipe")
-        ax.bar([i + 0.2 for i in x], [p["no-cache"]["median_ms"] for p in pts], 0.4, label="no-cache")
+        for k, (system, w) in enumerate((("ideal", -0.27), ("bagpipe", 0.0), ("no-cache", 0.27))):
+            ax.bar([i + w for i in x], [p[system]["median_ms"] for p in pts], 0.27, label=system, color=f"C{k}")
         ax.set_xticks(list(x), [p["skew"] for p in pts], rotation=30, fontsize=8)
         ax.set_ylabel("median ms per iteration")
         ax.legend()
@@ -304,18 +335,29 @@ def table(results: dict[str, Any]) -> str:
         lines += ["", "Bagpipe's iteration breakdown (ms): " + "; ".join(
             f"{regime}: " + ", ".join(f"{k} {v:.1f}" for k, v in r["systems"]["bagpipe"]["stage_ms"].items())
             for regime, r in regimes.items())]  # fmt: skip
+    tr = results.get("torchrec", {})
+    if tr.get("median_ms"):
+        lines += ["", f"TorchRec (FBGEMM table-batched embeddings, fused row-wise Adagrad), one trainer's slice of "
+                      f"{tr['samples_per_iteration']} samples, compute only, no communication: median "
+                      f"{tr['median_ms']:.1f} ms, p90 {tr['p90_ms']:.1f} ms per iteration."]  # fmt: skip
+    elif tr.get("skipped"):
+        lines += ["", f"TorchRec reference skipped: {tr['skipped']}"]
     if results.get("network", {}).get("skipped"):
         lines += ["", f"Network-bound regime skipped: {results['network']['skipped']}"]
     if "lookahead" in results:
         lines += ["", "| L | peak cache rows | cache slots | median ms | p90 ms |", "|---|---|---|---|---|"]
-        lines += [f"| {r['lookahead']} | {r['cache_peak_occupancy_rows']:,} | {r['cache_capacity_rows']:,} | "
+        lines += [f"| {r['L']} | {r['cache_peak_occupancy_rows']:,} | {r['cache_capacity_rows']:,} | "
                   f"{r['median_ms']:.1f} | {r['p90_ms']:.1f} |" for r in results["lookahead"]["runs"]]  # fmt: skip
     if "skew" in results:
-        lines += ["", "| skew | bagpipe median ms | no-cache median ms | no-cache/bagpipe |", "|---|---|---|---|"]
-        lines += [f"| {p['skew']} | {p['bagpipe']['median_ms']:.1f} | {p['no-cache']['median_ms']:.1f} | "
+        lines += ["", "| skew | ideal median ms | bagpipe median ms | no-cache median ms | bagpipe/ideal | no-cache/bagpipe |",
+                  "|---|---|---|---|---|---|"]  # fmt: skip
+        lines += [f"| {p['skew']} | {p['ideal']['median_ms']:.1f} | {p['bagpipe']['median_ms']:.1f} | "
+                  f"{p['no-cache']['median_ms']:.1f} | {p['bagpipe']['median_ms'] / p['ideal']['median_ms']:.2f}x | "
                   f"{p['no-cache']['median_ms'] / p['bagpipe']['median_ms']:.2f}x |" for p in results["skew"]["points"]]  # fmt: skip
-        lines.append(f"\nBagpipe's time varies by {100 * results['skew']['bagpipe_spread']:.1f}% across the skew sweep "
-                     "(max/min - 1; paper: at most 13%).")  # fmt: skip
+        sk = results["skew"]
+        lines.append(f"\nAcross the skew sweep (max/min - 1): bagpipe's time varies by {100 * sk['bagpipe_spread']:.1f}% "
+                     f"(paper: at most 13%), the ideal system's by {100 * sk['ideal_spread']:.1f}%, and bagpipe/ideal by "
+                     f"{100 * sk['bagpipe_over_ideal_spread']:.1f}%.")  # fmt: skip
     if "oracle" in results:
         lines += ["", "| oracle sweep | batch | tables | L | M samples/s | ms per batch |", "|---|---|---|---|---|---|"]
         lines += [f"| {p['sweep']} | {p['batch_size']} | {p['tables']} | {p['lookahead']} | "

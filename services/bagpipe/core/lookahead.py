@@ -147,7 +147,7 @@ class BatchPlan:
     batch: int
     keys: np.ndarray  # int64 [U], sorted unique global keys
     slots: np.ndarray  # int32 [U]
-    ttl: np.ndarray  # int64 [U]
+    ttl: np.ndarray  # int32 [U]
     users: np.ndarray  # mask [U]: trainers whose samples use the key in this batch
     holders: np.ndarray  # mask [U]: trainers that hold the key during this batch
     sync: np.ndarray  # bool [U]: the update is all-reduced (more than one holder)
@@ -271,7 +271,7 @@ class LookaheadPlanner:
         self._next_push: int | None = None
         self._ended = False
         self._blocked = False
-        self._live = np.zeros(0, dtype=np.int64)  # per batch in the window: rows cached while it runs
+        self._live = np.zeros(0, dtype=np.int64)  # with a capacity, per batch in the window: rows cached while it runs
         self.occupancy = 0
         self.peak_occupancy = 0
         self.min_window = lookahead
@@ -323,11 +323,11 @@ class LookaheadPlanner:
         oldest = self._window[0].batch if self._window else batch
         prev = self._latest[keys]
         fresh = prev < oldest  # not used by any batch in the window: not cached either
-        here = len(self._window)
-        # a fresh key is live at this batch only; another one from the batch after its last use on
-        starts = np.where(fresh, here, prev - oldest + 1)
-        live = np.append(self._live, 0) + np.cumsum(np.bincount(starts, minlength=here + 1))
         if self.capacity is not None:
+            here = len(self._window)
+            # a fresh key is live at this batch only; another one from the batch after its last use on
+            starts = np.where(fresh, here, prev - oldest + 1)
+            live = np.append(self._live, 0) + np.cumsum(np.bincount(starts, minlength=here + 1))
             if not self._window and keys.size > self.capacity:
                 raise CapacityError(
                     f"cache capacity of {self.capacity} rows is smaller than batch {batch}, which uses {keys.size} rows"
@@ -335,15 +335,16 @@ class LookaheadPlanner:
             if int(live.max()) > self.capacity:
                 self._blocked = True
                 return False
+            self._live = live
         depends_on = int(prev[fresh].max()) if fresh.any() else -1
         old = self._holders[keys]
         joiners = users & ~old
-        spread = np.flatnonzero(~fresh & (self._slot[keys] >= 0) & (joiners != 0))
+        spread = np.flatnonzero(~fresh & (joiners != 0))  # used in the window and by someone new ...
+        spread = spread[self._slot[keys[spread]] >= 0]  # ... and already cached: a hand-over
         if spread.size:
             self._schedule_handovers(keys[spread], prev[spread], joiners[spread], oldest)
         self._holders[keys] = np.where(fresh, users, old | users)
         self._latest[keys] = np.full(keys.size, batch, dtype=np.int32)  # an array scatters ~20x faster than a scalar
-        self._live = live
         self._window.append(_Entry(batch, keys, users, depends_on))
         self._next_push = batch + 1
         self._ended = last
@@ -372,7 +373,7 @@ class LookaheadPlanner:
             self.min_window = min(self.min_window, window)
         entry = self._window.popleft()
         x, keys = entry.batch, entry.keys
-        ttl = self._latest[keys].astype(np.int64)
+        ttl = self._latest[keys]
         slots = self._slot[keys]
         prefetch = np.flatnonzero(slots < 0).astype(np.int32)
         depends_on = entry.depends_on
@@ -385,8 +386,10 @@ class LookaheadPlanner:
         self.peak_occupancy = max(self.peak_occupancy, self.occupancy)
 
         handover_at = self._handover_at[keys]
-        waiting = np.where(handover_at >= x, self._handover_to[keys], self.mask.type(0))
-        holders = self._holders[keys] & ~waiting  # those that have the newest value during this batch
+        holders = self._holders[keys]  # those that have the newest value during this batch:
+        waiting = np.flatnonzero(handover_at >= x)  # not the ones still waiting for a hand-over
+        if waiting.size:
+            holders[waiting] &= ~self._handover_to[keys[waiting]]
         sync = np.bitwise_count(holders) > 1
         following = self._window[0] if self._window and self._window[0].batch == x + 1 else None
         if not self.delayed_sync:
@@ -403,14 +406,15 @@ class LookaheadPlanner:
         writer = np.zeros(0, dtype=np.int32)
         if evict.size:
             gone = keys[evict]
-            owners = self._holders[gone]
+            owners = holders[evict]  # nothing is pending for a key's last use: every holder is current
             writer = nth_set_bit(owners, gone % np.bitwise_count(owners), self.trainers)
             self._slot[gone] = np.full(gone.size, -1, dtype=np.int32)
             self._holders[gone] = np.zeros(gone.size, dtype=self.mask)
             self._allocator.release(slots[evict], x)
         self.occupancy -= evict.size
-        assert self.occupancy + evict.size == self._live[0], "live-row accounting is off"
-        self._live = self._live[1:]
+        if self.capacity is not None:
+            assert self.occupancy + evict.size == self._live[0], "live-row accounting is off"
+            self._live = self._live[1:]
         self._blocked = False
         return BatchPlan(
             batch=x,
