@@ -11,11 +11,13 @@ import numpy as np
 import pytest
 
 from bagpipe.core.data import SyntheticConfig, SyntheticSource, build_batch, scaled_table_rows, table_offsets
+from bagpipe.core.lookahead import trainer_users
 from bagpipe.core.shard_map import ShardMap
 from bagpipe.core.shard_store import ShardStore
 from bagpipe.data_processor.config import DataProcessorConfig, SourceConfig
 from bagpipe.data_processor.server import create_server as create_data_processor
 from bagpipe.embedding_server.server import create_server as create_embedding_server
+from bagpipe.errors import InvalidArgument
 from bagpipe.oracle_cacher.config import OracleConfig
 from bagpipe.oracle_cacher.server import Oracle, _Received
 from bagpipe.oracle_cacher.server import create_server as create_oracle
@@ -93,6 +95,50 @@ async def _malformed_tsv(tmp_path: Path) -> None:
 
 def test_malformed_tsv_line_fails_with_file_line_and_field(tmp_path: Path) -> None:
     asyncio.run(_malformed_tsv(tmp_path))
+
+
+async def _processor_trainer_masks() -> None:
+    rows = tuple(scaled_table_rows(0.0005))
+    cfg = DataProcessorConfig(SourceConfig("synthetic", rows), 12, 0, "", "", "")
+    server, port, _, _ = await create_data_processor(cfg)
+    async with grpc.aio.insecure_channel(f"127.0.0.1:{port}") as ch:
+        stub = data_processor_pb2_grpc.DataProcessorStub(ch)
+        request = data_processor_pb2.StreamBatchesRequest(start=0, stride=1, end=2, trainers=3)
+        batches = [b async for b in stub.StreamBatches(request, timeout=10)]
+        for batch in batches:
+            keys = from_tensor(batch.keys, "keys", np.int64, ndim=1)
+            inverse = from_tensor(batch.inverse, "inverse", np.int32, ndim=2)
+            users = from_tensor(batch.users, "users", np.int64, shape=keys.shape)
+            assert np.array_equal(users, trainer_users(inverse, keys.size, 3))
+        plain = [b async for b in stub.StreamBatches(data_processor_pb2.StreamBatchesRequest(start=0, stride=1, end=1))]
+        assert not plain[0].HasField("users")
+        for trainers, why in ((5, "trainers: batch size 12 does not split over 5 trainers"),
+                              (65, "trainers: must be in [0, 64], got 65")):  # fmt: skip
+            with pytest.raises(grpc.aio.AioRpcError) as err:
+                bad = data_processor_pb2.StreamBatchesRequest(start=0, stride=1, end=1, trainers=trainers)
+                _ = [b async for b in stub.StreamBatches(bad, timeout=10)]
+            assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+            assert err.value.details() == why
+    await server.stop(None)
+
+
+def test_data_processor_works_out_which_trainers_use_each_key() -> None:
+    asyncio.run(_processor_trainer_masks())
+
+
+def test_oracle_rejects_trainer_masks_that_name_no_trainer_or_an_unknown_one() -> None:
+    rows = tuple(scaled_table_rows(0.0005))
+    oracle = Oracle(OracleConfig(rows, 16, 2, 2, 1, 6, "", "", ""))
+    arrays = build_batch(0, SyntheticSource(SyntheticConfig(table_rows=rows)).batch(0, 16), table_offsets(rows))
+    good = trainer_users(arrays.inverse, arrays.keys.size, 2).astype(np.int64)
+    for bad in (np.where(np.arange(good.size) == 0, 0, good), np.where(np.arange(good.size) == 0, 4, good)):
+        msg = data_processor_pb2.Batch(number=0, keys=to_tensor(arrays.keys), inverse=to_tensor(arrays.inverse),
+                                       users=to_tensor(bad.astype(np.int64)))  # fmt: skip
+        with pytest.raises(InvalidArgument, match=r"users: batch 0: masks outside \[1, 3\] for 2 trainers"):
+            oracle._users(msg, arrays.keys.size)
+    msg = data_processor_pb2.Batch(number=0, keys=to_tensor(arrays.keys), inverse=to_tensor(arrays.inverse),
+                                   users=to_tensor(good))  # fmt: skip
+    assert np.array_equal(oracle._users(msg, arrays.keys.size), good.astype(np.uint8))
 
 
 async def _oracle_gates_plans() -> None:

@@ -38,9 +38,15 @@ Slots of evicted rows wait ``reuse_delay`` batches before reuse (so prefetches r
 write-backs) unless the capacity is needed, in which case they are reused at once and ``depends_on``
 reflects it.
 
-State is per key: latest use (int32; after eviction, the eviction batch), slot (int32), holders and
-pending hand-over recipients (bit masks of trainers); each batch costs a few gathers and scatters over
-its unique keys and no Python loop over ids.
+**Layout.** The oracle's cost is memory latency: tens of thousands of random accesses per batch into
+per-key state for tens of millions of keys. So a key's state is one 16-byte record (``_state``): its
+latest use (int32; after eviction, the eviction batch), its slot (int32), its position in the keys of
+its latest batch (int32), its holders and its pending hand-over recipients (16-bit trainer masks;
+wider records above 16 trainers). ``push`` and ``pop`` each gather the batch's records once, work on
+the copy, and scatter it back once; only keys with a pending hand-over touch a second array (the batch
+after which it is due). Whether the next batch reads a key (critical synchronisation) is recorded
+while the next batch is pushed, through the stored positions, so no search is needed. No Python loop
+runs over ids.
 """
 
 from __future__ import annotations
@@ -81,18 +87,22 @@ def trainer_users(inverse: np.ndarray, unique: int, trainers: int) -> np.ndarray
     """Per key of a global batch, the bit mask of trainers whose contiguous slice of samples uses it.
 
     ``inverse`` is the batch's int32 ``[B, tables]`` index into its ``unique`` keys; trainer ``t`` takes
-    samples ``[t*B/T, (t+1)*B/T)``. One scatter into a [keys, bits] table, then ``packbits``.
+    samples ``[t*B/T, (t+1)*B/T)``. Per trainer, one scatter of its slice into a byte map of the keys
+    (cache-resident), shifted into the mask.
     """
     dt = mask_dtype(trainers)
     size = inverse.shape[0]
     if size % trainers:
         raise ValueError(f"batch of {size} samples does not split over {trainers} trainers")
-    width = dt.itemsize * 8
-    owner = np.repeat(np.arange(trainers, dtype=np.int64), (size // trainers) * inverse.shape[1])
-    seen = np.zeros(unique * width, dtype=bool)
-    seen[inverse.reshape(-1).astype(np.int64) * width + owner] = np.ones(owner.size, dtype=bool)  # (array: faster)
-    packed = np.packbits(seen.reshape(unique, width), axis=1, bitorder="little")
-    return packed.view(dt.newbyteorder("<")).reshape(unique).astype(dt, copy=False)
+    per = size // trainers
+    out = np.zeros(unique, dtype=dt)
+    seen = np.zeros(unique, dtype=bool)
+    true = np.ones(per * inverse.shape[1], dtype=bool)  # scattering an array is ~20x faster than a scalar
+    for t in range(trainers):
+        seen.fill(False)
+        seen[inverse[t * per : (t + 1) * per].reshape(-1)] = true
+        out += seen.view(np.uint8).astype(dt, copy=False) << dt.type(t)
+    return out
 
 
 def nth_set_bit(masks: np.ndarray, n: np.ndarray, width: int) -> np.ndarray:
@@ -227,6 +237,17 @@ class _Entry:
     keys: np.ndarray
     users: np.ndarray
     depends_on: int  # last eviction of keys first seen with this batch
+    next_used: np.ndarray  # bool [U]: the next batch uses the key (filled when the next batch is pushed)
+    next_pos: np.ndarray  # int32 [U]: ... at this position of its keys
+
+
+def _state_dtype(mask: np.dtype) -> np.dtype:
+    """A key's record: 16 bytes (one gather's fast path) up to 16 trainers, wider above."""
+    flags = np.dtype(np.uint16) if mask.itemsize <= 2 else mask
+    fields = [("latest", np.int32), ("slot", np.int32), ("pos", np.int32), ("holders", flags), ("handover_to", flags)]
+    size = 12 + 2 * flags.itemsize
+    return np.dtype({"names": [f for f, _ in fields], "formats": [t for _, t in fields],
+                     "offsets": [0, 4, 8, 12, 12 + flags.itemsize], "itemsize": size + (-size % 8 if size > 16 else 0)})  # fmt: skip
 
 
 class LookaheadPlanner:
@@ -260,12 +281,15 @@ class LookaheadPlanner:
         self.delayed_sync = delayed_sync
         self.mask = mask_dtype(trainers)
         self._all = all_trainers(trainers)
-        self._latest = np.full(num_keys, -1, dtype=np.int32)  # LatestTracker; eviction batch once evicted
-        self._slot = np.full(num_keys, -1, dtype=np.int32)  # InCache, with the key's slot
-        self._holders = np.zeros(num_keys, dtype=self.mask)
-        self._handover_at = np.full(num_keys, -1, dtype=np.int32)  # pending hand-over: after this batch
-        self._handover_to = np.zeros(num_keys, dtype=self.mask)  # ... to these new holders
-        self._mark = np.full(num_keys, -1, dtype=np.int32)  # scratch: stamped with the batch that reads a key
+        # per key: latest (LatestTracker; the eviction batch once evicted), slot (InCache), pos (in the latest
+        # batch's keys), holders, handover_to (pending hand-over recipients; the batch after which it is due
+        # is in _handover_at, valid while handover_to is not 0)
+        self._dtype = _state_dtype(self.mask)
+        self._state = np.zeros(num_keys, dtype=self._dtype)
+        self._state["latest"] = -1
+        self._state["slot"] = -1
+        self._raw = self._state.view(np.dtype((np.void, self._dtype.itemsize)))  # gathers/scatters whole records
+        self._handover_at = np.full(num_keys, -1, dtype=np.int32)
         self._window: deque[_Entry] = deque()
         self._allocator = SlotAllocator(delay=min(lookahead, reuse_delay or lookahead), capacity=capacity)
         self._next_push: int | None = None
@@ -321,7 +345,8 @@ class LookaheadPlanner:
         elif users.dtype != self.mask or users.shape != keys.shape:
             raise ValueError(f"users: expected {self.mask} {keys.shape}, got {users.dtype} {users.shape}")
         oldest = self._window[0].batch if self._window else batch
-        prev = self._latest[keys]
+        rec = self._raw[keys].view(self._dtype)  # a copy: written back at the end
+        prev = rec["latest"]
         fresh = prev < oldest  # not used by any batch in the window: not cached either
         if self.capacity is not None:
             here = len(self._window)
@@ -337,28 +362,41 @@ class LookaheadPlanner:
                 return False
             self._live = live
         depends_on = int(prev[fresh].max()) if fresh.any() else -1
-        old = self._holders[keys]
+        if self._window:  # the previous batch learns which of its keys this one reads, and where
+            again = np.flatnonzero(prev == batch - 1)
+            before = self._window[-1]
+            at = rec["pos"][again]
+            before.next_used[at] = True
+            before.next_pos[at] = again.astype(np.int32)
+        old = rec["holders"].astype(self.mask)
         joiners = users & ~old
-        spread = np.flatnonzero(~fresh & (joiners != 0))  # used in the window and by someone new ...
-        spread = spread[self._slot[keys[spread]] >= 0]  # ... and already cached: a hand-over
+        spread = np.flatnonzero(~fresh & (joiners != 0) & (rec["slot"] >= 0))  # cached, used by someone new
         if spread.size:
-            self._schedule_handovers(keys[spread], prev[spread], joiners[spread], oldest)
-        self._holders[keys] = np.where(fresh, users, old | users)
-        self._latest[keys] = np.full(keys.size, batch, dtype=np.int32)  # an array scatters ~20x faster than a scalar
-        self._window.append(_Entry(batch, keys, users, depends_on))
+            self._schedule_handovers(keys, rec, spread, prev[spread], joiners[spread])
+        rec["holders"] = np.where(fresh, users, old | users)
+        rec["latest"] = batch
+        rec["pos"] = np.arange(keys.size, dtype=np.int32)
+        self._raw[keys] = rec.view(self._raw.dtype)
+        self._window.append(
+            _Entry(batch, keys, users, depends_on, np.zeros(keys.size, dtype=bool), np.zeros(keys.size, dtype=np.int32))
+        )
         self._next_push = batch + 1
         self._ended = last
         return True
 
-    def _schedule_handovers(self, keys: np.ndarray, after: np.ndarray, joiners: np.ndarray, oldest: int) -> None:
+    def _schedule_handovers(
+        self, keys: np.ndarray, rec: np.ndarray, spread: np.ndarray, after: np.ndarray, joiners: np.ndarray
+    ) -> None:
         """New holders get a cached key after its latest update before the batch being pushed (``after``).
 
         A key has at most one pending hand-over: a second joiner rides along with the first one
         (it becomes a holder a little early, which costs synchronisation, not exactness).
         """
-        pending = self._handover_at[keys] >= oldest
-        self._handover_to[keys] = np.where(pending, self._handover_to[keys] | joiners, joiners)
-        self._handover_at[keys] = np.where(pending, self._handover_at[keys], after).astype(np.int32)
+        to = rec["handover_to"][spread]
+        pending = to != 0
+        rec["handover_to"][spread] = np.where(pending, to | joiners, joiners)
+        first = ~pending
+        self._handover_at[keys[spread[first]]] = after[first]
 
     def finish(self) -> None:
         """Marks the last pushed batch as the end of the data (when no batch carried ``last``)."""
@@ -373,34 +411,30 @@ class LookaheadPlanner:
             self.min_window = min(self.min_window, window)
         entry = self._window.popleft()
         x, keys = entry.batch, entry.keys
-        ttl = self._latest[keys]
-        slots = self._slot[keys]
-        prefetch = np.flatnonzero(slots < 0).astype(np.int32)
+        rec = self._raw[keys].view(self._dtype)  # a copy: written back at the end
+        ttl = rec["latest"].copy()  # (copies: a view of one record would see the changes below)
+        prefetch = np.flatnonzero(rec["slot"] < 0).astype(np.int32)
         depends_on = entry.depends_on
         if prefetch.size:
             new_slots, reused_after = self._allocator.take(prefetch.size, x)
             depends_on = max(depends_on, reused_after)
-            slots[prefetch] = new_slots
-            self._slot[keys[prefetch]] = new_slots
+            rec["slot"][prefetch] = new_slots
+        slots = rec["slot"].copy()
         self.occupancy += prefetch.size
         self.peak_occupancy = max(self.peak_occupancy, self.occupancy)
 
-        handover_at = self._handover_at[keys]
-        holders = self._holders[keys]  # those that have the newest value during this batch:
-        waiting = np.flatnonzero(handover_at >= x)  # not the ones still waiting for a hand-over
+        holders = rec["holders"].astype(self.mask)  # those that have the newest value during this batch:
+        to = rec["handover_to"].astype(self.mask)
+        waiting = np.flatnonzero(to != 0)  # not the ones still waiting for a hand-over (due at x or later)
+        due = np.zeros(0, dtype=np.int64)
         if waiting.size:
-            holders[waiting] &= ~self._handover_to[keys[waiting]]
+            holders[waiting] &= ~to[waiting]
+            due = waiting[self._handover_at[keys[waiting]] == x]
+            rec["handover_to"][due] = 0
         sync = np.bitwise_count(holders) > 1
-        following = self._window[0] if self._window and self._window[0].batch == x + 1 else None
-        if not self.delayed_sync:
-            critical = sync.copy()
-        elif following is None:
-            critical = np.zeros(keys.size, dtype=bool)
-        else:
-            self._mark[following.keys] = np.full(following.keys.size, x + 1, dtype=np.int32)  # next batch's keys
-            critical = sync & (self._mark[keys] == x + 1)
-
-        handovers = self._take_handovers(x, keys, np.flatnonzero(handover_at == x), holders, following)
+        following = self._window[0] if self._window else None  # batch x+1: push is in order
+        critical = sync.copy() if not self.delayed_sync else sync & entry.next_used
+        handovers = self._take_handovers(entry, keys, slots, due, holders, to[due], following)
 
         evict = np.flatnonzero(ttl == x).astype(np.int32)
         writer = np.zeros(0, dtype=np.int32)
@@ -408,9 +442,14 @@ class LookaheadPlanner:
             gone = keys[evict]
             owners = holders[evict]  # nothing is pending for a key's last use: every holder is current
             writer = nth_set_bit(owners, gone % np.bitwise_count(owners), self.trainers)
-            self._slot[gone] = np.full(gone.size, -1, dtype=np.int32)
-            self._holders[gone] = np.zeros(gone.size, dtype=self.mask)
+            rec["slot"][evict] = -1
+            rec["holders"][evict] = 0
             self._allocator.release(slots[evict], x)
+        changed = np.zeros(keys.size, dtype=bool)  # only these records differ: write back just them
+        for index in (prefetch, evict, due):
+            changed[index] = True
+        changed_at = np.flatnonzero(changed)
+        self._raw[keys[changed_at]] = rec[changed_at].view(self._raw.dtype)
         self.occupancy -= evict.size
         if self.capacity is not None:
             assert self.occupancy + evict.size == self._live[0], "live-row accounting is off"
@@ -437,20 +476,24 @@ class LookaheadPlanner:
         )
 
     def _take_handovers(
-        self, x: int, keys: np.ndarray, due: np.ndarray, holders: np.ndarray, following: _Entry | None
+        self,
+        entry: _Entry,
+        keys: np.ndarray,
+        slots: np.ndarray,
+        due: np.ndarray,
+        holders: np.ndarray,
+        recipients: np.ndarray,
+        following: _Entry | None,
     ) -> Handovers:
         if not due.size:
             return Handovers.empty(self.mask)
-        hk = keys[due]
-        recipients = self._handover_to[hk]
         source = holders[due] & (~holders[due] + self.mask.type(1))  # lowest set bit
-        self._handover_at[hk] = np.full(hk.size, -1, dtype=np.int32)
         if not self.delayed_sync:
-            critical = np.ones(hk.size, dtype=bool)
+            critical = np.ones(due.size, dtype=bool)
         elif following is None:
-            critical = np.zeros(hk.size, dtype=bool)
+            critical = np.zeros(due.size, dtype=bool)
         else:  # critical when a new holder reads the key in the next batch
-            pos = np.searchsorted(following.keys, hk).clip(max=max(following.keys.size - 1, 0))
-            inside = following.keys[pos] == hk if following.keys.size else np.zeros(hk.size, dtype=bool)
-            critical = inside & ((following.users[pos] & recipients) != 0)
-        return Handovers(hk, self._slot[hk].copy(), source, recipients, critical)
+            inside = entry.next_used[due]
+            users = following.users[entry.next_pos[due]] if following.keys.size else np.zeros_like(recipients)
+            critical = inside & ((users & recipients) != 0)
+        return Handovers(keys[due], slots[due].copy(), source, recipients, critical)

@@ -6,8 +6,10 @@ import asyncio
 import logging
 import time
 from collections.abc import Iterator
+from typing import Any
 
 import grpc
+import numpy as np
 
 from bagpipe import serving
 from bagpipe.core.data import (
@@ -18,6 +20,7 @@ from bagpipe.core.data import (
     build_batch,
     table_offsets,
 )
+from bagpipe.core.lookahead import MAX_TRAINERS, trainer_users
 from bagpipe.data_processor import metrics
 from bagpipe.data_processor.config import DataProcessorConfig, SourceConfig
 from bagpipe.errors import InvalidArgument, grpc_errors
@@ -62,6 +65,18 @@ def generate(source: SourceConfig, batch_size: int, start: int, stride: int, end
         yield pending, True
 
 
+def with_users(batches: Iterator[tuple[BatchArrays, bool]], trainers: int) -> Iterator[tuple[BatchArrays, Any, bool]]:
+    """Adds each batch's per-key trainer masks when ``trainers`` > 0 (int64 on the wire: the bits of a
+    uint64 mask). Timed as ``bagpipe_data_processor_trainer_mask_seconds``."""
+    for arrays, last in batches:
+        users = None
+        if trainers:
+            t0 = time.perf_counter()
+            users = trainer_users(arrays.inverse, arrays.keys.size, trainers).astype(np.uint64).view(np.int64)
+            metrics.MASK_SECONDS.observe(time.perf_counter() - t0)
+        yield arrays, users, last
+
+
 class DataProcessorServicer(pb_grpc.DataProcessorServicer):
     def __init__(self, config: DataProcessorConfig) -> None:
         self.config = config
@@ -72,7 +87,16 @@ class DataProcessorServicer(pb_grpc.DataProcessorServicer):
             raise InvalidArgument("start", f"must be >= 0, got {request.start}")
         if request.stride < 1:
             raise InvalidArgument("stride", f"must be >= 1, got {request.stride}")
-        gen = generate(self.config.source, self.config.batch_size, request.start, request.stride, request.end)
+        if not 0 <= request.trainers <= MAX_TRAINERS:
+            raise InvalidArgument("trainers", f"must be in [0, {MAX_TRAINERS}], got {request.trainers}")
+        if request.trainers and self.config.batch_size % request.trainers:
+            raise InvalidArgument(
+                "trainers", f"batch size {self.config.batch_size} does not split over {request.trainers} trainers"
+            )
+        gen = with_users(
+            generate(self.config.source, self.config.batch_size, request.start, request.stride, request.end),
+            request.trainers,
+        )
         sentinel = object()
         while True:
             try:
@@ -81,7 +105,7 @@ class DataProcessorServicer(pb_grpc.DataProcessorServicer):
                 raise InvalidArgument("data", str(e)) from e
             if item is sentinel:
                 return
-            arrays, last = item  # type: ignore[misc]
+            arrays, users, last = item  # type: ignore[misc]
             metrics.BATCHES.inc()
             metrics.SAMPLES.inc(arrays.labels.size)
             yield pb.Batch(
@@ -91,6 +115,7 @@ class DataProcessorServicer(pb_grpc.DataProcessorServicer):
                 keys=to_tensor(arrays.keys),
                 inverse=to_tensor(arrays.inverse),
                 last=last,
+                users=to_tensor(users) if users is not None else None,
             )
 
 

@@ -125,7 +125,9 @@ class Oracle(pb_grpc.OracleCacherServicer):
         end = self.config.iterations
         async with grpc.aio.insecure_channel(address, options=serving.CHANNEL_OPTIONS) as ch:
             stub = data_processor_pb2_grpc.DataProcessorStub(ch)
-            request = data_processor_pb2.StreamBatchesRequest(start=offset, stride=stride, end=end)
+            # with LRPP the processors also work out which trainers use each key (off the single oracle)
+            trainers = self.config.trainers if self.config.cache_mode == "lrpp" else 0
+            request = data_processor_pb2.StreamBatchesRequest(start=offset, stride=stride, end=end, trainers=trainers)
             async for batch in stub.StreamBatches(request):
                 keys = from_tensor(batch.keys, "keys", np.int64, ndim=1)
                 if keys.size and (keys[0] < 0 or keys[-1] >= self.num_keys):
@@ -142,12 +144,18 @@ class Oracle(pb_grpc.OracleCacherServicer):
 
     def _users(self, batch: data_processor_pb2.Batch, unique: int) -> np.ndarray:
         """Which trainers use each key (every trainer, for a replicated cache)."""
+        everyone = all_trainers(self.config.trainers)
         if self.config.cache_mode == "replicated":
-            return np.full(unique, all_trainers(self.config.trainers), dtype=mask_dtype(self.config.trainers))
+            return np.full(unique, everyone, dtype=mask_dtype(self.config.trainers))
         inverse = from_tensor(batch.inverse, "inverse", np.int32, ndim=2)
         if inverse.size and (inverse.min() < 0 or inverse.max() >= unique):
             raise InvalidArgument("inverse", f"batch {batch.number}: indices outside [0, {unique})")
-        return trainer_users(inverse, unique, self.config.trainers)
+        if not batch.HasField("users"):  # a processor that was not asked (or predates the field)
+            return trainer_users(inverse, unique, self.config.trainers)
+        users = from_tensor(batch.users, "users", np.int64, shape=(unique,)).view(np.uint64)
+        if users.size and (users.min() < 1 or users.max() > everyone):
+            raise InvalidArgument("users", f"batch {batch.number}: masks outside [1, {int(everyone)}] for {self.config.trainers} trainers")
+        return users.astype(mask_dtype(self.config.trainers))
 
     async def run_readers(self, addresses: list[str]) -> None:
         async def one(i: int, addr: str) -> None:
