@@ -57,17 +57,24 @@ lint: $(STAMP)  ## ruff and mypy
 	$(VENV)/bin/ruff format --check services tests bench
 	$(VENV)/bin/mypy services
 
+TORCHREC_STAMP := bench/.venv-torchrec/.installed
+
 bench: $(STAMP)  ## the quick benchmark profile (bench/README.md): systems side by side, sweeps, plan statistics
+	@$(MAKE) --no-print-directory bench-torchrec-env || echo "TorchRec could not be installed: the bench runs without its reference"
 	$(PY) bench/harness.py --profile quick
 	$(VENV)/bin/bagpipe plan-stats --iterations 100 --output bench/results/plan_stats.json
 
-bench-torchrec-env:  ## TorchRec 1.8 for CPU in bench/.venv-torchrec, the bench's outside reference (~2 min)
+$(TORCHREC_STAMP):
 	test -x bench/.venv-torchrec/bin/python || $(PYTHON) -m venv bench/.venv-torchrec
 	bench/.venv-torchrec/bin/pip install -q torch==2.13.0 fbgemm-gpu-cpu==1.8.0 tensordict torchmetrics==1.0.3 \
 		tqdm pyre-extensions numpy==2.4.6
 	bench/.venv-torchrec/bin/pip install -q --no-deps torchrec==1.8.0
+	touch $@
+
+bench-torchrec-env: $(TORCHREC_STAMP)  ## TorchRec 1.8 for CPU in bench/.venv-torchrec, the bench's outside reference (~2 min, once)
 
 bench-full: $(STAMP)  ## the full profile: the paper's model and batch size (hours on 2 cores)
+	@$(MAKE) --no-print-directory bench-torchrec-env || echo "TorchRec could not be installed: the bench runs without its reference"
 	$(PY) bench/harness.py --profile full
 
 images:  ## build the container images (needs docker, podman or buildah; none on the dev machines: lint only)
