@@ -111,7 +111,7 @@ def replay(stream, plans, trainers, capacity=None, delayed=True) -> dict[str, in
     return seen
 
 
-@pytest.mark.parametrize("trainers", [2, 3, 5])
+@pytest.mark.parametrize("trainers", [2, 3, 5, 20])  # 20: wider per-key records than up to 16
 @pytest.mark.parametrize("lookahead", [1, 2, 4, 9])
 @pytest.mark.parametrize("delayed", [True, False])
 def test_every_read_is_the_newest_value(trainers: int, lookahead: int, delayed: bool) -> None:
@@ -164,6 +164,25 @@ def test_a_batch_larger_than_the_cache_is_a_clear_error() -> None:
     planner = LookaheadPlanner(100, 4, capacity=3)
     with pytest.raises(CapacityError, match="capacity of 3 rows is smaller than batch 0, which uses 4 rows"):
         planner.push(0, np.arange(4, dtype=np.int64))
+
+
+def test_single_key_batches_keep_their_plans_when_the_key_is_evicted() -> None:
+    # a plan's per-key arrays are its own: evicting a batch's only key must not rewrite its slot
+    stream = [[{5}, {5}] for _ in range(6)]
+    plans, _ = plan_stream(stream, 2, 3, 10)
+    replay(stream, plans, 2)
+    assert [p.slots.tolist() for p in plans] == [[0]] * 6
+    assert [p.evict.tolist() for p in plans] == [[], [], [], [], [], [0]]
+
+
+def test_trainer_users_for_up_to_64_trainers() -> None:
+    rng = np.random.default_rng(1)
+    for trainers in (1, 7, 8, 9, 16, 33, 64):
+        inverse = rng.integers(0, 50, size=(trainers * 3, 4)).astype(np.int32)
+        users = trainer_users(inverse, 50, trainers)
+        assert users.dtype == mask_dtype(trainers)
+        expected = [sum(1 << t for t in range(trainers) if (inverse[3 * t : 3 * t + 3] == k).any()) for k in range(50)]
+        assert [int(u) for u in users] == expected
 
 
 def test_trainer_users_and_shares_follow_the_sample_slices() -> None:
