@@ -103,11 +103,13 @@ def job(name: str, profile: dict[str, Any], out: Path, *extra: str, iterations: 
         "mean_ms": 1000 * statistics.fmean(warm),
         "stage_ms": {k: 1000 * v for k, v in summary["stage_seconds_per_iteration"].items()},
         "cache_hit_rate": summary["cache_hit_rate"],
+        "rows_per_iteration": summary["rows_per_iteration"],
         "rows_fetched_per_iteration": summary["rows_fetched_per_iteration"],
         "rows_synced_critical_per_iteration": summary["rows_synced_critical_per_iteration"],
         "cache_peak_occupancy_rows": summary["cache_peak_occupancy_rows"],
         "cache_capacity_rows": summary["cache_capacity_rows"],
         "lookahead": summary["lookahead"],
+        "cpu_ms": {k: 1000 * v for k, v in summary.get("cpu_seconds_per_iteration", {}).items()},
         "wall_s": time.perf_counter() - t0,
     }
     log(f"{name}: median {result['median_ms']:.1f} ms, p90 {result['p90_ms']:.1f} ms ({result['wall_s']:.0f} s)")
@@ -335,6 +337,15 @@ def table(results: dict[str, Any]) -> str:
         lines += ["", "Bagpipe's iteration breakdown (ms): " + "; ".join(
             f"{regime}: " + ", ".join(f"{k} {v:.1f}" for k, v in r["systems"]["bagpipe"]["stage_ms"].items())
             for regime, r in regimes.items())]  # fmt: skip
+        kinds = sorted({k for r in regimes.values() for s in r["systems"].values() for k in s.get("cpu_ms", {})})
+        if kinds:  # every service shares this machine's cores: where the CPU time goes, per iteration
+            lines += ["", "| regime | system | " + " | ".join(f"{k} CPU ms" for k in kinds) + " | all CPU ms |",
+                      "|---|---|" + "---|" * (len(kinds) + 1)]  # fmt: skip
+            for regime, r in regimes.items():
+                for name in SYSTEMS:
+                    cpu = r["systems"][name].get("cpu_ms", {})
+                    lines.append(f"| {regime} | {name} | " + " | ".join(f"{cpu.get(k, 0):.1f}" for k in kinds)
+                                 + f" | {sum(cpu.values()):.1f} |")  # fmt: skip
     tr = results.get("torchrec", {})
     if tr.get("median_ms"):
         lines += ["", f"TorchRec (FBGEMM table-batched embeddings, fused row-wise Adagrad), one trainer's slice of "
@@ -349,9 +360,9 @@ def table(results: dict[str, Any]) -> str:
         lines += [f"| {r['L']} | {r['cache_peak_occupancy_rows']:,} | {r['cache_capacity_rows']:,} | "
                   f"{r['median_ms']:.1f} | {r['p90_ms']:.1f} |" for r in results["lookahead"]["runs"]]  # fmt: skip
     if "skew" in results:
-        lines += ["", "| skew | ideal median ms | bagpipe median ms | no-cache median ms | bagpipe/ideal | no-cache/bagpipe |",
-                  "|---|---|---|---|---|---|"]  # fmt: skip
-        lines += [f"| {p['skew']} | {p['ideal']['median_ms']:.1f} | {p['bagpipe']['median_ms']:.1f} | "
+        lines += ["", "| skew | unique rows per batch | ideal median ms | bagpipe median ms | no-cache median ms | bagpipe/ideal | no-cache/bagpipe |",
+                  "|---|---|---|---|---|---|---|"]  # fmt: skip
+        lines += [f"| {p['skew']} | {p['bagpipe']['rows_per_iteration']:,.0f} | {p['ideal']['median_ms']:.1f} | {p['bagpipe']['median_ms']:.1f} | "
                   f"{p['no-cache']['median_ms']:.1f} | {p['bagpipe']['median_ms'] / p['ideal']['median_ms']:.2f}x | "
                   f"{p['no-cache']['median_ms'] / p['bagpipe']['median_ms']:.2f}x |" for p in results["skew"]["points"]]  # fmt: skip
         sk = results["skew"]

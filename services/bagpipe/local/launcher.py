@@ -120,6 +120,18 @@ class LocalJob:
                 return p
         return None
 
+    def cpu_seconds(self) -> dict[str, float]:
+        """User + system CPU seconds each live process has used so far (Linux ``/proc``; empty elsewhere)."""
+        tick = os.sysconf("SC_CLK_TCK") if hasattr(os, "sysconf") else 100
+        out = {}
+        for p in self.processes:
+            try:
+                fields = Path(f"/proc/{p.proc.pid}/stat").read_text().rsplit(")", 1)[1].split()
+            except (OSError, IndexError):
+                continue
+            out[p.name] = (int(fields[11]) + int(fields[12])) / tick  # utime, stime
+        return out
+
     def stop_all(self) -> None:
         for p in self.processes:
             if p.proc.poll() is None:
@@ -220,7 +232,8 @@ def run(args: argparse.Namespace, after_training: AfterTraining | None = None) -
         if args.prometheus:
             prometheus = PrometheusServer(run_dir / "prometheus", endpoints, args.prometheus_port or free_port())
             print(f"prometheus: {prometheus.url} (scraping {len(endpoints)} services)", file=sys.stderr)
-        _watch(job, registry, trainer_procs, args)
+        cpu_from = _watch(job, registry, trainer_procs, args)
+        cpu_used = _cpu_by_service(cpu_from[1], job.cpu_seconds())
         stats = [registry.get_json(f"stats:{r}") for r in range(args.trainers)]
         _save_scrapes(run_dir / "metrics", endpoints)
         _raise_if_failed(job)  # a service that crashed after training still fails the run
@@ -228,6 +241,8 @@ def run(args: argparse.Namespace, after_training: AfterTraining | None = None) -
             after_training(endpoints, prometheus)
         _shutdown_services(registry)
         summary = summarize(stats, args, run_dir)
+        measured = max(1, summary["iterations"] - cpu_from[0])
+        summary["cpu_seconds_per_iteration"] = {k: v / measured for k, v in cpu_used.items()}
         summary["report"] = str(run_dir / "report.html")
         (run_dir / "summary.json").write_text(json.dumps(summary, indent=2))
         write_report(run_dir, summary)
@@ -299,10 +314,16 @@ def _raise_if_failed(job: LocalJob) -> None:
         raise RuntimeError(f"{bad.name} exited with {bad.proc.returncode}; last lines of {bad.log}:\n{_tail(bad.log)}")
 
 
-def _watch(job: LocalJob, registry: Registry, trainers: list[Process], args: argparse.Namespace) -> None:
+def _watch(
+    job: LocalJob, registry: Registry, trainers: list[Process], args: argparse.Namespace
+) -> tuple[int, dict[str, float]]:
+    """Shows progress until every trainer has stored its statistics. Returns the CPU times of the
+    processes when training was first seen under way, and the iterations done by then (so start-up
+    does not count in the CPU per iteration)."""
     total = args.iterations or None
     bar = tqdm(total=total, unit="it", desc="training", disable=args.quiet, dynamic_ncols=True)
     done = 0
+    cpu_from: tuple[int, dict[str, float]] | None = None
     try:
         # a finished trainer stores its statistics and keeps serving /metrics until it is stopped
         while not all(registry.get_json(f"stats:{r}") is not None for r in range(len(trainers))):
@@ -312,6 +333,8 @@ def _watch(job: LocalJob, registry: Registry, trainers: list[Process], args: arg
             progress = registry.progress()
             if len(progress) == len(trainers):
                 now = min(progress.values()) + 1
+                if cpu_from is None:
+                    cpu_from = (max(progress.values()) + 1, job.cpu_seconds())
                 bar.update(now - done)
                 done = now
             time.sleep(0.2)
@@ -319,6 +342,17 @@ def _watch(job: LocalJob, registry: Registry, trainers: list[Process], args: arg
         bar.update(max(0, (total or done) - done))
     finally:
         bar.close()
+    return cpu_from or (0, {})
+
+
+def _cpu_by_service(before: dict[str, float], after: dict[str, float]) -> dict[str, float]:
+    """CPU seconds used while training, summed per kind of service (``trainer-1`` counts as ``trainer``):
+    on a machine where every service shares the cores, this is where the cycles went."""
+    out: dict[str, float] = {}
+    for name, seconds in after.items():
+        kind = name.rstrip("0123456789").rstrip("-")
+        out[kind] = out.get(kind, 0.0) + seconds - before.get(name, 0.0)
+    return out
 
 
 def summarize(stats: list[dict[str, Any]], args: argparse.Namespace, run_dir: Path) -> dict[str, Any]:
@@ -382,6 +416,9 @@ def format_summary(s: dict[str, Any]) -> str:
         f"{s['rows_synced_background_per_iteration']:,.0f} background, "
         f"{s['rows_private_per_iteration']:,.0f} updated by one trainer only (per iteration)",
     ]
+    if s.get("cpu_seconds_per_iteration"):
+        lines.append("cpu per iteration    " + ", ".join(
+            f"{kind} {1000 * sec:.1f} ms" for kind, sec in sorted(s["cpu_seconds_per_iteration"].items())))  # fmt: skip
     if s["first_loss"] is not None:
         lines.append(f"loss                 {s['first_loss']:.4f} first, {s['final_loss']:.4f} last (mean of the last 10)")
     return "\n".join(lines)
