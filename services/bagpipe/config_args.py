@@ -8,7 +8,7 @@ from bagpipe.core.data import KAGGLE_TABLE_ROWS, NUM_TABLES, scaled_table_rows
 
 DEFAULT_SCALE = 0.01
 DEFAULT_MAX_LOOKAHEAD = 200
-DEFAULT_REUSE_DELAY = 8
+DEFAULT_REUSE_DELAY = 16
 CACHE_MODES = ("lrpp", "replicated")
 SYNC_MODES = ("delayed", "critical")
 

@@ -54,6 +54,8 @@ def test_trainers_match_synchronous_training(run_job, trainers: int, lookahead: 
     assert summary["rows_synced_background_per_iteration"] > 0
     if lookahead == 8:
         assert summary["rows_handed_over"] > 0, "rows must change hands between trainers"
+    # transfers are grouped (--transfer-batches 4 by default): fewer calls than batches
+    assert summary["write_back_calls_per_iteration"] < trainers
     expected = train_reference(
         checkpoint.load(paths["initial"]), synthetic_batches(iterations, batch), MODEL, OptimizerConfig(optimizer, 0.05)
     )
@@ -65,8 +67,10 @@ def test_replicated_cache_with_critical_sync_matches_synchronous_training(run_jo
     summary, paths = run_job(
         "replicated", "--trainers", "2", "--lookahead", "4", "--iterations", str(iterations),
         "--cache-mode", "replicated", "--sync", "critical", "--optimizer", "adagrad", "--lr", "0.05",
+        "--transfer-batches", "1",
     )  # fmt: skip
     assert summary["rows_private_per_iteration"] == 0 and summary["rows_synced_background_per_iteration"] == 0
+    assert summary["lookup_calls_per_iteration"] <= 2 and summary["write_back_calls_per_iteration"] <= 2  # one a batch
     expected = train_reference(
         checkpoint.load(paths["initial"]), synthetic_batches(iterations), MODEL, OptimizerConfig("adagrad", 0.05)
     )

@@ -221,7 +221,8 @@ def run(args: argparse.Namespace, after_training: AfterTraining | None = None) -
             trainer_procs.append(
                 job.spawn(f"trainer-{r}", "bagpipe.trainer",
                           ["--rank", str(r), "--world-size", str(args.trainers), "--dist-init", dist_init,
-                           "--device", args.device, "--bottom-mlp", ",".join(map(str, args.bottom_mlp)),
+                           "--device", args.device, "--transfer-batches", str(getattr(args, "transfer_batches", 4)),
+                           "--bottom-mlp", ",".join(map(str, args.bottom_mlp)),
                            "--top-mlp", ",".join(map(str, args.top_mlp)), *tables, *model, *coord, *extra,
                            "--iteration-log", str(run_dir / "metrics" / f"trainer-{r}.csv"),
                            *system_args(args, job_name),
@@ -387,6 +388,8 @@ def summarize(stats: list[dict[str, Any]], args: argparse.Namespace, run_dir: Pa
         "rows_synced_critical_per_iteration": stats[0]["rows_synced_critical_per_iteration"],
         "rows_synced_background_per_iteration": stats[0]["rows_synced_background_per_iteration"],
         "rows_handed_over": stats[0]["rows_handed_over"],
+        "lookup_calls_per_iteration": sum(st.get("lookup_calls", 0) for st in stats) / max(1, stats[0]["iterations"]),
+        "write_back_calls_per_iteration": sum(st.get("write_back_calls", 0) for st in stats) / max(1, stats[0]["iterations"]),
         "rows_written_back_per_iteration": sum(st["rows_written_back_per_iteration"] for st in stats),
         "first_loss": losses[0] if losses else None,
         "final_loss": sum(losses[-10:]) / len(losses[-10:]) if losses else None,
@@ -412,6 +415,8 @@ def format_summary(s: dict[str, Any]) -> str:
         f"cache hit rate       {100 * s['cache_hit_rate']:.1f}%",
         f"rows per iteration   {s['rows_per_iteration']:,.0f} used, {s['rows_fetched_per_iteration']:,.0f} fetched, "
         f"{s['rows_written_back_per_iteration']:,.0f} written back",
+        f"transfer calls       {s['lookup_calls_per_iteration']:.2f} fetches, {s['write_back_calls_per_iteration']:.2f} "
+        "write-backs per iteration (all trainers; each goes to every shard that holds rows of it)",
         f"rows synchronised    {s['rows_synced_critical_per_iteration']:,.0f} critical, "
         f"{s['rows_synced_background_per_iteration']:,.0f} background, "
         f"{s['rows_private_per_iteration']:,.0f} updated by one trainer only (per iteration)",

@@ -31,8 +31,11 @@ class TrainerConfig:
     iteration_log: str | None = None
     fetch: str = "prefetch"
     shared_table: str | None = None
+    transfer_batches: int = 4
 
     def __post_init__(self) -> None:
+        if self.transfer_batches < 1:
+            raise ValueError(f"transfer_batches: must be >= 1, got {self.transfer_batches}")
         if self.cache_rows is not None and self.cache_rows < 1:
             raise ValueError(f"cache_rows: must be >= 1, got {self.cache_rows}")
         if not 0 <= self.rank < self.world_size:
@@ -65,6 +68,10 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--exit-when-done", action="store_true",
                    help="exit after training instead of serving /metrics until SIGTERM")
     p.add_argument("--cache-rows", type=positive_int, default=None, help="cache rows (default: grow as planned)")
+    p.add_argument(
+        "--transfer-batches", type=positive_int, default=4,
+        help="fetch and write back up to this many batches' rows in one call per shard (1: one call per batch)",
+    )  # fmt: skip
     add_table_args(p)
     add_model_args(p, dense=True)
     add_coordination_args(p)
@@ -94,5 +101,6 @@ def parse(argv: list[str] | None = None) -> tuple[TrainerConfig, argparse.Namesp
         iteration_log=a.iteration_log,
         fetch=a.fetch,
         shared_table=a.shared_table,
+        transfer_batches=a.transfer_batches,
     )
     return cfg, a

@@ -2,7 +2,9 @@
 
 Threads:
 * receiver — reads the oracle's plan stream (plans arrive only once their prefetch is safe);
-* prefetcher — fetches the rows this trainer holds (LRPP) into the cache, in batch order, ahead of compute;
+* prefetcher — fetches the rows this trainer holds (LRPP) into the cache, in batch order, ahead of compute,
+  for up to ``--transfer-batches`` plans in one call per shard, once the first of them is that many
+  batches away;
 * the calling thread trains: forward and backward on its rows; then, once the previous batch's
   background synchronisation is done, the critical synchronisation (all-reduce of the shared rows the
   next batch reads, then of the dense gradients and the loss), the optimizer (dense, private rows,
@@ -10,7 +12,15 @@ Threads:
 * syncer — the background synchronisation of the batch (all-reduce of the other shared rows on a second
   process group, their update, background hand-overs), overlapped with the next batch's forward and
   backward; it then copies the evicted rows out for the writer;
-* writer — writes evicted rows back and then reports the batch's write-backs durable to the oracle.
+* writer — writes evicted rows back and then reports the batch's write-backs durable to the oracle; it
+  gathers up to ``--transfer-batches`` batches into one call per shard, and writes at once whenever the
+  training thread waits for a plan (which may depend on these write-backs) or for the write-back itself.
+
+Grouping only ever delays a fetch or a write-back, never advances one, so the oracle's rules still
+hold: a plan arrives only once the write-backs it depends on are durable, and its rows cannot change on
+the servers before this trainer has trained the batch (they are written back only after eviction).
+A Python gRPC call costs about a millisecond of CPU on each side, so fewer, larger calls leave more of
+the cores to training where the services share them.
 """
 
 from __future__ import annotations
@@ -164,6 +174,8 @@ class _Pipeline:
         self.received: dict[int, PlanArrays] = {}
         self.ready: set[int] = set()
         self.error: BaseException | None = None
+        self.current = -1  # the batch the training thread is on
+        self.starving = False  # the training thread waits for a plan or a write-back: write back now
 
     def fail(self, error: BaseException) -> None:
         with self.cond:
@@ -171,9 +183,16 @@ class _Pipeline:
                 self.error = error
             self.cond.notify_all()
 
-    def wait(self, predicate: Any) -> None:
+    def wait(self, predicate: Any, starving: bool = False) -> None:
+        """Waits for ``predicate``; with ``starving``, flags the wait so the writer flushes its group."""
         with self.cond:
-            self.cond.wait_for(lambda: self.error is not None or predicate())
+            if starving and not predicate():
+                self.starving = True
+                self.cond.notify_all()
+            try:
+                self.cond.wait_for(lambda: self.error is not None or predicate())
+            finally:
+                self.starving = False
             if self.error is not None:
                 raise RuntimeError("a trainer thread failed") from self.error
 
@@ -201,7 +220,9 @@ class Trainer:
         self.pipeline = _Pipeline()
         self.prefetch_queue: queue.Queue[PlanArrays | None] = queue.Queue()
         self.sync_queue: queue.Queue[_Background | None] = queue.Queue()
-        self.writeback_queue: queue.Queue[tuple[int, np.ndarray, torch.Tensor, torch.Tensor] | None] = queue.Queue(maxsize=8)
+        self.writebacks: list[tuple[int, np.ndarray, torch.Tensor, torch.Tensor]] = []  # under pipeline.cond
+        self.writebacks_closed = False
+        self.transfers = {"lookup_calls": 0, "write_back_calls": 0}
         self.background_group: Any = None
         self.synced = -1  # last batch whose background synchronisation is done
         self.written_back = -1
@@ -316,38 +337,85 @@ class Trainer:
 
     def _prefetch(self) -> None:
         try:
-            assert self.client is not None
-            while (plan := self.prefetch_queue.get()) is not None:
-                self.cache.ensure_capacity(plan.slot_high_water)
+            group_size = self.config.transfer_batches
+            pending: list[PlanArrays] = []
+            ended = False
+            while pending or not ended:
+                if not pending:
+                    plan = self.prefetch_queue.get()
+                    if plan is None:
+                        break
+                    pending.append(plan)
+                first = pending[0].batch
+                self.pipeline.wait(lambda f=first: self.pipeline.current >= f - group_size)
+                while not ended and len(pending) < group_size:  # and whatever else has arrived
+                    try:
+                        more = self.prefetch_queue.get_nowait()
+                    except queue.Empty:
+                        break
+                    if more is None:
+                        ended = True
+                    else:
+                        pending.append(more)
+                group, pending = pending[:group_size], pending[group_size:]
+                for plan in group:
+                    self.cache.ensure_capacity(plan.slot_high_water)
                 if self.config.fetch == "prefetch":
-                    self._fetch(plan.share)
+                    self._fetch(*(plan.share for plan in group))
                 with self.pipeline.cond:
-                    self.pipeline.ready.add(plan.batch)
+                    self.pipeline.ready.update(plan.batch for plan in group)
                     self.pipeline.cond.notify_all()
         except BaseException as e:
             self.pipeline.fail(e)
 
-    def _fetch(self, share: TrainerPlan) -> None:
+    def _fetch(self, *shares: TrainerPlan) -> None:
+        """Fetches the rows of ``shares`` (consecutive batches: their keys and slots are distinct, since a
+        key or slot comes back only after a write-back that follows training the earlier batch)."""
         assert self.client is not None
-        if share.prefetch_keys.size:
-            rows, state = self.client.lookup(share.prefetch_keys)
-            self.cache.insert(self._index(share.prefetch_slots), torch.from_numpy(rows), torch.from_numpy(state))
+        keys = np.concatenate([share.prefetch_keys for share in shares])
+        if keys.size:
+            slots = np.concatenate([share.prefetch_slots for share in shares])
+            rows, state = self.client.lookup(keys)
+            self.cache.insert(self._index(slots), torch.from_numpy(rows), torch.from_numpy(state))
+            self.transfers["lookup_calls"] += 1
 
     def _write_back(self) -> None:
         try:
             assert self.client is not None and self.oracle is not None
-            while (item := self.writeback_queue.get()) is not None:
-                batch, keys, rows, state = item
-                if keys.size:
-                    self.client.write_back(keys, rows.numpy(), state.numpy())
-                report = opb.ProgressReport(rank=self.rank, trained=batch, written_back=batch)
-                call_with_retry(lambda r=report: self.oracle.ReportProgress(r, timeout=serving.RPC_TIMEOUT_S), "progress")
-                with self.pipeline.cond:
-                    self.written_back = batch
-                    self.pipeline.cond.notify_all()
-                self.registry.set_progress(self.rank, batch)
+            group_size = self.config.transfer_batches
+            cond = self.pipeline.cond
+            while True:
+                with cond:
+                    cond.wait_for(lambda: self.pipeline.error is not None or self.writebacks_closed
+                                  or len(self.writebacks) >= group_size or (self.writebacks and self.pipeline.starving))  # fmt: skip
+                    if self.pipeline.error is not None:
+                        return
+                    group, self.writebacks, closed = self.writebacks, [], self.writebacks_closed
+                    cond.notify_all()
+                if group:
+                    self._write_group(group)
+                if closed:
+                    return
         except BaseException as e:
             self.pipeline.fail(e)
+
+    def _write_group(self, group: list[tuple[int, np.ndarray, torch.Tensor, torch.Tensor]]) -> None:
+        """Writes the evicted rows of consecutive batches back in one call per shard (an evicted key is
+        not used again before its write-back, so no key appears twice), then reports them durable."""
+        assert self.client is not None and self.oracle is not None
+        keys = np.concatenate([keys for _, keys, _, _ in group])
+        if keys.size:
+            rows = torch.cat([rows for _, _, rows, _ in group]).numpy()
+            state = torch.cat([state for _, _, _, state in group]).numpy()
+            self.client.write_back(keys, rows, state)
+            self.transfers["write_back_calls"] += 1
+        batch = group[-1][0]
+        report = opb.ProgressReport(rank=self.rank, trained=batch, written_back=batch)
+        call_with_retry(lambda r=report: self.oracle.ReportProgress(r, timeout=serving.RPC_TIMEOUT_S), "progress")
+        with self.pipeline.cond:
+            self.written_back = batch
+            self.pipeline.cond.notify_all()
+        self.registry.set_progress(self.rank, batch)
 
     def _background(self) -> None:
         """Background synchronisation of each batch in order, then its evicted rows to the writer."""
@@ -359,14 +427,19 @@ class Trainer:
                 self._hand_over(work.step, self.background_group)
                 with self.cache.lock.shared():
                     rows, state = self.cache.read(self._index(work.writeback_slots))
-                self.writeback_queue.put((work.batch, work.writeback_keys, rows, state))
-                with self.pipeline.cond:
+                with self.pipeline.cond:  # (bounded: the writer keeps up with at most a few groups)
+                    self.pipeline.cond.wait_for(
+                        lambda: self.pipeline.error is not None or len(self.writebacks) < 4 * self.config.transfer_batches
+                    )
+                    self.writebacks.append((work.batch, work.writeback_keys, rows, state))
                     self.synced = work.batch
                     self.pipeline.cond.notify_all()
         except BaseException as e:
             self.pipeline.fail(e)
         finally:
-            self.writeback_queue.put(None)
+            with self.pipeline.cond:
+                self.writebacks_closed = True
+                self.pipeline.cond.notify_all()
 
     # ---- synchronisation
     def _index(self, values: np.ndarray) -> torch.Tensor:
@@ -415,7 +488,10 @@ class Trainer:
     def step(self, batch: int) -> PlanArrays:
         self.step_seconds = dict.fromkeys(metrics.STAGES, 0.0)
         t = started = time.perf_counter()
-        self.pipeline.wait(lambda: batch in self.pipeline.received)
+        with self.pipeline.cond:
+            self.pipeline.current = batch
+            self.pipeline.cond.notify_all()
+        self.pipeline.wait(lambda: batch in self.pipeline.received, starving=True)
         t = self._timed("data_wait", t)
         self.pipeline.wait(lambda: batch in self.pipeline.ready)
         t = self._timed("prefetch_wait", t)
@@ -474,7 +550,7 @@ class Trainer:
             _Background(batch, share.background, background, share.writeback_keys, share.writeback_slots)
         )
         if self.config.fetch == "synchronous":  # ... and write back before the next batch
-            self.pipeline.wait(lambda: self.written_back >= batch)
+            self.pipeline.wait(lambda: self.written_back >= batch, starving=True)
         iteration = self._timed("write_back", t) - started
         for stage, seconds in self.step_seconds.items():
             self.stage_seconds[stage] += seconds
@@ -597,6 +673,8 @@ class Trainer:
             "rows_synced_critical_per_iteration": self.counts["critical_rows"] / it,
             "rows_synced_background_per_iteration": self.counts["background_rows"] / it,
             "rows_handed_over": self.counts["handed_over"],
+            "lookup_calls": self.transfers["lookup_calls"],
+            "write_back_calls": self.transfers["write_back_calls"],
             "cache_hit_rate": 1.0 - self.counts["misses"] / max(1, self.counts["rows"]),
             "cache_capacity_rows": self.cache.capacity,
             "cache_peak_occupancy_rows": self.peak_occupancy,
