@@ -8,7 +8,7 @@ import signal
 import sys
 from types import FrameType
 
-from bagpipe.config_args import add_cache_args, add_model_args, positive_int
+from bagpipe.config_args import DEFAULT_TRANSFER_BATCHES, add_cache_args, add_model_args, positive_int
 from bagpipe.data_processor.config import add_source_args
 
 
@@ -25,8 +25,9 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--embedding-servers", type=int, default=2, help="number of embedding servers (default 2)")
     g.add_argument("--data-processors", type=int, default=1, help="number of data processors (default 1)")
     g.add_argument("--device", default="auto", help="trainer device: auto, cpu or cuda (default auto)")
-    g.add_argument("--transfer-batches", type=positive_int, default=4,
-                   help="trainers fetch and write back up to this many batches' rows in one call per shard (default 4)")
+    g.add_argument("--transfer-batches", type=positive_int, default=DEFAULT_TRANSFER_BATCHES,
+                   help="trainers fetch and write back up to this many batches' rows in one call per shard "
+                   f"(default {DEFAULT_TRANSFER_BATCHES})")  # fmt: skip
     g.add_argument("--save-initial", default=None, help="write the initial interchange checkpoint here")
     g.add_argument("--save-final", default=None, help="write the final interchange checkpoint here")
     g.add_argument("--run-dir", default=None, help="where logs and the summary go (default runs/<time>)")

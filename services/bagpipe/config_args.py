@@ -8,7 +8,9 @@ from bagpipe.core.data import KAGGLE_TABLE_ROWS, NUM_TABLES, scaled_table_rows
 
 DEFAULT_SCALE = 0.01
 DEFAULT_MAX_LOOKAHEAD = 200
-DEFAULT_REUSE_DELAY = 16
+DEFAULT_REUSE_DELAY = 24
+# batches a trainer fetches or writes back in one call per shard (gRPC costs ~1 ms of CPU a call)
+DEFAULT_TRANSFER_BATCHES = 8
 CACHE_MODES = ("lrpp", "replicated")
 SYNC_MODES = ("delayed", "critical")
 

@@ -54,7 +54,7 @@ def test_trainers_match_synchronous_training(run_job, trainers: int, lookahead: 
     assert summary["rows_synced_background_per_iteration"] > 0
     if lookahead == 8:
         assert summary["rows_handed_over"] > 0, "rows must change hands between trainers"
-    # transfers are grouped (--transfer-batches 4 by default): fewer calls than batches
+    # transfers are grouped (--transfer-batches 8 by default): fewer calls than batches
     assert summary["write_back_calls_per_iteration"] < trainers
     expected = train_reference(
         checkpoint.load(paths["initial"]), synthetic_batches(iterations, batch), MODEL, OptimizerConfig(optimizer, 0.05)

@@ -5,7 +5,7 @@ from __future__ import annotations
 import argparse
 from dataclasses import dataclass
 
-from bagpipe.config_args import add_coordination_args, add_model_args, add_table_args, positive_int, table_rows_of
+from bagpipe.config_args import DEFAULT_TRANSFER_BATCHES, add_coordination_args, add_model_args, add_table_args, positive_int, table_rows_of
 from bagpipe.core.model import DLRMConfig
 from bagpipe.core.optim import OptimizerConfig
 
@@ -31,7 +31,7 @@ class TrainerConfig:
     iteration_log: str | None = None
     fetch: str = "prefetch"
     shared_table: str | None = None
-    transfer_batches: int = 4
+    transfer_batches: int = DEFAULT_TRANSFER_BATCHES
 
     def __post_init__(self) -> None:
         if self.transfer_batches < 1:
@@ -69,8 +69,9 @@ def build_parser() -> argparse.ArgumentParser:
                    help="exit after training instead of serving /metrics until SIGTERM")
     p.add_argument("--cache-rows", type=positive_int, default=None, help="cache rows (default: grow as planned)")
     p.add_argument(
-        "--transfer-batches", type=positive_int, default=4,
-        help="fetch and write back up to this many batches' rows in one call per shard (1: one call per batch)",
+        "--transfer-batches", type=positive_int, default=DEFAULT_TRANSFER_BATCHES,
+        help=f"fetch and write back up to this many batches' rows in one call per shard (default "
+        f"{DEFAULT_TRANSFER_BATCHES}; 1: one call per batch)",
     )  # fmt: skip
     add_table_args(p)
     add_model_args(p, dense=True)
