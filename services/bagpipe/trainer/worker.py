@@ -223,6 +223,9 @@ class Trainer:
         self.writebacks: list[tuple[int, np.ndarray, torch.Tensor, torch.Tensor]] = []  # under pipeline.cond
         self.writebacks_closed = False
         self.transfers = {"lookup_calls": 0, "write_back_calls": 0}
+        k, world = config.transfer_batches, config.world_size
+        self._prefetch_phase = (config.rank * k) // (2 * world)  # trainers' groups interleave, and ...
+        self._write_phase = self._prefetch_phase + k // 2  # ... each one's write-backs fall between its fetches
         self.background_group: Any = None
         self.synced = -1  # last batch whose background synchronisation is done
         self.written_back = -1
@@ -348,7 +351,8 @@ class Trainer:
                     pending.append(plan)
                 first = pending[0].batch
                 self.pipeline.wait(lambda f=first: self.pipeline.current >= f - group_size)
-                while not ended and len(pending) < group_size:  # and whatever else has arrived
+                end = self._group_end(first, self._prefetch_phase)
+                while not ended and pending[-1].batch < end:  # and whatever else has arrived
                     try:
                         more = self.prefetch_queue.get_nowait()
                     except queue.Empty:
@@ -357,7 +361,8 @@ class Trainer:
                         ended = True
                     else:
                         pending.append(more)
-                group, pending = pending[:group_size], pending[group_size:]
+                cut = next((i for i, plan in enumerate(pending) if plan.batch > end), len(pending))
+                group, pending = pending[:cut], pending[cut:]
                 for plan in group:
                     self.cache.ensure_capacity(plan.slot_high_water)
                 if self.config.fetch == "prefetch":
@@ -386,8 +391,10 @@ class Trainer:
             cond = self.pipeline.cond
             while True:
                 with cond:
-                    cond.wait_for(lambda: self.pipeline.error is not None or self.writebacks_closed
-                                  or len(self.writebacks) >= group_size or (self.writebacks and self.pipeline.starving))  # fmt: skip
+                    cond.wait_for(lambda: self.pipeline.error is not None or self.writebacks_closed or bool(
+                        self.writebacks and (self.pipeline.starving or len(self.writebacks) >= group_size
+                                             or self.writebacks[-1][0] == self._group_end(self.writebacks[-1][0], self._write_phase))
+                    ))  # fmt: skip
                     if self.pipeline.error is not None:
                         return
                     group, self.writebacks, closed = self.writebacks, [], self.writebacks_closed
@@ -398,6 +405,13 @@ class Trainer:
                     return
         except BaseException as e:
             self.pipeline.fail(e)
+
+    def _group_end(self, batch: int, phase: int) -> int:
+        """The last batch of the transfer group holding ``batch``: groups are runs of ``--transfer-batches``
+        batches shifted by ``phase``, so that the fetches and write-backs of the trainers fall on
+        different iterations and their CPU is spread out rather than spent in bursts."""
+        k = self.config.transfer_batches
+        return batch + (k - 1 - (batch + phase) % k)
 
     def _write_group(self, group: list[tuple[int, np.ndarray, torch.Tensor, torch.Tensor]]) -> None:
         """Writes the evicted rows of consecutive batches back in one call per shard (an evicted key is
