@@ -6,7 +6,6 @@ import asyncio
 import logging
 import time
 from collections.abc import Iterator
-from typing import Any
 
 import grpc
 import numpy as np
@@ -65,11 +64,13 @@ def generate(source: SourceConfig, batch_size: int, start: int, stride: int, end
         yield pending, True
 
 
-def with_users(batches: Iterator[tuple[BatchArrays, bool]], trainers: int) -> Iterator[tuple[BatchArrays, Any, bool]]:
+def with_users(
+    batches: Iterator[tuple[BatchArrays, bool]], trainers: int
+) -> Iterator[tuple[BatchArrays, np.ndarray | None, bool]]:
     """Adds each batch's per-key trainer masks when ``trainers`` > 0 (int64 on the wire: the bits of a
     uint64 mask). Timed as ``bagpipe_data_processor_trainer_mask_seconds``."""
     for arrays, last in batches:
-        users = None
+        users: np.ndarray | None = None
         if trainers:
             t0 = time.perf_counter()
             users = trainer_users(arrays.inverse, arrays.keys.size, trainers).astype(np.uint64).view(np.int64)

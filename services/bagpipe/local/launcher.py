@@ -25,7 +25,7 @@ import grpc
 from tqdm import tqdm
 
 from bagpipe import serving
-from bagpipe.config_args import DEFAULT_TRANSFER_BATCHES, table_rows_of
+from bagpipe.config_args import table_rows_of
 from bagpipe.control.registry import Registry
 from bagpipe.local.prometheus import PrometheusServer
 from bagpipe.local.report import write_report
@@ -221,7 +221,7 @@ def run(args: argparse.Namespace, after_training: AfterTraining | None = None) -
             trainer_procs.append(
                 job.spawn(f"trainer-{r}", "bagpipe.trainer",
                           ["--rank", str(r), "--world-size", str(args.trainers), "--dist-init", dist_init,
-                           "--device", args.device, "--transfer-batches", str(getattr(args, "transfer_batches", DEFAULT_TRANSFER_BATCHES)),
+                           "--device", args.device, "--transfer-batches", str(args.transfer_batches),
                            "--bottom-mlp", ",".join(map(str, args.bottom_mlp)),
                            "--top-mlp", ",".join(map(str, args.top_mlp)), *tables, *model, *coord, *extra,
                            "--iteration-log", str(run_dir / "metrics" / f"trainer-{r}.csv"),

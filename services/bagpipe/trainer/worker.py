@@ -387,14 +387,10 @@ class Trainer:
     def _write_back(self) -> None:
         try:
             assert self.client is not None and self.oracle is not None
-            group_size = self.config.transfer_batches
             cond = self.pipeline.cond
             while True:
                 with cond:
-                    cond.wait_for(lambda: self.pipeline.error is not None or self.writebacks_closed or bool(
-                        self.writebacks and (self.pipeline.starving or len(self.writebacks) >= group_size
-                                             or self.writebacks[-1][0] == self._group_end(self.writebacks[-1][0], self._write_phase))
-                    ))  # fmt: skip
+                    cond.wait_for(self._write_due)
                     if self.pipeline.error is not None:
                         return
                     group, self.writebacks, closed = self.writebacks, [], self.writebacks_closed
@@ -405,6 +401,16 @@ class Trainer:
                     return
         except BaseException as e:
             self.pipeline.fail(e)
+
+    def _write_due(self) -> bool:
+        """(Under the pipeline's lock.) The queued write-backs reach the end of their group (they are
+        consecutive batches, so at most ``--transfer-batches`` of them), or training waits, or the end."""
+        if self.pipeline.error is not None or self.writebacks_closed:
+            return True
+        if not self.writebacks:
+            return False
+        newest = self.writebacks[-1][0]
+        return self.pipeline.starving or newest == self._group_end(newest, self._write_phase)
 
     def _group_end(self, batch: int, phase: int) -> int:
         """The last batch of the transfer group holding ``batch``: groups are runs of ``--transfer-batches``
