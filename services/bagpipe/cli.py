@@ -8,7 +8,16 @@ import signal
 import sys
 from types import FrameType
 
-from bagpipe.config_args import DEFAULT_TRANSFER_BATCHES, add_cache_args, add_model_args, positive_int
+from bagpipe.config_args import (
+    DEFAULT_CHECKPOINT_EVERY,
+    DEFAULT_TRANSFER_BATCHES,
+    add_cache_args,
+    add_model_args,
+    non_negative_int,
+    positive_float,
+    positive_int,
+)
+from bagpipe.control.detector import DEFAULT_TIMEOUT_S
 from bagpipe.data_processor.config import add_source_args
 
 
@@ -34,6 +43,18 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--quiet", action="store_true", help="no progress bar")
     g.add_argument("--log-level", default="INFO", help="services' logging level (default INFO)")
     add_cache_args(r)
+    g = r.add_argument_group("failures and recovery")
+    g.add_argument("--checkpoint-every", type=non_negative_int, default=DEFAULT_CHECKPOINT_EVERY,
+                   help="a consistent, incremental checkpoint after every this many batches, from which the job "
+                   f"recovers exactly (default {DEFAULT_CHECKPOINT_EVERY}; 0: none)")  # fmt: skip
+    g.add_argument("--checkpoint-dir", default=None, help="where checkpoints go (default RUN_DIR/checkpoints)")
+    g.add_argument("--failure-timeout", type=positive_float, default=DEFAULT_TIMEOUT_S,
+                   help="a service that does not answer its /metrics, or a trainer that makes no progress, for "
+                   f"this many seconds has failed (default {DEFAULT_TIMEOUT_S:g})")  # fmt: skip
+    g.add_argument("--max-restarts", type=non_negative_int, default=3,
+                   help="recoveries from failures before the run gives up (default 3)")
+    g.add_argument("--resume", default=None, metavar="RUN_DIR",
+                   help="go on with a stopped or crashed run from its last checkpoint, with its own flags")
     g = r.add_argument_group("benchmarking")
     g.add_argument(
         "--system", choices=["bagpipe", "no-cache", "ideal"], default="bagpipe",

@@ -11,6 +11,9 @@ DEFAULT_MAX_LOOKAHEAD = 200
 DEFAULT_REUSE_DELAY = 24
 # batches a trainer fetches or writes back in one call per shard (gRPC costs ~1 ms of CPU a call)
 DEFAULT_TRANSFER_BATCHES = 8
+# batches between consistent checkpoints: a checkpoint pauses training for about one write-back group and
+# a snapshot of the rows changed since the last one (bench/recovery.py measures its share of the time)
+DEFAULT_CHECKPOINT_EVERY = 50
 CACHE_MODES = ("lrpp", "replicated")
 SYNC_MODES = ("delayed", "critical")
 
@@ -144,3 +147,55 @@ def add_cache_args(p: argparse.ArgumentParser) -> None:
         help="delayed: rows the next batch does not read are synchronised in the background (default); "
         "critical: everything before the next batch",
     )
+
+
+def positive_float(text: str) -> float:
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a number, got {text!r}") from None
+    if not value > 0:
+        raise argparse.ArgumentTypeError(f"must be > 0, got {value}")
+    return value
+
+
+def non_negative_int(text: str) -> int:
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected an integer, got {text!r}") from None
+    if value < 0:
+        raise argparse.ArgumentTypeError(f"must be >= 0, got {value}")
+    return value
+
+
+def add_recovery_args(p: argparse.ArgumentParser) -> None:
+    """Where consistent checkpoints go, and which one a (re)started service begins from."""
+    g = p.add_argument_group("recovery")
+    g.add_argument(
+        "--checkpoint-dir",
+        default=None,
+        help="directory of the job's recovery checkpoints, shared by trainers and embedding servers",
+    )
+    g.add_argument(
+        "--resume-batch",
+        type=non_negative_int,
+        default=0,
+        help="begin at this batch from the complete checkpoint of that name in --checkpoint-dir "
+        "(0: from the start)",
+    )
+
+
+def check_resume(args: argparse.Namespace) -> None:
+    """--resume-batch needs the complete checkpoint it names; fails early, naming what is missing."""
+    if not args.resume_batch:
+        return
+    from bagpipe.core import snapshots
+
+    if not args.checkpoint_dir:
+        raise SystemExit("--resume-batch: needs --checkpoint-dir")
+    if args.resume_batch not in snapshots.complete(args.checkpoint_dir):
+        raise SystemExit(
+            f"--resume-batch: no complete checkpoint {args.resume_batch} in {args.checkpoint_dir} "
+            f"(complete: {snapshots.complete(args.checkpoint_dir) or 'none'})"
+        )

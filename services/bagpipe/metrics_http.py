@@ -9,14 +9,27 @@ from __future__ import annotations
 
 import logging
 import threading
+import time
 from collections.abc import Callable
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 
-from prometheus_client import CONTENT_TYPE_LATEST, REGISTRY, generate_latest
+from prometheus_client import CONTENT_TYPE_LATEST, REGISTRY, Gauge, generate_latest
 
 logger = logging.getLogger(__name__)
 
 Health = Callable[[], str | None]  # None when healthy, else what is wrong
+
+
+_ALIVE: dict[str, Gauge] = {}
+
+
+def _alive_gauge(service: str) -> Gauge:
+    """``bagpipe_<service>_alive_timestamp_seconds``: the time of the scrape itself (once per process)."""
+    if service not in _ALIVE:
+        gauge = Gauge(f"bagpipe_{service}_alive_timestamp_seconds", "Unix time at which this process answered the scrape")
+        gauge.set_function(time.time)
+        _ALIVE[service] = gauge
+    return _ALIVE[service]
 
 
 class MetricsServer:
@@ -28,6 +41,8 @@ class MetricsServer:
             raise ValueError(f"metrics address: expected host:port, got {address!r}")
         self.service = service
         self.ready = threading.Event()
+        # liveness for the failure detector: a frozen process cannot answer, so this only ever shows "now"
+        _alive_gauge(service)
         self._health = health or (lambda: None)
         owner = self
 

@@ -23,11 +23,17 @@ def save(path: str | os.PathLike[str], checkpoint: dict[str, Any]) -> None:
     os.replace(tmp, target)
 
 
-def load(path: str | os.PathLike[str]) -> dict[str, Any]:
-    """Loads and checks the top-level layout; names the missing part on error."""
+def load_plain(path: str | os.PathLike[str]) -> dict[str, Any]:
+    """Loads a ``torch.save`` dictionary of tensors (no pickled code: ``weights_only``)."""
     ckpt = torch.load(path, map_location="cpu", weights_only=True, mmap=True)
     if not isinstance(ckpt, dict):
-        raise ValueError(f"{path}: not an interchange checkpoint (top level is {type(ckpt).__name__})")
+        raise ValueError(f"{path}: not a checkpoint dictionary (top level is {type(ckpt).__name__})")
+    return ckpt
+
+
+def load(path: str | os.PathLike[str]) -> dict[str, Any]:
+    """Loads and checks the top-level layout; names the missing part on error."""
+    ckpt = load_plain(path)
     for key in ("dense", "embeddings"):
         if not isinstance(ckpt.get(key), dict):
             raise ValueError(f"{path}: interchange checkpoint has no '{key}' dictionary")

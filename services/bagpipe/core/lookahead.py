@@ -290,6 +290,7 @@ class LookaheadPlanner:
         self._state["slot"] = -1
         self._raw = self._state.view(np.dtype((np.void, self._dtype.itemsize)))  # gathers/scatters whole records
         self._handover_at = np.full(num_keys, -1, dtype=np.int32)
+        self._slot_key = np.full(0, -1, dtype=np.int64)  # the key in each cache slot, or -1
         self._window: deque[_Entry] = deque()
         self._allocator = SlotAllocator(delay=min(lookahead, reuse_delay or lookahead), capacity=capacity)
         self._next_push: int | None = None
@@ -419,6 +420,11 @@ class LookaheadPlanner:
             new_slots, reused_after = self._allocator.take(prefetch.size, x)
             depends_on = max(depends_on, reused_after)
             rec["slot"][prefetch] = new_slots
+            if self._allocator.high_water > self._slot_key.size:
+                grown = np.full(max(self._allocator.high_water, 2 * self._slot_key.size), -1, dtype=np.int64)
+                grown[: self._slot_key.size] = self._slot_key
+                self._slot_key = grown
+            self._slot_key[new_slots] = keys[prefetch]
         slots = rec["slot"].copy()
         self.occupancy += prefetch.size
         self.peak_occupancy = max(self.peak_occupancy, self.occupancy)
@@ -444,6 +450,7 @@ class LookaheadPlanner:
             writer = nth_set_bit(owners, gone % np.bitwise_count(owners), self.trainers)
             rec["slot"][evict] = -1
             rec["holders"][evict] = 0
+            self._slot_key[slots[evict]] = -1
             self._allocator.release(slots[evict], x)
         changed = np.zeros(keys.size, dtype=bool)  # only these records differ: write back just them
         for index in (prefetch, evict, due):
@@ -474,6 +481,19 @@ class LookaheadPlanner:
             occupancy=self.occupancy + evict.size,
             last=self._ended and not self._window,
         )
+
+    def cached(self) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+        """Every row in the cache after the last popped batch (its evictions and hand-overs done): keys,
+        slots, and the trainer with the newest value that writes it out for a checkpoint (the lowest of
+        its current holders; those still waiting for a hand-over do not count)."""
+        slots = np.flatnonzero(self._slot_key >= 0).astype(np.int32)
+        keys = self._slot_key[slots]
+        rec = self._state[keys]
+        holders = (rec["holders"] & ~rec["handover_to"]).astype(self.mask)
+        if holders.size and not holders.all():
+            raise AssertionError("a cached row has no holder with its newest value")
+        writer = nth_set_bit(holders, np.zeros(holders.size, dtype=np.int64), self.trainers)
+        return keys, slots, writer
 
     def _take_handovers(
         self,

@@ -7,7 +7,7 @@ key's local row is arithmetic on the shard map, so the only per-row cost is the 
 from __future__ import annotations
 
 import logging
-from collections.abc import Mapping
+from collections.abc import Iterable, Mapping
 
 import numpy as np
 import torch
@@ -51,6 +51,8 @@ class ShardStore:
             valid = keys >= 0
             self.weights[start : start + keys.size][valid] = init_rows(keys[valid], offsets, dim, seed)
         self.rows_held = int((local_keys >= 0).sum())
+        self._local_keys = local_keys
+        self._changed = np.zeros(local_rows, dtype=bool)  # written since the last snapshot
 
     def load_checkpoint(self, embeddings: Mapping[str, torch.Tensor], state: Mapping[str, torch.Tensor] | None) -> None:
         """Replaces this shard's rows (and state, if given) with those of an interchange checkpoint."""
@@ -99,3 +101,34 @@ class ShardStore:
         self.weights[index] = rows
         if self.state_width:
             self.state[index] = state
+        self._changed[index] = True
+
+    def take_changes(self) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+        """Global keys, rows and state of the rows written since the last call (copies), and forgets them:
+        the next snapshot holds only what changes after this one."""
+        index = np.flatnonzero(self._changed)
+        self._changed[index] = False
+        return self._local_keys[index], self.weights[index], self.state[index]
+
+    def keep_changes(self, keys: np.ndarray) -> None:
+        """Marks ``keys`` changed again (a snapshot of them could not be written)."""
+        self._changed[self.local_index(keys)] = True
+
+    def restore(self, deltas: Iterable[tuple[int, np.ndarray, np.ndarray, np.ndarray]]) -> int:
+        """Applies checkpoint row files in order (``snapshots.row_deltas``), keeping the keys of this shard;
+        returns the rows restored. The state they produce is the snapshot baseline (nothing is changed)."""
+        restored = 0
+        for _, keys, rows, state in deltas:
+            if rows.shape[1:] != (self.dim,) or state.shape[1:] != (self.state_width,):
+                raise ValueError(
+                    f"checkpoint rows of width {rows.shape[1:]} and state {state.shape[1:]} do not fit this server "
+                    f"(dim {self.dim}, state width {self.state_width}): other --embedding-dim or --optimizer?"
+                )
+            if keys.size and (keys.min() < 0 or keys.max() >= self.shard_map.num_keys):
+                raise ValueError(f"checkpoint keys outside [0, {self.shard_map.num_keys}): other --table-rows?")
+            mine = np.flatnonzero(self._position[keys % self.shard_map.num_buckets] >= 0)
+            index = self.local_index(keys[mine])
+            self.weights[index] = rows[mine]
+            self.state[index] = state[mine]
+            restored += mine.size
+        return restored

@@ -9,7 +9,7 @@ import sys
 
 from bagpipe import serving
 from bagpipe.control.registry import Registry
-from bagpipe.core import checkpoint
+from bagpipe.core import checkpoint, snapshots
 from bagpipe.core.data import table_offsets
 from bagpipe.core.optim import OptimizerConfig
 from bagpipe.core.shard_map import ShardMap
@@ -37,6 +37,10 @@ async def serve(cfg: EmbeddingServerConfig, args: argparse.Namespace) -> None:
     if cfg.init_from:
         ckpt = checkpoint.load(cfg.init_from)
         store.load_checkpoint(ckpt["embeddings"], (ckpt.get("optimizer") or {}).get("embeddings"))
+    if cfg.resume_batch:
+        assert cfg.checkpoint_dir is not None
+        restored = store.restore(snapshots.row_deltas(cfg.checkpoint_dir, cfg.resume_batch))
+        logger.info("shard %d: restored %d rows of checkpoint %d", cfg.shard, restored, cfg.resume_batch)
     server, port, control, health = await create_server(store, cfg.address)
     control.address = serving.advertised(control.address, args.advertise_host)
     registry.register("embedding_server", str(cfg.shard), control.address)

@@ -107,6 +107,21 @@ class EmbeddingClient:
         for f in futures:
             f.result()
 
+    def snapshot(self, directory: str, next_batch: int) -> list[tuple[str, int, int]]:
+        """Has every shard write its changed rows into the checkpoint ``next_batch`` of ``directory``, in
+        parallel; returns (file, rows, bytes) per shard."""
+
+        def one(shard: int) -> tuple[str, int, int]:
+            request = pb.SnapshotRequest(
+                shard_map_version=self.shard_map.version, directory=directory, next_batch=next_batch
+            )
+            reply = call_with_retry(
+                lambda: self._stubs[shard].Snapshot(request, timeout=serving.RPC_TIMEOUT_S), f"snapshot shard {shard}"
+            )
+            return reply.file, reply.rows, reply.bytes
+
+        return list(self._pool.map(one, range(self.shard_map.num_shards)))
+
     def close(self) -> None:
         self._pool.shutdown(wait=True)
         for c in self._channels:

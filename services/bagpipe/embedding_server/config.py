@@ -5,7 +5,14 @@ from __future__ import annotations
 import argparse
 from dataclasses import dataclass
 
-from bagpipe.config_args import add_coordination_args, add_model_args, add_table_args, table_rows_of
+from bagpipe.config_args import (
+    add_coordination_args,
+    add_model_args,
+    add_recovery_args,
+    add_table_args,
+    check_resume,
+    table_rows_of,
+)
 
 
 @dataclass(frozen=True)
@@ -22,6 +29,8 @@ class EmbeddingServerConfig:
     address: str
     redis_url: str
     job: str
+    checkpoint_dir: str | None = None
+    resume_batch: int = 0
 
     def __post_init__(self) -> None:
         if not 0 <= self.shard < self.num_shards:
@@ -36,11 +45,13 @@ def build_parser() -> argparse.ArgumentParser:
     add_table_args(p)
     add_model_args(p, dense=False)
     add_coordination_args(p)
+    add_recovery_args(p)
     return p
 
 
 def parse(argv: list[str] | None = None) -> EmbeddingServerConfig:
     a = build_parser().parse_args(argv)
+    check_resume(a)
     return EmbeddingServerConfig(
         shard=a.shard,
         num_shards=a.num_shards,
@@ -52,4 +63,6 @@ def parse(argv: list[str] | None = None) -> EmbeddingServerConfig:
         address=a.address,
         redis_url=a.redis,
         job=a.job,
+        checkpoint_dir=a.checkpoint_dir,
+        resume_batch=a.resume_batch,
     )

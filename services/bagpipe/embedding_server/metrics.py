@@ -10,3 +10,8 @@ LATENCY = Histogram(
 )  # fmt: skip
 BYTES = Counter("bagpipe_embedding_server_bytes_total", "Row and optimizer-state bytes served or stored", ["op"])
 ROWS_HELD = Gauge("bagpipe_embedding_server_rows_held", "Rows stored on this shard")
+SNAPSHOT_SECONDS = Histogram(
+    "bagpipe_embedding_server_snapshot_seconds", "Time to write the changed rows of one checkpoint",
+    buckets=(0.001, 0.005, 0.01, 0.05, 0.1, 0.5, 1.0, 5.0, 10.0, 30.0),
+)  # fmt: skip
+SNAPSHOT_ROWS = Counter("bagpipe_embedding_server_snapshot_rows_total", "Changed rows written into checkpoints")

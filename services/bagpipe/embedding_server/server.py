@@ -6,15 +6,18 @@ so each lookup or write-back is atomic with respect to the others and a rejected
 
 from __future__ import annotations
 
+import asyncio
 import logging
+import time
 
 import grpc
 import numpy as np
 
 from bagpipe import serving
+from bagpipe.core import snapshots
 from bagpipe.core.shard_store import ShardStore
 from bagpipe.embedding_server import metrics
-from bagpipe.errors import FailedPrecondition, grpc_errors
+from bagpipe.errors import FailedPrecondition, InvalidArgument, grpc_errors
 from bagpipe.v1 import embedding_server_pb2 as pb
 from bagpipe.v1 import embedding_server_pb2_grpc as pb_grpc
 from bagpipe.wire import from_tensor, to_tensor
@@ -56,6 +59,29 @@ class EmbeddingServicer(pb_grpc.EmbeddingServerServicer):
             metrics.REQUESTS.labels("write_back").inc()
             metrics.BYTES.labels("write_back").inc(rows.nbytes + state.nbytes)
             return pb.WriteBackResponse(rows=n)
+
+
+    @grpc_errors
+    async def Snapshot(self, request: pb.SnapshotRequest, context: grpc.aio.ServicerContext) -> pb.SnapshotResponse:  # noqa: N802
+        self._check_version(request.shard_map_version)
+        if not request.directory:
+            raise InvalidArgument("directory", "empty")
+        if request.next_batch < 1:
+            raise InvalidArgument("next_batch", f"must be >= 1, got {request.next_batch}")
+        t0 = time.perf_counter()
+        # taken on the loop (atomic with respect to write-backs), written off it
+        keys, rows, state = self.store.take_changes()
+        try:
+            name, size = await asyncio.to_thread(
+                snapshots.write_rows, request.directory, request.next_batch, self.store.shard, keys, rows, state
+            )
+        except OSError as e:
+            self.store.keep_changes(keys)  # the next snapshot must still hold them
+            raise FailedPrecondition(f"directory: cannot write the snapshot: {e}") from e
+        metrics.SNAPSHOT_SECONDS.observe(time.perf_counter() - t0)
+        metrics.SNAPSHOT_ROWS.inc(keys.size)
+        logger.info("snapshot for batch %d: %d changed rows, %d bytes", request.next_batch, keys.size, size)
+        return pb.SnapshotResponse(file=name, rows=keys.size, bytes=size)
 
 
 async def create_server(store: ShardStore, address: str = "127.0.0.1:0") -> tuple[grpc.aio.Server, int, serving.ControlServicer, object]:

@@ -4,6 +4,7 @@ local processes on loopback, a progress bar, and a summary at the end."""
 from __future__ import annotations
 
 import argparse
+import csv
 import json
 import logging
 import os
@@ -22,11 +23,14 @@ from pathlib import Path
 from typing import Any
 
 import grpc
+import redis
 from tqdm import tqdm
 
 from bagpipe import serving
 from bagpipe.config_args import table_rows_of
+from bagpipe.control.detector import Detector, PrometheusSource, ScrapeSource
 from bagpipe.control.registry import Registry
+from bagpipe.core import snapshots
 from bagpipe.local.prometheus import PrometheusServer
 from bagpipe.local.report import write_report
 from bagpipe.trainer.metrics import STAGES
@@ -62,7 +66,8 @@ class RedisServer:
     def __init__(self, workdir: Path, extra_bind: str | None = None) -> None:
         self.port = free_port()
         self.url = f"redis://127.0.0.1:{self.port}/0"
-        self.log = open(workdir / "redis.log", "wb")  # noqa: SIM115
+        self.log_path = workdir / "redis.log"
+        self.log = open(self.log_path, "ab")  # noqa: SIM115
         bind = ["127.0.0.1", extra_bind] if extra_bind else ["127.0.0.1"]
         self.proc = subprocess.Popen(
             [find_redis_server(), "--port", str(self.port), "--bind", *bind, "--protected-mode", "no", "--save", "",
@@ -107,7 +112,10 @@ class LocalJob:
         log = self.run_dir / "logs" / f"{name}.log"
         env = dict(os.environ, PYTHONUNBUFFERED="1", OMP_NUM_THREADS=os.environ.get("OMP_NUM_THREADS", "1"))
         command = [*(prefix or []), sys.executable, "-m", module, *argv]
-        with open(log, "wb") as out:
+        with open(log, "ab") as out:  # a restarted process goes on in the same log
+            out.write(f"---- {time.strftime('%Y-%m-%d %H:%M:%S')} {' '.join(command[-2:])} ----\n".encode()
+                      if out.tell() else b"")  # fmt: skip
+            out.flush()
             proc = subprocess.Popen(command, stdout=out, stderr=subprocess.STDOUT, env=env)
         p = Process(name, proc, log)
         self.processes.append(p)
@@ -131,6 +139,14 @@ class LocalJob:
                 continue
             out[p.name] = (int(fields[11]) + int(fields[12])) / tick  # utime, stime
         return out
+
+    def kill_all(self) -> None:
+        """SIGKILL (a frozen process ignores SIGTERM): the next generation replaces every process."""
+        for p in self.processes:
+            if p.proc.poll() is None:
+                p.proc.kill()
+        for p in self.processes:
+            p.proc.wait()
 
     def stop_all(self) -> None:
         for p in self.processes:
@@ -163,77 +179,126 @@ def _shutdown_services(registry: Registry) -> None:
 AfterTraining = Callable[[dict[str, str], "PrometheusServer | None"], None]
 
 
+class ComponentFailure(Exception):
+    """A process of the job died, froze or stopped making progress."""
+
+    def __init__(self, component: str, kind: str, detail: str, log: Path | None = None) -> None:
+        super().__init__(f"{component} {detail}" + (f"; last lines of {log}:\n{_tail(log)}" if log else ""))
+        self.component = component
+        self.kind = kind  # "exited", "gone" or "stuck"
+        self.detail = detail
+        self.detected_at = time.time()
+
+
+@dataclass
+class Generation:
+    """One incarnation of the job's processes; a failure ends it and the next resumes from a checkpoint."""
+
+    number: int
+    start_batch: int
+    job_name: str
+    registry: Registry
+    job: LocalJob
+    trainers: list[Process]
+    trained_before: int  # rows in rank 0's iteration log when it started
+    started_at: float = field(default_factory=time.time)
+
+
+def checkpoint_every(args: argparse.Namespace) -> int:
+    """Batches between consistent checkpoints (0: none; the shared-memory 'ideal' system has none)."""
+    if getattr(args, "system", "bagpipe") == "ideal":
+        return 0
+    return int(getattr(args, "checkpoint_every", 0) or 0)
+
+
 def run(args: argparse.Namespace, after_training: AfterTraining | None = None) -> dict[str, Any]:
     """Runs one local job to the end and returns its summary (raises on failure).
+
+    The launcher is also the job's supervisor: when a process dies, freezes or stops making progress
+    (the failure detector reads the services' metrics), every process is stopped and the job goes on in
+    a new generation from the last complete checkpoint, replaying the batches after it: the final model
+    is the one the run would have computed without the failure. At most ``--max-restarts`` times.
 
     ``after_training`` is called with every service's /metrics address (and the local Prometheus, if
     any) once training is over and before the services stop: tests scrape the live services there.
     """
-    table_rows = table_rows_of(args)
+    if getattr(args, "resume", None):
+        args = resumed_args(args)
+    table_rows_of(args)
     if args.batch_size % args.trainers:
         raise SystemExit(f"--batch-size: {args.batch_size} is not a multiple of --trainers {args.trainers}")
     run_dir = Path(args.run_dir or f"runs/{time.strftime('%Y%m%d-%H%M%S')}-{uuid.uuid4().hex[:4]}")
     (run_dir / "logs").mkdir(parents=True, exist_ok=True)
+    checkpoints = Path(args.checkpoint_dir) if getattr(args, "checkpoint_dir", None) else run_dir / "checkpoints"
+    if not getattr(args, "resume", None):
+        if checkpoint_every(args) and snapshots.complete(checkpoints):
+            raise SystemExit(f"--checkpoint-dir: {checkpoints} holds another run's checkpoints; resume it with "
+                             f"--resume {run_dir} or choose another directory")  # fmt: skip
+        saved = {k: v for k, v in vars(args).items() if isinstance(v, str | int | float | bool | list | tuple | None)}
+        (run_dir / "config.json").write_text(json.dumps({**saved, "run_dir": str(run_dir)}, indent=1))
     netns = getattr(args, "embedding_server_netns", None)
-    if netns:  # embedding servers in a network namespace, behind a (bandwidth-limited) veth link
-        host_ip, netns_ip = args.netns_addresses.split(",")
-    redis_server = RedisServer(run_dir, extra_bind=host_ip if netns else None)
-    job_name = f"local-{uuid.uuid4().hex[:8]}"
-    registry = Registry(redis_server.url, job_name)
-    job = LocalJob(args, run_dir)
-    coord = ["--redis", redis_server.url, "--job", job_name, "--log-level", args.log_level]
-    tables = ["--data", args.data, "--table-rows", ",".join(map(str, table_rows))]
-    model = ["--embedding-dim", str(args.embedding_dim), "--optimizer", args.optimizer, "--lr", repr(args.lr),
-             "--seed", str(args.seed)] + (["--init-from", args.init_from] if args.init_from else [])  # fmt: skip
+    extra_bind = args.netns_addresses.split(",")[0] if netns else None
+    redis_server = RedisServer(run_dir, extra_bind=extra_bind)
+    base_name = f"local-{uuid.uuid4().hex[:8]}"
     prometheus: PrometheusServer | None = None
+    detector: Detector | None = None
+    generation: Generation | None = None
+    failures: list[dict[str, Any]] = []
+    bar = tqdm(total=args.iterations or None, unit="it", desc="training", disable=args.quiet, dynamic_ncols=True)
     try:
-        for s in range(args.embedding_servers):
-            where: list[str] = []
-            if netns:
-                where = ["--address", f"{netns_ip}:0", "--metrics-address", f"{netns_ip}:0",
-                         "--redis", redis_server.url.replace("127.0.0.1", host_ip)]  # fmt: skip
-            job.spawn(f"embedding-server-{s}", "bagpipe.embedding_server",
-                      ["--shard", str(s), "--num-shards", str(args.embedding_servers), *tables, *model, *coord, *where],
-                      prefix=["ip", "netns", "exec", netns] if netns else None)  # fmt: skip
-        skew = ["--zipf-alpha", repr(args.zipf_alpha)]
-        if args.hot_fraction is not None:
-            skew += ["--hot-fraction", repr(args.hot_fraction)]
-        if args.hot_share is not None:
-            skew += ["--hot-share", repr(args.hot_share)]
-        if args.skip_bad_rows:
-            skew.append("--skip-bad-rows")
-        for i in range(args.data_processors):
-            job.spawn(f"data-processor-{i}", "bagpipe.data_processor",
-                      ["--index", str(i), "--batch-size", str(args.batch_size), "--seed", str(args.seed),
-                       *tables, *skew, *coord])  # fmt: skip
-        job.spawn("oracle-cacher", "bagpipe.oracle_cacher",
-                  ["--batch-size", str(args.batch_size), "--trainers", str(args.trainers),
-                   "--data-processors", str(args.data_processors), "--iterations", str(args.iterations),
-                   *cache_args(args), *tables, *coord])  # fmt: skip
-        dist_init = f"tcp://127.0.0.1:{free_port()}"
-        trainer_procs = []
-        for r in range(args.trainers):
-            extra = []
-            if r == 0 and args.save_initial:
-                extra += ["--save-initial", args.save_initial]
-            if r == 0 and args.save_final:
-                extra += ["--save-final", args.save_final]
-            trainer_procs.append(
-                job.spawn(f"trainer-{r}", "bagpipe.trainer",
-                          ["--rank", str(r), "--world-size", str(args.trainers), "--dist-init", dist_init,
-                           "--device", args.device, "--transfer-batches", str(args.transfer_batches),
-                           "--bottom-mlp", ",".join(map(str, args.bottom_mlp)),
-                           "--top-mlp", ",".join(map(str, args.top_mlp)), *tables, *model, *coord, *extra,
-                           "--iteration-log", str(run_dir / "metrics" / f"trainer-{r}.csv"),
-                           *system_args(args, job_name),
-                           *(["--cache-rows", str(args.cache_rows)] if args.cache_rows else [])])  # fmt: skip
-            )
-        services = args.embedding_servers + args.data_processors + 1 + args.trainers
-        endpoints = _wait_for_endpoints(job, registry, services)
-        if args.prometheus:
-            prometheus = PrometheusServer(run_dir / "prometheus", endpoints, args.prometheus_port or free_port())
-            print(f"prometheus: {prometheus.url} (scraping {len(endpoints)} services)", file=sys.stderr)
-        cpu_from = _watch(job, registry, trainer_procs, args)
+        number = 0
+        while True:
+            start = 0
+            if checkpoint_every(args):
+                start = snapshots.latest(checkpoints) or 0
+                snapshots.discard_after(checkpoints, start)
+            generation = _start_generation(args, run_dir, redis_server, f"{base_name}-g{number}", number, start,
+                                           checkpoints)  # fmt: skip
+            try:
+                services = args.embedding_servers + args.data_processors + 1 + args.trainers
+                endpoints = _wait_for_endpoints(generation, redis_server, services)
+                if args.prometheus:
+                    if prometheus is None:
+                        prometheus = PrometheusServer(run_dir / "prometheus", endpoints,
+                                                      args.prometheus_port or free_port())  # fmt: skip
+                        print(f"prometheus: {prometheus.url} (scraping {len(endpoints)} services)", file=sys.stderr)
+                    else:
+                        prometheus.retarget(endpoints)
+                if detector is None:
+                    source: ScrapeSource | PrometheusSource
+                    if prometheus is not None:
+                        source = PrometheusSource(prometheus.url)
+                    else:
+                        source = ScrapeSource(generation.registry.metrics_endpoints)
+                    detector = Detector(source, args.failure_timeout)
+                detector.forget()
+                if isinstance(detector.source, ScrapeSource):
+                    detector.source = ScrapeSource(generation.registry.metrics_endpoints)
+                detector.expect(endpoints)
+                if failures:
+                    failures[-1]["restarted_seconds"] = time.time() - failures[-1]["detected_at"]
+                cpu_from = _watch(generation, redis_server, detector, bar, failures)
+                break
+            except ComponentFailure as failure:
+                record = _record_failure(failure, generation, run_dir, bar)
+                failures.append(record)
+                logger.warning("generation %d: %s", number, failure.detail)
+                print(f"failure: {failure.component} {failure.detail}; "
+                      f"{'giving up' if len(failures) > args.max_restarts else 'recovering'}", file=sys.stderr)  # fmt: skip
+                generation.job.kill_all()
+                generation.registry.close()
+                if failure.component == "redis" or redis_server.proc.poll() is not None:
+                    redis_server.stop()
+                    redis_server = RedisServer(run_dir, extra_bind=extra_bind)
+                never_trained = number == 0 and not record["trained_batches"]
+                if never_trained or len(failures) > args.max_restarts:
+                    why = ("before training began (a setup error is not retried)" if never_trained
+                           else f"after {args.max_restarts} restarts (--max-restarts)")  # fmt: skip
+                    raise RuntimeError(f"{failure.component} failed {why}: {failure}") from None
+                number += 1
+        bar.close()
+        assert generation is not None
+        job, registry = generation.job, generation.registry
         cpu_used = _cpu_by_service(cpu_from[1], job.cpu_seconds())
         stats = [registry.get_json(f"stats:{r}") for r in range(args.trainers)]
         _save_scrapes(run_dir / "metrics", endpoints)
@@ -242,7 +307,11 @@ def run(args: argparse.Namespace, after_training: AfterTraining | None = None) -
             after_training(endpoints, prometheus)
         _shutdown_services(registry)
         summary = summarize(stats, args, run_dir)
-        measured = max(1, summary["iterations"] - cpu_from[0])
+        summary["recovery"] = recovery_summary(failures, stats, run_dir, checkpoint_every(args), checkpoints)
+        if failures or stats[0]["first_batch"]:  # the run's batches, not just this generation's
+            summary["iterations"] = stats[0]["first_batch"] + stats[0]["iterations"]
+            summary["losses"] = _run_losses(run_dir)
+        measured = max(1, stats[0]["iterations"] - cpu_from[0])
         summary["cpu_seconds_per_iteration"] = {k: v / measured for k, v in cpu_used.items()}
         summary["report"] = str(run_dir / "report.html")
         (run_dir / "summary.json").write_text(json.dumps(summary, indent=2))
@@ -253,19 +322,117 @@ def run(args: argparse.Namespace, after_training: AfterTraining | None = None) -
             time.sleep(args.prometheus_linger)
         return summary
     finally:
+        bar.close()
+        if detector is not None:
+            detector.close()
         if prometheus is not None:
             prometheus.stop()
-        job.stop_all()
-        registry.close()
+        if generation is not None:
+            generation.job.stop_all()
+            generation.registry.close()
         redis_server.stop()
 
 
-def _wait_for_endpoints(job: LocalJob, registry: Registry, count: int, timeout: float = 120.0) -> dict[str, str]:
+def resumed_args(args: argparse.Namespace) -> argparse.Namespace:
+    """``--resume RUN_DIR``: the stopped run's own flags (from its config.json), to go on where it stopped."""
+    config = Path(args.resume) / "config.json"
+    if not config.is_file():
+        raise SystemExit(f"--resume: {config} not found (not a run directory of `bagpipe run`?)")
+    saved = json.loads(config.read_text())
+    merged = argparse.Namespace(**{**vars(args), **saved})
+    merged.resume = args.resume
+    merged.quiet = args.quiet
+    for name in ("table_rows", "bottom_mlp", "top_mlp"):
+        if isinstance(getattr(merged, name, None), list):
+            setattr(merged, name, tuple(getattr(merged, name)))
+    checkpoints = Path(merged.checkpoint_dir) if merged.checkpoint_dir else Path(merged.run_dir) / "checkpoints"
+    if not snapshots.complete(checkpoints):
+        print(f"--resume: no complete checkpoint in {checkpoints}: the run starts over", file=sys.stderr)
+    return merged
+
+
+def _start_generation(
+    args: argparse.Namespace,
+    run_dir: Path,
+    redis_server: RedisServer,
+    job_name: str,
+    number: int,
+    start: int,
+    checkpoints: Path,
+) -> Generation:
+    """Spawns every process of the job, resuming at ``start`` (a complete checkpoint, or 0)."""
+    table_rows = table_rows_of(args)
+    netns = getattr(args, "embedding_server_netns", None)
+    if netns:  # embedding servers in a network namespace, behind a (bandwidth-limited) veth link
+        host_ip, netns_ip = args.netns_addresses.split(",")
+    registry = Registry(redis_server.url, job_name)
+    job = LocalJob(args, run_dir)
+    coord = ["--redis", redis_server.url, "--job", job_name, "--log-level", args.log_level]
+    tables = ["--data", args.data, "--table-rows", ",".join(map(str, table_rows))]
+    model = ["--embedding-dim", str(args.embedding_dim), "--optimizer", args.optimizer, "--lr", repr(args.lr),
+             "--seed", str(args.seed)] + (["--init-from", args.init_from] if args.init_from else [])  # fmt: skip
+    every = checkpoint_every(args)
+    recovery = ["--checkpoint-dir", str(checkpoints), "--resume-batch", str(start)] if every else []
+    for s in range(args.embedding_servers):
+        where: list[str] = []
+        if netns:
+            where = ["--address", f"{netns_ip}:0", "--metrics-address", f"{netns_ip}:0",
+                     "--redis", redis_server.url.replace("127.0.0.1", host_ip)]  # fmt: skip
+        job.spawn(f"embedding-server-{s}", "bagpipe.embedding_server",
+                  ["--shard", str(s), "--num-shards", str(args.embedding_servers), *tables, *model, *coord,
+                   *recovery, *where],
+                  prefix=["ip", "netns", "exec", netns] if netns else None)  # fmt: skip
+    skew = ["--zipf-alpha", repr(args.zipf_alpha)]
+    if args.hot_fraction is not None:
+        skew += ["--hot-fraction", repr(args.hot_fraction)]
+    if args.hot_share is not None:
+        skew += ["--hot-share", repr(args.hot_share)]
+    if args.skip_bad_rows:
+        skew.append("--skip-bad-rows")
+    for i in range(args.data_processors):
+        job.spawn(f"data-processor-{i}", "bagpipe.data_processor",
+                  ["--index", str(i), "--batch-size", str(args.batch_size), "--seed", str(args.seed),
+                   *tables, *skew, *coord])  # fmt: skip
+    job.spawn("oracle-cacher", "bagpipe.oracle_cacher",
+              ["--batch-size", str(args.batch_size), "--trainers", str(args.trainers),
+               "--data-processors", str(args.data_processors), "--iterations", str(args.iterations),
+               "--checkpoint-every", str(every), "--start-batch", str(start),
+               *cache_args(args), *tables, *coord])  # fmt: skip
+    dist_init = f"tcp://127.0.0.1:{free_port()}"
+    trainers = []
+    for r in range(args.trainers):
+        extra = []
+        if r == 0 and args.save_initial and start == 0:
+            extra += ["--save-initial", args.save_initial]
+        if r == 0 and args.save_final:
+            extra += ["--save-final", args.save_final]
+        trainers.append(
+            job.spawn(f"trainer-{r}", "bagpipe.trainer",
+                      ["--rank", str(r), "--world-size", str(args.trainers), "--dist-init", dist_init,
+                       "--device", args.device, "--transfer-batches", str(args.transfer_batches),
+                       "--collective-timeout", repr(max(60.0, 6 * args.failure_timeout)),
+                       "--bottom-mlp", ",".join(map(str, args.bottom_mlp)),
+                       "--top-mlp", ",".join(map(str, args.top_mlp)), *tables, *model, *coord, *extra, *recovery,
+                       "--iteration-log", str(run_dir / "metrics" / f"trainer-{r}.csv"),
+                       *system_args(args, job_name),
+                       *(["--cache-rows", str(args.cache_rows)] if args.cache_rows else [])])  # fmt: skip
+        )
+    if number:
+        logger.info("generation %d: resuming at batch %d", number, start)
+    return Generation(number, start, job_name, registry, job, trainers, len(_trained_batches(run_dir)))
+
+
+def _wait_for_endpoints(
+    generation: Generation, redis_server: RedisServer, count: int, timeout: float = 120.0
+) -> dict[str, str]:
     """Every service's /metrics address, once all have registered (they do so as they start)."""
     deadline = time.monotonic() + timeout
     while True:
-        _raise_if_failed(job)
-        endpoints = registry.metrics_endpoints()
+        _raise_if_failed(generation.job, redis_server)
+        try:
+            endpoints = generation.registry.metrics_endpoints()
+        except redis.RedisError as e:
+            raise ComponentFailure("redis", "gone", f"does not answer: {e}") from None
         if len(endpoints) >= count:
             return endpoints
         if time.monotonic() > deadline:
@@ -309,41 +476,126 @@ def system_args(args: argparse.Namespace, job_name: str) -> list[str]:
     return []
 
 
-def _raise_if_failed(job: LocalJob) -> None:
+def _raise_if_failed(job: LocalJob, redis_server: RedisServer | None = None) -> None:
+    if redis_server is not None and redis_server.proc.poll() is not None:
+        raise ComponentFailure("redis", "exited", f"exited with {redis_server.proc.returncode}", redis_server.log_path)
     bad = job.failed()
     if bad is not None:
-        raise RuntimeError(f"{bad.name} exited with {bad.proc.returncode}; last lines of {bad.log}:\n{_tail(bad.log)}")
+        raise ComponentFailure(bad.name, "exited", f"exited with {bad.proc.returncode}", bad.log)
+
+
+def _member_process(member: str) -> str:
+    """``trainer/1`` (a metrics endpoint) -> ``trainer-1`` (a process of the launcher)."""
+    service, index = member.split("/", 1)
+    return f"{service.replace('_', '-')}-{index}" if service != "oracle_cacher" else "oracle-cacher"
 
 
 def _watch(
-    job: LocalJob, registry: Registry, trainers: list[Process], args: argparse.Namespace
+    generation: Generation,
+    redis_server: RedisServer,
+    detector: Detector,
+    bar: tqdm,
+    failures: list[dict[str, Any]],
 ) -> tuple[int, dict[str, float]]:
-    """Shows progress until every trainer has stored its statistics. Returns the CPU times of the
-    processes when training was first seen under way, and the iterations done by then (so start-up
-    does not count in the CPU per iteration)."""
-    total = args.iterations or None
-    bar = tqdm(total=total, unit="it", desc="training", disable=args.quiet, dynamic_ncols=True)
-    done = 0
+    """Shows progress until every trainer has stored its statistics, and raises ComponentFailure when a
+    process exits or the detector declares one gone or stuck. Returns the CPU times of the processes when
+    training was first seen under way, and the iterations done by then (so start-up does not count in the
+    CPU per iteration)."""
+    job, registry, trainers = generation.job, generation.registry, generation.trainers
+    total = generation.job.args.iterations or None
     cpu_from: tuple[int, dict[str, float]] | None = None
-    try:
-        # a finished trainer stores its statistics and keeps serving /metrics until it is stopped
-        while not all(registry.get_json(f"stats:{r}") is not None for r in range(len(trainers))):
-            _raise_if_failed(job)
-            if all(p.proc.poll() is not None for p in trainers):
-                raise RuntimeError("the trainers exited without their statistics; see logs/trainer-*.log")
+    next_look = 0.0
+    bar.n = generation.start_batch
+    bar.refresh()
+    # a finished trainer stores its statistics and keeps serving /metrics until it is stopped
+    while True:
+        _raise_if_failed(job, redis_server)
+        try:
+            if all(registry.get_json(f"stats:{r}") is not None for r in range(len(trainers))):
+                break
             progress = registry.progress()
-            if len(progress) == len(trainers):
-                now = min(progress.values()) + 1
-                if cpu_from is None:
-                    cpu_from = (max(progress.values()) + 1, job.cpu_seconds())
-                bar.update(now - done)
-                done = now
-            time.sleep(0.2)
-        _raise_if_failed(job)
-        bar.update(max(0, (total or done) - done))
-    finally:
-        bar.close()
+        except redis.RedisError as e:
+            raise ComponentFailure("redis", "gone", f"does not answer: {e}") from None
+        if all(p.proc.poll() is not None for p in trainers):
+            raise RuntimeError("the trainers exited without their statistics; see logs/trainer-*.log")
+        if len(progress) == len(trainers):
+            now = min(progress.values()) + 1
+            if cpu_from is None:
+                cpu_from = (max(progress.values()) + 1 - generation.start_batch, job.cpu_seconds())
+                if failures and "recovered_seconds" not in failures[-1]:
+                    failures[-1]["recovered_seconds"] = time.time() - failures[-1]["detected_at"]
+            bar.update(max(0, now - bar.n))
+        if time.monotonic() >= next_look:  # the failure detector, from the services' metrics
+            next_look = time.monotonic() + min(1.0, detector.timeout / 4)
+            found = detector.poll()
+            if found:
+                worst = found[0]
+                what = "did not answer" if worst.kind == "gone" else "made no progress"
+                process = _member_process(worst.member)
+                log = next((p.log for p in job.processes if p.name == process), None)
+                raise ComponentFailure(process, worst.kind, f"{what} for {worst.silent_seconds:.1f} s "
+                                       f"(--failure-timeout {detector.timeout:g})", log)  # fmt: skip
+        time.sleep(0.1)
+    _raise_if_failed(job, redis_server)
+    bar.update(max(0, (total or bar.n) - bar.n))
     return cpu_from or (0, {})
+
+
+def _trained_batches(run_dir: Path) -> list[int]:
+    """Batch numbers in rank 0's iteration log, in the order they were trained (replays included)."""
+    path = run_dir / "metrics" / "trainer-0.csv"
+    if not path.is_file():
+        return []
+    with open(path, newline="") as f:
+        return [int(row["batch"]) for row in csv.DictReader(f) if row.get("batch", "").isdigit()]
+
+
+def _run_losses(run_dir: Path) -> list[float]:
+    """The loss of every batch of the run, the replayed ones as trained last (they are the ones that count)."""
+    path = run_dir / "metrics" / "trainer-0.csv"
+    by_batch: dict[int, float] = {}
+    with open(path, newline="") as f:
+        for row in csv.DictReader(f):
+            if row.get("batch", "").isdigit():
+                by_batch[int(row["batch"])] = float(row["loss"])
+    return [by_batch[b] for b in sorted(by_batch)]
+
+
+def _record_failure(failure: ComponentFailure, generation: Generation, run_dir: Path, bar: tqdm) -> dict[str, Any]:
+    in_generation = _trained_batches(run_dir)[generation.trained_before :]
+    return {
+        "generation": generation.number,
+        "component": failure.component,
+        "kind": failure.kind,
+        "detail": failure.detail,
+        "detected_at": failure.detected_at,
+        "generation_seconds": failure.detected_at - generation.started_at,
+        "start_batch": generation.start_batch,
+        "trained_batches": len(in_generation),
+        "last_batch": max(in_generation) if in_generation else generation.start_batch - 1,
+    }
+
+
+def recovery_summary(
+    failures: list[dict[str, Any]], stats: list[dict[str, Any]], run_dir: Path, every: int, directory: Path
+) -> dict[str, Any]:
+    """Failures, time to detect and recover, iterations replayed, checkpoint cost (summary and report)."""
+    for i, f in enumerate(failures):
+        restart = failures[i + 1]["start_batch"] if i + 1 < len(failures) else stats[0]["first_batch"]
+        f["resumed_at_batch"] = restart
+        f["replayed_iterations"] = max(0, f["last_batch"] + 1 - restart)
+    seconds = [c["seconds"] for c in stats[0].get("checkpoints", [])]
+    iterations = max(1, stats[0]["iterations"])
+    return {
+        "failures": failures,
+        "failures_detected": len(failures),
+        "iterations_replayed": sum(f["replayed_iterations"] for f in failures),
+        "checkpoint_every": every,
+        "checkpoint_dir": str(directory) if every else None,
+        "checkpoints": len(seconds),
+        "checkpoint_seconds_per_iteration": sum(seconds) / iterations,
+        "checkpoint_seconds_mean": sum(seconds) / len(seconds) if seconds else 0.0,
+    }
 
 
 def _cpu_by_service(before: dict[str, float], after: dict[str, float]) -> dict[str, float]:

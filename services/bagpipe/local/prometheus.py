@@ -11,6 +11,7 @@ from __future__ import annotations
 import json
 import os
 import shutil
+import signal
 import subprocess
 import time
 import urllib.parse
@@ -52,6 +53,7 @@ class PrometheusServer:
     def __init__(self, workdir: Path, endpoints: dict[str, str], port: int) -> None:
         workdir.mkdir(parents=True, exist_ok=True)
         config = workdir / "prometheus.yml"
+        self._config = config
         config.write_text(json.dumps(scrape_config(endpoints), indent=2))  # JSON is valid YAML
         self.url = f"http://127.0.0.1:{port}"
         self._log = open(workdir / "prometheus.log", "w")  # noqa: SIM115 (closed in stop())
@@ -72,6 +74,12 @@ class PrometheusServer:
                 self.stop()
                 raise RuntimeError(f"prometheus did not start; see {workdir / 'prometheus.log'}")
             time.sleep(0.2)
+
+    def retarget(self, endpoints: dict[str, str]) -> None:
+        """Scrapes ``endpoints`` from now on (a restarted job's services listen on new ports): SIGHUP
+        makes Prometheus reload its configuration."""
+        self._config.write_text(json.dumps(scrape_config(endpoints), indent=2))
+        self._proc.send_signal(signal.SIGHUP)
 
     def query(self, expr: str) -> list[dict[str, Any]]:
         """An instant query through the HTTP API; raises on a PromQL error."""

@@ -12,6 +12,7 @@ from bagpipe.config_args import (
     add_cache_args,
     add_coordination_args,
     add_table_args,
+    non_negative_int,
     table_rows_of,
 )
 from bagpipe.core.lookahead import MAX_TRAINERS
@@ -35,6 +36,8 @@ class OracleConfig:
     reuse_delay: int = DEFAULT_REUSE_DELAY
     cache_mode: str = "lrpp"
     delayed_sync: bool = True
+    checkpoint_every: int = 0
+    start_batch: int = 0
 
     @property
     def window(self) -> int:
@@ -62,6 +65,14 @@ class OracleConfig:
             raise ValueError(f"data_processors: must be >= 1, got {self.data_processors}")
         if self.iterations < 0:
             raise ValueError(f"iterations: must be >= 0 (0: until the data ends), got {self.iterations}")
+        if self.checkpoint_every < 0:
+            raise ValueError(f"checkpoint_every: must be >= 0 (0: never), got {self.checkpoint_every}")
+        if self.start_batch < 0 or (self.iterations and self.start_batch >= self.iterations):
+            raise ValueError(f"start_batch: must be in [0, {self.iterations or 'the end'}), got {self.start_batch}")
+
+    def checkpoint_after(self, batch: int) -> bool:
+        """A consistent checkpoint follows ``batch`` (never the last one: the final model covers it)."""
+        return self.checkpoint_every > 0 and (batch + 1) % self.checkpoint_every == 0
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -72,6 +83,10 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--data-processors", type=int, default=1, help="number of data processors to read from")
     p.add_argument("--iterations", type=int, default=0, help="batches to plan (0: until the data ends)")
     p.add_argument("--address", default="127.0.0.1:0", help="host:port to listen on (port 0: any)")
+    p.add_argument("--checkpoint-every", type=non_negative_int, default=0,
+                   help="a consistent checkpoint after every this many batches (default 0: none)")
+    p.add_argument("--start-batch", type=non_negative_int, default=0,
+                   help="plan from this batch on (a run resumed from the checkpoint of that name)")
     add_table_args(p)
     add_coordination_args(p)
     return p
@@ -94,5 +109,7 @@ def parse(argv: list[str] | None = None) -> tuple[OracleConfig, argparse.Namespa
         address=a.address,
         redis_url=a.redis,
         job=a.job,
+        checkpoint_every=a.checkpoint_every,
+        start_batch=a.start_batch,
     )
     return cfg, a

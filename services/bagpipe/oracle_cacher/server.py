@@ -55,8 +55,14 @@ def _sync_message(step: SyncStep) -> pb.Sync:
     )
 
 
-def split_plan(plan: BatchPlan, batch: data_processor_pb2.Batch, trainers: int) -> list[pb.Plan]:
-    """One message per trainer: its share of the plan (core/plans.py) and its slice of the samples."""
+def split_plan(
+    plan: BatchPlan,
+    batch: data_processor_pb2.Batch,
+    trainers: int,
+    checkpoint: tuple[np.ndarray, np.ndarray, np.ndarray] | None = None,
+) -> list[pb.Plan]:
+    """One message per trainer: its share of the plan (core/plans.py) and its slice of the samples;
+    with ``checkpoint`` (``LookaheadPlanner.cached()``), the cached rows each trainer writes out."""
     size = int(batch.labels.shape[0])
     dense = from_tensor(batch.dense, "dense", np.float32, ndim=2)
     labels = from_tensor(batch.labels, "labels", np.float32, shape=(size,))
@@ -89,6 +95,13 @@ def split_plan(plan: BatchPlan, batch: data_processor_pb2.Batch, trainers: int) 
                 unique_rows=plan.unique,
             )
         )
+    if checkpoint is not None:
+        keys, slots, writer = checkpoint
+        for rank, message in enumerate(out):
+            mine = writer == rank
+            message.checkpoint = True
+            message.checkpoint_keys.CopyFrom(to_tensor(keys[mine]))
+            message.checkpoint_slots.CopyFrom(to_tensor(slots[mine]))
     return out
 
 
@@ -108,12 +121,15 @@ class Oracle(pb_grpc.OracleCacherServicer):
         )
         self.received: dict[int, _Received] = {}
         self.planned: dict[int, _Planned] = {}
-        self.written_back = [-1] * config.trainers
-        self.trained = [-1] * config.trainers
+        # plans every trainer has taken, kept until every trainer has trained them: a trainer whose plan
+        # stream reached its deadline mid-message re-opens it at the batch it did not get
+        self.sent: dict[int, _Planned] = {}
+        self.written_back = [config.start_batch - 1] * config.trainers
+        self.trained = [config.start_batch - 1] * config.trainers
         self.cond = asyncio.Condition()
         self.readers_done = 0
         self.failure: str | None = None
-        self.next_push = 0
+        self.next_push = config.start_batch
         self.plan_buffer = config.window + 2
         self.windows: list[int] = []
         self.early_reuses = 0
@@ -121,8 +137,11 @@ class Oracle(pb_grpc.OracleCacherServicer):
 
     # ---- data processors -> oracle
     async def read_processor(self, address: str, offset: int, stride: int) -> None:
-        """Streams batches offset, offset+stride, ... into the reorder buffer, with back-pressure."""
+        """Streams batches offset, offset+stride, ... (from the start batch on) into the reorder buffer,
+        with back-pressure."""
         end = self.config.iterations
+        first = self.config.start_batch
+        offset = first + (offset - first) % stride
         async with grpc.aio.insecure_channel(address, options=serving.CHANNEL_OPTIONS) as ch:
             stub = data_processor_pb2_grpc.DataProcessorStub(ch)
             # with LRPP the processors also work out which trainers use each key (off the single oracle)
@@ -229,7 +248,8 @@ class Oracle(pb_grpc.OracleCacherServicer):
                 t0 = time.perf_counter()
                 plan = self.planner.pop()
                 source = self.received.pop(plan.batch).batch
-                messages = split_plan(plan, source, self.config.trainers)
+                cached = self.planner.cached() if self.config.checkpoint_after(plan.batch) and not plan.last else None
+                messages = split_plan(plan, source, self.config.trainers, cached)
                 metrics.PLAN_SECONDS.observe(time.perf_counter() - t0)
                 metrics.BATCHES_PLANNED.inc()
                 metrics.OCCUPANCY.set(plan.occupancy)
@@ -262,8 +282,12 @@ class Oracle(pb_grpc.OracleCacherServicer):
         metrics.READY_PLANS.set(sum(1 for b in self.planned if self._dispatchable(b)))
 
     # ---- oracle -> trainers
+    def _entry(self, batch: int) -> _Planned | None:
+        return self.planned.get(batch) or self.sent.get(batch)
+
     def _dispatchable(self, batch: int) -> bool:
-        return batch in self.planned and min(self.written_back) >= self.planned[batch].plan.depends_on
+        entry = self._entry(batch)
+        return entry is not None and min(self.written_back) >= entry.plan.depends_on
 
     @grpc_errors
     async def StreamPlans(self, request: pb.StreamPlansRequest, context: grpc.aio.ServicerContext):  # noqa: N802
@@ -271,15 +295,18 @@ class Oracle(pb_grpc.OracleCacherServicer):
         if not 0 <= rank < self.config.trainers:
             raise InvalidArgument("rank", f"must be in [0, {self.config.trainers}), got {rank}")
         batch = request.start
+        if batch < self.config.start_batch:
+            raise InvalidArgument("start", f"this oracle plans from batch {self.config.start_batch}, asked for {batch}")
         while True:
             async with self.cond:
                 await self.cond.wait_for(lambda b=batch: self.failure is not None or self._dispatchable(b))
                 if self.failure is not None:
                     await context.abort(grpc.StatusCode.ABORTED, self.failure)
-                entry = self.planned[batch]
+                entry = self._entry(batch)
+                assert entry is not None
                 entry.taken.add(rank)
-                if len(entry.taken) == self.config.trainers:
-                    del self.planned[batch]
+                if len(entry.taken) == self.config.trainers and batch in self.planned:
+                    self.sent[batch] = self.planned.pop(batch)
                     self.cond.notify_all()
                 self._update_queue_metrics()
             metrics.PLANS_DISPATCHED.inc()
@@ -296,6 +323,8 @@ class Oracle(pb_grpc.OracleCacherServicer):
         async with self.cond:
             self.written_back[rank] = max(self.written_back[rank], request.written_back)
             self.trained[rank] = max(self.trained[rank], request.trained)
+            for done in [b for b in self.sent if b <= min(self.trained)]:
+                del self.sent[done]
             self._update_queue_metrics()
             self.cond.notify_all()
         return pb.ProgressAck()

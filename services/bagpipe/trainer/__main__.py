@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import faulthandler
 import logging
 import signal
 import sys
@@ -17,6 +18,7 @@ logger = logging.getLogger("bagpipe.trainer")
 def main(argv: list[str] | None = None) -> None:
     cfg, args = parse(argv)
     serving.configure_logging(args.log_level)
+    faulthandler.register(signal.SIGUSR1)  # `kill -USR1` prints every thread's stack to the log
     trainer = Trainer(cfg)
     http = serving.start_metrics(
         args.metrics_address, "trainer", str(cfg.rank), trainer.registry,

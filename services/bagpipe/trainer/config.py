@@ -5,9 +5,21 @@ from __future__ import annotations
 import argparse
 from dataclasses import dataclass
 
-from bagpipe.config_args import DEFAULT_TRANSFER_BATCHES, add_coordination_args, add_model_args, add_table_args, positive_int, table_rows_of
+from bagpipe.config_args import (
+    DEFAULT_TRANSFER_BATCHES,
+    add_coordination_args,
+    add_model_args,
+    add_recovery_args,
+    add_table_args,
+    check_resume,
+    positive_int,
+    table_rows_of,
+)
 from bagpipe.core.model import DLRMConfig
 from bagpipe.core.optim import OptimizerConfig
+
+
+DEFAULT_COLLECTIVE_TIMEOUT_S = 120.0
 
 
 @dataclass(frozen=True)
@@ -32,6 +44,9 @@ class TrainerConfig:
     fetch: str = "prefetch"
     shared_table: str | None = None
     transfer_batches: int = DEFAULT_TRANSFER_BATCHES
+    checkpoint_dir: str | None = None
+    resume_batch: int = 0
+    collective_timeout: float = DEFAULT_COLLECTIVE_TIMEOUT_S
 
     def __post_init__(self) -> None:
         if self.transfer_batches < 1:
@@ -42,6 +57,10 @@ class TrainerConfig:
             raise ValueError(f"rank: must be in [0, {self.world_size}), got {self.rank}")
         if self.device not in ("auto", "cpu", "cuda"):
             raise ValueError(f"device: must be auto, cpu or cuda, got {self.device!r}")
+        if self.collective_timeout <= 0:
+            raise ValueError(f"collective_timeout: must be > 0 seconds, got {self.collective_timeout}")
+        if self.shared_table and self.checkpoint_dir:
+            raise ValueError("checkpoint_dir: the shared-memory table (benchmark 'ideal' system) is not checkpointed")
         if len(self.table_rows) != self.model.num_tables:
             raise ValueError(f"table_rows: {len(self.table_rows)} tables, the model has {self.model.num_tables}")
 
@@ -73,14 +92,21 @@ def build_parser() -> argparse.ArgumentParser:
         help=f"fetch and write back up to this many batches' rows in one call per shard (default "
         f"{DEFAULT_TRANSFER_BATCHES}; 1: one call per batch)",
     )  # fmt: skip
+    p.add_argument(
+        "--collective-timeout", type=float, default=DEFAULT_COLLECTIVE_TIMEOUT_S,
+        help="seconds a collective (all-reduce, barrier) may wait for a peer before failing (default "
+        f"{DEFAULT_COLLECTIVE_TIMEOUT_S:.0f}; the failure detector notices a lost peer well before)",
+    )  # fmt: skip
     add_table_args(p)
     add_model_args(p, dense=True)
     add_coordination_args(p)
+    add_recovery_args(p)
     return p
 
 
 def parse(argv: list[str] | None = None) -> tuple[TrainerConfig, argparse.Namespace]:
     a = build_parser().parse_args(argv)
+    check_resume(a)
     table_rows = table_rows_of(a)
     cfg = TrainerConfig(
         rank=a.rank,
@@ -103,5 +129,8 @@ def parse(argv: list[str] | None = None) -> tuple[TrainerConfig, argparse.Namesp
         fetch=a.fetch,
         shared_table=a.shared_table,
         transfer_batches=a.transfer_batches,
+        checkpoint_dir=a.checkpoint_dir,
+        resume_batch=a.resume_batch,
+        collective_timeout=a.collective_timeout,
     )
     return cfg, a

@@ -33,3 +33,10 @@ ROWS_SYNCED = Counter(
 CACHE_OCCUPANCY = Gauge("bagpipe_trainer_cache_occupancy_rows", "Rows in the logical cache during the last batch")
 CACHE_CAPACITY = Gauge("bagpipe_trainer_cache_capacity_rows", "Rows the trainer's cache tensors hold")
 LOOKAHEAD = Gauge("bagpipe_trainer_lookahead_batches", "Lookahead L the oracle used for the last batch")
+CHECKPOINT_SECONDS = Histogram(
+    "bagpipe_trainer_checkpoint_seconds", "Time training paused for one consistent checkpoint",
+    buckets=(0.001, 0.005, 0.01, 0.02, 0.05, 0.1, 0.2, 0.5, 1.0, 2.0, 5.0, 10.0, 30.0),
+)  # fmt: skip
+CHECKPOINTS = Counter("bagpipe_trainer_checkpoints_total", "Consistent checkpoints this trainer took part in")
+LAST_CHECKPOINT = Gauge("bagpipe_trainer_last_checkpoint_batch", "First batch after the newest checkpoint")
+FIRST_BATCH = Gauge("bagpipe_trainer_first_batch", "The batch this trainer process began at (> 0: resumed)")

@@ -32,16 +32,18 @@ import threading
 import time
 from collections import defaultdict
 from dataclasses import dataclass
+from datetime import timedelta
 from pathlib import Path
 from typing import Any
 
+import grpc
 import numpy as np
 import torch
 import torch.distributed as dist
 
 from bagpipe import serving
 from bagpipe.control.registry import Registry
-from bagpipe.core import checkpoint
+from bagpipe.core import checkpoint, snapshots
 from bagpipe.core.cache import EmbeddingCache
 from bagpipe.core.data import NUM_DENSE, table_offsets
 from bagpipe.core.model import DLRM, batch_loss
@@ -57,7 +59,8 @@ from bagpipe.wire import from_tensor
 
 logger = logging.getLogger(__name__)
 
-PLAN_STREAM_TIMEOUT_S = 7 * 24 * 3600.0
+# a plan stream is re-opened at the next batch after this long, so no call waits unboundedly
+PLAN_STREAM_WINDOW_S = 60.0
 
 
 def _tensor(msg: Any, name: str, dtype: Any, batch: int, **kw: Any) -> np.ndarray:
@@ -95,6 +98,9 @@ class PlanArrays:
     lookahead: int
     occupancy: int
     unique_rows: int
+    checkpoint: bool = False
+    checkpoint_keys: np.ndarray | None = None
+    checkpoint_slots: np.ndarray | None = None
 
     @property
     def batch(self) -> int:
@@ -111,6 +117,11 @@ class PlanArrays:
         private = _tensor(msg, "private_rows", np.int32, b, ndim=1)
         _check_index(private, slots.size, f"plan {b}: private_rows")
         writeback_keys = _tensor(msg, "writeback_keys", np.int64, b, ndim=1)
+        checkpoint_keys = checkpoint_slots = None
+        if msg.checkpoint:
+            checkpoint_keys = _tensor(msg, "checkpoint_keys", np.int64, b, ndim=1)
+            checkpoint_slots = _tensor(msg, "checkpoint_slots", np.int32, b, shape=checkpoint_keys.shape)
+            _check_index(checkpoint_slots, max(1, msg.slot_high_water), f"plan {b}: checkpoint_slots")
         share = TrainerPlan(
             batch=b,
             slots=slots,
@@ -133,6 +144,9 @@ class PlanArrays:
             lookahead=msg.lookahead,
             occupancy=msg.occupancy,
             unique_rows=msg.unique_rows,
+            checkpoint=msg.checkpoint,
+            checkpoint_keys=checkpoint_keys,
+            checkpoint_slots=checkpoint_slots,
         )
 
 
@@ -152,13 +166,16 @@ class IterationLog:
 
     def __init__(self, path: str) -> None:
         Path(path).parent.mkdir(parents=True, exist_ok=True)
-        self._file = open(path, "w", newline="")  # noqa: SIM115 (closed by close())
+        # appended to: a restarted trainer goes on in the same file (replayed batches show up again)
+        self._header = not Path(path).is_file() or Path(path).stat().st_size == 0
+        self._file = open(path, "a", newline="")  # noqa: SIM115 (closed by close())
         self._writer: csv.DictWriter[str] | None = None
 
     def write(self, row: dict[str, Any]) -> None:
         if self._writer is None:
             self._writer = csv.DictWriter(self._file, fieldnames=list(row))
-            self._writer.writeheader()
+            if self._header:
+                self._writer.writeheader()
         self._writer.writerow(row)
         self._file.flush()
 
@@ -186,13 +203,15 @@ class _Pipeline:
     def wait(self, predicate: Any, starving: bool = False) -> None:
         """Waits for ``predicate``; with ``starving``, flags the wait so the writer flushes its group."""
         with self.cond:
-            if starving and not predicate():
+            flagged = starving and not predicate()
+            if flagged:
                 self.starving = True
                 self.cond.notify_all()
             try:
                 self.cond.wait_for(lambda: self.error is not None or predicate())
             finally:
-                self.starving = False
+                if flagged:  # (only the waiter that raised the flag lowers it: another thread's wait ending
+                    self.starving = False  # must not cancel the flush this one asked for)
             if self.error is not None:
                 raise RuntimeError("a trainer thread failed") from self.error
 
@@ -227,8 +246,11 @@ class Trainer:
         self._prefetch_phase = (config.rank * k) // (2 * world)  # trainers' groups interleave, and ...
         self._write_phase = self._prefetch_phase + k // 2  # ... each one's write-backs fall between its fetches
         self.background_group: Any = None
-        self.synced = -1  # last batch whose background synchronisation is done
-        self.written_back = -1
+        self.start_batch = config.resume_batch
+        self.pipeline.current = self.start_batch - 1
+        metrics.FIRST_BATCH.set(self.start_batch)
+        self.synced = self.start_batch - 1  # last batch whose background synchronisation is done
+        self.written_back = self.start_batch - 1
         self.stage_seconds: dict[str, float] = defaultdict(float)
         self.counts: dict[str, int] = defaultdict(int)
         self.losses: list[float] = []
@@ -240,6 +262,7 @@ class Trainer:
         self.iteration_log = IterationLog(config.iteration_log) if config.iteration_log else None
         self._bytes_seen = (0, 0)
         self.oracle: opb_grpc.OracleCacherStub | None = None
+        self.checkpoints: list[dict[str, float]] = []
 
     # ---- setup
     def _connect(self) -> None:
@@ -262,11 +285,14 @@ class Trainer:
     def _init_dist(self) -> None:
         if self.config.world_size > 1:
             backend = "nccl" if self.device.type == "cuda" else "gloo"
+            # bounded: a lost peer fails the collective instead of hanging it for gloo's default 30 minutes
+            timeout = timedelta(seconds=self.config.collective_timeout)
             dist.init_process_group(
-                backend, init_method=self.config.dist_init, rank=self.rank, world_size=self.config.world_size
-            )
+                backend, init_method=self.config.dist_init, rank=self.rank, world_size=self.config.world_size,
+                timeout=timeout,
+            )  # fmt: skip
             # background synchronisation runs beside the critical one: its own group, its own order
-            self.background_group = dist.new_group(backend=backend)
+            self.background_group = dist.new_group(backend=backend, timeout=timeout)
 
     def _use_shared_table(self) -> None:
         """--shared-table: rank 0 copies the servers' rows into shared memory; all trainers use it."""
@@ -280,9 +306,13 @@ class Trainer:
         self.client = SharedTable(self.config.shared_table, num_keys, dim, self.state_width, create=False)  # type: ignore[assignment]
 
     def _load_initial(self) -> None:
-        if not self.config.init_from:
+        if self.start_batch:  # resumed: the recovery checkpoint's dense model, not --init-from's
+            assert self.config.checkpoint_dir is not None
+            ckpt = snapshots.read_dense(self.config.checkpoint_dir, self.start_batch)
+        elif self.config.init_from:
+            ckpt = checkpoint.load(self.config.init_from)
+        else:
             return
-        ckpt = checkpoint.load(self.config.init_from)
         self.model.load_state_dict({k: v.to(self.device) for k, v in ckpt["dense"].items()})
         restore_sums(self.dense_opt, dict(self.model.named_parameters()), (ckpt.get("optimizer") or {}).get("dense", {}))
 
@@ -324,15 +354,26 @@ class Trainer:
     def _receive(self) -> None:
         try:
             assert self.oracle is not None
-            request = opb.StreamPlansRequest(rank=self.rank, start=0)
-            for msg in self.oracle.StreamPlans(request, timeout=PLAN_STREAM_TIMEOUT_S):
-                plan = PlanArrays.decode(msg, self.config.model.num_tables)
-                with self.pipeline.cond:
-                    self.pipeline.received[plan.batch] = plan
-                    self.pipeline.cond.notify_all()
-                self.prefetch_queue.put(plan)
-                if plan.last:
-                    break
+            expected = self.start_batch
+            while True:
+                request = opb.StreamPlansRequest(rank=self.rank, start=expected)
+                try:
+                    for msg in self.oracle.StreamPlans(request, timeout=PLAN_STREAM_WINDOW_S):
+                        plan = PlanArrays.decode(msg, self.config.model.num_tables)
+                        if plan.batch != expected:
+                            raise ValueError(f"plan stream: expected batch {expected}, got {plan.batch}")
+                        with self.pipeline.cond:
+                            self.pipeline.received[plan.batch] = plan
+                            self.pipeline.cond.notify_all()
+                        self.prefetch_queue.put(plan)
+                        if plan.last:
+                            return
+                        expected += 1
+                except grpc.RpcError as e:
+                    if e.code() != grpc.StatusCode.DEADLINE_EXCEEDED:
+                        raise
+                    continue  # the stream's window ended: re-open it where it stopped
+                raise RuntimeError(f"the oracle ended the plan stream before its last plan (at batch {expected})")
         except BaseException as e:
             self.pipeline.fail(e)
         finally:
@@ -572,6 +613,8 @@ class Trainer:
         if self.config.fetch == "synchronous":  # ... and write back before the next batch
             self.pipeline.wait(lambda: self.written_back >= batch, starving=True)
         iteration = self._timed("write_back", t) - started
+        if plan.checkpoint:
+            self._checkpoint(plan)
         for stage, seconds in self.step_seconds.items():
             self.stage_seconds[stage] += seconds
             metrics.STAGE_SECONDS.labels(stage).observe(seconds)
@@ -629,6 +672,66 @@ class Trainer:
             })  # fmt: skip
         return plan
 
+    # ---- recovery checkpoints
+    def _checkpoint(self, plan: PlanArrays) -> None:
+        """A consistent checkpoint after ``plan.batch`` (see core/snapshots.py).
+
+        Once this batch's background synchronisation and write-backs are done, every cached row is current
+        on its holders and every evicted one on the servers; each trainer then writes the cached rows it is
+        the designated writer of (the plan lists them) to the servers, which then hold the whole model.
+        Rank 0 has each server write what changed since the previous checkpoint, writes the dense model and
+        optimizer, and marks the checkpoint complete; the barriers keep every write-back of a later batch
+        out of the snapshot. The rows stay cached: training goes on as if nothing happened.
+        """
+        directory = self.config.checkpoint_dir
+        if directory is None:
+            raise ValueError(f"plan {plan.batch}: asks for a checkpoint, but this trainer has no --checkpoint-dir")
+        assert self.client is not None and plan.checkpoint_keys is not None and plan.checkpoint_slots is not None
+        t0 = time.perf_counter()
+        batch = plan.batch
+        self.pipeline.wait(lambda: self.synced >= batch)
+        self.pipeline.wait(lambda: self.written_back >= batch, starving=True)
+        if plan.checkpoint_keys.size:
+            with self.cache.lock.shared():
+                rows, state = self.cache.read(self._index(plan.checkpoint_slots))
+            self.client.write_back(plan.checkpoint_keys, rows.numpy(), state.numpy())
+        if self.config.world_size > 1:
+            dist.barrier()
+        written = {"rows": float(plan.checkpoint_keys.size), "bytes": 0.0}
+        if self.rank == 0:
+            written = self._seal_checkpoint(directory, batch + 1)
+        if self.config.world_size > 1:
+            dist.barrier()
+        seconds = time.perf_counter() - t0
+        self.checkpoints.append({"next_batch": float(batch + 1), "seconds": seconds, **written})
+        metrics.CHECKPOINT_SECONDS.observe(seconds)
+        metrics.CHECKPOINTS.inc()
+        metrics.LAST_CHECKPOINT.set(batch + 1)
+        metrics.HEARTBEAT.set(time.time())  # a checkpoint is progress too
+        self.registry.put_json("checkpoint", {"next_batch": batch + 1, "time": time.time()})
+
+    def _seal_checkpoint(self, directory: str, next_batch: int) -> dict[str, float]:
+        """(Rank 0.) The servers' snapshots, the dense part, then the manifest that makes it count."""
+        assert isinstance(self.client, EmbeddingClient)
+        files = self.client.snapshot(directory, next_batch)
+        snapshots.write_dense(directory, next_batch, {
+            "dense": {k: v.detach().cpu().clone() for k, v in self.model.state_dict().items()},
+            "optimizer": {
+                "name": self.config.optimizer.name,
+                "lr": self.config.optimizer.lr,
+                "dense": saved_sums(self.dense_opt, dict(self.model.named_parameters())),
+            },
+            "meta": {"next_batch": next_batch, "trainers": self.config.world_size},
+        })  # fmt: skip
+        rows = sum(f[1] for f in files)
+        size = sum(f[2] for f in files)
+        snapshots.mark_complete(directory, next_batch, {
+            "row_files": [f[0] for f in files], "rows": rows, "bytes": size, "time": time.time(),
+            "embedding_servers": len(files), "trainers": self.config.world_size,
+        })  # fmt: skip
+        logger.info("checkpoint %d complete: %d changed rows, %d bytes", next_batch, rows, size)
+        return {"rows": float(rows), "bytes": float(size)}
+
     def run(self) -> dict[str, Any]:
         """Trains to the end and returns this trainer's statistics."""
         self._connect()
@@ -650,7 +753,7 @@ class Trainer:
         for th in threads:
             th.start()
         start = time.perf_counter()
-        batch = 0
+        batch = self.start_batch
         while True:
             plan = self.step(batch)
             if plan.last:
@@ -661,6 +764,7 @@ class Trainer:
         if self.pipeline.error is not None:
             raise RuntimeError("a trainer thread failed") from self.pipeline.error
         elapsed = time.perf_counter() - start
+        metrics.HEARTBEAT.set(time.time())
         if self.config.world_size > 1:
             dist.barrier()  # every trainer's write-backs are durable
         if self.config.save_final and self.rank == 0:
@@ -681,6 +785,8 @@ class Trainer:
         assert self.client is not None
         return {
             "rank": self.rank,
+            "first_batch": self.start_batch,
+            "checkpoints": self.checkpoints,
             "iterations": self.counts["iterations"],
             "seconds": elapsed,
             "samples_per_second": self.counts["global_samples"] / elapsed if elapsed > 0 else 0.0,

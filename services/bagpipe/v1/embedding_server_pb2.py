@@ -25,7 +25,7 @@ _sym_db = _symbol_database.Default()
 from bagpipe.v1 import tensor_pb2 as bagpipe_dot_v1_dot_tensor__pb2
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n!bagpipe/v1/embedding_server.proto\x12\nbagpipe.v1\x1a\x17\x62\x61gpipe/v1/tensor.proto\"L\n\rLookupRequest\x12\x19\n\x11shard_map_version\x18\x01 \x01(\x03\x12 \n\x04keys\x18\x02 \x01(\x0b\x32\x12.bagpipe.v1.Tensor\"U\n\x0eLookupResponse\x12 \n\x04rows\x18\x01 \x01(\x0b\x32\x12.bagpipe.v1.Tensor\x12!\n\x05state\x18\x02 \x01(\x0b\x32\x12.bagpipe.v1.Tensor\"\x94\x01\n\x10WriteBackRequest\x12\x19\n\x11shard_map_version\x18\x01 \x01(\x03\x12 \n\x04keys\x18\x02 \x01(\x0b\x32\x12.bagpipe.v1.Tensor\x12 \n\x04rows\x18\x03 \x01(\x0b\x32\x12.bagpipe.v1.Tensor\x12!\n\x05state\x18\x04 \x01(\x0b\x32\x12.bagpipe.v1.Tensor\"!\n\x11WriteBackResponse\x12\x0c\n\x04rows\x18\x01 \x01(\x03\x32\x9c\x01\n\x0f\x45mbeddingServer\x12?\n\x06Lookup\x12\x19.bagpipe.v1.LookupRequest\x1a\x1a.bagpipe.v1.LookupResponse\x12H\n\tWriteBack\x12\x1c.bagpipe.v1.WriteBackRequest\x1a\x1d.bagpipe.v1.WriteBackResponseb\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n!bagpipe/v1/embedding_server.proto\x12\nbagpipe.v1\x1a\x17\x62\x61gpipe/v1/tensor.proto\"L\n\rLookupRequest\x12\x19\n\x11shard_map_version\x18\x01 \x01(\x03\x12 \n\x04keys\x18\x02 \x01(\x0b\x32\x12.bagpipe.v1.Tensor\"U\n\x0eLookupResponse\x12 \n\x04rows\x18\x01 \x01(\x0b\x32\x12.bagpipe.v1.Tensor\x12!\n\x05state\x18\x02 \x01(\x0b\x32\x12.bagpipe.v1.Tensor\"\x94\x01\n\x10WriteBackRequest\x12\x19\n\x11shard_map_version\x18\x01 \x01(\x03\x12 \n\x04keys\x18\x02 \x01(\x0b\x32\x12.bagpipe.v1.Tensor\x12 \n\x04rows\x18\x03 \x01(\x0b\x32\x12.bagpipe.v1.Tensor\x12!\n\x05state\x18\x04 \x01(\x0b\x32\x12.bagpipe.v1.Tensor\"!\n\x11WriteBackResponse\x12\x0c\n\x04rows\x18\x01 \x01(\x03\"S\n\x0fSnapshotRequest\x12\x19\n\x11shard_map_version\x18\x01 \x01(\x03\x12\x11\n\tdirectory\x18\x02 \x01(\t\x12\x12\n\nnext_batch\x18\x03 \x01(\x03\"=\n\x10SnapshotResponse\x12\x0c\n\x04\x66ile\x18\x01 \x01(\t\x12\x0c\n\x04rows\x18\x02 \x01(\x03\x12\r\n\x05\x62ytes\x18\x03 \x01(\x03\x32\xe3\x01\n\x0f\x45mbeddingServer\x12?\n\x06Lookup\x12\x19.bagpipe.v1.LookupRequest\x1a\x1a.bagpipe.v1.LookupResponse\x12H\n\tWriteBack\x12\x1c.bagpipe.v1.WriteBackRequest\x1a\x1d.bagpipe.v1.WriteBackResponse\x12\x45\n\x08Snapshot\x12\x1b.bagpipe.v1.SnapshotRequest\x1a\x1c.bagpipe.v1.SnapshotResponseb\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
@@ -40,6 +40,10 @@ if not _descriptor._USE_C_DESCRIPTORS:
   _globals['_WRITEBACKREQUEST']._serialized_end=388
   _globals['_WRITEBACKRESPONSE']._serialized_start=390
   _globals['_WRITEBACKRESPONSE']._serialized_end=423
-  _globals['_EMBEDDINGSERVER']._serialized_start=426
-  _globals['_EMBEDDINGSERVER']._serialized_end=582
+  _globals['_SNAPSHOTREQUEST']._serialized_start=425
+  _globals['_SNAPSHOTREQUEST']._serialized_end=508
+  _globals['_SNAPSHOTRESPONSE']._serialized_start=510
+  _globals['_SNAPSHOTRESPONSE']._serialized_end=571
+  _globals['_EMBEDDINGSERVER']._serialized_start=574
+  _globals['_EMBEDDINGSERVER']._serialized_end=801
 # @@protoc_insertion_point(module_scope)

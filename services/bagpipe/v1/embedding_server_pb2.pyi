@@ -39,3 +39,23 @@ class WriteBackResponse(_message.Message):
     ROWS_FIELD_NUMBER: _ClassVar[int]
     rows: int
     def __init__(self, rows: _Optional[int] = ...) -> None: ...
+
+class SnapshotRequest(_message.Message):
+    __slots__ = ("shard_map_version", "directory", "next_batch")
+    SHARD_MAP_VERSION_FIELD_NUMBER: _ClassVar[int]
+    DIRECTORY_FIELD_NUMBER: _ClassVar[int]
+    NEXT_BATCH_FIELD_NUMBER: _ClassVar[int]
+    shard_map_version: int
+    directory: str
+    next_batch: int
+    def __init__(self, shard_map_version: _Optional[int] = ..., directory: _Optional[str] = ..., next_batch: _Optional[int] = ...) -> None: ...
+
+class SnapshotResponse(_message.Message):
+    __slots__ = ("file", "rows", "bytes")
+    FILE_FIELD_NUMBER: _ClassVar[int]
+    ROWS_FIELD_NUMBER: _ClassVar[int]
+    BYTES_FIELD_NUMBER: _ClassVar[int]
+    file: str
+    rows: int
+    bytes: int
+    def __init__(self, file: _Optional[str] = ..., rows: _Optional[int] = ..., bytes: _Optional[int] = ...) -> None: ...

@@ -45,6 +45,11 @@ class EmbeddingServerStub:
                 request_serializer=bagpipe_dot_v1_dot_embedding__server__pb2.WriteBackRequest.SerializeToString,
                 response_deserializer=bagpipe_dot_v1_dot_embedding__server__pb2.WriteBackResponse.FromString,
                 _registered_method=True)
+        self.Snapshot = channel.unary_unary(
+                '/bagpipe.v1.EmbeddingServer/Snapshot',
+                request_serializer=bagpipe_dot_v1_dot_embedding__server__pb2.SnapshotRequest.SerializeToString,
+                response_deserializer=bagpipe_dot_v1_dot_embedding__server__pb2.SnapshotResponse.FromString,
+                _registered_method=True)
 
 
 class EmbeddingServerServicer:
@@ -63,6 +68,15 @@ class EmbeddingServerServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def Snapshot(self, request, context):
+        """Writes the rows changed since the previous snapshot (keys, rows, state) into a checkpoint directory,
+        as one file named after the shard, and starts tracking changes afresh. Incremental, like Check-N-Run:
+        a checkpoint is the run's initial rows plus every snapshot up to it, in order.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_EmbeddingServerServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -75,6 +89,11 @@ def add_EmbeddingServerServicer_to_server(servicer, server):
                     servicer.WriteBack,
                     request_deserializer=bagpipe_dot_v1_dot_embedding__server__pb2.WriteBackRequest.FromString,
                     response_serializer=bagpipe_dot_v1_dot_embedding__server__pb2.WriteBackResponse.SerializeToString,
+            ),
+            'Snapshot': grpc.unary_unary_rpc_method_handler(
+                    servicer.Snapshot,
+                    request_deserializer=bagpipe_dot_v1_dot_embedding__server__pb2.SnapshotRequest.FromString,
+                    response_serializer=bagpipe_dot_v1_dot_embedding__server__pb2.SnapshotResponse.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -132,6 +151,33 @@ class EmbeddingServer:
             '/bagpipe.v1.EmbeddingServer/WriteBack',
             bagpipe_dot_v1_dot_embedding__server__pb2.WriteBackRequest.SerializeToString,
             bagpipe_dot_v1_dot_embedding__server__pb2.WriteBackResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def Snapshot(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/bagpipe.v1.EmbeddingServer/Snapshot',
+            bagpipe_dot_v1_dot_embedding__server__pb2.SnapshotRequest.SerializeToString,
+            bagpipe_dot_v1_dot_embedding__server__pb2.SnapshotResponse.FromString,
             options,
             channel_credentials,
             insecure,

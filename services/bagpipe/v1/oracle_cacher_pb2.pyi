@@ -15,7 +15,7 @@ class StreamPlansRequest(_message.Message):
     def __init__(self, rank: _Optional[int] = ..., start: _Optional[int] = ...) -> None: ...
 
 class Plan(_message.Message):
-    __slots__ = ("batch", "slots", "dense", "labels", "inverse", "prefetch_keys", "prefetch_slots", "private_rows", "critical", "background", "writeback_keys", "writeback_slots", "slot_high_water", "global_batch_size", "last", "lookahead", "depends_on", "occupancy", "unique_rows")
+    __slots__ = ("batch", "slots", "dense", "labels", "inverse", "prefetch_keys", "prefetch_slots", "private_rows", "critical", "background", "writeback_keys", "writeback_slots", "slot_high_water", "global_batch_size", "last", "lookahead", "depends_on", "occupancy", "unique_rows", "checkpoint", "checkpoint_keys", "checkpoint_slots")
     BATCH_FIELD_NUMBER: _ClassVar[int]
     SLOTS_FIELD_NUMBER: _ClassVar[int]
     DENSE_FIELD_NUMBER: _ClassVar[int]
@@ -35,6 +35,9 @@ class Plan(_message.Message):
     DEPENDS_ON_FIELD_NUMBER: _ClassVar[int]
     OCCUPANCY_FIELD_NUMBER: _ClassVar[int]
     UNIQUE_ROWS_FIELD_NUMBER: _ClassVar[int]
+    CHECKPOINT_FIELD_NUMBER: _ClassVar[int]
+    CHECKPOINT_KEYS_FIELD_NUMBER: _ClassVar[int]
+    CHECKPOINT_SLOTS_FIELD_NUMBER: _ClassVar[int]
     batch: int
     slots: _tensor_pb2.Tensor
     dense: _tensor_pb2.Tensor
@@ -54,7 +57,10 @@ class Plan(_message.Message):
     depends_on: int
     occupancy: int
     unique_rows: int
-    def __init__(self, batch: _Optional[int] = ..., slots: _Optional[_Union[_tensor_pb2.Tensor, _Mapping]] = ..., dense: _Optional[_Union[_tensor_pb2.Tensor, _Mapping]] = ..., labels: _Optional[_Union[_tensor_pb2.Tensor, _Mapping]] = ..., inverse: _Optional[_Union[_tensor_pb2.Tensor, _Mapping]] = ..., prefetch_keys: _Optional[_Union[_tensor_pb2.Tensor, _Mapping]] = ..., prefetch_slots: _Optional[_Union[_tensor_pb2.Tensor, _Mapping]] = ..., private_rows: _Optional[_Union[_tensor_pb2.Tensor, _Mapping]] = ..., critical: _Optional[_Union[Sync, _Mapping]] = ..., background: _Optional[_Union[Sync, _Mapping]] = ..., writeback_keys: _Optional[_Union[_tensor_pb2.Tensor, _Mapping]] = ..., writeback_slots: _Optional[_Union[_tensor_pb2.Tensor, _Mapping]] = ..., slot_high_water: _Optional[int] = ..., global_batch_size: _Optional[int] = ..., last: _Optional[bool] = ..., lookahead: _Optional[int] = ..., depends_on: _Optional[int] = ..., occupancy: _Optional[int] = ..., unique_rows: _Optional[int] = ...) -> None: ...
+    checkpoint: bool
+    checkpoint_keys: _tensor_pb2.Tensor
+    checkpoint_slots: _tensor_pb2.Tensor
+    def __init__(self, batch: _Optional[int] = ..., slots: _Optional[_Union[_tensor_pb2.Tensor, _Mapping]] = ..., dense: _Optional[_Union[_tensor_pb2.Tensor, _Mapping]] = ..., labels: _Optional[_Union[_tensor_pb2.Tensor, _Mapping]] = ..., inverse: _Optional[_Union[_tensor_pb2.Tensor, _Mapping]] = ..., prefetch_keys: _Optional[_Union[_tensor_pb2.Tensor, _Mapping]] = ..., prefetch_slots: _Optional[_Union[_tensor_pb2.Tensor, _Mapping]] = ..., private_rows: _Optional[_Union[_tensor_pb2.Tensor, _Mapping]] = ..., critical: _Optional[_Union[Sync, _Mapping]] = ..., background: _Optional[_Union[Sync, _Mapping]] = ..., writeback_keys: _Optional[_Union[_tensor_pb2.Tensor, _Mapping]] = ..., writeback_slots: _Optional[_Union[_tensor_pb2.Tensor, _Mapping]] = ..., slot_high_water: _Optional[int] = ..., global_batch_size: _Optional[int] = ..., last: _Optional[bool] = ..., lookahead: _Optional[int] = ..., depends_on: _Optional[int] = ..., occupancy: _Optional[int] = ..., unique_rows: _Optional[int] = ..., checkpoint: _Optional[bool] = ..., checkpoint_keys: _Optional[_Union[_tensor_pb2.Tensor, _Mapping]] = ..., checkpoint_slots: _Optional[_Union[_tensor_pb2.Tensor, _Mapping]] = ...) -> None: ...
 
 class Sync(_message.Message):
     __slots__ = ("slots", "local", "handover_slots", "handover_send", "handover_recv")

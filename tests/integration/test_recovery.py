@@ -1,0 +1,147 @@
+"""Exact recovery: any one service dies or freezes mid-run and the final model is still the synchronous one.
+
+Each case runs a real local job (``bagpipe run``'s launcher in a thread of this process), waits for rank 0's
+iteration log to reach a batch drawn at random (seeded, printed), and then signals one child process of
+the launcher, found by its command line as an operator would (``python -m bagpipe.<service>``, or the
+``redis-server``). The run must detect the failure, roll back to its last checkpoint, replay, and end with
+the model of single-process synchronous training on the same batches.
+"""
+
+from __future__ import annotations
+
+import os
+import random
+import signal
+import threading
+import time
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from bagpipe.core import checkpoint
+from bagpipe.core.optim import OptimizerConfig
+from bagpipe.core.reference import train_reference
+from tests.integration.test_equivalence import MODEL, assert_same_model, synthetic_batches
+
+
+def _children(pattern: str) -> list[int]:
+    """Processes whose parent is this test process and whose command line contains ``pattern``."""
+    me, found = os.getpid(), []
+    for entry in Path("/proc").iterdir():
+        if not entry.name.isdigit():
+            continue
+        try:
+            ppid = int((entry / "stat").read_text().rsplit(")", 1)[1].split()[1])
+            command = (entry / "cmdline").read_bytes().replace(b"\0", b" ").decode(errors="replace")
+        except (OSError, IndexError, ValueError):
+            continue
+        if ppid == me and pattern in command:
+            found.append(int(entry.name))
+    return found
+
+
+def _trained(run_dir: Path) -> int:
+    path = run_dir / "metrics" / "trainer-0.csv"
+    try:
+        return max(0, len(path.read_text().splitlines()) - 1)
+    except OSError:
+        return 0
+
+
+def run_with_failure(run_job, tmp_path: Path, name: str, target: str, sig: int, at: int, *flags: str):
+    """Runs the job; once rank 0 has trained ``at`` batches, sends ``sig`` to the child matching ``target``."""
+    result: list[Any] = []
+    error: list[BaseException] = []
+
+    def job() -> None:
+        try:
+            result.append(run_job(name, *flags))
+        except BaseException as e:  # reported by the test thread
+            error.append(e)
+
+    thread = threading.Thread(target=job)
+    thread.start()
+    run_dir = tmp_path / name
+    deadline = time.monotonic() + 120
+    while _trained(run_dir) < at and thread.is_alive() and time.monotonic() < deadline:
+        time.sleep(0.005)
+    pids = _children(target)
+    assert thread.is_alive() and len(pids) == 1, f"no single live {target!r} to signal at batch {at}: {pids}"
+    os.kill(pids[0], sig)
+    thread.join(300)
+    assert not thread.is_alive(), "the run did not end after the failure"
+    if error:
+        raise error[0]
+    return result[0]
+
+
+CASES = [
+    # (target command line, signal, trainers, optimizer, what the detector must blame)
+    ("bagpipe.trainer --rank 1", signal.SIGKILL, 2, "sgd", "trainer-1"),
+    ("bagpipe.trainer --rank 2", signal.SIGSTOP, 3, "adagrad", "trainer-2"),
+    ("bagpipe.embedding_server --shard 1", signal.SIGKILL, 3, "sgd", "embedding-server-1"),
+    ("bagpipe.embedding_server --shard 0", signal.SIGSTOP, 2, "adagrad", "embedding-server-0"),
+    ("bagpipe.oracle_cacher", signal.SIGKILL, 2, "adagrad", "oracle-cacher"),
+    ("bagpipe.data_processor", signal.SIGKILL, 3, "adagrad", "data-processor-0"),
+    ("redis-server", signal.SIGKILL, 2, "sgd", "redis"),
+]
+
+
+@pytest.mark.parametrize(("target", "sig", "trainers", "optimizer", "blamed"), CASES,
+                         ids=[f"{c[4]}-{signal.Signals(c[1]).name}" for c in CASES])  # fmt: skip
+def test_a_failed_service_is_recovered_and_the_model_is_exact(
+    run_job, tmp_path: Path, target: str, sig: int, trainers: int, optimizer: str, blamed: str
+) -> None:
+    """LRPP and delayed synchronisation on, L=8 (rows change hands), a checkpoint every 5 batches."""
+    # (30 batches: with Adagrad's zero initial accumulator, float noise in a near-zero first gradient can
+    # flip a row's first step; 40 batches of T=3 show it even without any failure)
+    iterations, batch = 30, 32 * trainers
+    at = random.Random(f"{target}-{sig}").randint(7, 14)
+    print(f"signal {signal.Signals(sig).name} to {target!r} after batch {at}")
+    summary, paths = run_with_failure(
+        run_job, tmp_path, "chaos", target, sig, at,
+        "--trainers", str(trainers), "--embedding-servers", "2", "--lookahead", "8",
+        "--iterations", str(iterations), "--batch-size", str(batch), "--optimizer", optimizer, "--lr", "0.05",
+        "--checkpoint-every", "5", "--failure-timeout", "3",
+    )  # fmt: skip
+    recovery = summary["recovery"]
+    assert recovery["failures_detected"] == 1, recovery
+    failure = recovery["failures"][0]
+    assert failure["component"] == blamed, failure
+    assert failure["kind"] == ("exited" if sig == signal.SIGKILL else "gone"), failure
+    assert failure["resumed_at_batch"] % 5 == 0 and failure["resumed_at_batch"] <= failure["last_batch"] + 1
+    assert summary["iterations"] == iterations
+    assert summary["rows_private_per_iteration"] > 0 and summary["rows_handed_over"] > 0
+    expected = train_reference(
+        checkpoint.load(paths["initial"]), synthetic_batches(iterations, batch), MODEL, OptimizerConfig(optimizer, 0.05)
+    )
+    assert_same_model(paths["final"], expected)
+
+
+def test_a_run_that_keeps_failing_gives_up_naming_the_component(run_job, tmp_path: Path) -> None:
+    with pytest.raises(RuntimeError, match=r"trainer-1 failed after 0 restarts \(--max-restarts\)"):
+        run_with_failure(
+            run_job, tmp_path, "give-up", "bagpipe.trainer --rank 1", signal.SIGKILL, 8,
+            "--iterations", "40", "--checkpoint-every", "5", "--max-restarts", "0",
+        )  # fmt: skip
+
+
+def test_resume_continues_a_stopped_run_to_the_same_model(run_job, tmp_path: Path) -> None:
+    """A run stopped after a checkpoint (its launcher killed) goes on with ``--resume`` from its last
+    checkpoint and ends with the model of an uninterrupted run."""
+    from bagpipe.cli import build_parser
+    from bagpipe.local.launcher import run
+
+    common = ("--iterations", "24", "--checkpoint-every", "4", "--optimizer", "adagrad", "--lr", "0.05")
+    _, whole = run_job("whole", *common)
+    _, part = run_job("part", *common)
+    run_dir = tmp_path / "part"
+    for later in sorted((run_dir / "checkpoints").iterdir())[-2:]:  # as if it had stopped after batch 15
+        for f in later.iterdir():
+            f.unlink()
+        later.rmdir()
+    Path(part["final"]).unlink()
+    summary = run(build_parser().parse_args(["run", "--resume", str(run_dir), "--quiet"]))
+    assert summary["iterations"] == 24
+    assert_same_model(part["final"], checkpoint.load(whole["final"]))
