@@ -1,0 +1,79 @@
+"""The failure detector's rules on a scripted sequence of observations (a clock the test moves)."""
+
+from __future__ import annotations
+
+from bagpipe.control.detector import Detector, Observation, ScrapeSource
+from bagpipe.local.launcher import free_port
+from bagpipe.metrics_http import MetricsServer
+
+
+class Script:
+    """Observations the test sets between polls."""
+
+    def __init__(self) -> None:
+        self.now: dict[str, Observation] = {}
+
+    def observe(self) -> dict[str, Observation]:
+        return dict(self.now)
+
+    def close(self) -> None:
+        pass
+
+
+def detector(members: list[str]) -> tuple[Detector, Script, list[float]]:
+    script, clock = Script(), [0.0]
+    d = Detector(script, timeout=10.0, clock=lambda: clock[0])  # type: ignore[arg-type]
+    d.expect(members)
+    return d, script, clock
+
+
+def test_a_member_that_stops_answering_is_gone_after_the_timeout() -> None:
+    d, script, clock = detector(["trainer/0", "embedding_server/0"])
+    script.now = {"trainer/0": Observation(True, 1.0), "embedding_server/0": Observation(True)}
+    assert d.poll() == []
+    script.now["embedding_server/0"] = Observation(False)
+    clock[0] = 9.0
+    assert d.poll() == []
+    clock[0] = 10.5
+    [failure] = d.poll()
+    assert (failure.member, failure.kind) == ("embedding_server/0", "gone")
+
+
+def test_a_trainer_without_progress_is_stuck_but_peers_of_a_silent_member_are_not_blamed() -> None:
+    d, script, clock = detector(["trainer/0", "trainer/1", "embedding_server/0"])
+    script.now = {"trainer/0": Observation(True, 5.0), "trainer/1": Observation(True, 5.0),
+                  "embedding_server/0": Observation(True)}  # fmt: skip
+    d.poll()
+    script.now["embedding_server/0"] = Observation(False)  # frozen: the trainers wait for it
+    clock[0] = 10.2
+    [failure] = d.poll()
+    assert failure.member == "embedding_server/0"  # not the trainers, stuck just as long
+    script.now["embedding_server/0"] = Observation(True)
+    clock[0] = 10.4
+    stuck = d.poll()
+    assert {f.member for f in stuck} == {"trainer/0", "trainer/1"} and {f.kind for f in stuck} == {"stuck"}
+
+
+def test_trainers_that_have_not_started_or_have_finished_are_not_stuck() -> None:
+    d, script, clock = detector(["trainer/0", "trainer/1"])
+    script.now = {"trainer/0": Observation(True, 0.0), "trainer/1": Observation(True, 3.0, finished=True)}
+    d.poll()
+    clock[0] = 60.0
+    assert d.poll() == []
+    script.now["trainer/0"] = Observation(True, 61.0)
+    assert d.poll() == []
+    clock[0] = 72.0
+    assert [f.member for f in d.poll()] == ["trainer/0"]
+
+
+def test_scrape_source_reads_liveness_and_progress_from_real_metrics_endpoints() -> None:
+    server = MetricsServer("127.0.0.1:0", "trainer")
+    dead = f"127.0.0.1:{free_port()}"
+    try:
+        source = ScrapeSource(lambda: {"trainer/0": server.address, "trainer/1": dead})
+        seen = source.observe()
+        assert seen["trainer/0"].reachable and seen["trainer/0"].progress is not None
+        assert not seen["trainer/1"].reachable
+        source.close()
+    finally:
+        server.stop()
