@@ -73,7 +73,7 @@ def test_rendered_manifests_are_valid_kubernetes(values: Path | None, tmp_path: 
 def test_prometheus_rule_passes_promtool(tmp_path: Path) -> None:
     (rule,) = by_kind(render(), "PrometheusRule").values()
     alerts = {r["alert"] for g in rule["spec"]["groups"] for r in g["rules"]}
-    assert alerts == {"BagpipeTrainerHeartbeatStale", "BagpipeEmbeddingServerDown", "BagpipeOracleStarvingTrainers",
+    assert alerts == {"BagpipeTrainerStuck", "BagpipeServiceGone", "BagpipeOracleStarvingTrainers",
                       "BagpipeIterationTimeRegressed"}  # fmt: skip
     path = tmp_path / "rules.yml"
     path.write_text(yaml.safe_dump({"groups": rule["spec"]["groups"]}))

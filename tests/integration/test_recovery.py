@@ -18,10 +18,10 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-
 from bagpipe.core import checkpoint
 from bagpipe.core.optim import OptimizerConfig
 from bagpipe.core.reference import train_reference
+
 from tests.integration.test_equivalence import MODEL, assert_same_model, synthetic_batches
 
 
@@ -50,7 +50,7 @@ def _trained(run_dir: Path) -> int:
 
 
 def run_with_failure(run_job, tmp_path: Path, name: str, target: str, sig: int, at: int, *flags: str):
-    """Runs the job; once rank 0 has trained ``at`` batches, sends ``sig`` to the child matching ``target``."""
+    """Runs the job; once rank 0 has trained ``at`` batches, signals the child matching ``target``."""
     result: list[Any] = []
     error: list[BaseException] = []
 
@@ -114,7 +114,10 @@ def test_a_failed_service_is_recovered_and_the_model_is_exact(
     assert summary["iterations"] == iterations
     assert summary["rows_private_per_iteration"] > 0 and summary["rows_handed_over"] > 0
     expected = train_reference(
-        checkpoint.load(paths["initial"]), synthetic_batches(iterations, batch), MODEL, OptimizerConfig(optimizer, 0.05)
+        checkpoint.load(paths["initial"]),
+        synthetic_batches(iterations, batch),
+        MODEL,
+        OptimizerConfig(optimizer, 0.05),
     )
     assert_same_model(paths["final"], expected)
 

@@ -56,7 +56,7 @@ class Failure:
 
 
 class ScrapeSource:
-    """Scrapes every member's ``/metrics`` directly (no Prometheus server), in parallel, with a short timeout."""
+    """Scrapes every member's ``/metrics`` itself (no Prometheus server), in parallel, with a short timeout."""
 
     def __init__(self, endpoints: Callable[[], dict[str, str]], timeout: float = 1.0) -> None:
         self._endpoints = endpoints
@@ -181,7 +181,12 @@ class Detector:
         stuck = []
         for member, (mark, since) in self._mark.items():
             started = mark is not None and mark > 0
-            if member.startswith("trainer/") and started and member not in self._finished and now - since > self.timeout:
+            if (
+                member.startswith("trainer/")
+                and started
+                and member not in self._finished
+                and now - since > self.timeout
+            ):
                 stuck.append(Failure(member, "stuck", now - since))
         return sorted(stuck, key=lambda f: -f.silent_seconds)
 

@@ -77,7 +77,12 @@ def _atomic(target: Path, write: Callable[[Path], None]) -> None:
 
 
 def write_rows(
-    directory: str | os.PathLike[str], next_batch: int, shard: int, keys: np.ndarray, rows: np.ndarray, state: np.ndarray
+    directory: str | os.PathLike[str],
+    next_batch: int,
+    shard: int,
+    keys: np.ndarray,
+    rows: np.ndarray,
+    state: np.ndarray,
 ) -> tuple[str, int]:
     """One server's changed rows; returns the file name (relative to the checkpoint) and its size."""
     name = f"rows-{shard}.npz"
@@ -109,14 +114,19 @@ def mark_complete(directory: str | os.PathLike[str], next_batch: int, manifest: 
     for name in [DENSE, *manifest.get("row_files", [])]:
         if not (where / name).is_file():
             raise FileNotFoundError(f"checkpoint {next_batch}: {name} is missing, cannot mark it complete")
-    _atomic(where / MANIFEST, lambda tmp: tmp.write_text(json.dumps({"next_batch": next_batch, **manifest}, indent=1)))
+    _atomic(
+        where / MANIFEST,
+        lambda tmp: tmp.write_text(json.dumps({"next_batch": next_batch, **manifest}, indent=1)),
+    )
 
 
 def manifest(directory: str | os.PathLike[str], next_batch: int) -> dict[str, Any]:
     return dict(json.loads((path_of(directory, next_batch) / MANIFEST).read_text()))
 
 
-def row_deltas(directory: str | os.PathLike[str], upto: int) -> Iterator[tuple[int, np.ndarray, np.ndarray, np.ndarray]]:
+def row_deltas(
+    directory: str | os.PathLike[str], upto: int
+) -> Iterator[tuple[int, np.ndarray, np.ndarray, np.ndarray]]:
     """(next_batch, keys, rows, state) of every row file of the complete checkpoints up to ``upto``, in
     the order they must be applied."""
     for n in complete(directory):
@@ -127,5 +137,7 @@ def row_deltas(directory: str | os.PathLike[str], upto: int) -> Iterator[tuple[i
             with np.load(path) as data:
                 keys, rows, state = data["keys"], data["rows"], data["state"]
             if keys.ndim != 1 or rows.shape[0] != keys.size or state.shape[0] != keys.size:
-                raise ValueError(f"{path}: keys {keys.shape}, rows {rows.shape} and state {state.shape} do not line up")
+                raise ValueError(
+                    f"{path}: keys {keys.shape}, rows {rows.shape} and state {state.shape} do not line up"
+                )
             yield n, keys, rows, state
