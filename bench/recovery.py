@@ -21,7 +21,7 @@ from pathlib import Path
 from typing import Any
 
 from bagpipe.cli import build_parser
-from bagpipe.local.launcher import run
+from bagpipe.local.launcher import children_matching, run
 
 RESULTS = Path(__file__).parent / "results"
 TARGETS = [
@@ -34,20 +34,6 @@ TARGETS = [
 ]
 
 
-def _child(pattern: str) -> int | None:
-    for entry in Path("/proc").iterdir():
-        if not entry.name.isdigit():
-            continue
-        try:
-            ppid = int((entry / "stat").read_text().rsplit(")", 1)[1].split()[1])
-            command = (entry / "cmdline").read_bytes().replace(b"\0", b" ").decode(errors="replace")
-        except (OSError, IndexError, ValueError):
-            continue
-        if ppid == os.getpid() and pattern in command:
-            return int(entry.name)
-    return None
-
-
 def _rows(run_dir: Path) -> int:
     try:
         return len((run_dir / "metrics" / "trainer-0.csv").read_text().splitlines()) - 1
@@ -55,7 +41,9 @@ def _rows(run_dir: Path) -> int:
         return 0
 
 
-def one_run(flags: list[str], run_dir: Path, kill: tuple[str, int] | None, at: int) -> tuple[dict[str, Any], float]:
+def one_run(
+    flags: list[str], run_dir: Path, kill: tuple[str, int] | None, at: int
+) -> tuple[dict[str, Any], float]:
     argv = ["run", *flags, "--run-dir", str(run_dir), "--quiet", "--log-level", "WARNING"]
     out: list[dict[str, Any]] = []
     thread = threading.Thread(target=lambda: out.append(run(build_parser().parse_args(argv))))
@@ -65,10 +53,10 @@ def one_run(flags: list[str], run_dir: Path, kill: tuple[str, int] | None, at: i
     if kill is not None:
         while _rows(run_dir) < at and thread.is_alive():
             time.sleep(0.01)
-        pid = _child(kill[0])
-        if pid is None:
-            raise RuntimeError(f"no {kill[0]} to signal")
-        os.kill(pid, kill[1])
+        pids = children_matching(kill[0])
+        if len(pids) != 1:
+            raise RuntimeError(f"not exactly one {kill[0]} to signal: {pids}")
+        os.kill(pids[0], kill[1])
         signalled = time.time()
     thread.join()
     if not out:
@@ -90,7 +78,9 @@ def main() -> None:
     work = Path(a.work) / time.strftime("%Y%m%d-%H%M%S")
     rows: list[dict[str, Any]] = []
     plain, _ = one_run([*flags, "--checkpoint-every", "0"], work / "no-checkpoints", None, 0)
-    checked, _ = one_run([*flags, "--checkpoint-every", str(a.checkpoint_every)], work / "checkpoints", None, 0)
+    checked, _ = one_run(
+        [*flags, "--checkpoint-every", str(a.checkpoint_every)], work / "checkpoints", None, 0
+    )
     slowdown = checked["seconds_per_iteration"] / plain["seconds_per_iteration"] - 1
     cost = checked["recovery"]["checkpoint_seconds_per_iteration"] / checked["seconds_per_iteration"]
     for name, pattern, sig in TARGETS:
@@ -105,8 +95,8 @@ def main() -> None:
             "recover_seconds": failure.get("recovered_seconds", float("nan")),
             "replayed_iterations": failure["replayed_iterations"],
         })  # fmt: skip
-    print(f"checkpoint every {a.checkpoint_every} batches: {100 * cost:.1f}% of iteration time in checkpoints, "
-          f"{100 * slowdown:+.1f}% time per iteration against no checkpoints (target <= 5%)")  # fmt: skip
+    print(f"checkpoint every {a.checkpoint_every} batches: {100 * cost:.1f}% of iteration time in checkpoints,"
+          f" {100 * slowdown:+.1f}% time per iteration against no checkpoints (target <= 5%)")  # fmt: skip
     print(f"{'component':<18} {'signal':<8} {'blamed':<20} {'detect s':>9} {'recover s':>10} {'replayed':>9}")
     for r in rows:
         print(f"{r['component']:<18} {r['signal']:<8} {r['blamed']:<20} {r['detect_seconds']:9.1f} "
@@ -114,8 +104,8 @@ def main() -> None:
     print("targets: detect <= 10 s, recover <= 30 s")
     RESULTS.mkdir(exist_ok=True)
     (RESULTS / "recovery-quick.json").write_text(json.dumps({
-        "flags": flags, "checkpoint_every": a.checkpoint_every, "checkpoint_share": cost, "slowdown": slowdown,
-        "failures": rows,
+        "flags": flags, "checkpoint_every": a.checkpoint_every, "checkpoint_share": cost,
+        "slowdown": slowdown, "failures": rows,
     }, indent=1))  # fmt: skip
 
 

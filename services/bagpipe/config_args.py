@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+from typing import Any
 
 from bagpipe.core.data import KAGGLE_TABLE_ROWS, NUM_TABLES, scaled_table_rows
 
@@ -94,14 +95,28 @@ def add_coordination_args(p: argparse.ArgumentParser) -> None:
     )
 
 
-def positive_int(text: str) -> int:
+def _number(text: str, convert: type[int] | type[float], low: float, inclusive: bool) -> Any:
+    """Parses ``text`` as ``convert`` and checks it against ``low``; argparse names the flag on error."""
     try:
-        value = int(text)
+        value = convert(text)
     except ValueError:
-        raise argparse.ArgumentTypeError(f"expected an integer, got {text!r}") from None
-    if value < 1:
-        raise argparse.ArgumentTypeError(f"must be >= 1, got {value}")
+        kind = "an integer" if convert is int else "a number"
+        raise argparse.ArgumentTypeError(f"expected {kind}, got {text!r}") from None
+    if not (value >= low if inclusive else value > low):
+        raise argparse.ArgumentTypeError(f"must be {'>=' if inclusive else '>'} {low:g}, got {value}")
     return value
+
+
+def positive_int(text: str) -> int:
+    return int(_number(text, int, 1, inclusive=True))
+
+
+def non_negative_int(text: str) -> int:
+    return int(_number(text, int, 0, inclusive=True))
+
+
+def positive_float(text: str) -> float:
+    return float(_number(text, float, 0, inclusive=False))
 
 
 def add_cache_args(p: argparse.ArgumentParser) -> None:
@@ -147,26 +162,6 @@ def add_cache_args(p: argparse.ArgumentParser) -> None:
         help="delayed: rows the next batch does not read are synchronised in the background (default); "
         "critical: everything before the next batch",
     )
-
-
-def positive_float(text: str) -> float:
-    try:
-        value = float(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected a number, got {text!r}") from None
-    if not value > 0:
-        raise argparse.ArgumentTypeError(f"must be > 0, got {value}")
-    return value
-
-
-def non_negative_int(text: str) -> int:
-    try:
-        value = int(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected an integer, got {text!r}") from None
-    if value < 0:
-        raise argparse.ArgumentTypeError(f"must be >= 0, got {value}")
-    return value
 
 
 def add_recovery_args(p: argparse.ArgumentParser) -> None:

@@ -21,24 +21,9 @@ import pytest
 from bagpipe.core import checkpoint
 from bagpipe.core.optim import OptimizerConfig
 from bagpipe.core.reference import train_reference
+from bagpipe.local.launcher import children_matching
 
 from tests.integration.test_equivalence import MODEL, assert_same_model, synthetic_batches
-
-
-def _children(pattern: str) -> list[int]:
-    """Processes whose parent is this test process and whose command line contains ``pattern``."""
-    me, found = os.getpid(), []
-    for entry in Path("/proc").iterdir():
-        if not entry.name.isdigit():
-            continue
-        try:
-            ppid = int((entry / "stat").read_text().rsplit(")", 1)[1].split()[1])
-            command = (entry / "cmdline").read_bytes().replace(b"\0", b" ").decode(errors="replace")
-        except (OSError, IndexError, ValueError):
-            continue
-        if ppid == me and pattern in command:
-            found.append(int(entry.name))
-    return found
 
 
 def _trained(run_dir: Path) -> int:
@@ -66,7 +51,7 @@ def run_with_failure(run_job, tmp_path: Path, name: str, target: str, sig: int, 
     deadline = time.monotonic() + 120
     while _trained(run_dir) < at and thread.is_alive() and time.monotonic() < deadline:
         time.sleep(0.005)
-    pids = _children(target)
+    pids = children_matching(target)
     assert thread.is_alive() and len(pids) == 1, f"no single live {target!r} to signal at batch {at}: {pids}"
     os.kill(pids[0], sig)
     thread.join(300)

@@ -56,7 +56,7 @@ class Failure:
 
 
 class ScrapeSource:
-    """Scrapes every member's ``/metrics`` itself (no Prometheus server), in parallel, with a short timeout."""
+    """Scrapes every member's ``/metrics`` itself (no Prometheus server), in parallel, with a timeout."""
 
     def __init__(self, endpoints: Callable[[], dict[str, str]], timeout: float = 1.0) -> None:
         self._endpoints = endpoints
@@ -149,13 +149,6 @@ class Detector:
         for m in members:
             self._seen.setdefault(m, now)
             self._mark.setdefault(m, (None, now))
-
-    def forget(self) -> None:
-        """Stops watching everyone (a new generation of the job registers anew)."""
-        self._seen.clear()
-        self._mark.clear()
-        self._reachable.clear()
-        self._finished.clear()
 
     def poll(self) -> list[Failure]:
         """One look at every member; the failures, gone ones first (empty: all is well)."""

@@ -69,7 +69,7 @@ def discard_after(directory: str | os.PathLike[str], next_batch: int) -> list[in
     return removed
 
 
-def _atomic(target: Path, write: Callable[[Path], None]) -> None:
+def _atomic(target: Path, write: Callable[[Path], object]) -> None:
     target.parent.mkdir(parents=True, exist_ok=True)
     tmp = target.with_name(f".{target.name}.tmp")
     write(tmp)

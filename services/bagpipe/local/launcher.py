@@ -159,6 +159,25 @@ class LocalJob:
                 p.proc.kill()
 
 
+def children_matching(pattern: str, parent: int | None = None) -> list[int]:
+    """PIDs of the processes whose parent is ``parent`` (default: this process) and whose command line
+    contains ``pattern`` (``bagpipe.trainer --rank 1``, ``redis-server``): how an operator, a chaos test or
+    the recovery benchmark finds one service of a run (Linux ``/proc``)."""
+    parent = os.getpid() if parent is None else parent
+    found = []
+    for entry in Path("/proc").iterdir():
+        if not entry.name.isdigit():
+            continue
+        try:
+            ppid = int((entry / "stat").read_text().rsplit(")", 1)[1].split()[1])
+            command = (entry / "cmdline").read_bytes().replace(b"\0", b" ").decode(errors="replace")
+        except (OSError, IndexError, ValueError):
+            continue
+        if ppid == parent and pattern in command:
+            found.append(int(entry.name))
+    return found
+
+
 def _tail(path: Path, lines: int = 30) -> str:
     try:
         return "\n".join(path.read_text(errors="replace").splitlines()[-lines:])
@@ -264,16 +283,13 @@ def run(args: argparse.Namespace, after_training: AfterTraining | None = None) -
                         print(f"prometheus: {prometheus.url} (scraping {len(endpoints)} services)", file=sys.stderr)
                     else:
                         prometheus.retarget(endpoints)
-                if detector is None:
-                    source: ScrapeSource | PrometheusSource
-                    if prometheus is not None:
-                        source = PrometheusSource(prometheus.url)
-                    else:
-                        source = ScrapeSource(generation.registry.metrics_endpoints)
-                    detector = Detector(source, args.failure_timeout)
-                detector.forget()
-                if isinstance(detector.source, ScrapeSource):
-                    detector.source = ScrapeSource(generation.registry.metrics_endpoints)
+                if detector is not None:
+                    detector.close()
+                source: ScrapeSource | PrometheusSource = (
+                    PrometheusSource(prometheus.url) if prometheus is not None
+                    else ScrapeSource(generation.registry.metrics_endpoints)
+                )  # fmt: skip
+                detector = Detector(source, args.failure_timeout)  # one per generation: new members, new ports
                 detector.expect(endpoints)
                 if failures:
                     failures[-1]["restarted_seconds"] = time.time() - failures[-1]["detected_at"]
@@ -419,7 +435,7 @@ def _start_generation(
         )
     if number:
         logger.info("generation %d: resuming at batch %d", number, start)
-    return Generation(number, start, job_name, registry, job, trainers, len(_trained_batches(run_dir)))
+    return Generation(number, start, job_name, registry, job, trainers, len(_iteration_log(run_dir)))
 
 
 def _wait_for_endpoints(
@@ -541,28 +557,23 @@ def _watch(
     return cpu_from or (0, {})
 
 
-def _trained_batches(run_dir: Path) -> list[int]:
-    """Batch numbers in rank 0's iteration log, in the order they were trained (replays included)."""
+def _iteration_log(run_dir: Path) -> list[tuple[int, float]]:
+    """(batch, loss) of every row of rank 0's iteration log, in the order trained (replays included)."""
     path = run_dir / "metrics" / "trainer-0.csv"
     if not path.is_file():
         return []
     with open(path, newline="") as f:
-        return [int(row["batch"]) for row in csv.DictReader(f) if row.get("batch", "").isdigit()]
+        return [(int(row["batch"]), float(row["loss"])) for row in csv.DictReader(f) if row.get("batch", "").isdigit()]
 
 
 def _run_losses(run_dir: Path) -> list[float]:
     """The loss of every batch of the run, the replayed ones as trained last (they are the ones that count)."""
-    path = run_dir / "metrics" / "trainer-0.csv"
-    by_batch: dict[int, float] = {}
-    with open(path, newline="") as f:
-        for row in csv.DictReader(f):
-            if row.get("batch", "").isdigit():
-                by_batch[int(row["batch"])] = float(row["loss"])
+    by_batch = dict(_iteration_log(run_dir))
     return [by_batch[b] for b in sorted(by_batch)]
 
 
 def _record_failure(failure: ComponentFailure, generation: Generation, run_dir: Path, bar: tqdm) -> dict[str, Any]:
-    in_generation = _trained_batches(run_dir)[generation.trained_before :]
+    in_generation = [b for b, _ in _iteration_log(run_dir)[generation.trained_before :]]
     return {
         "generation": generation.number,
         "component": failure.component,
