@@ -95,7 +95,7 @@ def main() -> None:
             "recover_seconds": failure.get("recovered_seconds", float("nan")),
             "replayed_iterations": failure["replayed_iterations"],
         })  # fmt: skip
-    print(f"checkpoint every {a.checkpoint_every} batches: {100 * cost:.1f}% of iteration time in checkpoints,"
+    print(f"checkpoint every {a.checkpoint_every} batches: {100 * cost:.1f}% of iteration time checkpointing,"
           f" {100 * slowdown:+.1f}% time per iteration against no checkpoints (target <= 5%)")  # fmt: skip
     print(f"{'component':<18} {'signal':<8} {'blamed':<20} {'detect s':>9} {'recover s':>10} {'replayed':>9}")
     for r in rows:
