@@ -119,6 +119,10 @@ def positive_float(text: str) -> float:
     return float(_number(text, float, 0, inclusive=False))
 
 
+def non_negative_float(text: str) -> float:
+    return float(_number(text, float, 0, inclusive=True))
+
+
 def add_cache_args(p: argparse.ArgumentParser) -> None:
     """The oracle's cache planning flags (``bagpipe run`` and the oracle take the same ones)."""
     g = p.add_argument_group("cache")

@@ -150,6 +150,13 @@ class Detector:
             self._seen.setdefault(m, now)
             self._mark.setdefault(m, (None, now))
 
+    def retire(self, members: Iterable[str]) -> None:
+        """Stops watching ``members``: they went away on purpose (an embedding server drained by a scale-down)."""
+        for m in members:
+            for table in (self._seen, self._mark, self._reachable):
+                table.pop(m, None)  # type: ignore[attr-defined]
+            self._finished.discard(m)
+
     def poll(self) -> list[Failure]:
         """One look at every member; the failures, gone ones first (empty: all is well)."""
         observed = self.source.observe()

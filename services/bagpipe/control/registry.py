@@ -9,6 +9,8 @@ from __future__ import annotations
 import json
 import logging
 import time
+from collections.abc import Iterator
+from contextlib import contextmanager
 from typing import Any
 
 import redis
@@ -57,6 +59,9 @@ class Registry:
         """Where ``service``'s ``member`` serves /metrics (the local Prometheus and the launcher scrape it)."""
         self._redis.hset(self._key("metrics"), f"{service}/{member}", address)
 
+    def unregister_metrics(self, service: str, member: str) -> None:
+        self._redis.hdel(self._key("metrics"), f"{service}/{member}")
+
     def metrics_endpoints(self) -> dict[str, str]:
         """``service/member`` -> ``host:port`` of every registered /metrics endpoint."""
         return dict(self._redis.hgetall(self._key("metrics")))
@@ -72,6 +77,65 @@ class Registry:
     def shard_map(self) -> ShardMap | None:
         text = self._redis.get(self._key("shard_map"))
         return ShardMap.from_json(text) if text else None
+
+    def replace_shard_map(self, new: ShardMap) -> None:
+        """Makes ``new`` the map in force, if the one in force is the version before it (else ValueError)."""
+        key = self._key("shard_map")
+        with self._redis.pipeline() as pipe:
+            pipe.watch(key)
+            text = pipe.get(key)
+            current = ShardMap.from_json(text).version if text else 0
+            if current != new.version - 1:
+                raise ValueError(f"shard map version {new.version} cannot follow version {current} in Redis")
+            pipe.multi()
+            pipe.set(key, new.to_json())
+            pipe.execute()  # WatchError if another writer came first
+
+    def embedding_servers(self) -> tuple[ShardMap | None, dict[int, str]]:
+        """The shard map in force and every registered embedding server's address, by shard."""
+        return self.shard_map(), {int(k): v for k, v in self.members("embedding_server").items()}
+
+    # re-sharding
+    def set_leaving(self, shard: int, leaving: bool = True) -> None:
+        """Marks embedding server ``shard`` to be drained (its buckets move away) or not."""
+        if leaving:
+            self._redis.sadd(self._key("leaving"), str(shard))
+        else:
+            self._redis.srem(self._key("leaving"), str(shard))
+
+    def leaving(self) -> set[int]:
+        return {int(s) for s in self._redis.smembers(self._key("leaving"))}
+
+    def try_lock(self, name: str, owner: str, ttl: float) -> bool:
+        """Takes lock ``name`` for ``ttl`` seconds unless someone else holds it (it expires if they die)."""
+        return bool(self._redis.set(self._key("lock", name), owner, nx=True, px=int(ttl * 1000)))
+
+    def unlock(self, name: str, owner: str) -> None:
+        """Releases lock ``name`` if ``owner`` still holds it."""
+        self._redis.eval(
+            "if redis.call('get', KEYS[1]) == ARGV[1] then return redis.call('del', KEYS[1]) end return 0",
+            1, self._key("lock", name), owner,
+        )  # fmt: skip
+
+    @contextmanager
+    def locked(self, name: str, owner: str, ttl: float = 120.0, timeout: float = 300.0) -> Iterator[None]:
+        """Holds lock ``name`` for the block, waiting up to ``timeout`` seconds for it."""
+        deadline = time.monotonic() + timeout
+        while not self.try_lock(name, owner, ttl):
+            if time.monotonic() > deadline:
+                raise TimeoutError(f"lock {name}: held by someone else for {timeout:g} s")
+            time.sleep(0.01)
+        try:
+            yield
+        finally:
+            self.unlock(name, owner)
+
+    def add_reshard(self, record: dict[str, Any]) -> None:
+        self._redis.rpush(self._key("reshards"), json.dumps(record))
+
+    def reshards(self) -> list[dict[str, Any]]:
+        """Every completed or failed re-sharding of the job, oldest first."""
+        return [json.loads(r) for r in self._redis.lrange(self._key("reshards"), 0, -1)]
 
     # progress and liveness
     def set_progress(self, rank: int, batch: int) -> None:

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import json
 import logging
+from collections.abc import Iterable
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -30,6 +31,8 @@ class ShardMap:
     bucket_to_shard: np.ndarray = field(repr=False)
 
     def __post_init__(self) -> None:
+        if self.version < 1:
+            raise ValueError(f"version: must be >= 1, got {self.version}")
         if self.num_shards < 1:
             raise ValueError(f"num_shards: must be >= 1, got {self.num_shards}")
         if self.num_keys < 1:
@@ -66,6 +69,48 @@ class ShardMap:
 
     def buckets_of(self, shard: int) -> np.ndarray:
         return np.flatnonzero(self.bucket_to_shard == shard)
+
+    @property
+    def owners(self) -> list[int]:
+        """The shards that hold at least one bucket."""
+        return [int(s) for s in np.unique(self.bucket_to_shard)]
+
+    def rebalance(self, shards: Iterable[int]) -> ShardMap:
+        """The next version, spread evenly over ``shards``, moving as few buckets as possible.
+
+        Every shard gets ``B // n`` or one more bucket (the shards that hold most keep the extra ones);
+        a shard keeps its buckets up to that quota, and only the rest move: every bucket of a shard not in
+        ``shards``, and the surplus of the others, to the shards below their quota (lowest first). So
+        adding a server moves only the buckets it receives, and removing one only the buckets it had.
+        """
+        target = sorted({int(s) for s in shards})
+        if not target or target[0] < 0:
+            raise ValueError(f"shards: need at least one shard index >= 0, got {target}")
+        b2s = self.bucket_to_shard
+        held = {s: np.flatnonzero(b2s == s) for s in target}
+        base, extra = divmod(self.num_buckets, len(target))
+        by_size = sorted(target, key=lambda s: (-held[s].size, s))
+        quota = {s: base + (1 if i < extra else 0) for i, s in enumerate(by_size)}
+        keep = np.zeros(self.num_buckets, dtype=bool)
+        for s in target:
+            keep[held[s][: quota[s]]] = True
+        free = iter(np.flatnonzero(~keep))
+        new = np.where(keep, b2s, -1).astype(np.int32)
+        for s in target:
+            for _ in range(quota[s] - min(quota[s], held[s].size)):
+                new[next(free)] = s
+        return ShardMap(self.version + 1, self.num_keys, target[-1] + 1, new)
+
+    def moves(self, new: ShardMap) -> list[tuple[int, int, np.ndarray]]:
+        """(from shard, to shard, buckets) of every bucket that ``new`` places elsewhere."""
+        if new.num_buckets != self.num_buckets or new.num_keys != self.num_keys:
+            raise ValueError("shard maps of different key spaces or bucket counts")
+        moved = np.flatnonzero(self.bucket_to_shard != new.bucket_to_shard)
+        pairs = np.stack([self.bucket_to_shard[moved], new.bucket_to_shard[moved]], axis=1)
+        out = []
+        for src, dst in sorted({(int(a), int(b)) for a, b in pairs}):
+            out.append((src, dst, moved[(pairs[:, 0] == src) & (pairs[:, 1] == dst)]))
+        return out
 
     def local_layout(self, shard: int) -> tuple[np.ndarray, int]:
         """(bucket -> position among the shard's buckets, or -1; number of row slots on the shard)."""

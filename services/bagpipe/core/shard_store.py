@@ -2,6 +2,15 @@
 
 Storage is two dense float32 arrays, ``[local_rows, dim]`` and ``[local_rows, state_width]``; a
 key's local row is arithmetic on the shard map, so the only per-row cost is the row itself.
+
+Re-sharding (``Migration``) builds the arrays of the next shard-map version beside the current ones
+while the current ones go on serving: the rows that stay are copied over locally and the incoming ones
+arrive from their old shards, in chunks; every write after a row's copy marks it dirty. At the switch
+(``seal``) the dirty rows are copied again (or sent, with the "changed since the last checkpoint" flags
+of the leaving rows), and once every old owner's last rows are in, the new arrays replace the old ones
+(``finish``). So a write is never lost, and never applied twice: it lands in the current arrays and is
+carried over by exactly one copy, the last one after it. The transient cost is the new arrays beside the
+old ones (at most the shard's size again).
 """
 
 from __future__ import annotations
@@ -33,8 +42,8 @@ class ShardStore:
         state_width: int,
         seed: int,
     ) -> None:
-        if not 0 <= shard < shard_map.num_shards:
-            raise ValueError(f"shard: must be in [0, {shard_map.num_shards}), got {shard}")
+        if shard < 0:
+            raise ValueError(f"shard: must be >= 0, got {shard}")
         if int(offsets[-1]) != shard_map.num_keys:
             raise ValueError(f"table rows total {int(offsets[-1])} but the shard map has {shard_map.num_keys} keys")
         self.shard_map = shard_map
@@ -53,6 +62,7 @@ class ShardStore:
         self.rows_held = int((local_keys >= 0).sum())
         self._local_keys = local_keys
         self._changed = np.zeros(local_rows, dtype=bool)  # written since the last snapshot
+        self.migration: Migration | None = None
 
     def load_checkpoint(self, embeddings: Mapping[str, torch.Tensor], state: Mapping[str, torch.Tensor] | None) -> None:
         """Replaces this shard's rows (and state, if given) with those of an interchange checkpoint."""
@@ -102,6 +112,8 @@ class ShardStore:
         if self.state_width:
             self.state[index] = state
         self._changed[index] = True
+        if self.migration is not None:
+            self.migration.dirty[index] = True
 
     def take_changes(self) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
         """Global keys, rows and state of the rows written since the last call (copies), and forgets them:
@@ -132,3 +144,146 @@ class ShardStore:
             self.state[index] = state[mine]
             restored += mine.size
         return restored
+
+    # ---- re-sharding
+    def adopt(self, shard_map: ShardMap) -> None:
+        """Takes over ``shard_map`` (a later version) while this shard holds no buckets in either."""
+        if self.rows_held or self.shard in shard_map.owners or shard_map.num_keys != self.shard_map.num_keys:
+            raise ValueError(f"shard {self.shard} holds rows: it cannot skip to shard map version {shard_map.version}")
+        self.shard_map = shard_map
+        self._position = shard_map.local_layout(self.shard)[0]
+
+    def begin_migration(self, new_map: ShardMap) -> Migration:
+        """Starts building this shard's arrays for ``new_map`` (the next version)."""
+        if self.migration is not None:
+            raise ValueError(f"a migration to version {self.migration.new_map.version} is under way")
+        if new_map.version <= self.shard_map.version or new_map.num_keys != self.shard_map.num_keys \
+                or new_map.num_buckets != self.shard_map.num_buckets:  # fmt: skip
+            raise ValueError(
+                f"shard map version {new_map.version} ({new_map.num_keys} keys, {new_map.num_buckets} buckets) "
+                f"cannot follow version {self.shard_map.version} ({self.shard_map.num_keys} keys, "
+                f"{self.shard_map.num_buckets} buckets)"
+            )
+        self.migration = Migration(self, new_map)
+        return self.migration
+
+    def abort_migration(self) -> None:
+        self.migration = None
+
+    def read_rows(self, index: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+        """(Migration.) Global keys, rows and state of local rows ``index`` (copies); they are clean from now
+        on: a later write marks them dirty again."""
+        m = self.migration
+        assert m is not None
+        m.dirty[index] = False
+        return self._local_keys[index], self.weights[index], self.state[index]
+
+    def finish_migration(self) -> None:
+        """Switches to the new arrays once sealed and every incoming shard's last rows are in."""
+        m = self.migration
+        assert m is not None and m.ready
+        self.shard_map = m.new_map
+        if m.changes_layout:
+            self._position = m.position
+            self.weights, self.state, self._changed, self._local_keys = m.weights, m.state, m.changed, m.local_keys
+            self.rows_held = int((m.local_keys >= 0).sum())
+        self.migration = None
+
+
+class Migration:
+    """This shard's part in moving from ``store.shard_map`` to ``new_map`` (see the module docstring)."""
+
+    def __init__(self, store: ShardStore, new_map: ShardMap) -> None:
+        old = store.shard_map
+        self.store = store
+        self.new_map = new_map
+        self.dirty = np.zeros(store.weights.shape[0], dtype=bool)
+        here = store._local_keys
+        valid = here >= 0
+        goes_to = new_map.shard_of(np.where(valid, here, 0))
+        # local rows that stay here, and those that leave, per new owner
+        self.staying = np.flatnonzero(valid & (goes_to == store.shard))
+        self.leaving = {
+            int(d): np.flatnonzero(valid & (goes_to == d)) for d in np.unique(goes_to[valid]) if d != store.shard
+        }
+        incoming = (new_map.bucket_to_shard == store.shard) & (old.bucket_to_shard != store.shard)
+        self.sources = {int(s) for s in np.unique(old.bucket_to_shard[incoming])}
+        self.incoming_buckets = np.flatnonzero(incoming)
+        self.position, rows = new_map.local_layout(store.shard)
+        if not self.changes_layout:  # the same buckets here: the arrays stay, only the version changes
+            rows = 0
+        self.local_keys = new_map.local_keys(store.shard) if rows else store._local_keys
+        self.weights = np.zeros((rows, store.dim), dtype=np.float32)
+        self.state = np.zeros((rows, store.state_width), dtype=np.float32)
+        self.changed = np.zeros(rows, dtype=bool)
+        self.sealed = False
+        self.finals: set[int] = set()  # sources whose last rows have arrived
+        self.rows_in = 0
+        self.rows_out = 0
+
+    @property
+    def changes_layout(self) -> bool:
+        return bool(self.leaving or self.sources)
+
+    @property
+    def ready(self) -> bool:
+        return self.sealed and self.finals >= self.sources
+
+    def new_index(self, keys: np.ndarray, field: str = "keys") -> np.ndarray:
+        position = self.position[keys % self.new_map.num_buckets]
+        if (position < 0).any():
+            raise InvalidArgument(field, f"key {int(keys[np.argmax(position < 0)])} is not on shard {self.store.shard} "
+                                  f"in shard map version {self.new_map.version}")  # fmt: skip
+        return position * self.new_map.rows_per_bucket + keys // self.new_map.num_buckets
+
+    def copy_staying(self, index: np.ndarray) -> None:
+        """Copies local rows ``index`` (of rows that stay) into the new arrays."""
+        keys, rows, state = self.store.read_rows(index)
+        target = self.new_index(keys)
+        self.weights[target] = rows
+        self.state[target] = state
+
+    def receive(self, source: int, keys: np.ndarray, rows: np.ndarray, state: np.ndarray,
+                changed: np.ndarray | None) -> None:  # fmt: skip
+        """Rows of ``source`` arriving (``changed``: the last message, with the keys changed since the last
+        checkpoint). Validates before storing: a bad message changes nothing."""
+        if source not in self.sources:
+            raise InvalidArgument("from_shard", f"shard {source} sends no rows to shard {self.store.shard} "
+                                  f"in version {self.new_map.version}")  # fmt: skip
+        if source in self.finals:
+            raise InvalidArgument("from_shard", f"shard {source} already sent its last rows")
+        for name, k in (("keys", keys), ("changed_keys", changed if changed is not None else keys[:0])):
+            if k.size and (k.min() < 0 or k.max() >= self.new_map.num_keys):
+                raise InvalidArgument(name, f"keys outside [0, {self.new_map.num_keys})")
+            wrong = self.store.shard_map.bucket_to_shard[k % self.new_map.num_buckets] != source
+            if wrong.any():
+                raise InvalidArgument(name, f"key {int(k[np.argmax(wrong)])} is not on shard {source}")
+        target = self.new_index(keys)
+        flags = self.new_index(changed, "changed_keys") if changed is not None else None
+        if not (np.isfinite(rows).all() and np.isfinite(state).all()):
+            raise InvalidArgument("rows", "non-finite values")
+        self.weights[target] = rows
+        self.state[target] = state
+        self.rows_in += keys.size
+        if flags is not None:
+            self.changed[flags] = True
+            self.finals.add(source)
+
+    def seal(self) -> dict[int, tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]]:
+        """The switch (atomic: call it on the serving loop): the dirty rows that stay are copied again, with
+        their changed flags; returns, per new owner, the dirty leaving rows (keys, rows, state) and the keys
+        changed since the last checkpoint, to send as that owner's last message. From now on the old arrays
+        take no writes."""
+        store = self.store
+        self.sealed = True
+        dirty = self.staying[self.dirty[self.staying]]
+        self.copy_staying(dirty)
+        keys = store._local_keys[self.staying]
+        self.changed[self.new_index(keys)] = store._changed[self.staying]
+        out = {}
+        for dst, rows in self.leaving.items():
+            again = rows[self.dirty[rows]]
+            k, w, st = store.read_rows(again)
+            out[dst] = (k, w, st, store._local_keys[rows[store._changed[rows]]])
+            store._changed[rows] = False
+        return out

@@ -15,6 +15,7 @@ from bagpipe.core.optim import OptimizerConfig
 from bagpipe.core.shard_map import ShardMap
 from bagpipe.core.shard_store import ShardStore
 from bagpipe.embedding_server.config import EmbeddingServerConfig, build_parser, parse
+from bagpipe.embedding_server.resharder import Resharder
 from bagpipe.embedding_server.server import create_server
 
 logger = logging.getLogger("bagpipe.embedding_server")
@@ -26,11 +27,12 @@ async def serve(cfg: EmbeddingServerConfig, args: argparse.Namespace) -> None:
         args.metrics_address, "embedding_server", str(cfg.shard), registry, None, args.advertise_host
     )
     offsets = table_offsets(cfg.table_rows)
-    shard_map = registry.publish_shard_map(ShardMap.create(int(offsets[-1]), cfg.num_shards))
-    if shard_map.num_keys != int(offsets[-1]) or shard_map.num_shards != cfg.num_shards:
+    registry.set_leaving(cfg.shard, False)  # a server that (re)joins is wanted
+    shard_map = registry.publish_shard_map(ShardMap.create(int(offsets[-1]), cfg.initial_shards))
+    if shard_map.num_keys != int(offsets[-1]):
         raise SystemExit(
-            f"shard map in Redis ({shard_map.num_keys} keys, {shard_map.num_shards} shards) does not match "
-            f"this server ({int(offsets[-1])} keys, {cfg.num_shards} shards)"
+            f"shard map in Redis has {shard_map.num_keys} keys, this server's tables {int(offsets[-1])}: "
+            "other --table-rows than the job's?"
         )
     width = OptimizerConfig(cfg.optimizer).state_width(cfg.embedding_dim)
     store = ShardStore(shard_map, cfg.shard, offsets, cfg.embedding_dim, width, cfg.seed)
@@ -45,11 +47,27 @@ async def serve(cfg: EmbeddingServerConfig, args: argparse.Namespace) -> None:
     control.address = serving.advertised(control.address, args.advertise_host)
     registry.register("embedding_server", str(cfg.shard), control.address)
     http.ready.set()
-    logger.info("shard %d/%d serving %d rows on %s", cfg.shard, cfg.num_shards, store.rows_held, control.address)
+    logger.info("shard %d serving %d rows of shard map version %d on %s", cfg.shard, store.rows_held,
+                shard_map.version, control.address)  # fmt: skip
+    coordinator = None
+    fatal: list[BaseException] = []
+    if cfg.shard == 0:  # the re-sharding coordinator (shard 0 is the last a StatefulSet removes)
+
+        async def stop_on(error: BaseException) -> None:
+            fatal.append(error)
+            control.stop.set()
+
+        resharder = Resharder(registry, cfg.migration_rows_per_second)
+        coordinator = asyncio.create_task(resharder.run(control.stop, stop_on), name="resharder")
     await control.stop.wait()
+    if coordinator is not None:
+        await coordinator
     registry.unregister("embedding_server", str(cfg.shard))
     await serving.stop_gracefully(server, health)
     http.stop()
+    if fatal:
+        raise SystemExit(f"re-sharding failed between two shard-map versions ({fatal[0]}): the job must roll back "
+                         "to its last checkpoint")  # fmt: skip
 
 
 def main(argv: list[str] | None = None) -> None:

@@ -3,9 +3,11 @@
 from __future__ import annotations
 
 import logging
+import threading
 import time
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
 from typing import TypeVar
 
 import grpc
@@ -21,6 +23,10 @@ logger = logging.getLogger(__name__)
 
 MAX_ROWS_PER_RPC = 1 << 18
 _RETRIES = 5
+# a request refused for its shard-map version waits at most this long for the servers to switch
+SWITCH_TIMEOUT_S = 120.0
+# held by whoever changes the map in force (the re-sharding coordinator) or needs it fixed (a checkpoint)
+RESHARD_LOCK = "reshard"
 T = TypeVar("T")
 
 
@@ -37,92 +43,172 @@ def call_with_retry(fn: Callable[[], T], what: str) -> T:
     raise AssertionError("unreachable")
 
 
-class EmbeddingClient:
-    """Batched lookup and write-back across all shards of ``shard_map``."""
+class ShardMapChanged(RuntimeError):
+    """Servers refused a request for its shard-map version, and no usable newer version came."""
 
-    def __init__(self, shard_map: ShardMap, addresses: dict[int, str], dim: int, state_width: int) -> None:
-        missing = set(range(shard_map.num_shards)) - set(addresses)
-        if missing:
-            raise ValueError(f"addresses: no address for shards {sorted(missing)}")
-        self.shard_map = shard_map
+
+@dataclass(frozen=True)
+class _Route:
+    """One shard-map version and a stub for each shard that holds buckets in it."""
+
+    shard_map: ShardMap
+    stubs: dict[int, pb_grpc.EmbeddingServerStub]
+
+
+Resolver = Callable[[], tuple["ShardMap | None", dict[int, str]]]
+
+
+class EmbeddingClient:
+    """Batched lookup and write-back across all shards of the shard map.
+
+    With a ``resolver`` (the map in force and the servers' addresses, from Redis), a request a server
+    refuses for its shard-map version (FAILED_PRECONDITION: the servers re-shard) is routed again under
+    the map in force and retried, part by part: a part a server refused was not applied there, and a
+    part it took is not sent again, so no write-back is lost or applied twice.
+    """
+
+    def __init__(
+        self, shard_map: ShardMap, addresses: dict[int, str], dim: int, state_width: int,
+        resolver: Resolver | None = None,
+    ) -> None:  # fmt: skip
         self.dim = dim
         self.state_width = state_width
-        self._channels = [serving.channel(addresses[s]) for s in range(shard_map.num_shards)]
-        self._stubs = [pb_grpc.EmbeddingServerStub(c) for c in self._channels]
-        self._pool = ThreadPoolExecutor(max_workers=max(1, shard_map.num_shards), thread_name_prefix="emb-rpc")
+        self._resolver = resolver
+        self._channels: dict[str, grpc.Channel] = {}
+        self._lock = threading.Lock()
+        self._route = self._routing(shard_map, addresses)
+        self._pool = ThreadPoolExecutor(max_workers=max(4, len(addresses)), thread_name_prefix="emb-rpc")
         self.bytes_sent = 0
         self.bytes_received = 0
+        self.refusals = 0  # requests a server refused for their shard-map version (then routed again)
 
-    def _lookup_shard(self, shard: int, keys: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
-        rows = np.empty((keys.size, self.dim), dtype=np.float32)
-        state = np.empty((keys.size, self.state_width), dtype=np.float32)
-        for start in range(0, keys.size, MAX_ROWS_PER_RPC):
-            part = keys[start : start + MAX_ROWS_PER_RPC]
-            request = pb.LookupRequest(shard_map_version=self.shard_map.version, keys=to_tensor(part))
-            reply = call_with_retry(
-                lambda r=request: self._stubs[shard].Lookup(r, timeout=serving.RPC_TIMEOUT_S), f"lookup shard {shard}"
-            )
-            rows[start : start + part.size] = from_tensor(reply.rows, "rows", np.float32, shape=(part.size, self.dim))
-            state[start : start + part.size] = from_tensor(
-                reply.state, "state", np.float32, shape=(part.size, self.state_width)
-            )
+    @property
+    def shard_map(self) -> ShardMap:
+        return self._route.shard_map
+
+    def _routing(self, shard_map: ShardMap, addresses: dict[int, str]) -> _Route:
+        """(Under ``_lock``, or in ``__init__``.)"""
+        missing = sorted(set(shard_map.owners) - set(addresses))
+        if missing:
+            raise ValueError(f"addresses: no address for shards {missing} (shard map version {shard_map.version})")
+        for s in shard_map.owners:
+            if addresses[s] not in self._channels:
+                self._channels[addresses[s]] = serving.channel(addresses[s])
+        return _Route(shard_map, {s: pb_grpc.EmbeddingServerStub(self._channels[addresses[s]]) for s in shard_map.owners})
+
+    def refresh(self, newer_than: int | None = None) -> bool:
+        """Re-reads the map in force; True if it is newer than ``newer_than`` (default: the one in use),
+        and then uses it."""
+        if self._resolver is None:
+            return False
+        if newer_than is None:
+            newer_than = self._route.shard_map.version
+        shard_map, addresses = self._resolver()
+        if shard_map is None or shard_map.version <= newer_than:
+            return False
+        with self._lock:
+            if shard_map.version > self._route.shard_map.version:
+                self._route = self._routing(shard_map, addresses)
+                logger.info("embedding servers: shard map version %d, shards %s", shard_map.version, shard_map.owners)
+        return True
+
+    def _each_shard(self, keys: np.ndarray, call: Callable[[_Route, int, np.ndarray], np.ndarray]) -> None:
+        """Runs ``call(route, shard, positions)`` in parallel for the keys of each shard; ``call`` returns the
+        positions its server refused for their version, which go again under the map in force."""
+        pending = np.arange(keys.size)
+        deadline = time.monotonic() + SWITCH_TIMEOUT_S
+        wait = 0.005
+        while pending.size:
+            route = self._route
+            parts = [pending[p] for p in route.shard_map.split(keys[pending]) if p.size]
+            shards = route.shard_map.shard_of(keys[[int(p[0]) for p in parts]]) if parts else []
+            futures = [self._pool.submit(call, route, int(s), p) for s, p in zip(shards, parts, strict=True)]
+            refused = [f.result() for f in futures]
+            pending = np.concatenate(refused) if refused else pending[:0]
+            if not pending.size:
+                return
+            self.refusals += 1
+            if self._resolver is None:
+                raise ShardMapChanged(f"a server refused shard map version {route.shard_map.version}; no resolver")
+            if not self.refresh(route.shard_map.version) and self._route is route:
+                # no newer map: a server is still switching (or not yet): the same parts again, shortly
+                if time.monotonic() > deadline:
+                    raise ShardMapChanged(f"servers refused shard map version {route.shard_map.version} for "
+                                          f"{SWITCH_TIMEOUT_S:g} s")  # fmt: skip
+                time.sleep(wait)
+                wait = min(0.5, 2 * wait)
+
+    def _lookup_shard(self, route: _Route, shard: int, positions: np.ndarray, keys: np.ndarray,
+                      rows: np.ndarray, state: np.ndarray) -> np.ndarray:  # fmt: skip
+        for start in range(0, positions.size, MAX_ROWS_PER_RPC):
+            part = positions[start : start + MAX_ROWS_PER_RPC]
+            request = pb.LookupRequest(shard_map_version=route.shard_map.version, keys=to_tensor(keys[part]))
+            try:
+                reply = call_with_retry(
+                    lambda r=request: route.stubs[shard].Lookup(r, timeout=serving.RPC_TIMEOUT_S), f"lookup shard {shard}"
+                )
+            except grpc.RpcError as e:
+                if e.code() == grpc.StatusCode.FAILED_PRECONDITION:
+                    return positions[start:]
+                raise
+            rows[part] = from_tensor(reply.rows, "rows", np.float32, shape=(part.size, self.dim))
+            state[part] = from_tensor(reply.state, "state", np.float32, shape=(part.size, self.state_width))
             self.bytes_sent += request.ByteSize()
             self.bytes_received += reply.ByteSize()
-        return rows, state
+        return positions[:0]
 
     def lookup(self, keys: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
         """Rows and optimizer state of ``keys`` (any order, distinct), as float32 arrays."""
         rows = np.empty((keys.size, self.dim), dtype=np.float32)
         state = np.empty((keys.size, self.state_width), dtype=np.float32)
-        parts = [p for p in self.shard_map.split(keys) if p.size]
-        shards = self.shard_map.shard_of(keys[[int(p[0]) for p in parts]]) if parts else []
-        futures = [self._pool.submit(self._lookup_shard, int(s), keys[p]) for s, p in zip(shards, parts, strict=True)]
-        for p, f in zip(parts, futures, strict=True):
-            rows[p], state[p] = f.result()
+        self._each_shard(keys, lambda route, s, p: self._lookup_shard(route, s, p, keys, rows, state))
         return rows, state
 
-    def _write_shard(self, shard: int, keys: np.ndarray, rows: np.ndarray, state: np.ndarray) -> None:
-        for start in range(0, keys.size, MAX_ROWS_PER_RPC):
-            sl = slice(start, start + MAX_ROWS_PER_RPC)
+    def _write_shard(self, route: _Route, shard: int, positions: np.ndarray, keys: np.ndarray,
+                     rows: np.ndarray, state: np.ndarray) -> np.ndarray:  # fmt: skip
+        for start in range(0, positions.size, MAX_ROWS_PER_RPC):
+            part = positions[start : start + MAX_ROWS_PER_RPC]
             request = pb.WriteBackRequest(
-                shard_map_version=self.shard_map.version,
-                keys=to_tensor(keys[sl]),
-                rows=to_tensor(rows[sl]),
-                state=to_tensor(state[sl]),
+                shard_map_version=route.shard_map.version,
+                keys=to_tensor(keys[part]),
+                rows=to_tensor(rows[part]),
+                state=to_tensor(state[part]),
             )
-            call_with_retry(
-                lambda r=request: self._stubs[shard].WriteBack(r, timeout=serving.RPC_TIMEOUT_S),
-                f"write-back shard {shard}",
-            )
+            try:
+                call_with_retry(
+                    lambda r=request: route.stubs[shard].WriteBack(r, timeout=serving.RPC_TIMEOUT_S),
+                    f"write-back shard {shard}",
+                )
+            except grpc.RpcError as e:
+                if e.code() == grpc.StatusCode.FAILED_PRECONDITION:
+                    return positions[start:]  # this part and the rest were not applied: routed again
+                raise
             self.bytes_sent += request.ByteSize()
+        return positions[:0]
 
     def write_back(self, keys: np.ndarray, rows: np.ndarray, state: np.ndarray) -> None:
         """Stores rows and state; returns once every shard has acknowledged (durable in memory)."""
-        parts = [p for p in self.shard_map.split(keys) if p.size]
-        shards = self.shard_map.shard_of(keys[[int(p[0]) for p in parts]]) if parts else []
-        futures = [
-            self._pool.submit(self._write_shard, int(s), keys[p], rows[p], state[p])
-            for s, p in zip(shards, parts, strict=True)
-        ]
-        for f in futures:
-            f.result()
+        self._each_shard(keys, lambda route, s, p: self._write_shard(route, s, p, keys, rows, state))
 
     def snapshot(self, directory: str, next_batch: int) -> list[tuple[str, int, int]]:
         """Has every shard write its changed rows into the checkpoint ``next_batch`` of ``directory``, in
-        parallel; returns (file, rows, bytes) per shard."""
+        parallel; returns (file, rows, bytes) per shard. The caller holds the re-sharding lock
+        (``RESHARD_LOCK``), so the map in force cannot change meanwhile."""
+        self.refresh()
+        route = self._route
 
         def one(shard: int) -> tuple[str, int, int]:
             request = pb.SnapshotRequest(
-                shard_map_version=self.shard_map.version, directory=directory, next_batch=next_batch
+                shard_map_version=route.shard_map.version, directory=directory, next_batch=next_batch
             )
             reply = call_with_retry(
-                lambda: self._stubs[shard].Snapshot(request, timeout=serving.RPC_TIMEOUT_S), f"snapshot shard {shard}"
+                lambda: route.stubs[shard].Snapshot(request, timeout=serving.RPC_TIMEOUT_S), f"snapshot shard {shard}"
             )
             return reply.file, reply.rows, reply.bytes
 
-        return list(self._pool.map(one, range(self.shard_map.num_shards)))
+        return list(self._pool.map(one, sorted(route.stubs)))
 
     def close(self) -> None:
         self._pool.shutdown(wait=True)
-        for c in self._channels:
+        for c in self._channels.values():
             c.close()

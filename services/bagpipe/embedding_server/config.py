@@ -11,6 +11,8 @@ from bagpipe.config_args import (
     add_recovery_args,
     add_table_args,
     check_resume,
+    non_negative_float,
+    positive_int,
     table_rows_of,
 )
 
@@ -20,7 +22,7 @@ class EmbeddingServerConfig:
     """One shard's settings: which shard, the tables and where the initial values come from."""
 
     shard: int
-    num_shards: int
+    initial_shards: int
     table_rows: tuple[int, ...]
     embedding_dim: int
     optimizer: str
@@ -31,16 +33,27 @@ class EmbeddingServerConfig:
     job: str
     checkpoint_dir: str | None = None
     resume_batch: int = 0
+    migration_rows_per_second: float = 0.0
 
     def __post_init__(self) -> None:
-        if not 0 <= self.shard < self.num_shards:
-            raise ValueError(f"shard: must be in [0, {self.num_shards}), got {self.shard}")
+        if self.shard < 0:
+            raise ValueError(f"shard: must be >= 0, got {self.shard}")
+        if self.initial_shards < 1:
+            raise ValueError(f"initial_shards: must be >= 1, got {self.initial_shards}")
+        if self.migration_rows_per_second < 0:
+            raise ValueError(f"migration_rows_per_second: must be >= 0, got {self.migration_rows_per_second}")
 
 
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="bagpipe-embedding-server", description=EmbeddingServerConfig.__doc__)
     p.add_argument("--shard", type=int, required=True, help="this server's shard index")
-    p.add_argument("--num-shards", type=int, required=True, help="number of embedding servers")
+    p.add_argument("--initial-shards", "--num-shards", dest="initial_shards", type=positive_int, default=1,
+                   help="servers the job's first shard map spreads the rows over (default 1); only the first server "
+                   "to start uses it: later, the servers registered in Redis are the shards, and re-sharding moves "
+                   "rows when they change")  # fmt: skip
+    p.add_argument("--migration-rows-per-second", type=non_negative_float, default=0.0,
+                   help="re-sharding sends at most this many rows per second from this server (default 0: no "
+                   "limit), leaving the trainers' transfers their bandwidth")  # fmt: skip
     p.add_argument("--address", default="127.0.0.1:0", help="host:port to listen on (port 0: any)")
     add_table_args(p)
     add_model_args(p, dense=False)
@@ -54,7 +67,7 @@ def parse(argv: list[str] | None = None) -> EmbeddingServerConfig:
     check_resume(a)
     return EmbeddingServerConfig(
         shard=a.shard,
-        num_shards=a.num_shards,
+        initial_shards=a.initial_shards,
         table_rows=table_rows_of(a),
         embedding_dim=a.embedding_dim,
         optimizer=a.optimizer,
@@ -65,4 +78,5 @@ def parse(argv: list[str] | None = None) -> EmbeddingServerConfig:
         job=a.job,
         checkpoint_dir=a.checkpoint_dir,
         resume_batch=a.resume_batch,
+        migration_rows_per_second=a.migration_rows_per_second,
     )

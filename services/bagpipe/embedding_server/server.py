@@ -2,6 +2,8 @@
 
 Handlers run on the asyncio loop and do not await between validating a request and applying it,
 so each lookup or write-back is atomic with respect to the others and a rejected one changes nothing.
+The same holds for the steps of a migration that touch rows (a chunk's copy, the seal, a received
+message): see ``core/shard_store.py`` for why no write is lost or applied twice.
 """
 
 from __future__ import annotations
@@ -15,7 +17,8 @@ import numpy as np
 
 from bagpipe import serving
 from bagpipe.core import snapshots
-from bagpipe.core.shard_store import ShardStore
+from bagpipe.core.shard_map import ShardMap
+from bagpipe.core.shard_store import Migration, ShardStore
 from bagpipe.embedding_server import metrics
 from bagpipe.errors import FailedPrecondition, InvalidArgument, grpc_errors
 from bagpipe.v1 import embedding_server_pb2 as pb
@@ -25,15 +28,35 @@ from bagpipe.wire import from_tensor, to_tensor
 logger = logging.getLogger(__name__)
 
 
+MIGRATION_CHUNK_ROWS = 1 << 15
+
+
 class EmbeddingServicer(pb_grpc.EmbeddingServerServicer):
     def __init__(self, store: ShardStore) -> None:
         self.store = store
+        self._peers: dict[int, grpc.aio.Channel] = {}
+        self._rows_per_second = 0.0
+        self._ready = asyncio.Event()
 
     def _check_version(self, version: int) -> None:
+        """Requests name the shard-map version they were routed by; any other is refused (the client
+        re-reads the map from Redis and retries), and so is every request while this server switches."""
+        m = self.store.migration
+        if m is not None and m.sealed:
+            raise FailedPrecondition(
+                f"shard_map_version: request has {version}, this server is switching to {m.new_map.version}; retry"
+            )
         if version != self.store.shard_map.version:
             raise FailedPrecondition(
                 f"shard_map_version: request has {version}, this server has {self.store.shard_map.version}"
             )
+
+    def _migration(self, version: int) -> Migration:
+        m = self.store.migration
+        if m is None or m.new_map.version != version:
+            have = "none" if m is None else f"version {m.new_map.version}"
+            raise FailedPrecondition(f"shard_map_version: no migration to version {version} here ({have})")
+        return m
 
     @grpc_errors
     async def Lookup(self, request: pb.LookupRequest, context: grpc.aio.ServicerContext) -> pb.LookupResponse:  # noqa: N802
@@ -84,6 +107,161 @@ class EmbeddingServicer(pb_grpc.EmbeddingServerServicer):
         return pb.SnapshotResponse(file=name, rows=keys.size, bytes=size)
 
 
+    # ---- re-sharding
+    @grpc_errors
+    async def PrepareMigration(self, request: pb.PrepareMigrationRequest, context: grpc.aio.ServicerContext) -> pb.PrepareMigrationResponse:  # noqa: N802
+        try:
+            new_map = ShardMap.from_json(request.shard_map)
+        except (ValueError, KeyError, TypeError) as e:
+            raise InvalidArgument("shard_map", f"not a shard map: {e}") from None
+        if new_map.version != self.store.shard_map.version + 1 and request.current_shard_map:
+            self._catch_up(request.current_shard_map, new_map)
+        if new_map.version != self.store.shard_map.version + 1:
+            raise FailedPrecondition(
+                f"shard_map: version {new_map.version} does not follow this server's {self.store.shard_map.version}"
+            )
+        if request.rows_per_second < 0:
+            raise InvalidArgument("rows_per_second", f"must be >= 0, got {request.rows_per_second}")
+        if self.store.migration is not None:
+            if self.store.migration.sealed:
+                raise FailedPrecondition(f"shard_map: this server is switching to {self.store.migration.new_map.version}")
+            self._abort()  # an earlier, interrupted attempt at the same version
+        try:
+            m = self.store.begin_migration(new_map)
+        except ValueError as e:
+            raise InvalidArgument("shard_map", str(e)) from None
+        missing = sorted(set(m.leaving) - set(request.addresses))
+        if missing:
+            self.store.abort_migration()
+            raise InvalidArgument("addresses", f"no address for shards {missing}")
+        self._peers = {d: grpc.aio.insecure_channel(request.addresses[d], options=serving.CHANNEL_OPTIONS) for d in m.leaving}
+        self._rows_per_second = request.rows_per_second
+        self._ready = asyncio.Event()
+        metrics.MIGRATION_TARGET.set(new_map.version)
+        logger.info("migration to version %d: %d rows stay, %d leave, %d buckets arrive from shards %s",
+                    new_map.version, m.staying.size, sum(r.size for r in m.leaving.values()),
+                    m.incoming_buckets.size, sorted(m.sources))  # fmt: skip
+        return pb.PrepareMigrationResponse(
+            staying_rows=m.staying.size if m.changes_layout else 0,
+            leaving_rows=sum(r.size for r in m.leaving.values()),
+            incoming_buckets=m.incoming_buckets.size,
+        )
+
+    def _catch_up(self, text: str, new_map: ShardMap) -> None:
+        """A server that holds no rows (it joined, or was drained) takes over the map in force."""
+        try:
+            current = ShardMap.from_json(text)
+        except (ValueError, KeyError, TypeError) as e:
+            raise InvalidArgument("current_shard_map", f"not a shard map: {e}") from None
+        if current.version != new_map.version - 1:
+            raise InvalidArgument("current_shard_map", f"version {current.version} is not the one before {new_map.version}")
+        if self.store.migration is None and self.store.rows_held == 0 and self.store.shard not in current.owners:
+            self.store.adopt(current)
+
+    async def _send(self, m: Migration, dst: int, keys: np.ndarray, rows: np.ndarray, state: np.ndarray,
+                    changed: np.ndarray | None = None) -> int:  # fmt: skip
+        request = pb.ReceiveRequest(
+            shard_map_version=m.new_map.version, from_shard=self.store.shard, keys=to_tensor(keys),
+            rows=to_tensor(rows), state=to_tensor(state), last=changed is not None,
+        )  # fmt: skip
+        if changed is not None:
+            request.changed_keys.CopyFrom(to_tensor(changed))
+        stub = pb_grpc.EmbeddingServerStub(self._peers[dst])
+        await stub.Receive(request, timeout=serving.RPC_TIMEOUT_S)
+        size = rows.nbytes + state.nbytes
+        metrics.MIGRATED_ROWS.labels("out").inc(keys.size)
+        metrics.MIGRATED_BYTES.labels("out").inc(size)
+        return size
+
+    @grpc_errors
+    async def Transfer(self, request: pb.TransferRequest, context: grpc.aio.ServicerContext) -> pb.TransferResponse:  # noqa: N802
+        """The bulk copy, chunk by chunk between the requests it serves (rows read in one loop step)."""
+        m = self._migration(request.shard_map_version)
+        if m.sealed:
+            raise FailedPrecondition(f"shard_map_version: {m.new_map.version} is already sealed")
+        t0 = time.perf_counter()
+        sent = size = copied = 0
+        if m.changes_layout:
+            for start in range(0, m.staying.size, MIGRATION_CHUNK_ROWS):
+                m.copy_staying(m.staying[start : start + MIGRATION_CHUNK_ROWS])
+                copied += min(MIGRATION_CHUNK_ROWS, m.staying.size - start)
+                await asyncio.sleep(0)
+        chunk = MIGRATION_CHUNK_ROWS  # throttled: about 20 chunks a second
+        if self._rows_per_second:
+            chunk = int(min(MIGRATION_CHUNK_ROWS, max(64, self._rows_per_second / 20)))
+        for dst, rows in m.leaving.items():
+            for start in range(0, rows.size, chunk):
+                if self.store.migration is not m:
+                    raise FailedPrecondition("shard_map_version: the migration was aborted")
+                keys, w, st = self.store.read_rows(rows[start : start + chunk])
+                size += await self._send(m, dst, keys, w, st)
+                sent += keys.size
+                if self._rows_per_second:  # throttled: the trainers' transfers keep their bandwidth
+                    await asyncio.sleep(max(0.0, sent / self._rows_per_second - (time.perf_counter() - t0)))
+        logger.info("migration to version %d: %d rows sent, %d copied in %.2f s", m.new_map.version, sent, copied,
+                    time.perf_counter() - t0)  # fmt: skip
+        return pb.TransferResponse(rows_sent=sent, bytes_sent=size, rows_copied=copied)
+
+    @grpc_errors
+    async def Receive(self, request: pb.ReceiveRequest, context: grpc.aio.ServicerContext) -> pb.ReceiveResponse:  # noqa: N802
+        m = self._migration(request.shard_map_version)
+        keys = from_tensor(request.keys, "keys", np.int64, ndim=1)
+        n = keys.size
+        rows = from_tensor(request.rows, "rows", np.float32, shape=(n, self.store.dim))
+        state = from_tensor(request.state, "state", np.float32, shape=(n, self.store.state_width))
+        changed = from_tensor(request.changed_keys, "changed_keys", np.int64, ndim=1) if request.last else None
+        m.receive(int(request.from_shard), keys, rows, state, changed)
+        metrics.MIGRATED_ROWS.labels("in").inc(n)
+        metrics.MIGRATED_BYTES.labels("in").inc(rows.nbytes + state.nbytes)
+        if m.ready:
+            self._ready.set()
+        return pb.ReceiveResponse(rows=n)
+
+    @grpc_errors
+    async def Seal(self, request: pb.SealRequest, context: grpc.aio.ServicerContext) -> pb.SealResponse:  # noqa: N802
+        m = self._migration(request.shard_map_version)
+        if m.sealed:
+            raise FailedPrecondition(f"shard_map_version: {m.new_map.version} is already sealed")
+        t0 = time.perf_counter()
+        last = m.seal() if m.changes_layout else {}
+        m.sealed = True  # from here on, requests are refused until the new arrays serve
+        resent = sum(k.size for k, _, _, _ in last.values())
+        sizes = await asyncio.gather(*(self._send(m, d, k, w, st, c) for d, (k, w, st, c) in last.items()))
+        if m.ready:
+            self._ready.set()
+        await asyncio.wait_for(self._ready.wait(), serving.RPC_TIMEOUT_S)
+        self.store.finish_migration()
+        await self._close_peers()
+        seconds = time.perf_counter() - t0
+        metrics.SHARD_MAP_VERSION.set(self.store.shard_map.version)
+        metrics.ROWS_HELD.set(self.store.rows_held)
+        metrics.SWITCH_SECONDS.observe(seconds)
+        logger.info("serving shard map version %d: %d rows (%d re-sent at the switch, %.1f ms)",
+                    self.store.shard_map.version, self.store.rows_held, resent, 1000 * seconds)  # fmt: skip
+        return pb.SealResponse(rows_resent=resent, bytes_resent=sum(sizes), seconds=seconds)
+
+    @grpc_errors
+    async def AbortMigration(self, request: pb.AbortMigrationRequest, context: grpc.aio.ServicerContext) -> pb.AbortMigrationResponse:  # noqa: N802
+        m = self.store.migration
+        if m is not None and m.new_map.version == request.shard_map_version:
+            if m.sealed:
+                raise FailedPrecondition(f"shard_map_version: {m.new_map.version} is sealed; it cannot be aborted")
+            self._abort()
+        return pb.AbortMigrationResponse()
+
+    def _abort(self) -> None:
+        self.store.abort_migration()
+        peers, self._peers = self._peers, {}
+        for ch in peers.values():
+            asyncio.get_running_loop().create_task(ch.close())
+        metrics.MIGRATION_TARGET.set(0)
+
+    async def _close_peers(self) -> None:
+        peers, self._peers = self._peers, {}
+        await asyncio.gather(*(ch.close() for ch in peers.values()))
+        metrics.MIGRATION_TARGET.set(0)
+
+
 async def create_server(store: ShardStore, address: str = "127.0.0.1:0") -> tuple[grpc.aio.Server, int, serving.ControlServicer, object]:
     """Starts a server for ``store`` on ``address``; returns (server, port, control, health)."""
     servicer = EmbeddingServicer(store)
@@ -95,4 +273,5 @@ async def create_server(store: ShardStore, address: str = "127.0.0.1:0") -> tupl
         address, "EmbeddingServer", lambda s: pb_grpc.add_EmbeddingServerServicer_to_server(servicer, s), counters
     )
     metrics.ROWS_HELD.set(store.rows_held)
+    metrics.SHARD_MAP_VERSION.set(store.shard_map.version)
     return server, port, control, health

@@ -40,3 +40,8 @@ CHECKPOINT_SECONDS = Histogram(
 CHECKPOINTS = Counter("bagpipe_trainer_checkpoints_total", "Consistent checkpoints this trainer took part in")
 LAST_CHECKPOINT = Gauge("bagpipe_trainer_last_checkpoint_batch", "First batch after the newest checkpoint")
 FIRST_BATCH = Gauge("bagpipe_trainer_first_batch", "The batch this trainer process began at (> 0: resumed)")
+SHARD_MAP_VERSION = Gauge("bagpipe_trainer_shard_map_version", "Shard-map version this trainer's transfers use")
+SHARD_MAP_REFUSALS = Counter(
+    "bagpipe_trainer_shard_map_refusals_total",
+    "Transfers a server refused for their shard-map version while re-sharding (routed again and retried)",
+)

@@ -49,7 +49,7 @@ from bagpipe.core.data import NUM_DENSE, table_offsets
 from bagpipe.core.model import DLRM, batch_loss
 from bagpipe.core.optim import apply_rows, restore_sums, saved_sums
 from bagpipe.core.plans import SyncStep, TrainerPlan
-from bagpipe.embedding_server.client import EmbeddingClient, call_with_retry
+from bagpipe.embedding_server.client import RESHARD_LOCK, EmbeddingClient, call_with_retry
 from bagpipe.trainer import metrics
 from bagpipe.trainer.config import TrainerConfig
 from bagpipe.trainer.shared_table import SharedTable
@@ -261,6 +261,7 @@ class Trainer:
         self.on_ready: Any = lambda: None  # called once connected and ready to train
         self.iteration_log = IterationLog(config.iteration_log) if config.iteration_log else None
         self._bytes_seen = (0, 0)
+        self._refusals_seen = 0
         self.oracle: opb_grpc.OracleCacherStub | None = None
         self.checkpoints: list[dict[str, float]] = []
 
@@ -274,10 +275,18 @@ class Trainer:
                 if time.monotonic() > deadline:
                     raise TimeoutError("no shard map in Redis after 120s")
                 time.sleep(0.05)
-        servers = self.registry.wait_for_members("embedding_server", shard_map.num_shards)
+        while True:  # every shard that holds buckets has registered
+            shard_map, servers = self.registry.embedding_servers()
+            assert shard_map is not None
+            if set(shard_map.owners) <= set(servers):
+                break
+            if time.monotonic() > deadline:
+                raise TimeoutError(f"embedding servers {sorted(set(shard_map.owners) - set(servers))} not registered")
+            time.sleep(0.05)
         self.client = EmbeddingClient(
-            shard_map, {int(k): v for k, v in servers.items()}, self.config.model.embedding_dim, self.state_width
-        )
+            shard_map, servers, self.config.model.embedding_dim, self.state_width,
+            resolver=self.registry.embedding_servers,
+        )  # fmt: skip
         oracle_address = self.registry.wait_for_members("oracle_cacher", 1)["0"]
         self.oracle_channel = serving.channel(oracle_address)
         self.oracle = opb_grpc.OracleCacherStub(self.oracle_channel)
@@ -655,6 +664,10 @@ class Trainer:
         metrics.LOSS.set(self.losses[-1])
         assert self.client is not None
         sent, received = self.client.bytes_sent, self.client.bytes_received
+        if isinstance(self.client, EmbeddingClient):
+            metrics.SHARD_MAP_VERSION.set(self.client.shard_map.version)
+            metrics.SHARD_MAP_REFUSALS.inc(self.client.refusals - self._refusals_seen)
+            self._refusals_seen = self.client.refusals
         metrics.BYTES.labels("sent").inc(sent - self._bytes_seen[0])
         metrics.BYTES.labels("received").inc(received - self._bytes_seen[1])
         self._bytes_seen = (sent, received)
@@ -713,7 +726,9 @@ class Trainer:
     def _seal_checkpoint(self, directory: str, next_batch: int) -> dict[str, float]:
         """(Rank 0.) The servers' snapshots, the dense part, then the manifest that makes it count."""
         assert isinstance(self.client, EmbeddingClient)
-        files = self.client.snapshot(directory, next_batch)
+        # the map in force stays fixed while the servers write (a re-sharding switch waits for this lock)
+        with self.registry.locked(RESHARD_LOCK, f"checkpoint-{self.config.job}-{next_batch}"):
+            files = self.client.snapshot(directory, next_batch)
         snapshots.write_dense(directory, next_batch, {
             "dense": {k: v.detach().cpu().clone() for k, v in self.model.state_dict().items()},
             "optimizer": {

@@ -50,6 +50,31 @@ class EmbeddingServerStub:
                 request_serializer=bagpipe_dot_v1_dot_embedding__server__pb2.SnapshotRequest.SerializeToString,
                 response_deserializer=bagpipe_dot_v1_dot_embedding__server__pb2.SnapshotResponse.FromString,
                 _registered_method=True)
+        self.PrepareMigration = channel.unary_unary(
+                '/bagpipe.v1.EmbeddingServer/PrepareMigration',
+                request_serializer=bagpipe_dot_v1_dot_embedding__server__pb2.PrepareMigrationRequest.SerializeToString,
+                response_deserializer=bagpipe_dot_v1_dot_embedding__server__pb2.PrepareMigrationResponse.FromString,
+                _registered_method=True)
+        self.Transfer = channel.unary_unary(
+                '/bagpipe.v1.EmbeddingServer/Transfer',
+                request_serializer=bagpipe_dot_v1_dot_embedding__server__pb2.TransferRequest.SerializeToString,
+                response_deserializer=bagpipe_dot_v1_dot_embedding__server__pb2.TransferResponse.FromString,
+                _registered_method=True)
+        self.Receive = channel.unary_unary(
+                '/bagpipe.v1.EmbeddingServer/Receive',
+                request_serializer=bagpipe_dot_v1_dot_embedding__server__pb2.ReceiveRequest.SerializeToString,
+                response_deserializer=bagpipe_dot_v1_dot_embedding__server__pb2.ReceiveResponse.FromString,
+                _registered_method=True)
+        self.Seal = channel.unary_unary(
+                '/bagpipe.v1.EmbeddingServer/Seal',
+                request_serializer=bagpipe_dot_v1_dot_embedding__server__pb2.SealRequest.SerializeToString,
+                response_deserializer=bagpipe_dot_v1_dot_embedding__server__pb2.SealResponse.FromString,
+                _registered_method=True)
+        self.AbortMigration = channel.unary_unary(
+                '/bagpipe.v1.EmbeddingServer/AbortMigration',
+                request_serializer=bagpipe_dot_v1_dot_embedding__server__pb2.AbortMigrationRequest.SerializeToString,
+                response_deserializer=bagpipe_dot_v1_dot_embedding__server__pb2.AbortMigrationResponse.FromString,
+                _registered_method=True)
 
 
 class EmbeddingServerServicer:
@@ -77,6 +102,42 @@ class EmbeddingServerServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def PrepareMigration(self, request, context):
+        """Re-sharding to the next shard-map version, driven by the coordinator (shard 0) in four steps while
+        training goes on: Prepare on every server; Transfer on every server (each copies the rows that stay
+        and sends the leaving ones to their new owners with Receive); Seal on every server (the switch: the
+        old version is refused from then on, the rows written since their copy are sent again as each
+        sender's last Receive, and a server serves the new version once every sender's last rows are in).
+        Abort drops an unsealed migration.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def Transfer(self, request, context):
+        """Missing associated documentation comment in .proto file."""
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def Receive(self, request, context):
+        """Missing associated documentation comment in .proto file."""
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def Seal(self, request, context):
+        """Missing associated documentation comment in .proto file."""
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def AbortMigration(self, request, context):
+        """Missing associated documentation comment in .proto file."""
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_EmbeddingServerServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -94,6 +155,31 @@ def add_EmbeddingServerServicer_to_server(servicer, server):
                     servicer.Snapshot,
                     request_deserializer=bagpipe_dot_v1_dot_embedding__server__pb2.SnapshotRequest.FromString,
                     response_serializer=bagpipe_dot_v1_dot_embedding__server__pb2.SnapshotResponse.SerializeToString,
+            ),
+            'PrepareMigration': grpc.unary_unary_rpc_method_handler(
+                    servicer.PrepareMigration,
+                    request_deserializer=bagpipe_dot_v1_dot_embedding__server__pb2.PrepareMigrationRequest.FromString,
+                    response_serializer=bagpipe_dot_v1_dot_embedding__server__pb2.PrepareMigrationResponse.SerializeToString,
+            ),
+            'Transfer': grpc.unary_unary_rpc_method_handler(
+                    servicer.Transfer,
+                    request_deserializer=bagpipe_dot_v1_dot_embedding__server__pb2.TransferRequest.FromString,
+                    response_serializer=bagpipe_dot_v1_dot_embedding__server__pb2.TransferResponse.SerializeToString,
+            ),
+            'Receive': grpc.unary_unary_rpc_method_handler(
+                    servicer.Receive,
+                    request_deserializer=bagpipe_dot_v1_dot_embedding__server__pb2.ReceiveRequest.FromString,
+                    response_serializer=bagpipe_dot_v1_dot_embedding__server__pb2.ReceiveResponse.SerializeToString,
+            ),
+            'Seal': grpc.unary_unary_rpc_method_handler(
+                    servicer.Seal,
+                    request_deserializer=bagpipe_dot_v1_dot_embedding__server__pb2.SealRequest.FromString,
+                    response_serializer=bagpipe_dot_v1_dot_embedding__server__pb2.SealResponse.SerializeToString,
+            ),
+            'AbortMigration': grpc.unary_unary_rpc_method_handler(
+                    servicer.AbortMigration,
+                    request_deserializer=bagpipe_dot_v1_dot_embedding__server__pb2.AbortMigrationRequest.FromString,
+                    response_serializer=bagpipe_dot_v1_dot_embedding__server__pb2.AbortMigrationResponse.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -178,6 +264,141 @@ class EmbeddingServer:
             '/bagpipe.v1.EmbeddingServer/Snapshot',
             bagpipe_dot_v1_dot_embedding__server__pb2.SnapshotRequest.SerializeToString,
             bagpipe_dot_v1_dot_embedding__server__pb2.SnapshotResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def PrepareMigration(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/bagpipe.v1.EmbeddingServer/PrepareMigration',
+            bagpipe_dot_v1_dot_embedding__server__pb2.PrepareMigrationRequest.SerializeToString,
+            bagpipe_dot_v1_dot_embedding__server__pb2.PrepareMigrationResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def Transfer(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/bagpipe.v1.EmbeddingServer/Transfer',
+            bagpipe_dot_v1_dot_embedding__server__pb2.TransferRequest.SerializeToString,
+            bagpipe_dot_v1_dot_embedding__server__pb2.TransferResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def Receive(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/bagpipe.v1.EmbeddingServer/Receive',
+            bagpipe_dot_v1_dot_embedding__server__pb2.ReceiveRequest.SerializeToString,
+            bagpipe_dot_v1_dot_embedding__server__pb2.ReceiveResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def Seal(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/bagpipe.v1.EmbeddingServer/Seal',
+            bagpipe_dot_v1_dot_embedding__server__pb2.SealRequest.SerializeToString,
+            bagpipe_dot_v1_dot_embedding__server__pb2.SealResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def AbortMigration(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/bagpipe.v1.EmbeddingServer/AbortMigration',
+            bagpipe_dot_v1_dot_embedding__server__pb2.AbortMigrationRequest.SerializeToString,
+            bagpipe_dot_v1_dot_embedding__server__pb2.AbortMigrationResponse.FromString,
             options,
             channel_credentials,
             insecure,
