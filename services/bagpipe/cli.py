@@ -13,6 +13,7 @@ from bagpipe.config_args import (
     DEFAULT_TRANSFER_BATCHES,
     add_cache_args,
     add_model_args,
+    non_negative_float,
     non_negative_int,
     positive_float,
     positive_int,
@@ -55,6 +56,10 @@ def build_parser() -> argparse.ArgumentParser:
                    help="recoveries from failures before the run gives up (default 3)")
     g.add_argument("--resume", default=None, metavar="RUN_DIR",
                    help="go on with a stopped or crashed run from its last checkpoint, with its own flags")
+    g = r.add_argument_group("scaling")
+    g.add_argument("--migration-rows-per-second", type=non_negative_float, default=0.0,
+                   help="re-sharding (bagpipe scale) sends at most this many rows per second from each embedding "
+                   "server (default 0: no limit)")  # fmt: skip
     g = r.add_argument_group("benchmarking")
     g.add_argument(
         "--system", choices=["bagpipe", "no-cache", "ideal"], default="bagpipe",
@@ -71,6 +76,17 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--prometheus-port", type=int, default=0, help="its port (default: any free port)")
     g.add_argument("--prometheus-linger", type=float, default=0.0,
                    help="seconds Prometheus stays up after training, for queries (default 0)")
+
+    c = sub.add_parser(
+        "scale",
+        help="change the number of embedding servers of a running `bagpipe run`: rows and optimizer state move "
+        "to the new servers, or off the removed ones, while training goes on",
+    )
+    c.add_argument("tier", choices=["embedding-servers"], help="what to scale")
+    c.add_argument("count", type=positive_int, help="the number of embedding servers wanted")
+    c.add_argument("--run", required=True, metavar="RUN_DIR", help="the run directory of the running job")
+    c.add_argument("--timeout", type=positive_float, default=600.0, help="seconds to wait for it (default 600)")
+    c.add_argument("--no-wait", action="store_true", help="return once the request is made")
 
     s = sub.add_parser(
         "plan-stats",
@@ -97,6 +113,32 @@ def _terminate(signum: int, frame: FrameType | None) -> None:
     raise KeyboardInterrupt
 
 
+def scale(args: argparse.Namespace) -> None:
+    from pathlib import Path
+
+    from bagpipe.local.scaling import request_scale, wait_scaled
+
+    run_dir = Path(args.run)
+    try:
+        request_id = request_scale(run_dir, args.count)
+        if args.no_wait:
+            print(f"requested {args.count} embedding servers (request {request_id})")
+            return
+        status = wait_scaled(run_dir, request_id, args.timeout)
+    except (FileNotFoundError, TimeoutError, RuntimeError, ValueError) as e:
+        print(f"bagpipe scale: {e}", file=sys.stderr)
+        raise SystemExit(1) from None
+    if status["state"] != "done":
+        print(f"bagpipe scale: {status['state']}: {status.get('error', '')}", file=sys.stderr)
+        raise SystemExit(1)
+    print(f"{status['embedding_servers']} embedding servers, shard map version {status.get('shard_map_version', '?')}"
+          f" ({status.get('seconds', 0.0):.1f} s)" + (f"; {status['note']}" if status.get("note") else ""))
+    for r in status.get("reshards", []):
+        print(f"  version {r['from_version']} -> {r['to_version']}: shards {r['from_shards']} -> {r['to_shards']}, "
+              f"{r['buckets_moved']} buckets, {r.get('rows_moved', 0):,} rows, {r.get('bytes_moved', 0) / 2**20:.1f} MiB "
+              f"in {r.get('seconds', 0.0):.2f} s (switch {1000 * r.get('switch_seconds', 0.0):.1f} ms)")
+
+
 def main(argv: list[str] | None = None) -> None:
     args = build_parser().parse_args(argv)
     logging.basicConfig(level=logging.WARNING, format="%(levelname)s %(name)s: %(message)s")
@@ -112,6 +154,8 @@ def main(argv: list[str] | None = None) -> None:
             print(f"bagpipe run failed: {e}", file=sys.stderr)
             raise SystemExit(1) from None
         print(format_summary(summary))
+    elif args.command == "scale":
+        scale(args)
     elif args.command == "plan-stats":
         from bagpipe.oracle_cacher.plan_stats import main as plan_stats_main
 

@@ -67,7 +67,7 @@ async def create_server(
 
 
 async def stop_gracefully(server: grpc.aio.Server, health_servicer: health.HealthServicer) -> None:
-    await health_servicer.enter_graceful_shutdown()
+    health_servicer.enter_graceful_shutdown()  # (the synchronous servicer: it returns nothing to await)
     await server.stop(GRACE_S)
 
 

@@ -4,6 +4,7 @@ move are neither lost nor applied twice, and every read sees the last write."""
 from __future__ import annotations
 
 import os
+import signal
 import subprocess
 import sys
 import threading
@@ -14,11 +15,18 @@ import numpy as np
 import pytest
 
 from bagpipe.control.registry import Registry
+from bagpipe.core import checkpoint
 from bagpipe.core.data import table_offsets
 from bagpipe.core.embedding_init import init_rows
+from bagpipe.core.optim import OptimizerConfig
+from bagpipe.core.reference import train_reference
 from bagpipe.embedding_server.client import EmbeddingClient
 from bagpipe.embedding_server.resharder import drain
-from bagpipe.local.launcher import RedisServer
+from bagpipe.local.launcher import RedisServer, children_matching
+from bagpipe.local.scaling import request_scale, wait_scaled
+
+from tests.integration.test_equivalence import MODEL, assert_same_model, synthetic_batches
+from tests.integration.test_recovery import _trained
 
 TABLES = tuple(100 + 20 * t for t in range(26))  # 9100 rows
 DIM = 4
@@ -155,3 +163,100 @@ def test_writes_during_migrations_are_neither_lost_nor_duplicated(cluster) -> No
     np.testing.assert_array_equal(state, want_state)
     assert client.shard_map.owners == [0] and client.refusals > 0
     client.close()
+
+
+# ---- `bagpipe scale` on a running `bagpipe run`
+
+
+def _scaled(run_dir: Path, servers: int, timeout: float = 120.0) -> dict:
+    status = wait_scaled(run_dir, request_scale(run_dir, servers), timeout)
+    assert status["state"] == "done", status
+    return status
+
+
+def _run_in_thread(run_job, name: str, *flags: str):
+    result: list = []
+    error: list[BaseException] = []
+
+    def job() -> None:
+        try:
+            result.append(run_job(name, *flags))
+        except BaseException as e:  # reported by the test thread
+            error.append(e)
+
+    thread = threading.Thread(target=job)
+    thread.start()
+    return thread, result, error
+
+
+def _when_trained(run_dir: Path, batches: int, thread: threading.Thread) -> None:
+    _wait(f"{batches} batches trained", lambda: _trained(run_dir) >= batches or not thread.is_alive(), 120)
+    assert thread.is_alive(), "the run ended too early"
+
+
+@pytest.mark.parametrize("optimizer", ["sgd", "adagrad"])
+def test_scaling_up_and_down_mid_training_keeps_the_model_exact(run_job, tmp_path: Path, optimizer: str) -> None:
+    """S=2 -> 3 -> 1 while training (LRPP, delayed sync, L=8, checkpoints every 5 batches) ends with the final
+    checkpoint of a run at a fixed S=2, and that is the synchronous model."""
+    iterations, batch = 400, 64
+    flags = ("--trainers", "2", "--embedding-servers", "2", "--lookahead", "8", "--iterations", str(iterations),
+             "--batch-size", str(batch), "--optimizer", optimizer, "--lr", "0.05", "--checkpoint-every", "5")  # fmt: skip
+    _, fixed = run_job("fixed", *flags)
+    thread, result, error = _run_in_thread(run_job, "scaled", *flags, "--migration-rows-per-second", "10000")
+    run_dir = tmp_path / "scaled"
+    try:
+        _when_trained(run_dir, 10, thread)
+        up = _scaled(run_dir, 3)
+        _when_trained(run_dir, _trained(run_dir) + 3, thread)
+        down = _scaled(run_dir, 1)
+        finished_at = _trained(run_dir)
+    finally:
+        thread.join(300)
+    assert not error, error
+    summary, paths = result[0]
+    print(f"scaled to 3 and back to 1 by batch {finished_at} of {iterations}: {summary['resharding']}")
+    assert finished_at < iterations, "the migrations did not happen while training"
+    assert [(r["from_shards"], r["to_shards"]) for r in up["reshards"]] == [([0, 1], [0, 1, 2])]
+    assert [(r["from_shards"], r["to_shards"]) for r in down["reshards"]] == [([0, 1, 2], [0])]
+    resharding = summary["resharding"]
+    assert resharding["rows_moved"] > 0 and resharding["iterations_during"] > 0, resharding
+    assert summary["embedding_servers"] == 1 and summary["iterations"] == iterations
+    assert summary["rows_private_per_iteration"] > 0 and summary["rows_handed_over"] > 0
+    assert_same_model(paths["final"], checkpoint.load(fixed["final"]), tolerance=0.0)
+    expected = train_reference(
+        checkpoint.load(paths["initial"]), synthetic_batches(iterations, batch), MODEL, OptimizerConfig(optimizer, 0.05)
+    )
+    assert_same_model(paths["final"], expected)
+
+
+def test_a_server_failing_mid_migration_rolls_back_and_stays_exact(run_job, tmp_path: Path) -> None:
+    """The joining server dies while rows move to it: the job rolls back to its last checkpoint, goes on with
+    the three servers asked for, and ends with the synchronous model."""
+    iterations, batch = 400, 64
+    thread, result, error = _run_in_thread(
+        run_job, "interrupted", "--trainers", "2", "--embedding-servers", "2", "--lookahead", "8",
+        "--iterations", str(iterations), "--batch-size", str(batch), "--optimizer", "adagrad", "--lr", "0.05",
+        "--checkpoint-every", "5", "--migration-rows-per-second", "2000", "--failure-timeout", "3",
+        "--log-level", "INFO",
+    )  # fmt: skip
+    run_dir = tmp_path / "interrupted"
+    try:
+        _when_trained(run_dir, 8, thread)
+        request = request_scale(run_dir, 3)
+        _wait("rows moving", lambda: b"migration to version 2" in (run_dir / "logs" / "embedding-server-2.log").read_bytes()
+              if (run_dir / "logs" / "embedding-server-2.log").is_file() else False)  # fmt: skip
+        pids = children_matching("bagpipe.embedding_server --shard 2")
+        assert len(pids) == 1
+        os.kill(pids[0], signal.SIGKILL)
+        status = wait_scaled(run_dir, request, 120)
+    finally:
+        thread.join(300)
+    assert not error, error
+    assert status["state"] == "done" and "rolled back" in status["note"], status
+    summary, paths = result[0]
+    assert summary["recovery"]["failures"][0]["component"] == "embedding-server-2", summary["recovery"]
+    assert summary["embedding_servers"] == 3 and summary["iterations"] == iterations
+    expected = train_reference(
+        checkpoint.load(paths["initial"]), synthetic_batches(iterations, batch), MODEL, OptimizerConfig("adagrad", 0.05)
+    )
+    assert_same_model(paths["final"], expected)

@@ -33,6 +33,7 @@ from bagpipe.control.registry import Registry
 from bagpipe.core import snapshots
 from bagpipe.local.prometheus import PrometheusServer
 from bagpipe.local.report import write_report
+from bagpipe.local.scaling import Scaler
 from bagpipe.trainer.metrics import STAGES
 from bagpipe.v1 import control_pb2, control_pb2_grpc
 
@@ -107,6 +108,7 @@ class LocalJob:
     args: argparse.Namespace
     run_dir: Path
     processes: list[Process] = field(default_factory=list)
+    checkpoints: Path | None = None  # where recovery checkpoints go
 
     def spawn(self, name: str, module: str, argv: list[str], prefix: list[str] | None = None) -> Process:
         log = self.run_dir / "logs" / f"{name}.log"
@@ -264,9 +266,11 @@ def run(args: argparse.Namespace, after_training: AfterTraining | None = None) -
     generation: Generation | None = None
     failures: list[dict[str, Any]] = []
     bar = tqdm(total=args.iterations or None, unit="it", desc="training", disable=args.quiet, dynamic_ncols=True)
+    scaler = Scaler(run_dir, args.embedding_servers)
     try:
         number = 0
         while True:
+            args.embedding_servers = scaler.servers  # (a restart during scaling starts with the target)
             start = 0
             if checkpoint_every(args):
                 start = snapshots.latest(checkpoints) or 0
@@ -293,7 +297,7 @@ def run(args: argparse.Namespace, after_training: AfterTraining | None = None) -
                 detector.expect(endpoints)
                 if failures:
                     failures[-1]["restarted_seconds"] = time.time() - failures[-1]["detected_at"]
-                cpu_from = _watch(generation, redis_server, detector, bar, failures)
+                cpu_from = _watch(generation, redis_server, detector, bar, failures, scaler, prometheus)
                 break
             except ComponentFailure as failure:
                 record = _record_failure(failure, generation, run_dir, bar)
@@ -302,6 +306,11 @@ def run(args: argparse.Namespace, after_training: AfterTraining | None = None) -
                 print(f"failure: {failure.component} {failure.detail}; "
                       f"{'giving up' if len(failures) > args.max_restarts else 'recovering'}", file=sys.stderr)  # fmt: skip
                 generation.job.kill_all()
+                try:
+                    scaler.records += generation.registry.reshards()
+                except redis.RedisError:
+                    pass
+                scaler.finish_by_recovery()
                 generation.registry.close()
                 if failure.component == "redis" or redis_server.proc.poll() is not None:
                     redis_server.stop()
@@ -317,6 +326,7 @@ def run(args: argparse.Namespace, after_training: AfterTraining | None = None) -
         job, registry = generation.job, generation.registry
         cpu_used = _cpu_by_service(cpu_from[1], job.cpu_seconds())
         stats = [registry.get_json(f"stats:{r}") for r in range(args.trainers)]
+        endpoints = registry.metrics_endpoints()  # (servers may have joined or left)
         _save_scrapes(run_dir / "metrics", endpoints)
         _raise_if_failed(job)  # a service that crashed after training still fails the run
         if after_training is not None:
@@ -324,6 +334,7 @@ def run(args: argparse.Namespace, after_training: AfterTraining | None = None) -
         _shutdown_services(registry)
         summary = summarize(stats, args, run_dir)
         summary["recovery"] = recovery_summary(failures, stats, run_dir, checkpoint_every(args), checkpoints)
+        summary["resharding"] = resharding_summary(scaler.records + registry.reshards(), run_dir)
         if failures or stats[0]["first_batch"]:  # the run's batches, not just this generation's
             summary["iterations"] = stats[0]["first_batch"] + stats[0]["iterations"]
             summary["losses"] = _run_losses(run_dir)
@@ -339,6 +350,7 @@ def run(args: argparse.Namespace, after_training: AfterTraining | None = None) -
         return summary
     finally:
         bar.close()
+        scaler.close()
         if detector is not None:
             detector.close()
         if prometheus is not None:
@@ -378,26 +390,17 @@ def _start_generation(
 ) -> Generation:
     """Spawns every process of the job, resuming at ``start`` (a complete checkpoint, or 0)."""
     table_rows = table_rows_of(args)
-    netns = getattr(args, "embedding_server_netns", None)
-    if netns:  # embedding servers in a network namespace, behind a (bandwidth-limited) veth link
-        host_ip, netns_ip = args.netns_addresses.split(",")
     registry = Registry(redis_server.url, job_name)
     job = LocalJob(args, run_dir)
     coord = ["--redis", redis_server.url, "--job", job_name, "--log-level", args.log_level]
     tables = ["--data", args.data, "--table-rows", ",".join(map(str, table_rows))]
     model = ["--embedding-dim", str(args.embedding_dim), "--optimizer", args.optimizer, "--lr", repr(args.lr),
              "--seed", str(args.seed)] + (["--init-from", args.init_from] if args.init_from else [])  # fmt: skip
+    job.checkpoints = checkpoints
     every = checkpoint_every(args)
     recovery = ["--checkpoint-dir", str(checkpoints), "--resume-batch", str(start)] if every else []
     for s in range(args.embedding_servers):
-        where: list[str] = []
-        if netns:
-            where = ["--address", f"{netns_ip}:0", "--metrics-address", f"{netns_ip}:0",
-                     "--redis", redis_server.url.replace("127.0.0.1", host_ip)]  # fmt: skip
-        job.spawn(f"embedding-server-{s}", "bagpipe.embedding_server",
-                  ["--shard", str(s), "--num-shards", str(args.embedding_servers), *tables, *model, *coord,
-                   *recovery, *where],
-                  prefix=["ip", "netns", "exec", netns] if netns else None)  # fmt: skip
+        spawn_embedding_server(job, redis_server, job_name, s, resume=start if every else None)
     skew = ["--zipf-alpha", repr(args.zipf_alpha)]
     if args.hot_fraction is not None:
         skew += ["--hot-fraction", repr(args.hot_fraction)]
@@ -436,6 +439,32 @@ def _start_generation(
     if number:
         logger.info("generation %d: resuming at batch %d", number, start)
     return Generation(number, start, job_name, registry, job, trainers, len(_iteration_log(run_dir)))
+
+
+def spawn_embedding_server(job: LocalJob, redis_server: RedisServer, job_name: str, shard: int,
+                           resume: int | None) -> Process:  # fmt: skip
+    """Starts embedding server ``shard``: one of the generation's first (it creates the shard map for
+    ``--embedding-servers`` of them, and with ``resume`` loads the checkpoint's rows), or one that joins a
+    running job (``bagpipe scale``), empty until the coordinator moves its buckets to it."""
+    args = job.args
+    coord = ["--redis", redis_server.url, "--job", job_name, "--log-level", args.log_level]
+    model = ["--embedding-dim", str(args.embedding_dim), "--optimizer", args.optimizer, "--lr", repr(args.lr),
+             "--seed", str(args.seed)] + (["--init-from", args.init_from] if args.init_from else [])  # fmt: skip
+    tables = ["--data", args.data, "--table-rows", ",".join(map(str, table_rows_of(args)))]
+    recovery = []
+    if resume is not None:
+        recovery = ["--checkpoint-dir", str(job.checkpoints), "--resume-batch", str(resume)]
+    where: list[str] = []
+    netns = getattr(args, "embedding_server_netns", None)
+    if netns:  # embedding servers in a network namespace, behind a (bandwidth-limited) veth link
+        host_ip, netns_ip = args.netns_addresses.split(",")
+        where = ["--address", f"{netns_ip}:0", "--metrics-address", f"{netns_ip}:0",
+                 "--redis", redis_server.url.replace("127.0.0.1", host_ip)]  # fmt: skip
+    rate = getattr(args, "migration_rows_per_second", 0.0) or 0.0
+    return job.spawn(f"embedding-server-{shard}", "bagpipe.embedding_server",
+                     ["--shard", str(shard), "--initial-shards", str(args.embedding_servers),
+                      "--migration-rows-per-second", repr(rate), *tables, *model, *coord, *recovery, *where],
+                     prefix=["ip", "netns", "exec", netns] if netns else None)  # fmt: skip
 
 
 def _wait_for_endpoints(
@@ -512,6 +541,8 @@ def _watch(
     detector: Detector,
     bar: tqdm,
     failures: list[dict[str, Any]],
+    scaler: Scaler,
+    prometheus: PrometheusServer | None,
 ) -> tuple[int, dict[str, float]]:
     """Shows progress until every trainer has stored its statistics, and raises ComponentFailure when a
     process exits or the detector declares one gone or stuck. Returns the CPU times of the processes when
@@ -523,6 +554,27 @@ def _watch(
     next_look = 0.0
     bar.n = generation.start_batch
     bar.refresh()
+    watched = set(registry.metrics_endpoints())
+
+    def spawn(shard: int) -> None:
+        spawn_embedding_server(job, redis_server, generation.job_name, shard, resume=None)
+
+    def retire(shard: int) -> None:
+        for p in [p for p in job.processes if p.name == f"embedding-server-{shard}"]:
+            try:
+                p.proc.wait(30)
+            except subprocess.TimeoutExpired:
+                p.proc.kill()
+                p.proc.wait()
+            job.processes.remove(p)
+        member = f"embedding_server/{shard}"
+        detector.retire([member])
+        registry.unregister_metrics("embedding_server", str(shard))
+        watched.discard(member)
+        if prometheus is not None:
+            prometheus.retarget(registry.metrics_endpoints())
+
+    cannot_scale = "--system ideal keeps the embeddings in shared memory" if getattr(job.args, "system", "") == "ideal" else None
     # a finished trainer stores its statistics and keeps serving /metrics until it is stopped
     while True:
         _raise_if_failed(job, redis_server)
@@ -541,8 +593,24 @@ def _watch(
                 if failures and "recovered_seconds" not in failures[-1]:
                     failures[-1]["recovered_seconds"] = time.time() - failures[-1]["detected_at"]
             bar.update(max(0, now - bar.n))
+        try:  # scaling requests (bagpipe scale), and the servers they start or drain
+            servers = sum(p.name.startswith("embedding-server-") for p in job.processes)
+            scaler.poll(registry, servers, spawn, retire, cannot_scale)
+            _follow_scaling(job.args, generation.job.run_dir, scaler.servers)
+        except redis.RedisError as e:
+            raise ComponentFailure("redis", "gone", f"does not answer: {e}") from None
         if time.monotonic() >= next_look:  # the failure detector, from the services' metrics
             next_look = time.monotonic() + min(1.0, detector.timeout / 4)
+            try:
+                endpoints = registry.metrics_endpoints()
+            except redis.RedisError as e:
+                raise ComponentFailure("redis", "gone", f"does not answer: {e}") from None
+            joined = set(endpoints) - watched
+            if joined:  # servers started by a scale-up
+                detector.expect(joined)
+                watched |= joined
+                if prometheus is not None:
+                    prometheus.retarget(endpoints)
             found = detector.poll()
             if found:
                 worst = found[0]
@@ -555,6 +623,18 @@ def _watch(
     _raise_if_failed(job, redis_server)
     bar.update(max(0, (total or bar.n) - bar.n))
     return cpu_from or (0, {})
+
+
+def _follow_scaling(args: argparse.Namespace, run_dir: Path, servers: int) -> None:
+    """Keeps ``--embedding-servers`` (and config.json, for ``--resume``) at the scaling target."""
+    if args.embedding_servers == servers:
+        return
+    args.embedding_servers = servers
+    config = run_dir / "config.json"
+    if config.is_file():
+        saved = json.loads(config.read_text())
+        saved["embedding_servers"] = servers
+        config.write_text(json.dumps(saved, indent=1))
 
 
 def _iteration_log(run_dir: Path) -> list[tuple[int, float]]:
@@ -606,6 +686,42 @@ def recovery_summary(
         "checkpoints": len(seconds),
         "checkpoint_seconds_per_iteration": sum(seconds) / iterations,
         "checkpoint_seconds_mean": sum(seconds) / len(seconds) if seconds else 0.0,
+    }
+
+
+def resharding_summary(records: list[dict[str, Any]], run_dir: Path) -> dict[str, Any]:
+    """Re-shardings of the run, and how long iterations took while rows moved against the rest of the run
+    (rank 0's iteration log; the first iterations of each generation, warming up, are left out)."""
+    rows = []
+    path = run_dir / "metrics" / "trainer-0.csv"
+    if path.is_file():
+        with open(path, newline="") as f:
+            rows = [r for r in csv.DictReader(f) if r.get("batch", "").isdigit()]
+    done = [r for r in records if r.get("state") == "done"]
+    during, other = [], []
+    previous = None
+    for i, row in enumerate(rows):
+        batch, end = int(row["batch"]), float(row["time"])
+        fresh = previous is None or batch != previous + 1  # a generation's start
+        previous = batch
+        if fresh or i < 3:
+            continue
+        seconds = float(row["iteration_seconds"])
+        start = end - seconds
+        moving = any(start < r["finished_at"] and end > r["started_at"] for r in done)
+        (during if moving else other).append(seconds)
+    mean_during = sum(during) / len(during) if during else None
+    mean_other = sum(other) / len(other) if other else None
+    return {
+        "reshards": records,
+        "buckets_moved": sum(r.get("buckets_moved", 0) for r in done),
+        "rows_moved": sum(r.get("rows_moved", 0) for r in done),
+        "bytes_moved": sum(r.get("bytes_moved", 0) for r in done),
+        "seconds": sum(r.get("seconds", 0.0) for r in done),
+        "iterations_during": len(during),
+        "iteration_seconds_during": mean_during,
+        "iteration_seconds_otherwise": mean_other,
+        "slowdown": mean_during / mean_other if mean_during and mean_other else None,
     }
 
 
