@@ -19,6 +19,11 @@ from bagpipe.config_args import (
     positive_int,
 )
 from bagpipe.control.detector import DEFAULT_TIMEOUT_S
+
+# rows per second each embedding server sends while re-sharding a local run: there the services share the
+# trainers' cores; at the quick profile's size this keeps iterations during a migration as fast as the
+# others (bench/resharding.py), where no limit makes them about 1.6x slower on 2 cores
+DEFAULT_MIGRATION_RATE = 50_000.0
 from bagpipe.data_processor.config import add_source_args
 
 
@@ -57,9 +62,10 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--resume", default=None, metavar="RUN_DIR",
                    help="go on with a stopped or crashed run from its last checkpoint, with its own flags")
     g = r.add_argument_group("scaling")
-    g.add_argument("--migration-rows-per-second", type=non_negative_float, default=0.0,
+    g.add_argument("--migration-rows-per-second", type=non_negative_float, default=DEFAULT_MIGRATION_RATE,
                    help="re-sharding (bagpipe scale) sends at most this many rows per second from each embedding "
-                   "server (default 0: no limit)")  # fmt: skip
+                   f"server, so that training keeps its share of the cores and the network (default "
+                   f"{DEFAULT_MIGRATION_RATE:g}; 0: no limit)")  # fmt: skip
     g = r.add_argument_group("benchmarking")
     g.add_argument(
         "--system", choices=["bagpipe", "no-cache", "ideal"], default="bagpipe",

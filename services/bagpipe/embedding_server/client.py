@@ -30,17 +30,25 @@ RESHARD_LOCK = "reshard"
 T = TypeVar("T")
 
 
-def call_with_retry(fn: Callable[[], T], what: str) -> T:
-    """Retries only UNAVAILABLE (server restarting), with backoff; every call has a deadline."""
+def call_with_retry(fn: Callable[[], T], what: str, moved: Callable[[], bool] | None = None) -> T:
+    """Retries only UNAVAILABLE (server restarting), with backoff; every call has a deadline. With ``moved``
+    (is there a newer shard map?), an unavailable server that the map no longer needs (drained and gone)
+    raises ``Moved`` instead, so the caller routes the request again."""
     for attempt in range(_RETRIES):
         try:
             return fn()
         except grpc.RpcError as e:
+            if e.code() == grpc.StatusCode.UNAVAILABLE and moved is not None and moved():
+                raise Moved(what) from e
             if e.code() != grpc.StatusCode.UNAVAILABLE or attempt == _RETRIES - 1:
                 raise
             logger.warning("%s: unavailable, retrying (%d/%d)", what, attempt + 1, _RETRIES)
             time.sleep(0.1 * 2**attempt)
     raise AssertionError("unreachable")
+
+
+class Moved(Exception):
+    """The server did not answer, and a newer shard map than the request's is in force."""
 
 
 class ShardMapChanged(RuntimeError):
@@ -145,8 +153,11 @@ class EmbeddingClient:
             request = pb.LookupRequest(shard_map_version=route.shard_map.version, keys=to_tensor(keys[part]))
             try:
                 reply = call_with_retry(
-                    lambda r=request: route.stubs[shard].Lookup(r, timeout=serving.RPC_TIMEOUT_S), f"lookup shard {shard}"
-                )
+                    lambda r=request: route.stubs[shard].Lookup(r, timeout=serving.RPC_TIMEOUT_S),
+                    f"lookup shard {shard}", lambda: self.refresh(route.shard_map.version),
+                )  # fmt: skip
+            except Moved:
+                return positions[start:]
             except grpc.RpcError as e:
                 if e.code() == grpc.StatusCode.FAILED_PRECONDITION:
                     return positions[start:]
@@ -177,8 +188,10 @@ class EmbeddingClient:
             try:
                 call_with_retry(
                     lambda r=request: route.stubs[shard].WriteBack(r, timeout=serving.RPC_TIMEOUT_S),
-                    f"write-back shard {shard}",
-                )
+                    f"write-back shard {shard}", lambda: self.refresh(route.shard_map.version),
+                )  # fmt: skip
+            except Moved:  # (a drained server refuses an old version, so it did not apply this part)
+                return positions[start:]
             except grpc.RpcError as e:
                 if e.code() == grpc.StatusCode.FAILED_PRECONDITION:
                     return positions[start:]  # this part and the rest were not applied: routed again

@@ -28,7 +28,8 @@ from bagpipe.wire import from_tensor, to_tensor
 logger = logging.getLogger(__name__)
 
 
-MIGRATION_CHUNK_ROWS = 1 << 15
+# rows per migration message: small enough that lookups and write-backs interleave with the copy
+MIGRATION_CHUNK_ROWS = 1 << 13
 
 
 class EmbeddingServicer(pb_grpc.EmbeddingServerServicer):
