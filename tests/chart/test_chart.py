@@ -3,14 +3,18 @@ the chart tells each container agrees with what the services parse, listen on an
 
 from __future__ import annotations
 
+import copy
 import importlib
 import json
 import os
 import shutil
 import subprocess
 import sysconfig
+import tempfile
 from pathlib import Path
+from types import SimpleNamespace
 from typing import Any
+from unittest import mock
 from urllib.parse import urlparse
 
 import pytest
@@ -101,11 +105,67 @@ def expand(arg: str, env: dict[str, str]) -> str:
     return arg
 
 
+def kubelet_env(container: dict[str, Any], docs: list[dict[str, Any]], **fields: str) -> dict[str, str]:
+    """The container's environment as a kubelet sets it: literal values, keys of the rendered ConfigMaps,
+    and ``fields`` standing in for the fieldRef variables (the pod's IP and ordinal)."""
+    maps = by_kind(docs, "ConfigMap")
+    env: dict[str, str] = {}
+    for e in container.get("env", []):
+        source = e.get("valueFrom", {})
+        if "value" in e:
+            env[e["name"]] = e["value"]
+        elif "configMapKeyRef" in source:
+            ref = source["configMapKeyRef"]
+            assert ref["name"] in maps, f"{e['name']}: no ConfigMap {ref['name']} in the release"
+            env[e["name"]] = maps[ref["name"]]["data"][ref["key"]]
+        elif "fieldRef" in source and e["name"] in fields:
+            env[e["name"]] = fields[e["name"]]
+    return env
+
+
 def parse_container(container: dict[str, Any], env: dict[str, str]) -> Any:
     module = importlib.import_module(PARSERS[container["name"]])
     argv = [expand(str(a), env) for a in container["args"]]
     parsed = module.parse(argv)  # the service's own parser and config validation
     return parsed if isinstance(parsed, tuple) else (parsed, module.build_parser().parse_args(argv))
+
+
+def run_drain_hook(container: dict[str, Any], env: dict[str, str]) -> list[str]:
+    """Runs the container's preStop command as a kubelet does (no $(VAR) expansion, the container's
+    environment) with a stand-in ``python`` that prints its argv, and returns that argv."""
+    command = container["lifecycle"]["preStop"]["exec"]["command"]
+    assert not any("$(" in c for c in command), "hooks do not expand $(VAR); the shell must read the env"
+    assert command[0] == "sh", "the image has sh on its PATH"
+    with tempfile.TemporaryDirectory() as tmp:
+        python = Path(tmp) / "python"
+        python.write_text('#!/bin/sh\nfor a in "$@"; do printf \'%s\\0\' "$a"; done\n')
+        python.chmod(0o755)
+        out = subprocess.run([shutil.which("sh") or "/bin/sh", *command[1:]], capture_output=True, text=True,
+                             env={**env, "PATH": tmp})  # fmt: skip
+    assert out.returncode == 0, out.stderr
+    return out.stdout.split("\0")[:-1]
+
+
+def parse_drain(argv: list[str]) -> SimpleNamespace:
+    """``python -m bagpipe.embedding_server.drain`` run on ``argv`` (its own parser), with Redis and the
+    drain itself stubbed: what it would connect to and drain."""
+    assert argv[:2] == ["-m", "bagpipe.embedding_server.drain"], argv
+    module = importlib.import_module("bagpipe.embedding_server.drain")
+    seen = SimpleNamespace()
+
+    class Registry:
+        def __init__(self, url: str, job: str) -> None:
+            seen.redis, seen.job = url, job
+
+        def close(self) -> None:
+            pass
+
+    def drain(registry: Registry, shard: int, timeout: float) -> None:
+        seen.shard, seen.timeout = shard, timeout
+
+    with mock.patch.object(module, "Registry", Registry), mock.patch.object(module, "drain", drain):
+        module.main(argv[2:])
+    return seen
 
 
 def workloads(docs: list[dict[str, Any]]) -> dict[str, dict[str, Any]]:
@@ -135,7 +195,8 @@ def check_consistency(docs: list[dict[str, Any]]) -> dict[str, Any]:
             fake_env["POD_INDEX"] = str(load["spec"]["replicas"] - 1)
             headless = services[load["spec"]["serviceName"]]
             assert headless["spec"]["clusterIP"] == "None"
-        cfg, args = parse_container(container, fake_env)
+        env = kubelet_env(container, docs, **fake_env)
+        cfg, args = parse_container(container, env)
         configs[container["name"]] = (cfg, args, load)
         ports = container_ports(container)
         assert urlparse(f"http://{args.metrics_address}").port == ports["metrics"]
@@ -158,6 +219,10 @@ def check_consistency(docs: list[dict[str, Any]]) -> dict[str, Any]:
         sc = container["securityContext"]
         assert sc["readOnlyRootFilesystem"] and not sc["allowPrivilegeEscalation"] and sc["capabilities"]["drop"] == ["ALL"]
         assert pod["spec"]["securityContext"]["runAsNonRoot"]
+        if container["name"] == "embedding-server":  # its preStop drain: this shard, this job's Redis
+            drain = parse_drain(run_drain_hook(container, env))
+            assert (drain.shard, drain.redis, drain.job) == (cfg.shard, args.redis, args.job)
+            assert pod["spec"]["terminationGracePeriodSeconds"] > drain.timeout, "killed mid-drain"
 
     trainer_cfg, trainer_args, trainer_load = configs["trainer"]
     oracle_cfg, _, _ = configs["oracle-cacher"]
@@ -165,7 +230,8 @@ def check_consistency(docs: list[dict[str, Any]]) -> dict[str, Any]:
     dp_cfg, _, dp_load = configs["data-processor"]
     assert trainer_cfg.world_size == trainer_load["spec"]["replicas"] == oracle_cfg.trainers
     assert trainer_cfg.rank == trainer_load["spec"]["replicas"] - 1
-    assert emb_cfg.num_shards == emb_load["spec"]["replicas"] and emb_cfg.shard == emb_cfg.num_shards - 1
+    assert emb_cfg.initial_shards == emb_load["spec"]["replicas"], "the first shard map: one shard per server"
+    assert emb_cfg.shard == emb_load["spec"]["replicas"] - 1
     assert oracle_cfg.data_processors == dp_load["spec"]["replicas"]
     assert dp_cfg.index is None, "data processors in a Deployment register under their pod names"
     assert oracle_cfg.batch_size == dp_cfg.batch_size
@@ -197,10 +263,55 @@ def test_scaling_renders_consistent_shards_and_ranks() -> None:
     configs = check_consistency(docs)
     (emb,) = loads["bagpipe-embedding-server"]["spec"]["template"]["spec"]["containers"]
     (trn,) = loads["bagpipe-trainer"]["spec"]["template"]["spec"]["containers"]
-    shards = {parse_container(emb, {"POD_IP": "10.0.0.1", "POD_INDEX": str(i)})[0].shard for i in range(6)}
+    emb_envs = [kubelet_env(emb, docs, POD_IP="10.0.0.1", POD_INDEX=str(i)) for i in range(6)]
+    shards = {parse_container(emb, env)[0].shard for env in emb_envs}
     ranks = {parse_container(trn, {"POD_IP": "10.0.0.1", "POD_INDEX": str(i)})[0].rank for i in range(4)}
     assert shards == set(range(6)) and ranks == set(range(4))
-    assert configs["embedding-server"][0].num_shards == 6 and configs["oracle-cacher"][0].trainers == 4
+    assert [parse_drain(run_drain_hook(emb, env)).shard for env in emb_envs] == list(range(6))
+    assert configs["embedding-server"][0].initial_shards == 6 and configs["oracle-cacher"][0].trainers == 4
+
+
+def test_changing_the_server_count_changes_only_replicas() -> None:
+    """`helm upgrade --set embeddingServer.replicaCount=N` must not change the servers' pod template (that
+    rolls every server, and their rows are in memory), nor anything else but the first shard map's size."""
+    two, five = (render("--set", f"embeddingServer.replicaCount={n}") for n in (2, 5))
+    assert [d["metadata"]["name"] for d in two] == [d["metadata"]["name"] for d in five]
+    changed = {(a["kind"], a["metadata"]["name"]) for a, b in zip(two, five, strict=True) if a != b}
+    assert changed == {("StatefulSet", "bagpipe-embedding-server"), ("ConfigMap", "bagpipe-embedding-server")}
+    sts2, sts5 = (workloads(d)["bagpipe-embedding-server"] for d in (two, five))
+    assert (sts2["spec"]["replicas"], sts5["spec"]["replicas"]) == (2, 5)
+    scaled = copy.deepcopy(sts2)
+    scaled["spec"]["replicas"] = 5
+    assert scaled == sts5, "the pod template must not depend on embeddingServer.replicaCount"
+    maps = [by_kind(d, "ConfigMap")["bagpipe-embedding-server"]["data"] for d in (two, five)]
+    assert maps == [{"initialShards": "2"}, {"initialShards": "5"}]
+    assert [check_consistency(d)["embedding-server"][0].initial_shards for d in (two, five)] == [2, 5]
+
+
+@pytest.mark.parametrize("timeout", [None, 1800])
+def test_servers_drain_before_they_stop(timeout: int | None) -> None:
+    docs = render(*(["--set", f"embeddingServer.drain.timeoutSeconds={timeout}"] if timeout else []))
+    pod = workloads(docs)["bagpipe-embedding-server"]["spec"]["template"]["spec"]
+    (emb,) = pod["containers"]
+    env = kubelet_env(emb, docs, POD_IP="10.0.0.1", POD_INDEX="3")
+    drain = parse_drain(run_drain_hook(emb, env))
+    _, server_args = parse_container(emb, env)
+    assert drain.shard == 3 and (drain.redis, drain.job) == (server_args.redis, server_args.job)
+    assert drain.timeout == (timeout or 600)
+    # the grace period includes preStop: Kubernetes kills the pod when it runs out, drained or not
+    assert pod["terminationGracePeriodSeconds"] > drain.timeout
+
+
+@pytest.mark.parametrize("rate", [None, 1000000, 2500.5])
+def test_migration_rate_reaches_the_servers(rate: float | None, tmp_path: Path) -> None:
+    # from a values file, as the template engine sees numbers there: float64 (1000000 would print as 1e+06)
+    path = tmp_path / "values.yaml"
+    path.write_text(f"embeddingServer:\n  migrationRowsPerSecond: {rate}\n" if rate is not None else "")
+    docs = render("-f", str(path))
+    cfg = check_consistency(docs)["embedding-server"][0]
+    assert cfg.migration_rows_per_second == (rate or 0.0)
+    (emb,) = workloads(docs)["bagpipe-embedding-server"]["spec"]["template"]["spec"]["containers"]
+    assert emb["args"][emb["args"].index("--migration-rows-per-second") + 1] == str(rate or 0)
 
 
 def test_gpu_values_ask_for_gpus_and_the_cuda_image() -> None:
@@ -218,6 +329,8 @@ def test_gpu_values_ask_for_gpus_and_the_cuda_image() -> None:
         ("training:\n  batchSize: '16384'\n", "training.batchSize: Invalid type. Expected: integer, given: string"),
         ("trainers:\n  replicaCount: 2\n", "Additional property trainers is not allowed"),
         ("oracleCacher:\n  replicaCount: 2\n", "oracleCacher.replicaCount"),
+        ("embeddingServer:\n  migrationRowsPerSecond: -1\n", "migrationRowsPerSecond: Must be greater than"),
+        ("embeddingServer:\n  drain: {timeoutSeconds: 0}\n", "drain.timeoutSeconds: Must be greater than"),
     ],
 )
 def test_schema_rejects_bad_values_with_a_clear_message(values: str, message: str, tmp_path: Path) -> None:
@@ -245,10 +358,12 @@ def test_notes_tell_the_user_how_to_watch_the_run(tmp_path: Path) -> None:
     text = doc["data"]["notes"]
     assert "kubectl -n ml get pods -l app.kubernetes.io/instance=bagpipe -w" in text
     assert "port-forward pod/bagpipe-trainer-0 9400" in text and "Bagpipe training" in text
+    assert "kubectl -n ml scale statefulset bagpipe-embedding-server --replicas=N" in text
+    assert "--set embeddingServer.replicaCount=N" in text and "restarts them" not in text
 
 
 def test_dashboard_configmap_carries_the_dashboard() -> None:
-    (cm,) = by_kind(render(), "ConfigMap").values()
+    cm = by_kind(render(), "ConfigMap")["bagpipe-dashboard"]
     assert cm["metadata"]["labels"]["grafana_dashboard"] == "1"
     shipped = json.loads((CHART / "dashboards" / "bagpipe.json").read_text())
     assert json.loads(cm["data"]["bagpipe.json"]) == shipped

@@ -69,12 +69,17 @@ app.kubernetes.io/instance: {{ .Release.Name }}
 {{- end -}}
 {{- end -}}
 
-{{/* Flags every service takes: coordination and where it serves metrics */}}
-{{- define "bagpipe.coordinationArgs" -}}
+{{/* The job's Redis and name: every service, and the embedding servers' drain hook */}}
+{{- define "bagpipe.jobArgs" -}}
 - --redis
 - {{ include "bagpipe.redisUrl" . | quote }}
 - --job
 - {{ .Release.Name | quote }}
+{{- end -}}
+
+{{/* Flags every service takes: coordination and where it serves metrics */}}
+{{- define "bagpipe.coordinationArgs" -}}
+{{ include "bagpipe.jobArgs" . }}
 - --log-level
 - {{ .Values.training.logLevel | quote }}
 - --metrics-address

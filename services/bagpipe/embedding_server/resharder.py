@@ -173,6 +173,11 @@ def drain(registry: Registry, shard: int, timeout: float = 600.0, poll: float = 
     registry.set_leaving(shard)
     deadline = time.monotonic() + timeout
     while True:
+        leaving = registry.leaving()
+        if not any(s not in leaving for s in registry.members("embedding_server") if int(s) != shard):
+            # no server would be left to take the rows (the last one, or the whole tier going away)
+            logger.warning("shard %d: no other embedding server stays, nothing to move its rows to", shard)
+            return None
         shard_map = registry.shard_map()
         if shard_map is None or shard not in shard_map.owners:
             done = [r for r in registry.reshards() if shard_map is not None and r["to_version"] == shard_map.version]
