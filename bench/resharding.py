@@ -40,15 +40,36 @@ def main() -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--iterations", type=int, default=300)
     p.add_argument("--at", type=int, default=40, help="batch after which the job scales to 3 servers")
-    p.add_argument("--rows-per-second", type=float, default=None,
-                   help="migration throttle per server (default: bagpipe run's; 0: none)")
+    p.add_argument(
+        "--rows-per-second",
+        type=float,
+        default=None,
+        help="migration throttle per server (default: bagpipe run's; 0: none)",
+    )
     p.add_argument("--work", default="runs/bench-resharding")
     a = p.parse_args()
     profile = PROFILES["quick"]
     run_dir = Path(a.work) / time.strftime("%Y%m%d-%H%M%S")
-    argv = ["run", "--quiet", "--log-level", "WARNING", "--run-dir", str(run_dir), "--scale", profile["scale"],
-            "--batch-size", str(profile["batch"]), *profile["model"], *profile["optimizer"],
-            "--iterations", str(a.iterations), "--trainers", "2", "--embedding-servers", "2"]  # fmt: skip
+    argv = [
+        "run",
+        "--quiet",
+        "--log-level",
+        "WARNING",
+        "--run-dir",
+        str(run_dir),
+        "--scale",
+        profile["scale"],
+        "--batch-size",
+        str(profile["batch"]),
+        *profile["model"],
+        *profile["optimizer"],
+        "--iterations",
+        str(a.iterations),
+        "--trainers",
+        "2",
+        "--embedding-servers",
+        "2",
+    ]
     if a.rows_per_second is not None:
         argv += ["--migration-rows-per-second", str(a.rows_per_second)]
     out: list[dict[str, Any]] = []
@@ -68,22 +89,39 @@ def main() -> None:
         raise SystemExit(f"the run in {run_dir} failed; see its logs")
     summary = out[0]
     r = summary["resharding"]
-    print(f"run: {summary['iterations']} iterations, {summary['samples_per_second']:,.0f} samples/s, "
-          f"batch {profile['batch']}, scale {profile['scale']}, Adagrad, dim 64")  # fmt: skip
-    print(f"{'shards':<16} {'buckets':>8} {'rows':>9} {'MiB':>7} {'copy s':>7} {'rows/s':>10} {'MiB/s':>7} {'switch ms':>10}")
+    print(
+        f"run: {summary['iterations']} iterations, {summary['samples_per_second']:,.0f} samples/s, "
+        f"batch {profile['batch']}, scale {profile['scale']}, Adagrad, dim 64"
+    )
+    print(
+        f"{'shards':<16} {'buckets':>8} {'rows':>9} {'MiB':>7} {'copy s':>7} {'rows/s':>10} {'MiB/s':>7} "
+        f"{'switch ms':>10}"
+    )
     for rec in r["reshards"]:
         rate = rec["rows_moved"] / rec["copy_seconds"] if rec.get("copy_seconds") else float("nan")
         mib = rec["bytes_moved"] / 2**20
-        print(f"{str(rec['from_shards']) + '->' + str(rec['to_shards']):<16} {rec['buckets_moved']:8d} "
-              f"{rec['rows_moved']:9,d} {mib:7.1f} {rec['copy_seconds']:7.2f} {rate:10,.0f} "
-              f"{mib / rec['copy_seconds']:7.1f} {1000 * rec['switch_seconds']:10.1f}")  # fmt: skip
+        print(
+            f"{str(rec['from_shards']) + '->' + str(rec['to_shards']):<16} {rec['buckets_moved']:8d} "
+            f"{rec['rows_moved']:9,d} {mib:7.1f} {rec['copy_seconds']:7.2f} {rate:10,.0f} "
+            f"{mib / rec['copy_seconds']:7.1f} {1000 * rec['switch_seconds']:10.1f}"
+        )
     during, other = r["iteration_seconds_during"], r["iteration_seconds_otherwise"]
-    print(f"iterations while rows moved: {r['iterations_during']}, {1000 * (during or 0):.1f} ms each against "
-          f"{1000 * (other or 0):.1f} ms otherwise: {r['slowdown'] or float('nan'):.2f}x (target <= 1.5x)")  # fmt: skip
+    print(
+        f"iterations while rows moved: {r['iterations_during']}, {1000 * (during or 0):.1f} ms each against "
+        f"{1000 * (other or 0):.1f} ms otherwise: {r['slowdown'] or float('nan'):.2f}x (target <= 1.5x)"
+    )
     RESULTS.mkdir(exist_ok=True)
-    (RESULTS / "resharding-quick.json").write_text(json.dumps({
-        "argv": argv, "steps": steps, "resharding": r, "samples_per_second": summary["samples_per_second"],
-    }, indent=1))  # fmt: skip
+    (RESULTS / "resharding-quick.json").write_text(
+        json.dumps(
+            {
+                "argv": argv,
+                "steps": steps,
+                "resharding": r,
+                "samples_per_second": summary["samples_per_second"],
+            },
+            indent=1,
+        )
+    )
 
 
 if __name__ == "__main__":

@@ -13,7 +13,6 @@ from pathlib import Path
 
 import numpy as np
 import pytest
-
 from bagpipe.control.registry import Registry
 from bagpipe.core import checkpoint
 from bagpipe.core.data import table_offsets
@@ -44,12 +43,35 @@ class Servers:
     def start(self, shard: int, initial: int = 2) -> None:
         log = open(self.workdir / f"server-{shard}.log", "ab")  # noqa: SIM115
         self.procs[shard] = subprocess.Popen(
-            [sys.executable, "-m", "bagpipe.embedding_server", "--shard", str(shard), "--initial-shards", str(initial),
-             "--table-rows", ",".join(map(str, TABLES)), "--embedding-dim", str(DIM), "--optimizer", "adagrad",
-             "--seed", str(SEED), "--redis", self.redis_url, "--job", self.job, "--log-level", "INFO",
-             "--migration-rows-per-second", repr(self.rate)],
-            stdout=log, stderr=subprocess.STDOUT, env=dict(os.environ, PYTHONUNBUFFERED="1"),
-        )  # fmt: skip
+            [
+                sys.executable,
+                "-m",
+                "bagpipe.embedding_server",
+                "--shard",
+                str(shard),
+                "--initial-shards",
+                str(initial),
+                "--table-rows",
+                ",".join(map(str, TABLES)),
+                "--embedding-dim",
+                str(DIM),
+                "--optimizer",
+                "adagrad",
+                "--seed",
+                str(SEED),
+                "--redis",
+                self.redis_url,
+                "--job",
+                self.job,
+                "--log-level",
+                "INFO",
+                "--migration-rows-per-second",
+                repr(self.rate),
+            ],
+            stdout=log,
+            stderr=subprocess.STDOUT,
+            env=dict(os.environ, PYTHONUNBUFFERED="1"),
+        )
 
     def stop(self, shard: int) -> None:
         proc = self.procs.pop(shard)
@@ -116,8 +138,11 @@ def cluster(tmp_path: Path):
 def _settled(registry: Registry, shards: list[int]) -> bool:
     shard_map, _ = registry.embedding_servers()
     records = registry.reshards()
-    return (shard_map is not None and shard_map.owners == shards
-            and (shard_map.version == 1 or (records and records[-1]["to_version"] == shard_map.version)))  # fmt: skip
+    return (
+        shard_map is not None
+        and shard_map.owners == shards
+        and (shard_map.version == 1 or (records and records[-1]["to_version"] == shard_map.version))
+    )
 
 
 def test_writes_during_migrations_are_neither_lost_nor_duplicated(cluster) -> None:
@@ -141,14 +166,21 @@ def test_writes_during_migrations_are_neither_lost_nor_duplicated(cluster) -> No
             drain(registry, shard, timeout=60)
             servers.stop(shard)
         _wait("-> 1", lambda: _settled(registry, [0]) or writer.error is not None)
-        _wait("writes after scaling", lambda: writer.writes >= writes_before_down + 5 or writer.error is not None)
+        _wait(
+            "writes after scaling",
+            lambda: writer.writes >= writes_before_down + 5 or writer.error is not None,
+        )
     finally:
         writer.stop.set()
         writer.join(30)
     assert writer.error is None, writer.error
     records = registry.reshards()
     assert [r["state"] for r in records] == ["done"] * 3
-    assert [(r["from_shards"], r["to_shards"]) for r in records] == [([0, 1], [0, 1, 2]), ([0, 1, 2], [0, 1]), ([0, 1], [0])]
+    assert [(r["from_shards"], r["to_shards"]) for r in records] == [
+        ([0, 1], [0, 1, 2]),
+        ([0, 1, 2], [0, 1]),
+        ([0, 1], [0]),
+    ]
     assert all(r["rows_moved"] > 0 and r["bytes_moved"] > 0 for r in records)
     # writes landed on every source during the copies: some rows were sent again at the switch
     assert sum(r["rows_resent"] for r in records) > 0
@@ -195,12 +227,30 @@ def _when_trained(run_dir: Path, batches: int, thread: threading.Thread) -> None
 
 
 @pytest.mark.parametrize("optimizer", ["sgd", "adagrad"])
-def test_scaling_up_and_down_mid_training_keeps_the_model_exact(run_job, tmp_path: Path, optimizer: str) -> None:
+def test_scaling_up_and_down_mid_training_keeps_the_model_exact(
+    run_job, tmp_path: Path, optimizer: str
+) -> None:
     """S=2 -> 3 -> 1 while training (LRPP, delayed sync, L=8, checkpoints every 5 batches) ends with the final
     checkpoint of a run at a fixed S=2, and that is the synchronous model."""
     iterations, batch = 400, 64
-    flags = ("--trainers", "2", "--embedding-servers", "2", "--lookahead", "8", "--iterations", str(iterations),
-             "--batch-size", str(batch), "--optimizer", optimizer, "--lr", "0.05", "--checkpoint-every", "5")  # fmt: skip
+    flags = (
+        "--trainers",
+        "2",
+        "--embedding-servers",
+        "2",
+        "--lookahead",
+        "8",
+        "--iterations",
+        str(iterations),
+        "--batch-size",
+        str(batch),
+        "--optimizer",
+        optimizer,
+        "--lr",
+        "0.05",
+        "--checkpoint-every",
+        "5",
+    )
     _, fixed = run_job("fixed", *flags)
     thread, result, error = _run_in_thread(run_job, "scaled", *flags, "--migration-rows-per-second", "10000")
     run_dir = tmp_path / "scaled"
@@ -224,7 +274,10 @@ def test_scaling_up_and_down_mid_training_keeps_the_model_exact(run_job, tmp_pat
     assert summary["rows_private_per_iteration"] > 0 and summary["rows_handed_over"] > 0
     assert_same_model(paths["final"], checkpoint.load(fixed["final"]), tolerance=0.0)
     expected = train_reference(
-        checkpoint.load(paths["initial"]), synthetic_batches(iterations, batch), MODEL, OptimizerConfig(optimizer, 0.05)
+        checkpoint.load(paths["initial"]),
+        synthetic_batches(iterations, batch),
+        MODEL,
+        OptimizerConfig(optimizer, 0.05),
     )
     assert_same_model(paths["final"], expected)
 
@@ -234,17 +287,43 @@ def test_a_server_failing_mid_migration_rolls_back_and_stays_exact(run_job, tmp_
     the three servers asked for, and ends with the synchronous model."""
     iterations, batch = 400, 64
     thread, result, error = _run_in_thread(
-        run_job, "interrupted", "--trainers", "2", "--embedding-servers", "2", "--lookahead", "8",
-        "--iterations", str(iterations), "--batch-size", str(batch), "--optimizer", "adagrad", "--lr", "0.05",
-        "--checkpoint-every", "5", "--migration-rows-per-second", "2000", "--failure-timeout", "3",
-        "--log-level", "INFO",
-    )  # fmt: skip
+        run_job,
+        "interrupted",
+        "--trainers",
+        "2",
+        "--embedding-servers",
+        "2",
+        "--lookahead",
+        "8",
+        "--iterations",
+        str(iterations),
+        "--batch-size",
+        str(batch),
+        "--optimizer",
+        "adagrad",
+        "--lr",
+        "0.05",
+        "--checkpoint-every",
+        "5",
+        "--migration-rows-per-second",
+        "2000",
+        "--failure-timeout",
+        "3",
+        "--log-level",
+        "INFO",
+    )
     run_dir = tmp_path / "interrupted"
     try:
         _when_trained(run_dir, 8, thread)
         request = request_scale(run_dir, 3)
-        _wait("rows moving", lambda: b"migration to version 2" in (run_dir / "logs" / "embedding-server-2.log").read_bytes()
-              if (run_dir / "logs" / "embedding-server-2.log").is_file() else False)  # fmt: skip
+        _wait(
+            "rows moving",
+            lambda: (
+                b"migration to version 2" in (run_dir / "logs" / "embedding-server-2.log").read_bytes()
+                if (run_dir / "logs" / "embedding-server-2.log").is_file()
+                else False
+            ),
+        )
         pids = children_matching("bagpipe.embedding_server --shard 2")
         assert len(pids) == 1
         os.kill(pids[0], signal.SIGKILL)
@@ -257,6 +336,9 @@ def test_a_server_failing_mid_migration_rolls_back_and_stays_exact(run_job, tmp_
     assert summary["recovery"]["failures"][0]["component"] == "embedding-server-2", summary["recovery"]
     assert summary["embedding_servers"] == 3 and summary["iterations"] == iterations
     expected = train_reference(
-        checkpoint.load(paths["initial"]), synthetic_batches(iterations, batch), MODEL, OptimizerConfig("adagrad", 0.05)
+        checkpoint.load(paths["initial"]),
+        synthetic_batches(iterations, batch),
+        MODEL,
+        OptimizerConfig("adagrad", 0.05),
     )
     assert_same_model(paths["final"], expected)

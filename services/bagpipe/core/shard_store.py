@@ -45,7 +45,9 @@ class ShardStore:
         if shard < 0:
             raise ValueError(f"shard: must be >= 0, got {shard}")
         if int(offsets[-1]) != shard_map.num_keys:
-            raise ValueError(f"table rows total {int(offsets[-1])} but the shard map has {shard_map.num_keys} keys")
+            raise ValueError(
+                f"table rows total {int(offsets[-1])} but the shard map has {shard_map.num_keys} keys"
+            )
         self.shard_map = shard_map
         self.shard = shard
         self.offsets = offsets
@@ -64,7 +66,9 @@ class ShardStore:
         self._changed = np.zeros(local_rows, dtype=bool)  # written since the last snapshot
         self.migration: Migration | None = None
 
-    def load_checkpoint(self, embeddings: Mapping[str, torch.Tensor], state: Mapping[str, torch.Tensor] | None) -> None:
+    def load_checkpoint(
+        self, embeddings: Mapping[str, torch.Tensor], state: Mapping[str, torch.Tensor] | None
+    ) -> None:
         """Replaces this shard's rows (and state, if given) with those of an interchange checkpoint."""
         local_keys = self.shard_map.local_keys(self.shard)
         for t in range(self.offsets.size - 1):
@@ -91,7 +95,9 @@ class ShardStore:
         if foreign.size:
             key = int(keys[foreign[0]])
             raise InvalidArgument(
-                field, f"key {key} belongs to shard {int(self.shard_map.shard_of(keys[foreign[:1]])[0])}, not {self.shard}"
+                field,
+                f"key {key} belongs to shard {int(self.shard_map.shard_of(keys[foreign[:1]])[0])}, "
+                f"not {self.shard}",
             )
         return position * self.shard_map.rows_per_bucket + keys // self.shard_map.num_buckets
 
@@ -133,11 +139,14 @@ class ShardStore:
         for _, keys, rows, state in deltas:
             if rows.shape[1:] != (self.dim,) or state.shape[1:] != (self.state_width,):
                 raise ValueError(
-                    f"checkpoint rows of width {rows.shape[1:]} and state {state.shape[1:]} do not fit this server "
+                    f"checkpoint rows of width {rows.shape[1:]} and state {state.shape[1:]} do not fit this "
+                    "server "
                     f"(dim {self.dim}, state width {self.state_width}): other --embedding-dim or --optimizer?"
                 )
             if keys.size and (keys.min() < 0 or keys.max() >= self.shard_map.num_keys):
-                raise ValueError(f"checkpoint keys outside [0, {self.shard_map.num_keys}): other --table-rows?")
+                raise ValueError(
+                    f"checkpoint keys outside [0, {self.shard_map.num_keys}): other --table-rows?"
+                )
             mine = np.flatnonzero(self._position[keys % self.shard_map.num_buckets] >= 0)
             index = self.local_index(keys[mine])
             self.weights[index] = rows[mine]
@@ -149,7 +158,9 @@ class ShardStore:
     def adopt(self, shard_map: ShardMap) -> None:
         """Takes over ``shard_map`` (a later version) while this shard holds no buckets in either."""
         if self.rows_held or self.shard in shard_map.owners or shard_map.num_keys != self.shard_map.num_keys:
-            raise ValueError(f"shard {self.shard} holds rows: it cannot skip to shard map version {shard_map.version}")
+            raise ValueError(
+                f"shard {self.shard} holds rows: it cannot skip to shard map version {shard_map.version}"
+            )
         self.shard_map = shard_map
         self._position = shard_map.local_layout(self.shard)[0]
 
@@ -157,10 +168,14 @@ class ShardStore:
         """Starts building this shard's arrays for ``new_map`` (the next version)."""
         if self.migration is not None:
             raise ValueError(f"a migration to version {self.migration.new_map.version} is under way")
-        if new_map.version <= self.shard_map.version or new_map.num_keys != self.shard_map.num_keys \
-                or new_map.num_buckets != self.shard_map.num_buckets:  # fmt: skip
+        if (
+            new_map.version <= self.shard_map.version
+            or new_map.num_keys != self.shard_map.num_keys
+            or new_map.num_buckets != self.shard_map.num_buckets
+        ):
             raise ValueError(
-                f"shard map version {new_map.version} ({new_map.num_keys} keys, {new_map.num_buckets} buckets) "
+                f"shard map version {new_map.version} ({new_map.num_keys} keys, "
+                f"{new_map.num_buckets} buckets) "
                 f"cannot follow version {self.shard_map.version} ({self.shard_map.num_keys} keys, "
                 f"{self.shard_map.num_buckets} buckets)"
             )
@@ -185,7 +200,12 @@ class ShardStore:
         self.shard_map = m.new_map
         if m.changes_layout:
             self._position = m.position
-            self.weights, self.state, self._changed, self._local_keys = m.weights, m.state, m.changed, m.local_keys
+            self.weights, self.state, self._changed, self._local_keys = (
+                m.weights,
+                m.state,
+                m.changed,
+                m.local_keys,
+            )
             self.rows_held = int((m.local_keys >= 0).sum())
         self.migration = None
 
@@ -204,7 +224,9 @@ class Migration:
         # local rows that stay here, and those that leave, per new owner
         self.staying = np.flatnonzero(valid & (goes_to == store.shard))
         self.leaving = {
-            int(d): np.flatnonzero(valid & (goes_to == d)) for d in np.unique(goes_to[valid]) if d != store.shard
+            int(d): np.flatnonzero(valid & (goes_to == d))
+            for d in np.unique(goes_to[valid])
+            if d != store.shard
         }
         incoming = (new_map.bucket_to_shard == store.shard) & (old.bucket_to_shard != store.shard)
         self.sources = {int(s) for s in np.unique(old.bucket_to_shard[incoming])}
@@ -232,8 +254,11 @@ class Migration:
     def new_index(self, keys: np.ndarray, field: str = "keys") -> np.ndarray:
         position = self.position[keys % self.new_map.num_buckets]
         if (position < 0).any():
-            raise InvalidArgument(field, f"key {int(keys[np.argmax(position < 0)])} is not on shard {self.store.shard} "
-                                  f"in shard map version {self.new_map.version}")  # fmt: skip
+            raise InvalidArgument(
+                field,
+                f"key {int(keys[np.argmax(position < 0)])} is not on shard {self.store.shard} "
+                f"in shard map version {self.new_map.version}",
+            )
         return position * self.new_map.rows_per_bucket + keys // self.new_map.num_buckets
 
     def copy_staying(self, index: np.ndarray) -> None:
@@ -243,13 +268,16 @@ class Migration:
         self.weights[target] = rows
         self.state[target] = state
 
-    def receive(self, source: int, keys: np.ndarray, rows: np.ndarray, state: np.ndarray,
-                changed: np.ndarray | None) -> None:  # fmt: skip
+    def receive(
+        self, source: int, keys: np.ndarray, rows: np.ndarray, state: np.ndarray, changed: np.ndarray | None
+    ) -> None:
         """Rows of ``source`` arriving (``changed``: the last message, with the keys changed since the last
         checkpoint). Validates before storing: a bad message changes nothing."""
         if source not in self.sources:
-            raise InvalidArgument("from_shard", f"shard {source} sends no rows to shard {self.store.shard} "
-                                  f"in version {self.new_map.version}")  # fmt: skip
+            raise InvalidArgument(
+                "from_shard",
+                f"shard {source} sends no rows to shard {self.store.shard} in version {self.new_map.version}",
+            )
         if source in self.finals:
             raise InvalidArgument("from_shard", f"shard {source} already sent its last rows")
         for name, k in (("keys", keys), ("changed_keys", changed if changed is not None else keys[:0])):

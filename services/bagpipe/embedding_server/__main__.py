@@ -66,8 +66,10 @@ async def serve(cfg: EmbeddingServerConfig, args: argparse.Namespace) -> None:
     await serving.stop_gracefully(server, health)
     http.stop()
     if fatal:
-        raise SystemExit(f"re-sharding failed between two shard-map versions ({fatal[0]}): the job must roll back "
-                         "to its last checkpoint")  # fmt: skip
+        raise SystemExit(
+            f"re-sharding failed between two shard-map versions ({fatal[0]}): "
+            "the job must roll back to its last checkpoint"
+        )
 
 
 def main(argv: list[str] | None = None) -> None:

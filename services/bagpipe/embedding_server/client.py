@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import functools
 import logging
 import threading
 import time
@@ -76,9 +77,13 @@ class EmbeddingClient:
     """
 
     def __init__(
-        self, shard_map: ShardMap, addresses: dict[int, str], dim: int, state_width: int,
+        self,
+        shard_map: ShardMap,
+        addresses: dict[int, str],
+        dim: int,
+        state_width: int,
         resolver: Resolver | None = None,
-    ) -> None:  # fmt: skip
+    ) -> None:
         self.dim = dim
         self.state_width = state_width
         self._resolver = resolver
@@ -98,11 +103,16 @@ class EmbeddingClient:
         """(Under ``_lock``, or in ``__init__``.)"""
         missing = sorted(set(shard_map.owners) - set(addresses))
         if missing:
-            raise ValueError(f"addresses: no address for shards {missing} (shard map version {shard_map.version})")
+            raise ValueError(
+                f"addresses: no address for shards {missing} (shard map version {shard_map.version})"
+            )
         for s in shard_map.owners:
             if addresses[s] not in self._channels:
                 self._channels[addresses[s]] = serving.channel(addresses[s])
-        return _Route(shard_map, {s: pb_grpc.EmbeddingServerStub(self._channels[addresses[s]]) for s in shard_map.owners})
+        return _Route(
+            shard_map,
+            {s: pb_grpc.EmbeddingServerStub(self._channels[addresses[s]]) for s in shard_map.owners},
+        )
 
     def refresh(self, newer_than: int | None = None) -> bool:
         """Re-reads the map in force; True if it is newer than ``newer_than`` (default: the one in use),
@@ -117,7 +127,9 @@ class EmbeddingClient:
         with self._lock:
             if shard_map.version > self._route.shard_map.version:
                 self._route = self._routing(shard_map, addresses)
-                logger.info("embedding servers: shard map version %d, shards %s", shard_map.version, shard_map.owners)
+                logger.info(
+                    "embedding servers: shard map version %d, shards %s", shard_map.version, shard_map.owners
+                )
         return True
 
     def _each_shard(self, keys: np.ndarray, call: Callable[[_Route, int, np.ndarray], np.ndarray]) -> None:
@@ -129,33 +141,47 @@ class EmbeddingClient:
         while pending.size:
             route = self._route
             parts = [pending[p] for p in route.shard_map.split(keys[pending]) if p.size]
-            shards = route.shard_map.shard_of(keys[[int(p[0]) for p in parts]]) if parts else []
-            futures = [self._pool.submit(call, route, int(s), p) for s, p in zip(shards, parts, strict=True)]
+            shards: list[int] = (
+                route.shard_map.shard_of(keys[[int(p[0]) for p in parts]]).tolist() if parts else []
+            )
+            futures = [self._pool.submit(call, route, s, p) for s, p in zip(shards, parts, strict=True)]
             refused = [f.result() for f in futures]
             pending = np.concatenate(refused) if refused else pending[:0]
             if not pending.size:
                 return
             self.refusals += 1
             if self._resolver is None:
-                raise ShardMapChanged(f"a server refused shard map version {route.shard_map.version}; no resolver")
+                raise ShardMapChanged(
+                    f"a server refused shard map version {route.shard_map.version}; no resolver"
+                )
             if not self.refresh(route.shard_map.version) and self._route is route:
                 # no newer map: a server is still switching (or not yet): the same parts again, shortly
                 if time.monotonic() > deadline:
-                    raise ShardMapChanged(f"servers refused shard map version {route.shard_map.version} for "
-                                          f"{SWITCH_TIMEOUT_S:g} s")  # fmt: skip
+                    raise ShardMapChanged(
+                        f"servers refused shard map version {route.shard_map.version} for "
+                        f"{SWITCH_TIMEOUT_S:g} s"
+                    )
                 time.sleep(wait)
                 wait = min(0.5, 2 * wait)
 
-    def _lookup_shard(self, route: _Route, shard: int, positions: np.ndarray, keys: np.ndarray,
-                      rows: np.ndarray, state: np.ndarray) -> np.ndarray:  # fmt: skip
+    def _lookup_shard(
+        self,
+        route: _Route,
+        shard: int,
+        positions: np.ndarray,
+        keys: np.ndarray,
+        rows: np.ndarray,
+        state: np.ndarray,
+    ) -> np.ndarray:
         for start in range(0, positions.size, MAX_ROWS_PER_RPC):
             part = positions[start : start + MAX_ROWS_PER_RPC]
             request = pb.LookupRequest(shard_map_version=route.shard_map.version, keys=to_tensor(keys[part]))
             try:
-                reply = call_with_retry(
-                    lambda r=request: route.stubs[shard].Lookup(r, timeout=serving.RPC_TIMEOUT_S),
-                    f"lookup shard {shard}", lambda: self.refresh(route.shard_map.version),
-                )  # fmt: skip
+                reply: pb.LookupResponse = call_with_retry(
+                    functools.partial(route.stubs[shard].Lookup, request, timeout=serving.RPC_TIMEOUT_S),
+                    f"lookup shard {shard}",
+                    lambda: self.refresh(route.shard_map.version),
+                )
             except Moved:
                 return positions[start:]
             except grpc.RpcError as e:
@@ -175,8 +201,15 @@ class EmbeddingClient:
         self._each_shard(keys, lambda route, s, p: self._lookup_shard(route, s, p, keys, rows, state))
         return rows, state
 
-    def _write_shard(self, route: _Route, shard: int, positions: np.ndarray, keys: np.ndarray,
-                     rows: np.ndarray, state: np.ndarray) -> np.ndarray:  # fmt: skip
+    def _write_shard(
+        self,
+        route: _Route,
+        shard: int,
+        positions: np.ndarray,
+        keys: np.ndarray,
+        rows: np.ndarray,
+        state: np.ndarray,
+    ) -> np.ndarray:
         for start in range(0, positions.size, MAX_ROWS_PER_RPC):
             part = positions[start : start + MAX_ROWS_PER_RPC]
             request = pb.WriteBackRequest(
@@ -187,9 +220,10 @@ class EmbeddingClient:
             )
             try:
                 call_with_retry(
-                    lambda r=request: route.stubs[shard].WriteBack(r, timeout=serving.RPC_TIMEOUT_S),
-                    f"write-back shard {shard}", lambda: self.refresh(route.shard_map.version),
-                )  # fmt: skip
+                    functools.partial(route.stubs[shard].WriteBack, request, timeout=serving.RPC_TIMEOUT_S),
+                    f"write-back shard {shard}",
+                    lambda: self.refresh(route.shard_map.version),
+                )
             except Moved:  # (a drained server refuses an old version, so it did not apply this part)
                 return positions[start:]
             except grpc.RpcError as e:
@@ -215,7 +249,8 @@ class EmbeddingClient:
                 shard_map_version=route.shard_map.version, directory=directory, next_batch=next_batch
             )
             reply = call_with_retry(
-                lambda: route.stubs[shard].Snapshot(request, timeout=serving.RPC_TIMEOUT_S), f"snapshot shard {shard}"
+                lambda: route.stubs[shard].Snapshot(request, timeout=serving.RPC_TIMEOUT_S),
+                f"snapshot shard {shard}",
             )
             return reply.file, reply.rows, reply.bytes
 

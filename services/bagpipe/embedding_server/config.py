@@ -47,13 +47,23 @@ class EmbeddingServerConfig:
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="bagpipe-embedding-server", description=EmbeddingServerConfig.__doc__)
     p.add_argument("--shard", type=int, required=True, help="this server's shard index")
-    p.add_argument("--initial-shards", "--num-shards", dest="initial_shards", type=positive_int, default=1,
-                   help="servers the job's first shard map spreads the rows over (default 1); only the first server "
-                   "to start uses it: later, the servers registered in Redis are the shards, and re-sharding moves "
-                   "rows when they change")  # fmt: skip
-    p.add_argument("--migration-rows-per-second", type=non_negative_float, default=0.0,
-                   help="re-sharding sends at most this many rows per second from this server (default 0: no "
-                   "limit), leaving the trainers' transfers their bandwidth")  # fmt: skip
+    p.add_argument(
+        "--initial-shards",
+        "--num-shards",
+        dest="initial_shards",
+        type=positive_int,
+        default=1,
+        help="servers the job's first shard map spreads the rows over (default 1); only the first server "
+        "to start uses it: later, the servers registered in Redis are the shards, and re-sharding moves "
+        "rows when they change",
+    )
+    p.add_argument(
+        "--migration-rows-per-second",
+        type=non_negative_float,
+        default=0.0,
+        help="re-sharding sends at most this many rows per second from this server (default 0: no "
+        "limit), leaving the trainers' transfers their bandwidth",
+    )
     p.add_argument("--address", default="127.0.0.1:0", help="host:port to listen on (port 0: any)")
     add_table_args(p)
     add_model_args(p, dense=False)

@@ -30,8 +30,10 @@ def main(argv: list[str] | None = None) -> None:
     finally:
         registry.close()
     if record:
-        print(f"drain: shard {a.shard} is empty: version {record['to_version']}, {record.get('rows_moved', 0)} rows "
-              f"moved in {record.get('seconds', 0.0):.1f} s")  # fmt: skip
+        print(
+            f"drain: shard {a.shard} is empty: version {record['to_version']}, "
+            f"{record.get('rows_moved', 0)} rows moved in {record.get('seconds', 0.0):.1f} s"
+        )
     else:
         print(f"drain: shard {a.shard} held no rows")
 

@@ -75,7 +75,7 @@ class Resharder:
             try:
                 await asyncio.wait_for(stop.wait(), self.poll)
                 return
-            except asyncio.TimeoutError:
+            except TimeoutError:
                 pass
             try:
                 await self.step()
@@ -104,24 +104,37 @@ class Resharder:
         moves = current.moves(new)
         holders = sorted(set(current.owners) | set(new.owners))
         record: dict[str, Any] = {
-            "from_version": current.version, "to_version": new.version,
-            "from_shards": current.owners, "to_shards": new.owners,
+            "from_version": current.version,
+            "to_version": new.version,
+            "from_shards": current.owners,
+            "to_shards": new.owners,
             "buckets_moved": int(sum(b.size for _, _, b in moves)),
             "started_at": time.time(),
-        }  # fmt: skip
-        logger.info("re-sharding %s -> %s: version %d, %d buckets move", current.owners, new.owners, new.version,
-                    record["buckets_moved"])  # fmt: skip
-        channels = {s: grpc.aio.insecure_channel(members[s], options=serving.CHANNEL_OPTIONS) for s in holders}
+        }
+        logger.info(
+            "re-sharding %s -> %s: version %d, %d buckets move",
+            current.owners,
+            new.owners,
+            new.version,
+            record["buckets_moved"],
+        )
+        channels = {
+            s: grpc.aio.insecure_channel(members[s], options=serving.CHANNEL_OPTIONS) for s in holders
+        }
         stubs = {s: pb_grpc.EmbeddingServerStub(ch) for s, ch in channels.items()}
         timeout = serving.RPC_TIMEOUT_S
         try:
             t0 = time.perf_counter()
             try:
                 prepare = pb.PrepareMigrationRequest(
-                    shard_map=new.to_json(), current_shard_map=current.to_json(),
-                    addresses={s: members[s] for s in new.owners}, rows_per_second=self.rows_per_second,
-                )  # fmt: skip
-                prepared = await asyncio.gather(*(stubs[s].PrepareMigration(prepare, timeout=timeout) for s in holders))
+                    shard_map=new.to_json(),
+                    current_shard_map=current.to_json(),
+                    addresses={s: members[s] for s in new.owners},
+                    rows_per_second=self.rows_per_second,
+                )
+                prepared = await asyncio.gather(
+                    *(stubs[s].PrepareMigration(prepare, timeout=timeout) for s in holders)
+                )
                 record["rows_moved"] = int(sum(p.leaving_rows for p in prepared))
                 t1 = time.perf_counter()
                 request = pb.TransferRequest(shard_map_version=new.version)
@@ -131,7 +144,9 @@ class Resharder:
                 t2 = time.perf_counter()
             except BaseException:
                 abort = pb.AbortMigrationRequest(shard_map_version=new.version)
-                await asyncio.gather(*(stubs[s].AbortMigration(abort, timeout=10) for s in holders), return_exceptions=True)
+                await asyncio.gather(
+                    *(stubs[s].AbortMigration(abort, timeout=10) for s in holders), return_exceptions=True
+                )
                 raise
             while not await asyncio.to_thread(self.registry.try_lock, RESHARD_LOCK, self._owner, LOCK_TTL_S):
                 await asyncio.sleep(0.01)  # a checkpoint is being written
@@ -150,19 +165,34 @@ class Resharder:
         finally:
             await asyncio.gather(*(ch.close() for ch in channels.values()))
         record.update(
-            state="done", finished_at=time.time(),
+            state="done",
+            finished_at=time.time(),
             rows_resent=int(sum(s.rows_resent for s in sealed)),
             bytes_moved=record["bytes_moved"] + int(sum(s.bytes_resent for s in sealed)),
-            seconds=t4 - t0, prepare_seconds=t1 - t0, copy_seconds=t2 - t1, lock_wait_seconds=t3 - t2,
+            seconds=t4 - t0,
+            prepare_seconds=t1 - t0,
+            copy_seconds=t2 - t1,
+            lock_wait_seconds=t3 - t2,
             switch_seconds=t4 - t3,
-        )  # fmt: skip
-        for phase, seconds in (("prepare", t1 - t0), ("copy", t2 - t1), ("lock_wait", t3 - t2), ("switch", t4 - t3)):
+        )
+        for phase, seconds in (
+            ("prepare", t1 - t0),
+            ("copy", t2 - t1),
+            ("lock_wait", t3 - t2),
+            ("switch", t4 - t3),
+        ):
             metrics.RESHARD_SECONDS.labels(phase).observe(seconds)
         metrics.RESHARDS.inc()
         metrics.BUCKETS_MOVED.inc(record["buckets_moved"])
         await asyncio.to_thread(self.registry.add_reshard, record)
-        logger.info("re-sharded to version %d: %d rows (%d bytes) in %.2f s, switch %.1f ms", new.version,
-                    record["rows_moved"], record["bytes_moved"], record["seconds"], 1000 * record["switch_seconds"])  # fmt: skip
+        logger.info(
+            "re-sharded to version %d: %d rows (%d bytes) in %.2f s, switch %.1f ms",
+            new.version,
+            record["rows_moved"],
+            record["bytes_moved"],
+            record["seconds"],
+            1000 * record["switch_seconds"],
+        )
         return record
 
 
@@ -180,7 +210,11 @@ def drain(registry: Registry, shard: int, timeout: float = 600.0, poll: float = 
             return None
         shard_map = registry.shard_map()
         if shard_map is None or shard not in shard_map.owners:
-            done = [r for r in registry.reshards() if shard_map is not None and r["to_version"] == shard_map.version]
+            done = [
+                r
+                for r in registry.reshards()
+                if shard_map is not None and r["to_version"] == shard_map.version
+            ]
             if shard_map is None or shard_map.version == 1 or (done and done[-1]["state"] == "done"):
                 return done[-1] if done else None
             if done and done[-1]["state"] == "failed":

@@ -45,7 +45,8 @@ class EmbeddingServicer(pb_grpc.EmbeddingServerServicer):
         m = self.store.migration
         if m is not None and m.sealed:
             raise FailedPrecondition(
-                f"shard_map_version: request has {version}, this server is switching to {m.new_map.version}; retry"
+                f"shard_map_version: request has {version}, this server is switching to "
+                f"{m.new_map.version}; retry"
             )
         if version != self.store.shard_map.version:
             raise FailedPrecondition(
@@ -71,7 +72,9 @@ class EmbeddingServicer(pb_grpc.EmbeddingServerServicer):
             return pb.LookupResponse(rows=to_tensor(rows), state=to_tensor(state))
 
     @grpc_errors
-    async def WriteBack(self, request: pb.WriteBackRequest, context: grpc.aio.ServicerContext) -> pb.WriteBackResponse:  # noqa: N802
+    async def WriteBack(
+        self, request: pb.WriteBackRequest, context: grpc.aio.ServicerContext
+    ) -> pb.WriteBackResponse:  # noqa: N802
         with metrics.LATENCY.labels("write_back").time():
             self._check_version(request.shard_map_version)
             keys = from_tensor(request.keys, "keys", np.int64, ndim=1)
@@ -84,9 +87,10 @@ class EmbeddingServicer(pb_grpc.EmbeddingServerServicer):
             metrics.BYTES.labels("write_back").inc(rows.nbytes + state.nbytes)
             return pb.WriteBackResponse(rows=n)
 
-
     @grpc_errors
-    async def Snapshot(self, request: pb.SnapshotRequest, context: grpc.aio.ServicerContext) -> pb.SnapshotResponse:  # noqa: N802
+    async def Snapshot(
+        self, request: pb.SnapshotRequest, context: grpc.aio.ServicerContext
+    ) -> pb.SnapshotResponse:  # noqa: N802
         self._check_version(request.shard_map_version)
         if not request.directory:
             raise InvalidArgument("directory", "empty")
@@ -97,7 +101,13 @@ class EmbeddingServicer(pb_grpc.EmbeddingServerServicer):
         keys, rows, state = self.store.take_changes()
         try:
             name, size = await asyncio.to_thread(
-                snapshots.write_rows, request.directory, request.next_batch, self.store.shard, keys, rows, state
+                snapshots.write_rows,
+                request.directory,
+                request.next_batch,
+                self.store.shard,
+                keys,
+                rows,
+                state,
             )
         except OSError as e:
             self.store.keep_changes(keys)  # the next snapshot must still hold them
@@ -107,10 +117,11 @@ class EmbeddingServicer(pb_grpc.EmbeddingServerServicer):
         logger.info("snapshot for batch %d: %d changed rows, %d bytes", request.next_batch, keys.size, size)
         return pb.SnapshotResponse(file=name, rows=keys.size, bytes=size)
 
-
     # ---- re-sharding
     @grpc_errors
-    async def PrepareMigration(self, request: pb.PrepareMigrationRequest, context: grpc.aio.ServicerContext) -> pb.PrepareMigrationResponse:  # noqa: N802
+    async def PrepareMigration(
+        self, request: pb.PrepareMigrationRequest, context: grpc.aio.ServicerContext
+    ) -> pb.PrepareMigrationResponse:  # noqa: N802
         try:
             new_map = ShardMap.from_json(request.shard_map)
         except (ValueError, KeyError, TypeError) as e:
@@ -119,13 +130,16 @@ class EmbeddingServicer(pb_grpc.EmbeddingServerServicer):
             self._catch_up(request.current_shard_map, new_map)
         if new_map.version != self.store.shard_map.version + 1:
             raise FailedPrecondition(
-                f"shard_map: version {new_map.version} does not follow this server's {self.store.shard_map.version}"
+                f"shard_map: version {new_map.version} does not follow this server's "
+                f"{self.store.shard_map.version}"
             )
         if request.rows_per_second < 0:
             raise InvalidArgument("rows_per_second", f"must be >= 0, got {request.rows_per_second}")
         if self.store.migration is not None:
             if self.store.migration.sealed:
-                raise FailedPrecondition(f"shard_map: this server is switching to {self.store.migration.new_map.version}")
+                raise FailedPrecondition(
+                    f"shard_map: this server is switching to {self.store.migration.new_map.version}"
+                )
             self._abort()  # an earlier, interrupted attempt at the same version
         try:
             m = self.store.begin_migration(new_map)
@@ -135,13 +149,21 @@ class EmbeddingServicer(pb_grpc.EmbeddingServerServicer):
         if missing:
             self.store.abort_migration()
             raise InvalidArgument("addresses", f"no address for shards {missing}")
-        self._peers = {d: grpc.aio.insecure_channel(request.addresses[d], options=serving.CHANNEL_OPTIONS) for d in m.leaving}
+        self._peers = {
+            d: grpc.aio.insecure_channel(request.addresses[d], options=serving.CHANNEL_OPTIONS)
+            for d in m.leaving
+        }
         self._rows_per_second = request.rows_per_second
         self._ready = asyncio.Event()
         metrics.MIGRATION_TARGET.set(new_map.version)
-        logger.info("migration to version %d: %d rows stay, %d leave, %d buckets arrive from shards %s",
-                    new_map.version, m.staying.size, sum(r.size for r in m.leaving.values()),
-                    m.incoming_buckets.size, sorted(m.sources))  # fmt: skip
+        logger.info(
+            "migration to version %d: %d rows stay, %d leave, %d buckets arrive from shards %s",
+            new_map.version,
+            m.staying.size,
+            sum(r.size for r in m.leaving.values()),
+            m.incoming_buckets.size,
+            sorted(m.sources),
+        )
         return pb.PrepareMigrationResponse(
             staying_rows=m.staying.size if m.changes_layout else 0,
             leaving_rows=sum(r.size for r in m.leaving.values()),
@@ -155,16 +177,33 @@ class EmbeddingServicer(pb_grpc.EmbeddingServerServicer):
         except (ValueError, KeyError, TypeError) as e:
             raise InvalidArgument("current_shard_map", f"not a shard map: {e}") from None
         if current.version != new_map.version - 1:
-            raise InvalidArgument("current_shard_map", f"version {current.version} is not the one before {new_map.version}")
-        if self.store.migration is None and self.store.rows_held == 0 and self.store.shard not in current.owners:
+            raise InvalidArgument(
+                "current_shard_map", f"version {current.version} is not the one before {new_map.version}"
+            )
+        if (
+            self.store.migration is None
+            and self.store.rows_held == 0
+            and self.store.shard not in current.owners
+        ):
             self.store.adopt(current)
 
-    async def _send(self, m: Migration, dst: int, keys: np.ndarray, rows: np.ndarray, state: np.ndarray,
-                    changed: np.ndarray | None = None) -> int:  # fmt: skip
+    async def _send(
+        self,
+        m: Migration,
+        dst: int,
+        keys: np.ndarray,
+        rows: np.ndarray,
+        state: np.ndarray,
+        changed: np.ndarray | None = None,
+    ) -> int:
         request = pb.ReceiveRequest(
-            shard_map_version=m.new_map.version, from_shard=self.store.shard, keys=to_tensor(keys),
-            rows=to_tensor(rows), state=to_tensor(state), last=changed is not None,
-        )  # fmt: skip
+            shard_map_version=m.new_map.version,
+            from_shard=self.store.shard,
+            keys=to_tensor(keys),
+            rows=to_tensor(rows),
+            state=to_tensor(state),
+            last=changed is not None,
+        )
         if changed is not None:
             request.changed_keys.CopyFrom(to_tensor(changed))
         stub = pb_grpc.EmbeddingServerStub(self._peers[dst])
@@ -175,7 +214,9 @@ class EmbeddingServicer(pb_grpc.EmbeddingServerServicer):
         return size
 
     @grpc_errors
-    async def Transfer(self, request: pb.TransferRequest, context: grpc.aio.ServicerContext) -> pb.TransferResponse:  # noqa: N802
+    async def Transfer(
+        self, request: pb.TransferRequest, context: grpc.aio.ServicerContext
+    ) -> pb.TransferResponse:  # noqa: N802
         """The bulk copy, chunk by chunk between the requests it serves (rows read in one loop step)."""
         m = self._migration(request.shard_map_version)
         if m.sealed:
@@ -199,18 +240,27 @@ class EmbeddingServicer(pb_grpc.EmbeddingServerServicer):
                 sent += keys.size
                 if self._rows_per_second:  # throttled: the trainers' transfers keep their bandwidth
                     await asyncio.sleep(max(0.0, sent / self._rows_per_second - (time.perf_counter() - t0)))
-        logger.info("migration to version %d: %d rows sent, %d copied in %.2f s", m.new_map.version, sent, copied,
-                    time.perf_counter() - t0)  # fmt: skip
+        logger.info(
+            "migration to version %d: %d rows sent, %d copied in %.2f s",
+            m.new_map.version,
+            sent,
+            copied,
+            time.perf_counter() - t0,
+        )
         return pb.TransferResponse(rows_sent=sent, bytes_sent=size, rows_copied=copied)
 
     @grpc_errors
-    async def Receive(self, request: pb.ReceiveRequest, context: grpc.aio.ServicerContext) -> pb.ReceiveResponse:  # noqa: N802
+    async def Receive(
+        self, request: pb.ReceiveRequest, context: grpc.aio.ServicerContext
+    ) -> pb.ReceiveResponse:  # noqa: N802
         m = self._migration(request.shard_map_version)
         keys = from_tensor(request.keys, "keys", np.int64, ndim=1)
         n = keys.size
         rows = from_tensor(request.rows, "rows", np.float32, shape=(n, self.store.dim))
         state = from_tensor(request.state, "state", np.float32, shape=(n, self.store.state_width))
-        changed = from_tensor(request.changed_keys, "changed_keys", np.int64, ndim=1) if request.last else None
+        changed = (
+            from_tensor(request.changed_keys, "changed_keys", np.int64, ndim=1) if request.last else None
+        )
         m.receive(int(request.from_shard), keys, rows, state, changed)
         metrics.MIGRATED_ROWS.labels("in").inc(n)
         metrics.MIGRATED_BYTES.labels("in").inc(rows.nbytes + state.nbytes)
@@ -237,16 +287,25 @@ class EmbeddingServicer(pb_grpc.EmbeddingServerServicer):
         metrics.SHARD_MAP_VERSION.set(self.store.shard_map.version)
         metrics.ROWS_HELD.set(self.store.rows_held)
         metrics.SWITCH_SECONDS.observe(seconds)
-        logger.info("serving shard map version %d: %d rows (%d re-sent at the switch, %.1f ms)",
-                    self.store.shard_map.version, self.store.rows_held, resent, 1000 * seconds)  # fmt: skip
+        logger.info(
+            "serving shard map version %d: %d rows (%d re-sent at the switch, %.1f ms)",
+            self.store.shard_map.version,
+            self.store.rows_held,
+            resent,
+            1000 * seconds,
+        )
         return pb.SealResponse(rows_resent=resent, bytes_resent=sum(sizes), seconds=seconds)
 
     @grpc_errors
-    async def AbortMigration(self, request: pb.AbortMigrationRequest, context: grpc.aio.ServicerContext) -> pb.AbortMigrationResponse:  # noqa: N802
+    async def AbortMigration(
+        self, request: pb.AbortMigrationRequest, context: grpc.aio.ServicerContext
+    ) -> pb.AbortMigrationResponse:  # noqa: N802
         m = self.store.migration
         if m is not None and m.new_map.version == request.shard_map_version:
             if m.sealed:
-                raise FailedPrecondition(f"shard_map_version: {m.new_map.version} is sealed; it cannot be aborted")
+                raise FailedPrecondition(
+                    f"shard_map_version: {m.new_map.version} is sealed; it cannot be aborted"
+                )
             self._abort()
         return pb.AbortMigrationResponse()
 
@@ -263,7 +322,9 @@ class EmbeddingServicer(pb_grpc.EmbeddingServerServicer):
         metrics.MIGRATION_TARGET.set(0)
 
 
-async def create_server(store: ShardStore, address: str = "127.0.0.1:0") -> tuple[grpc.aio.Server, int, serving.ControlServicer, object]:
+async def create_server(
+    store: ShardStore, address: str = "127.0.0.1:0"
+) -> tuple[grpc.aio.Server, int, serving.ControlServicer, object]:
     """Starts a server for ``store`` on ``address``; returns (server, port, control, health)."""
     servicer = EmbeddingServicer(store)
 
@@ -271,7 +332,10 @@ async def create_server(store: ShardStore, address: str = "127.0.0.1:0") -> tupl
         return {"rows_held": float(store.rows_held), "shard": float(store.shard)}
 
     server, port, control, health = await serving.create_server(
-        address, "EmbeddingServer", lambda s: pb_grpc.add_EmbeddingServerServicer_to_server(servicer, s), counters
+        address,
+        "EmbeddingServer",
+        lambda s: pb_grpc.add_EmbeddingServerServicer_to_server(servicer, s),
+        counters,
     )
     metrics.ROWS_HELD.set(store.rows_held)
     metrics.SHARD_MAP_VERSION.set(store.shard_map.version)

@@ -698,7 +698,8 @@ def resharding_summary(records: list[dict[str, Any]], run_dir: Path) -> dict[str
         with open(path, newline="") as f:
             rows = [r for r in csv.DictReader(f) if r.get("batch", "").isdigit()]
     done = [r for r in records if r.get("state") == "done"]
-    during, other = [], []
+    during: list[float] = []
+    other: list[float] = []
     previous = None
     for i, row in enumerate(rows):
         batch, end = int(row["batch"]), float(row["time"])
@@ -803,6 +804,12 @@ def format_summary(s: dict[str, Any]) -> str:
     if s.get("cpu_seconds_per_iteration"):
         lines.append("cpu per iteration    " + ", ".join(
             f"{kind} {1000 * sec:.1f} ms" for kind, sec in sorted(s["cpu_seconds_per_iteration"].items())))  # fmt: skip
+    moved = (s.get("resharding") or {}).get("reshards") or []
+    if moved:
+        r = s["resharding"]
+        slowdown = f", iterations meanwhile {r['slowdown']:.2f}x the others" if r.get("slowdown") else ""
+        lines.append(f"re-sharding          {len(moved)} time(s), {r['buckets_moved']} buckets, {r['rows_moved']:,} rows, "
+                     f"{r['bytes_moved'] / 2**20:.1f} MiB in {r['seconds']:.1f} s{slowdown}")  # fmt: skip
     if s["first_loss"] is not None:
         lines.append(f"loss                 {s['first_loss']:.4f} first, {s['final_loss']:.4f} last (mean of the last 10)")
     return "\n".join(lines)

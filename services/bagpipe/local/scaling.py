@@ -7,6 +7,7 @@ The request and its outcome are files in the run directory, so the command works
 
 from __future__ import annotations
 
+import contextlib
 import json
 import logging
 import os
@@ -69,7 +70,11 @@ def wait_scaled(run_dir: Path, request_id: str, timeout: float = 600.0) -> dict[
     deadline = time.monotonic() + timeout
     while True:
         status = _read_json(run_dir / STATUS)
-        if status and status.get("id") == request_id and status.get("state") in ("done", "failed", "rejected"):
+        if (
+            status
+            and status.get("id") == request_id
+            and status.get("state") in ("done", "failed", "rejected")
+        ):
             return status
         if not launcher_running(run_dir):
             raise RuntimeError(f"the run in {run_dir} ended before scaling was done")
@@ -108,10 +113,8 @@ class Scaler:
         _write_json(run_dir / LAUNCHER, {"pid": os.getpid(), "time": time.time()})
 
     def close(self) -> None:
-        try:
+        with contextlib.suppress(OSError):
             (self.run_dir / LAUNCHER).unlink()
-        except OSError:
-            pass
 
     def _status(self, state: str, **extra: Any) -> None:
         assert self.request is not None
@@ -163,8 +166,13 @@ class Scaler:
                 shut_down(members[shard], "drained by bagpipe scale")
             retire(shard)
             registry.set_leaving(shard, False)
-        self._status("done", embedding_servers=self.servers, shard_map_version=shard_map.version, reshards=mine,
-                     seconds=time.time() - self._started)  # fmt: skip
+        self._status(
+            "done",
+            embedding_servers=self.servers,
+            shard_map_version=shard_map.version,
+            reshards=mine,
+            seconds=time.time() - self._started,
+        )
         logger.info("scaled to %d embedding servers (shard map version %d)", self.servers, shard_map.version)
         self.request = None
         self._retiring = []
@@ -172,8 +180,12 @@ class Scaler:
     def finish_by_recovery(self) -> None:
         """A failure restarted the job from its checkpoint with the target number of servers."""
         if self.request is not None:
-            self._status("done", embedding_servers=self.servers, reshards=[],
-                         note="a failure interrupted it: the job rolled back to its last checkpoint and goes on "
-                         f"with {self.servers} embedding servers")  # fmt: skip
+            self._status(
+                "done",
+                embedding_servers=self.servers,
+                reshards=[],
+                note="a failure interrupted it: the job rolled back to its last checkpoint and goes on "
+                f"with {self.servers} embedding servers",
+            )
             self.request = None
             self._retiring = []

@@ -5,15 +5,23 @@ from __future__ import annotations
 
 import numpy as np
 import pytest
-
 from bagpipe.core.data import table_offsets
 from bagpipe.core.shard_map import ShardMap
 from bagpipe.core.shard_store import ShardStore
 from bagpipe.errors import InvalidArgument
 
 
-@pytest.mark.parametrize(("before", "after"), [([0, 1], [0, 1, 2]), ([0, 1, 2], [0, 1]), ([0, 1, 2], [0]),
-                                               ([0], [0, 1, 2, 3]), ([0, 1, 2, 3], [0, 2]), ([0, 1], [0, 1])])  # fmt: skip
+@pytest.mark.parametrize(
+    ("before", "after"),
+    [
+        ([0, 1], [0, 1, 2]),
+        ([0, 1, 2], [0, 1]),
+        ([0, 1, 2], [0]),
+        ([0], [0, 1, 2, 3]),
+        ([0, 1, 2, 3], [0, 2]),
+        ([0, 1], [0, 1]),
+    ],
+)
 def test_rebalance_moves_only_what_it_must_and_evens_out(before: list[int], after: list[int]) -> None:
     sm = ShardMap.create(10_000, 1, num_buckets=1000).rebalance(before)
     new = sm.rebalance(after)
@@ -24,7 +32,9 @@ def test_rebalance_moves_only_what_it_must_and_evens_out(before: list[int], afte
     # the fewest possible: what the removed shards held, plus what the kept ones hold above their new share
     held = np.bincount(sm.bucket_to_shard, minlength=max(before + after) + 1)
     quota = {s: int(c) for s, c in zip(after, counts, strict=True)}
-    least = sum(int(held[s]) for s in before if s not in after) + sum(max(0, int(held[s]) - quota[s]) for s in after)
+    least = sum(int(held[s]) for s in before if s not in after) + sum(
+        max(0, int(held[s]) - quota[s]) for s in after
+    )
     assert moved == least
     assert sum(b.size for _, _, b in sm.moves(new)) == moved
     for src, dst, buckets in sm.moves(new):
@@ -65,13 +75,18 @@ def test_a_migration_carries_every_row_state_and_checkpoint_flag_once() -> None:
     stores = _stores(sm, offsets, [0, 1, 2])  # shard 2 joins empty
     rng = np.random.default_rng(0)
     keys = np.arange(total, dtype=np.int64)
-    want_rows = np.concatenate([stores[int(sm.shard_of(keys[i : i + 1])[0])].lookup(keys[i : i + 1])[0] for i in range(total)])
+    want_rows = np.concatenate(
+        [stores[int(sm.shard_of(keys[i : i + 1])[0])].lookup(keys[i : i + 1])[0] for i in range(total)]
+    )
     want_state = np.zeros((total, 3), dtype=np.float32)
 
     def write(stores: dict[int, ShardStore], some: np.ndarray) -> None:
         for s, part in enumerate(stores[0].shard_map.split(some)):
             if part.size:
-                rows, state = rng.standard_normal((part.size, 3)).astype(np.float32), rng.random((part.size, 3)).astype(np.float32)
+                rows, state = (
+                    rng.standard_normal((part.size, 3)).astype(np.float32),
+                    rng.random((part.size, 3)).astype(np.float32),
+                )
                 stores[s].write(some[part], rows, state)
                 want_rows[some[part]], want_state[some[part]] = rows, state
 
