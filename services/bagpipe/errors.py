@@ -36,6 +36,10 @@ class FailedPrecondition(BagpipeError):
     code = grpc.StatusCode.FAILED_PRECONDITION
 
 
+class PermissionDenied(BagpipeError):
+    code = grpc.StatusCode.PERMISSION_DENIED
+
+
 class NotFound(BagpipeError):
     code = grpc.StatusCode.NOT_FOUND
 

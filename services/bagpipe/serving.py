@@ -9,6 +9,7 @@ from collections.abc import Callable
 import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 
+from bagpipe import security
 from bagpipe.control.registry import Registry
 from bagpipe.metrics_http import Health, MetricsServer
 from bagpipe.v1 import control_pb2, control_pb2_grpc
@@ -49,7 +50,7 @@ async def create_server(
     counters: Callable[[], dict[str, float]] = dict,
 ) -> tuple[grpc.aio.Server, int, ControlServicer, health.HealthServicer]:
     """Builds and starts an aio server on ``address`` (port 0 picks one); returns the bound port."""
-    server = grpc.aio.server(options=CHANNEL_OPTIONS)
+    server = grpc.aio.server(options=CHANNEL_OPTIONS, interceptors=[security.ServerGuard()])
     register(server)
     health_servicer = health.HealthServicer()
     health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
@@ -91,8 +92,13 @@ def start_metrics(
 
 
 def channel(address: str) -> grpc.Channel:
-    """A blocking client channel with Bagpipe's message limits."""
-    return grpc.insecure_channel(address, options=CHANNEL_OPTIONS)
+    """A blocking client channel with Bagpipe's message limits, whose calls carry the job's secret."""
+    return security.secure(grpc.insecure_channel(address, options=CHANNEL_OPTIONS))
+
+
+def aio_channel(address: str) -> grpc.aio.Channel:
+    """The same, for asyncio."""
+    return grpc.aio.insecure_channel(address, options=CHANNEL_OPTIONS, interceptors=security.aio_interceptors())
 
 
 def configure_logging(level: str = "INFO") -> None:

@@ -15,6 +15,7 @@ from typing import Any
 
 import redis
 
+from bagpipe import security
 from bagpipe.core.shard_map import ShardMap
 
 logger = logging.getLogger(__name__)
@@ -26,7 +27,10 @@ class Registry:
     def __init__(self, url: str, job: str) -> None:
         self.url = url
         self.job = job
-        self._redis = redis.Redis.from_url(url, decode_responses=True, socket_timeout=10)
+        # the password comes from the environment (a URL on a command line shows in /proc); one in the URL wins
+        self._redis = redis.Redis.from_url(
+            url, decode_responses=True, socket_timeout=10, password=security.redis_password()
+        )
 
     def _key(self, *parts: str) -> str:
         return ":".join(("bagpipe", self.job, *parts))

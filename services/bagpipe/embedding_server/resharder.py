@@ -31,7 +31,6 @@ import uuid
 from collections.abc import Awaitable, Callable
 from typing import Any
 
-import grpc
 import numpy as np
 
 from bagpipe import serving
@@ -119,7 +118,7 @@ class Resharder:
             record["buckets_moved"],
         )
         channels = {
-            s: grpc.aio.insecure_channel(members[s], options=serving.CHANNEL_OPTIONS) for s in holders
+            s: serving.aio_channel(members[s]) for s in holders
         }
         stubs = {s: pb_grpc.EmbeddingServerStub(ch) for s, ch in channels.items()}
         timeout = serving.RPC_TIMEOUT_S

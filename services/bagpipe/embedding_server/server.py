@@ -150,7 +150,7 @@ class EmbeddingServicer(pb_grpc.EmbeddingServerServicer):
             self.store.abort_migration()
             raise InvalidArgument("addresses", f"no address for shards {missing}")
         self._peers = {
-            d: grpc.aio.insecure_channel(request.addresses[d], options=serving.CHANNEL_OPTIONS)
+            d: serving.aio_channel(request.addresses[d])
             for d in m.leaving
         }
         self._rows_per_second = request.rows_per_second

@@ -17,7 +17,8 @@ import sysconfig
 import time
 import urllib.request
 import uuid
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -26,7 +27,7 @@ import grpc
 import redis
 from tqdm import tqdm
 
-from bagpipe import serving
+from bagpipe import security, serving
 from bagpipe.config_args import table_rows_of
 from bagpipe.control.detector import Detector, PrometheusSource, ScrapeSource
 from bagpipe.control.registry import Registry
@@ -70,9 +71,17 @@ class RedisServer:
         self.log_path = workdir / "redis.log"
         self.log = open(self.log_path, "ab")  # noqa: SIM115
         bind = ["127.0.0.1", extra_bind] if extra_bind else ["127.0.0.1"]
+        config = []
+        password = security.redis_password()
+        if password:  # in a file only this user reads, not on the command line
+            conf = workdir / "redis.conf"
+            conf.touch(mode=0o600)
+            conf.chmod(0o600)
+            conf.write_text(f"requirepass {password}\n")
+            config = [str(conf)]
         self.proc = subprocess.Popen(
-            [find_redis_server(), "--port", str(self.port), "--bind", *bind, "--protected-mode", "no", "--save", "",
-             "--appendonly", "no", "--dir", str(workdir)],
+            [find_redis_server(), *config, "--port", str(self.port), "--bind", *bind, "--protected-mode", "no",
+             "--save", "", "--appendonly", "no", "--dir", str(workdir)],
             stdout=self.log, stderr=subprocess.STDOUT,
         )  # fmt: skip
         deadline = time.monotonic() + 20
@@ -232,7 +241,30 @@ def checkpoint_every(args: argparse.Namespace) -> int:
     return int(getattr(args, "checkpoint_every", 0) or 0)
 
 
+@contextmanager
+def job_credentials() -> Iterator[None]:
+    """A new job secret and Redis password for the run, in this process's environment (its children
+    inherit them; its own clients use them) until the run ends."""
+    saved = {k: os.environ.get(k) for k in (security.JOB_SECRET_ENV, security.REDIS_PASSWORD_ENV)}
+    os.environ[security.JOB_SECRET_ENV] = security.new_secret()
+    os.environ[security.REDIS_PASSWORD_ENV] = security.new_secret()
+    try:
+        yield
+    finally:
+        for k, v in saved.items():
+            if v is None:
+                os.environ.pop(k, None)
+            else:
+                os.environ[k] = v
+
+
 def run(args: argparse.Namespace, after_training: AfterTraining | None = None) -> dict[str, Any]:
+    """See ``_run``; every RPC and the Redis connection of the run are authenticated."""
+    with job_credentials():
+        return _run(args, after_training)
+
+
+def _run(args: argparse.Namespace, after_training: AfterTraining | None = None) -> dict[str, Any]:
     """Runs one local job to the end and returns its summary (raises on failure).
 
     The launcher is also the job's supervisor: when a process dies, freezes or stops making progress

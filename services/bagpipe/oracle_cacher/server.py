@@ -9,6 +9,7 @@ when every trainer has reported the write-backs of batch x-L durable (DESIGN.md 
 from __future__ import annotations
 
 import asyncio
+import hmac
 import logging
 import time
 from dataclasses import dataclass, field
@@ -16,11 +17,11 @@ from dataclasses import dataclass, field
 import grpc
 import numpy as np
 
-from bagpipe import serving
+from bagpipe import security, serving
 from bagpipe.core.data import table_offsets
 from bagpipe.core.lookahead import BatchPlan, LookaheadPlanner, all_trainers, mask_dtype, trainer_users
 from bagpipe.core.plans import SyncStep, for_trainer
-from bagpipe.errors import InvalidArgument, grpc_errors
+from bagpipe.errors import InvalidArgument, PermissionDenied, grpc_errors
 from bagpipe.oracle_cacher import metrics
 from bagpipe.oracle_cacher.config import OracleConfig
 from bagpipe.v1 import data_processor_pb2, data_processor_pb2_grpc
@@ -29,6 +30,8 @@ from bagpipe.v1 import oracle_cacher_pb2_grpc as pb_grpc
 from bagpipe.wire import from_tensor, to_tensor
 
 logger = logging.getLogger(__name__)
+
+TRAINER_KEY = security.TRAINER_KEY
 
 
 @dataclass
@@ -125,6 +128,10 @@ class Oracle(pb_grpc.OracleCacherServicer):
         # stream reached its deadline mid-message re-opens it at the batch it did not get
         self.sent: dict[int, _Planned] = {}
         self.written_back = [config.start_batch - 1] * config.trainers
+        # a rank belongs to the trainer process that first called for it (its token, call metadata
+        # bagpipe-trainer): another client cannot take its plans or report its progress
+        self.owners: dict[int, str] = {}
+        self.dispatched = [config.start_batch - 1] * config.trainers  # the last plan each rank was sent
         self.trained = [config.start_batch - 1] * config.trainers
         self.cond = asyncio.Condition()
         self.readers_done = 0
@@ -142,7 +149,7 @@ class Oracle(pb_grpc.OracleCacherServicer):
         end = self.config.iterations
         first = self.config.start_batch
         offset = first + (offset - first) % stride
-        async with grpc.aio.insecure_channel(address, options=serving.CHANNEL_OPTIONS) as ch:
+        async with serving.aio_channel(address) as ch:
             stub = data_processor_pb2_grpc.DataProcessorStub(ch)
             # with LRPP the processors also work out which trainers use each key (off the single oracle)
             trainers = self.config.trainers if self.config.cache_mode == "lrpp" else 0
@@ -294,6 +301,7 @@ class Oracle(pb_grpc.OracleCacherServicer):
         rank = request.rank
         if not 0 <= rank < self.config.trainers:
             raise InvalidArgument("rank", f"must be in [0, {self.config.trainers}), got {rank}")
+        self._bind(rank, context)
         batch = request.start
         if batch < self.config.start_batch:
             raise InvalidArgument("start", f"this oracle plans from batch {self.config.start_batch}, asked for {batch}")
@@ -310,6 +318,7 @@ class Oracle(pb_grpc.OracleCacherServicer):
                     self.cond.notify_all()
                 self._update_queue_metrics()
             metrics.PLANS_DISPATCHED.inc()
+            self.dispatched[rank] = max(self.dispatched[rank], batch)
             yield entry.messages[rank]
             if entry.plan.last:
                 return
@@ -320,14 +329,28 @@ class Oracle(pb_grpc.OracleCacherServicer):
         rank = request.rank
         if not 0 <= rank < self.config.trainers:
             raise InvalidArgument("rank", f"must be in [0, {self.config.trainers}), got {rank}")
+        self._bind(rank, context)
+        for name, value, now in (("written_back", request.written_back, self.written_back[rank]),
+                                 ("trained", request.trained, self.trained[rank])):  # fmt: skip
+            if value > self.dispatched[rank]:
+                raise InvalidArgument(name, f"rank {rank} reports batch {value}, but was sent plans up to "
+                                      f"{self.dispatched[rank]} only")  # fmt: skip
+            if value < now:
+                raise InvalidArgument(name, f"rank {rank} reports batch {value}, after {now}: progress only moves on")
         async with self.cond:
-            self.written_back[rank] = max(self.written_back[rank], request.written_back)
-            self.trained[rank] = max(self.trained[rank], request.trained)
+            self.written_back[rank] = request.written_back
+            self.trained[rank] = request.trained
             for done in [b for b in self.sent if b <= min(self.trained)]:
                 del self.sent[done]
             self._update_queue_metrics()
             self.cond.notify_all()
         return pb.ProgressAck()
+
+    def _bind(self, rank: int, context: grpc.aio.ServicerContext) -> None:
+        token = next((v for k, v in context.invocation_metadata() or () if k == TRAINER_KEY), "")
+        owner = self.owners.setdefault(rank, str(token))
+        if not hmac.compare_digest(owner.encode(), str(token).encode()):
+            raise PermissionDenied(f"rank: rank {rank} belongs to another trainer process")
 
     def counters(self) -> dict[str, float]:
         return {

@@ -26,7 +26,9 @@ the cores to training where the services share them.
 from __future__ import annotations
 
 import csv
+import functools
 import logging
+import secrets
 import queue
 import threading
 import time
@@ -41,7 +43,7 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
-from bagpipe import serving
+from bagpipe import security, serving
 from bagpipe.control.registry import Registry
 from bagpipe.core import checkpoint, snapshots
 from bagpipe.core.cache import EmbeddingCache
@@ -264,6 +266,7 @@ class Trainer:
         self._refusals_seen = 0
         self.oracle: opb_grpc.OracleCacherStub | None = None
         self.checkpoints: list[dict[str, float]] = []
+        self._token = [(security.TRAINER_KEY, secrets.token_hex(16))]  # the oracle binds this rank to this process
 
     # ---- setup
     def _connect(self) -> None:
@@ -367,7 +370,7 @@ class Trainer:
             while True:
                 request = opb.StreamPlansRequest(rank=self.rank, start=expected)
                 try:
-                    for msg in self.oracle.StreamPlans(request, timeout=PLAN_STREAM_WINDOW_S):
+                    for msg in self.oracle.StreamPlans(request, timeout=PLAN_STREAM_WINDOW_S, metadata=self._token):
                         plan = PlanArrays.decode(msg, self.config.model.num_tables)
                         if plan.batch != expected:
                             raise ValueError(f"plan stream: expected batch {expected}, got {plan.batch}")
@@ -481,7 +484,10 @@ class Trainer:
             self.transfers["write_back_calls"] += 1
         batch = group[-1][0]
         report = opb.ProgressReport(rank=self.rank, trained=batch, written_back=batch)
-        call_with_retry(lambda r=report: self.oracle.ReportProgress(r, timeout=serving.RPC_TIMEOUT_S), "progress")
+        call_with_retry(
+            functools.partial(self.oracle.ReportProgress, report, timeout=serving.RPC_TIMEOUT_S, metadata=self._token),
+            "progress",
+        )
         with self.pipeline.cond:
             self.written_back = batch
             self.pipeline.cond.notify_all()
