@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import signal
 from collections.abc import Callable
 
 import grpc
@@ -70,6 +71,13 @@ async def create_server(
 async def stop_gracefully(server: grpc.aio.Server, health_servicer: health.HealthServicer) -> None:
     health_servicer.enter_graceful_shutdown()  # (the synchronous servicer: it returns nothing to await)
     await server.stop(GRACE_S)
+
+
+def stop_on_signals(stop: asyncio.Event) -> None:
+    """SIGTERM and SIGINT set ``stop``: the service stops gracefully and exits 0."""
+    loop = asyncio.get_running_loop()
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        loop.add_signal_handler(sig, stop.set)
 
 
 def advertised(address: str, host: str | None) -> str:

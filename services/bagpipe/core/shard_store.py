@@ -28,6 +28,21 @@ from bagpipe.errors import InvalidArgument
 logger = logging.getLogger(__name__)
 
 _INIT_CHUNK = 1 << 18
+# no trained embedding value comes near this; a write beyond it is a bug or an attack
+DEFAULT_MAX_ABS = 1e6
+
+
+def check_values(keys: np.ndarray, rows: np.ndarray, state: np.ndarray, max_abs: float) -> None:
+    """Rows must be finite and within ``max_abs``; optimizer state (Adagrad sums of squares) finite and >= 0.
+    Raises InvalidArgument naming the first bad key and value."""
+    for name, values, bad in (
+        ("rows", rows, ~np.isfinite(rows) | (np.abs(rows) > max_abs)),
+        ("state", state, ~np.isfinite(state) | (state < 0)),
+    ):
+        if bad.any():
+            i, j = np.unravel_index(int(np.argmax(bad)), bad.shape)
+            why = f"at most {max_abs:g} in absolute value (--max-abs-value)" if name == "rows" else "finite and >= 0"
+            raise InvalidArgument(name, f"key {int(keys[i])}: value {float(values[i, j]):.7g} (must be {why})")
 
 
 class ShardStore:
@@ -65,6 +80,7 @@ class ShardStore:
         self._local_keys = local_keys
         self._changed = np.zeros(local_rows, dtype=bool)  # written since the last snapshot
         self.migration: Migration | None = None
+        self.max_abs = DEFAULT_MAX_ABS  # a written value beyond this is refused (--max-abs-value)
 
     def load_checkpoint(
         self, embeddings: Mapping[str, torch.Tensor], state: Mapping[str, torch.Tensor] | None
@@ -110,10 +126,7 @@ class ShardStore:
         index = self.local_index(keys)
         if np.unique(index).size != index.size:
             raise InvalidArgument("keys", "duplicate keys in one write-back")
-        if not np.isfinite(rows).all():
-            raise InvalidArgument("rows", "non-finite values")
-        if not np.isfinite(state).all():
-            raise InvalidArgument("state", "non-finite values")
+        check_values(keys, rows, state, self.max_abs)
         self.weights[index] = rows
         if self.state_width:
             self.state[index] = state
@@ -288,8 +301,7 @@ class Migration:
                 raise InvalidArgument(name, f"key {int(k[np.argmax(wrong)])} is not on shard {source}")
         target = self.new_index(keys)
         flags = self.new_index(changed, "changed_keys") if changed is not None else None
-        if not (np.isfinite(rows).all() and np.isfinite(state).all()):
-            raise InvalidArgument("rows", "non-finite values")
+        check_values(keys, rows, state, self.store.max_abs)
         self.weights[target] = rows
         self.state[target] = state
         self.rows_in += keys.size

@@ -26,6 +26,7 @@ async def serve(cfg: DataProcessorConfig, args: argparse.Namespace) -> None:
     registry.register("data_processor", member, control.address)
     http.ready.set()
     logger.info("data processor %s serving %s on %s", member, cfg.source.data, control.address)
+    serving.stop_on_signals(control.stop)  # SIGTERM (a pod stopping) ends it like Control.Shutdown
     await control.stop.wait()
     registry.unregister("data_processor", member)
     await serving.stop_gracefully(server, health)

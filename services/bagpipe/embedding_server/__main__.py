@@ -43,7 +43,8 @@ async def serve(cfg: EmbeddingServerConfig, args: argparse.Namespace) -> None:
         assert cfg.checkpoint_dir is not None
         restored = store.restore(snapshots.row_deltas(cfg.checkpoint_dir, cfg.resume_batch))
         logger.info("shard %d: restored %d rows of checkpoint %d", cfg.shard, restored, cfg.resume_batch)
-    server, port, control, health = await create_server(store, cfg.address)
+    store.max_abs = cfg.max_abs_value
+    server, port, control, health = await create_server(store, cfg.address, cfg.max_rows_per_request)
     control.address = serving.advertised(control.address, args.advertise_host)
     registry.register("embedding_server", str(cfg.shard), control.address)
     http.ready.set()
@@ -59,6 +60,7 @@ async def serve(cfg: EmbeddingServerConfig, args: argparse.Namespace) -> None:
 
         resharder = Resharder(registry, cfg.migration_rows_per_second)
         coordinator = asyncio.create_task(resharder.run(control.stop, stop_on), name="resharder")
+    serving.stop_on_signals(control.stop)  # SIGTERM (a pod stopping) ends it like Control.Shutdown
     await control.stop.wait()
     if coordinator is not None:
         await coordinator

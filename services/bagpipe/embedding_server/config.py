@@ -12,9 +12,12 @@ from bagpipe.config_args import (
     add_table_args,
     check_resume,
     non_negative_float,
+    positive_float,
     positive_int,
     table_rows_of,
 )
+from bagpipe.core.shard_store import DEFAULT_MAX_ABS
+from bagpipe.embedding_server.client import MAX_ROWS_PER_RPC
 
 
 @dataclass(frozen=True)
@@ -34,6 +37,8 @@ class EmbeddingServerConfig:
     checkpoint_dir: str | None = None
     resume_batch: int = 0
     migration_rows_per_second: float = 0.0
+    max_rows_per_request: int = MAX_ROWS_PER_RPC
+    max_abs_value: float = DEFAULT_MAX_ABS
 
     def __post_init__(self) -> None:
         if self.shard < 0:
@@ -56,6 +61,18 @@ def build_parser() -> argparse.ArgumentParser:
         help="servers the job's first shard map spreads the rows over (default 1); only the first server "
         "to start uses it: later, the servers registered in Redis are the shards, and re-sharding moves "
         "rows when they change",
+    )
+    p.add_argument(
+        "--max-rows-per-request",
+        type=positive_int,
+        default=MAX_ROWS_PER_RPC,
+        help=f"a lookup or write-back with more keys is refused (default {MAX_ROWS_PER_RPC}, what clients send)",
+    )
+    p.add_argument(
+        "--max-abs-value",
+        type=positive_float,
+        default=DEFAULT_MAX_ABS,
+        help=f"a write-back with a value beyond this (absolute) is refused (default {DEFAULT_MAX_ABS:g})",
     )
     p.add_argument(
         "--migration-rows-per-second",
@@ -89,4 +106,6 @@ def parse(argv: list[str] | None = None) -> EmbeddingServerConfig:
         checkpoint_dir=a.checkpoint_dir,
         resume_batch=a.resume_batch,
         migration_rows_per_second=a.migration_rows_per_second,
+        max_rows_per_request=a.max_rows_per_request,
+        max_abs_value=a.max_abs_value,
     )

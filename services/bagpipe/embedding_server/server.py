@@ -11,6 +11,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
+from typing import Any
 
 import grpc
 import numpy as np
@@ -19,6 +20,7 @@ from bagpipe import serving
 from bagpipe.core import snapshots
 from bagpipe.core.shard_map import ShardMap
 from bagpipe.core.shard_store import Migration, ShardStore
+from bagpipe.embedding_server.client import MAX_ROWS_PER_RPC
 from bagpipe.embedding_server import metrics
 from bagpipe.errors import FailedPrecondition, InvalidArgument, grpc_errors
 from bagpipe.v1 import embedding_server_pb2 as pb
@@ -33,8 +35,9 @@ MIGRATION_CHUNK_ROWS = 1 << 13
 
 
 class EmbeddingServicer(pb_grpc.EmbeddingServerServicer):
-    def __init__(self, store: ShardStore) -> None:
+    def __init__(self, store: ShardStore, max_rows: int = MAX_ROWS_PER_RPC) -> None:
         self.store = store
+        self.max_rows = max_rows
         self._peers: dict[int, grpc.aio.Channel] = {}
         self._rows_per_second = 0.0
         self._ready = asyncio.Event()
@@ -53,6 +56,12 @@ class EmbeddingServicer(pb_grpc.EmbeddingServerServicer):
                 f"shard_map_version: request has {version}, this server has {self.store.shard_map.version}"
             )
 
+    def _check_size(self, keys: Any) -> None:
+        """Before anything is decoded or allocated: at most ``max_rows`` keys in one request."""
+        n = int(keys.shape[0]) if len(keys.shape) == 1 else 0
+        if n > self.max_rows:
+            raise InvalidArgument("keys", f"{n} keys in one request; at most {self.max_rows} (--max-rows-per-request)")
+
     def _migration(self, version: int) -> Migration:
         m = self.store.migration
         if m is None or m.new_map.version != version:
@@ -64,6 +73,7 @@ class EmbeddingServicer(pb_grpc.EmbeddingServerServicer):
     async def Lookup(self, request: pb.LookupRequest, context: grpc.aio.ServicerContext) -> pb.LookupResponse:  # noqa: N802
         with metrics.LATENCY.labels("lookup").time():
             self._check_version(request.shard_map_version)
+            self._check_size(request.keys)
             keys = from_tensor(request.keys, "keys", np.int64, ndim=1)
             rows, state = self.store.lookup(keys)
             metrics.ROWS.labels("lookup").inc(keys.size)
@@ -77,6 +87,7 @@ class EmbeddingServicer(pb_grpc.EmbeddingServerServicer):
     ) -> pb.WriteBackResponse:  # noqa: N802
         with metrics.LATENCY.labels("write_back").time():
             self._check_version(request.shard_map_version)
+            self._check_size(request.keys)
             keys = from_tensor(request.keys, "keys", np.int64, ndim=1)
             n = keys.size
             rows = from_tensor(request.rows, "rows", np.float32, shape=(n, self.store.dim))
@@ -323,10 +334,10 @@ class EmbeddingServicer(pb_grpc.EmbeddingServerServicer):
 
 
 async def create_server(
-    store: ShardStore, address: str = "127.0.0.1:0"
+    store: ShardStore, address: str = "127.0.0.1:0", max_rows: int = MAX_ROWS_PER_RPC
 ) -> tuple[grpc.aio.Server, int, serving.ControlServicer, object]:
     """Starts a server for ``store`` on ``address``; returns (server, port, control, health)."""
-    servicer = EmbeddingServicer(store)
+    servicer = EmbeddingServicer(store, max_rows)
 
     def counters() -> dict[str, float]:
         return {"rows_held": float(store.rows_held), "shard": float(store.shard)}

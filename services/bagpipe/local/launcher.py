@@ -364,6 +364,11 @@ def _run(args: argparse.Namespace, after_training: AfterTraining | None = None) 
         if after_training is not None:
             after_training(endpoints, prometheus)
         _shutdown_services(registry)
+        job.stop_all()
+        stopped_badly = job.failed()  # a service that failed while stopping fails the run too
+        if stopped_badly is not None:
+            raise RuntimeError(f"{stopped_badly.name} exited with {stopped_badly.proc.returncode} while stopping; "
+                               f"last lines of {stopped_badly.log}:\n{_tail(stopped_badly.log)}")  # fmt: skip
         summary = summarize(stats, args, run_dir)
         summary["recovery"] = recovery_summary(failures, stats, run_dir, checkpoint_every(args), checkpoints)
         summary["resharding"] = resharding_summary(scaler.records + registry.reshards(), run_dir)

@@ -37,6 +37,7 @@ async def serve(cfg: OracleConfig, args: argparse.Namespace) -> None:
         "oracle on %s: L %s (at most %d), %s cache, %d trainers, %d data processors", control.address,
         cfg.lookahead or "automatic", cfg.window, cfg.cache_mode, cfg.trainers, len(addresses),
     )  # fmt: skip
+    serving.stop_on_signals(control.stop)  # SIGTERM (a pod stopping) ends it like Control.Shutdown
     await control.stop.wait()
     registry.unregister("oracle_cacher", "0")
     for task in tasks:

@@ -25,6 +25,8 @@ def main(argv: list[str] | None = None) -> None:
         lambda: repr(trainer.pipeline.error) if trainer.pipeline.error is not None else None, args.advertise_host,
     )  # fmt: skip
     trainer.on_ready = http.ready.set
+    # SIGTERM while training: stop, release everything and exit 0 (a stopped pod, or the launcher)
+    signal.signal(signal.SIGTERM, lambda *_: sys.exit(0))
     try:
         stats = trainer.run()
         logger.info("rank %d done: %d iterations, %.1f samples/s", cfg.rank, stats["iterations"], stats["samples_per_second"])

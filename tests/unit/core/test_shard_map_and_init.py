@@ -61,6 +61,10 @@ def test_bad_write_changes_nothing() -> None:
         store.write(np.array([mine[0], 20]), rows, rows)
     with pytest.raises(InvalidArgument, match="duplicate"):
         store.write(np.array([mine[0], mine[0]]), rows, rows)
-    with pytest.raises(InvalidArgument, match="non-finite"):
+    with pytest.raises(InvalidArgument, match=r"rows: key \d+: value nan"):
         store.write(mine[:2], np.array([[1, np.nan], [0, 0]], dtype=np.float32), rows)
+    with pytest.raises(InvalidArgument, match=r"rows: key \d+: value 3e\+38 \(must be at most 1e\+06"):
+        store.write(mine[:2], np.array([[1, 3e38], [0, 0]], dtype=np.float32), rows)
+    with pytest.raises(InvalidArgument, match=r"state: key \d+: value -1 \(must be finite and >= 0"):
+        store.write(mine[:2], rows, np.array([[1, -1], [0, 0]], dtype=np.float32))
     assert np.array_equal(store.weights, before)
