@@ -275,8 +275,11 @@ class CriteoConfig:
             raise ValueError(f"table_rows: every table needs >= 1 row, got {list(self.table_rows)}")
 
 
-_INT_PATTERN = rb"(?:-?[0-9]+)?"
-_HEX_PATTERN = rb"[0-9A-Fa-f]*"
+# bounded: a dense value must fit int64 (Criteo's are far smaller), a categorical hash is 8 hex digits
+_INT_DIGITS = 18
+_HEX_DIGITS = 32
+_INT_PATTERN = rb"(?:-?[0-9]{1,%d})?" % _INT_DIGITS
+_HEX_PATTERN = rb"[0-9A-Fa-f]{0,%d}" % _HEX_DIGITS
 _VALID_LINE = re.compile(
     rb"[01]" + (rb"\t" + _INT_PATTERN) * NUM_DENSE + (rb"\t" + _HEX_PATTERN) * NUM_TABLES
 )
@@ -297,9 +300,13 @@ def _diagnose(path: str, number: int, line: bytes) -> DataFormatError:
         return error("label", fields[0], "is not 0 or 1")
     for k in range(1, NUM_DENSE + 1):
         if not _VALID_INT.fullmatch(fields[k]):
+            if re.fullmatch(rb"-?[0-9]+", fields[k]):
+                return error(f"I{k}", fields[k], f"is out of range (more than {_INT_DIGITS} digits)")
             return error(f"I{k}", fields[k], "is not an integer")
     for k in range(1, NUM_TABLES + 1):
         if not _VALID_HEX.fullmatch(fields[NUM_DENSE + k]):
+            if re.fullmatch(rb"[0-9A-Fa-f]+", fields[NUM_DENSE + k]):
+                return error(f"C{k}", fields[NUM_DENSE + k], f"is too long (more than {_HEX_DIGITS} hex digits)")
             return error(f"C{k}", fields[NUM_DENSE + k], "is not hexadecimal")
     return error("line", line, "is malformed")
 
@@ -322,7 +329,8 @@ class CriteoTSVSource:
         """Every valid line of the stream, without its line ending; bad ones raise or are counted."""
         for path in self.config.paths:
             with open(path, "rb") as f:
-                for number, raw in enumerate(f, start=1):
+                number = 0
+                for number, raw in enumerate(f, start=1):  # noqa: B007 (read after the loop)
                     line = raw.rstrip(b"\r\n")
                     if _VALID_LINE.fullmatch(line):
                         yield line
@@ -332,6 +340,8 @@ class CriteoTSVSource:
                         raise error
                     self.bad_rows += 1
                     logger.debug("skipping bad row: %s", error)
+                if number == 0:
+                    raise DataFormatError(path, 0, "file", "", "is empty: no samples")
 
     def batches(self, batch_size: int, start: int = 0) -> Iterator[tuple[int, Samples]]:
         """Yields ``(number, samples)`` for global batch numbers ``start, start+1, ...``.

@@ -35,6 +35,7 @@ from bagpipe.core import snapshots
 from bagpipe.local.prometheus import PrometheusServer
 from bagpipe.local.report import write_report
 from bagpipe.local.scaling import Scaler
+from bagpipe.local.validate import validate_run_args
 from bagpipe.trainer.metrics import STAGES
 from bagpipe.v1 import control_pb2, control_pb2_grpc
 
@@ -277,9 +278,7 @@ def _run(args: argparse.Namespace, after_training: AfterTraining | None = None) 
     """
     if getattr(args, "resume", None):
         args = resumed_args(args)
-    table_rows_of(args)
-    if args.batch_size % args.trainers:
-        raise SystemExit(f"--batch-size: {args.batch_size} is not a multiple of --trainers {args.trainers}")
+    validate_run_args(args)  # before any process starts: one line naming the flag or file
     run_dir = Path(args.run_dir or f"runs/{time.strftime('%Y%m%d-%H%M%S')}-{uuid.uuid4().hex[:4]}")
     (run_dir / "logs").mkdir(parents=True, exist_ok=True)
     checkpoints = Path(args.checkpoint_dir) if getattr(args, "checkpoint_dir", None) else run_dir / "checkpoints"

@@ -1,0 +1,93 @@
+"""Checks every flag and input path of ``bagpipe run`` before any process starts.
+
+A bad value stops the run at once with one line naming the flag (or file) and what is wrong, instead of a
+child process's traceback seconds later, or a hang.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+from pathlib import Path
+
+from bagpipe.config_args import table_rows_of
+from bagpipe.core.data import SyntheticConfig
+
+
+class BadFlag(SystemExit):
+    """``bagpipe run`` cannot start: the message names the flag or file."""
+
+    def __init__(self, flag: str, why: str) -> None:
+        super().__init__(f"bagpipe run: {flag}: {why}")
+
+
+def _at_least(args: argparse.Namespace, low: int, *names: str) -> None:
+    for name in names:
+        value = getattr(args, name, None)
+        if value is not None and value < low:
+            raise BadFlag("--" + name.replace("_", "-"), f"must be >= {low}, got {value}")
+
+
+def _readable_file(flag: str, path: str) -> None:
+    p = Path(path)
+    if not p.exists():
+        raise BadFlag(flag, f"{path}: no such file")
+    if not p.is_file():
+        raise BadFlag(flag, f"{path}: not a regular file")
+    if not os.access(p, os.R_OK):
+        raise BadFlag(flag, f"{path}: not readable")
+    if p.stat().st_size == 0:
+        raise BadFlag(flag, f"{path}: empty file")
+
+
+def validate_run_args(args: argparse.Namespace) -> None:
+    """Raises BadFlag (a SystemExit with one line) for the first bad flag or input of ``bagpipe run``."""
+    if getattr(args, "resume", None):
+        return  # the stopped run's own flags, checked when it started
+    _at_least(args, 1, "trainers", "embedding_servers", "data_processors", "batch_size", "embedding_dim")
+    _at_least(args, 0, "iterations", "seed")
+    if args.batch_size % args.trainers:
+        raise BadFlag("--batch-size", f"{args.batch_size} is not a multiple of --trainers {args.trainers}")
+    if not args.lr > 0:
+        raise BadFlag("--lr", f"must be > 0, got {args.lr}")
+    if args.device not in ("auto", "cpu", "cuda"):
+        raise BadFlag("--device", f"expected auto, cpu or cuda, got {args.device!r}")
+    if not args.bottom_mlp or args.bottom_mlp[-1] != args.embedding_dim:
+        raise BadFlag(
+            "--bottom-mlp",
+            f"its last layer ({args.bottom_mlp[-1] if args.bottom_mlp else 'none'}) must equal --embedding-dim "
+            f"({args.embedding_dim}): DLRM's interaction takes dot products of the two",
+        )
+    if not args.top_mlp or args.top_mlp[-1] != 1:
+        raise BadFlag("--top-mlp", f"its last layer must be 1 (the click logit), got {list(args.top_mlp)}")
+    if any(width < 1 for width in (*args.bottom_mlp, *args.top_mlp)):
+        raise BadFlag("--bottom-mlp/--top-mlp", "every layer needs >= 1 unit")
+    if args.data == "synthetic":
+        if args.iterations == 0:
+            raise BadFlag("--iterations", "synthetic data is endless; give a number of iterations")
+        try:
+            table_rows = table_rows_of(args)
+        except SystemExit as e:
+            raise BadFlag(*str(e).split(": ", 1)) from None
+        hot = args.hot_fraction is not None or args.hot_share is not None
+        try:
+            SyntheticConfig(
+                table_rows=table_rows, seed=args.seed, zipf_alpha=None if hot else args.zipf_alpha,
+                hot_fraction=args.hot_fraction, hot_share=args.hot_share,
+            )  # fmt: skip
+        except ValueError as e:
+            field, _, why = str(e).partition(": ")
+            raise BadFlag("--" + field.replace("_", "-"), why) from None
+    elif args.data.startswith("criteo:"):
+        paths = [p for p in args.data[len("criteo:") :].split(",") if p]
+        if not paths:
+            raise BadFlag("--data", "criteo: needs at least one path (criteo:PATH[,PATH...])")
+        for path in paths:
+            _readable_file("--data", path)
+    else:
+        raise BadFlag("--data", f"expected 'synthetic' or 'criteo:PATH[,PATH...]', got {args.data!r}")
+    if args.init_from:
+        _readable_file("--init-from", args.init_from)
+    lookahead = getattr(args, "lookahead", None)
+    if lookahead is not None and lookahead > args.max_lookahead:
+        raise BadFlag("--lookahead", f"{lookahead} is over --max-lookahead {args.max_lookahead}")
