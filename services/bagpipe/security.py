@@ -66,40 +66,60 @@ class ServerGuard(grpc.aio.ServerInterceptor):
         details: grpc.HandlerCallDetails,
     ) -> grpc.RpcMethodHandler:
         handler = await continuation(details)
-        if handler is None:
-            return handler
-        denied = (
-            self.secret is not None
-            and not details.method.startswith(OPEN_PREFIX)
-            and not _authorized(details.invocation_metadata, self.secret)
-        )
+        if handler is None or details.method.startswith(OPEN_PREFIX):
+            return handler  # (the health servicer's handlers are synchronous: left as they are)
+        denied = self.secret is not None and not _authorized(details.invocation_metadata, self.secret)
         return _wrap(handler, denied)
 
 
+class _Undecodable:
+    """Bytes that are not the method's request message (answered INVALID_ARGUMENT, not UNKNOWN)."""
+
+
+def _decoder(decode: Any) -> Any:
+    if decode is None:
+        return None
+
+    def safe(data: bytes) -> Any:
+        try:
+            return decode(data)
+        except Exception:
+            return _Undecodable()
+
+    return safe
+
+
+async def _admit(request: Any, context: grpc.aio.ServicerContext, denied: bool) -> None:
+    if denied:
+        await context.abort(
+            grpc.StatusCode.UNAUTHENTICATED,
+            "the job's secret is missing or wrong (metadata bagpipe-job-secret)",
+        )
+    if isinstance(request, _Undecodable):
+        await context.abort(grpc.StatusCode.INVALID_ARGUMENT, "request: not a valid message for this method")
+
+
 def _wrap(handler: grpc.RpcMethodHandler, denied: bool) -> grpc.RpcMethodHandler:
-    why = "the job's secret is missing or wrong (metadata bagpipe-job-secret)"
+    decode = _decoder(handler.request_deserializer)
+    encode = handler.response_serializer
     if handler.unary_unary is not None:
         inner = handler.unary_unary
 
         async def unary(request: Any, context: grpc.aio.ServicerContext) -> Any:
-            if denied:
-                await context.abort(grpc.StatusCode.UNAUTHENTICATED, why)
+            await _admit(request, context, denied)
             try:
                 return await inner(request, context)
             except BagpipeError as e:
                 await context.abort(e.code, str(e))
 
         return grpc.unary_unary_rpc_method_handler(
-            unary,
-            request_deserializer=handler.request_deserializer,
-            response_serializer=handler.response_serializer,
+            unary, request_deserializer=decode, response_serializer=encode
         )
     if handler.unary_stream is not None:
         inner_stream = handler.unary_stream
 
         async def stream(request: Any, context: grpc.aio.ServicerContext) -> Any:
-            if denied:
-                await context.abort(grpc.StatusCode.UNAUTHENTICATED, why)
+            await _admit(request, context, denied)
             try:
                 async for item in inner_stream(request, context):
                     yield item
@@ -107,14 +127,12 @@ def _wrap(handler: grpc.RpcMethodHandler, denied: bool) -> grpc.RpcMethodHandler
                 await context.abort(e.code, str(e))
 
         return grpc.unary_stream_rpc_method_handler(
-            stream,
-            request_deserializer=handler.request_deserializer,
-            response_serializer=handler.response_serializer,
+            stream, request_deserializer=decode, response_serializer=encode
         )
     if denied:  # (no streaming-request methods in the project's protos)
 
         async def refuse(request: Any, context: grpc.aio.ServicerContext) -> Any:
-            await context.abort(grpc.StatusCode.UNAUTHENTICATED, why)
+            await _admit(request, context, denied)
 
         return grpc.unary_unary_rpc_method_handler(refuse)
     return handler

@@ -169,10 +169,26 @@ async def _oracle_gates_plans() -> None:
             assert not oracle._dispatchable(2), "plan 2 must wait for the write-backs of batch 0"
         await stub.ReportProgress(opb.ProgressReport(rank=0, trained=0, written_back=0), timeout=5)
         assert (await it.__anext__()).batch == 2
-        for b in range(1, 5):
+        rest = []
+        for b in range(1, 4):  # (a trainer reports only batches it was sent)
             await stub.ReportProgress(opb.ProgressReport(rank=0, trained=b, written_back=b), timeout=5)
-        rest = [p async for p in it]
+            rest.append(await it.__anext__())
         assert [p.batch for p in rest] == [3, 4, 5] and rest[-1].last
+        # progress on a batch never sent, or going back, is refused
+        for trained, field in ((6, "sent plans up to 5"), (2, "progress only moves on")):
+            with pytest.raises(grpc.aio.AioRpcError) as err:
+                await stub.ReportProgress(opb.ProgressReport(rank=0, trained=trained, written_back=trained), timeout=5)
+            assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT and field in err.value.details()
+        # a rank belongs to the process that first called for it
+        with pytest.raises(grpc.aio.AioRpcError) as err:
+            await stub.ReportProgress(
+                opb.ProgressReport(rank=0, trained=5, written_back=5), timeout=5, metadata=[("bagpipe-trainer", "x")]
+            )
+        assert err.value.code() == grpc.StatusCode.PERMISSION_DENIED
+        with pytest.raises(grpc.aio.AioRpcError) as err:
+            async for _ in stub.StreamPlans(opb.StreamPlansRequest(rank=0, start=0), metadata=[("bagpipe-trainer", "x")]):
+                pass
+        assert err.value.code() == grpc.StatusCode.PERMISSION_DENIED
         with pytest.raises(grpc.aio.AioRpcError) as err:
             await stub.ReportProgress(opb.ProgressReport(rank=3), timeout=5)
         assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT

@@ -1,0 +1,331 @@
+"""No client can corrupt or stall a job: real gRPC servers refuse unauthenticated calls, oversized requests
+and out-of-domain values, a seeded fuzz of mutated requests leaves every server alive and unchanged, SIGTERM
+stops a service with exit 0, and bad flags or files stop ``bagpipe run`` before anything starts."""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import random
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import grpc
+import numpy as np
+import pytest
+from grpc_health.v1 import health_pb2, health_pb2_grpc
+
+from bagpipe import security, serving
+from bagpipe.cli import build_parser
+from bagpipe.control.registry import Registry
+from bagpipe.core.data import CriteoConfig, CriteoTSVSource, table_offsets
+from bagpipe.core.shard_map import ShardMap
+from bagpipe.core.shard_store import ShardStore
+from bagpipe.embedding_server.server import create_server as create_embedding_server
+from bagpipe.local.launcher import RedisServer
+from bagpipe.local.validate import validate_run_args
+from bagpipe.oracle_cacher.config import OracleConfig
+from bagpipe.oracle_cacher.server import Oracle
+from bagpipe.oracle_cacher.server import create_server as create_oracle
+from bagpipe.v1 import control_pb2, control_pb2_grpc
+from bagpipe.v1 import embedding_server_pb2 as epb
+from bagpipe.v1 import embedding_server_pb2_grpc as epb_grpc
+from bagpipe.v1 import oracle_cacher_pb2 as opb
+from bagpipe.v1 import oracle_cacher_pb2_grpc as opb_grpc
+from bagpipe.v1 import tensor_pb2
+from bagpipe.wire import to_tensor
+
+SECRET = "test-secret-0123456789"
+DIM = 4
+
+
+def _store() -> ShardStore:
+    return ShardStore(ShardMap.create(80, 1, num_buckets=8), 0, table_offsets([50, 30]), DIM, DIM, seed=1)
+
+
+async def _code(call) -> grpc.StatusCode:
+    try:
+        result = call()
+        if hasattr(result, "__aiter__"):
+            async for _ in result:
+                pass
+        else:
+            await result
+    except grpc.aio.AioRpcError as e:
+        return e.code()
+    return grpc.StatusCode.OK
+
+
+# ---- authentication
+
+
+async def _unauthenticated_calls_are_refused() -> None:
+    store = _store()
+    before = store.weights.copy()
+    server, port, control, _ = await create_embedding_server(store)
+    keys = to_tensor(np.array([1, 2], dtype=np.int64))
+    rows = to_tensor(np.full((2, DIM), 0.5, dtype=np.float32))
+    write = epb.WriteBackRequest(shard_map_version=1, keys=keys, rows=rows, state=rows)
+    address = f"127.0.0.1:{port}"
+    for metadata in (None, [(security.SECRET_KEY, "wrong")]):
+        async with grpc.aio.insecure_channel(address) as ch:
+            stub = epb_grpc.EmbeddingServerStub(ch)
+            assert (
+                await _code(lambda s=stub, m=metadata: s.WriteBack(write, metadata=m))
+                == grpc.StatusCode.UNAUTHENTICATED
+            )
+            assert await _code(lambda s=stub, m=metadata: s.Lookup(epb.LookupRequest(shard_map_version=1, keys=keys),
+                                                                  metadata=m)) == grpc.StatusCode.UNAUTHENTICATED  # fmt: skip
+            shutdown = control_pb2_grpc.ControlStub(ch).Shutdown
+            assert await _code(
+                lambda f=shutdown, m=metadata: f(control_pb2.ShutdownRequest(), metadata=m)
+            ) == (grpc.StatusCode.UNAUTHENTICATED)
+            # kubelet probes cannot send metadata: health stays open
+            reply = await health_pb2_grpc.HealthStub(ch).Check(health_pb2.HealthCheckRequest(service=""))
+            assert reply.status == health_pb2.HealthCheckResponse.SERVING
+    assert not control.stop.is_set() and np.array_equal(store.weights, before)
+    async with serving.aio_channel(address) as ch:  # the job's own clients carry the secret
+        await epb_grpc.EmbeddingServerStub(ch).WriteBack(write, timeout=5)
+        await control_pb2_grpc.ControlStub(ch).Shutdown(control_pb2.ShutdownRequest(reason="test"), timeout=5)
+    assert control.stop.is_set() and not np.array_equal(store.weights, before)
+    await server.stop(None)
+
+
+def test_calls_without_the_job_secret_are_refused(monkeypatch) -> None:
+    monkeypatch.setenv(security.JOB_SECRET_ENV, SECRET)
+    asyncio.run(_unauthenticated_calls_are_refused())
+
+
+def test_redis_requires_the_password(tmp_path: Path, monkeypatch) -> None:
+    monkeypatch.setenv(security.REDIS_PASSWORD_ENV, "pw-" + SECRET)
+    redis_server = RedisServer(tmp_path)
+    try:
+        assert "requirepass" not in " ".join(redis_server.proc.args)  # not on the command line
+        assert Registry(redis_server.url, "job").ping()
+        monkeypatch.delenv(security.REDIS_PASSWORD_ENV)
+        import redis
+
+        with pytest.raises(redis.AuthenticationError):
+            Registry(redis_server.url, "job").ping()
+    finally:
+        redis_server.stop()
+
+
+# ---- limits and values
+
+
+async def _limits_and_values() -> None:
+    store = _store()
+    before = (store.weights.copy(), store.state.copy())
+    server, port, _, _ = await create_embedding_server(store, max_rows=16)
+    async with grpc.aio.insecure_channel(f"127.0.0.1:{port}") as ch:
+        stub = epb_grpc.EmbeddingServerStub(ch)
+        # a huge lookup is refused from its declared shape, before anything is decoded or allocated
+        huge = tensor_pb2.Tensor(dtype=tensor_pb2.DTYPE_INT64, shape=[1 << 30], data=b"")
+        with pytest.raises(grpc.aio.AioRpcError) as err:
+            await stub.Lookup(epb.LookupRequest(shard_map_version=1, keys=huge), timeout=5)
+        assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+        assert (
+            err.value.details() == "keys: 1073741824 keys in one request; at most 16 (--max-rows-per-request)"
+        )
+        keys = np.array([1, 2], dtype=np.int64)
+        ok = np.full((2, DIM), 0.5, dtype=np.float32)
+        for rows, state, message in (
+            (
+                np.full((2, DIM), 3e38, dtype=np.float32),
+                ok,
+                "rows: key 1: value 3e+38 (must be at most 1e+06",
+            ),
+            (ok, -ok, "state: key 1: value -0.5 (must be finite and >= 0)"),
+            (ok * np.inf, ok, "rows: key 1: value inf"),
+        ):
+            request = epb.WriteBackRequest(shard_map_version=1, keys=to_tensor(keys), rows=to_tensor(rows),
+                                           state=to_tensor(state))  # fmt: skip
+            with pytest.raises(grpc.aio.AioRpcError) as err:
+                await stub.WriteBack(request, timeout=5)
+            assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT and err.value.details().startswith(
+                message
+            )
+    assert np.array_equal(store.weights, before[0]) and np.array_equal(store.state, before[1])
+    await server.stop(None)
+
+
+def test_oversized_requests_and_out_of_domain_values_are_refused_and_change_nothing() -> None:
+    asyncio.run(_limits_and_values())
+
+
+# ---- fuzz: mutated requests get a defined status, and change nothing
+
+
+def _corrupt_tensor(rng: random.Random, t: tensor_pb2.Tensor) -> tensor_pb2.Tensor:
+    t = tensor_pb2.Tensor.FromString(t.SerializeToString())
+    choice = rng.randrange(6)
+    if choice == 0:
+        t.dtype = rng.choice([tensor_pb2.DTYPE_INT32, tensor_pb2.DTYPE_BOOL, 99])
+    elif choice == 1:
+        t.shape.append(rng.randrange(0, 5))
+    elif choice == 2:
+        cut = rng.randrange(1, len(t.data) + 1)  # a wrong length: bytes missing or extra
+        t.data = t.data[:-cut] if rng.random() < 0.5 else t.data + b"x" * cut
+    elif choice == 3:
+        del t.shape[:]
+        t.shape.extend([rng.choice([-1, 1 << 40, 7])])
+    elif choice == 4:
+        t.data = bytes(rng.randrange(256) for _ in range(len(t.data)))  # keys out of range, or NaN rows
+        t.shape[0] = t.shape[0] + 1
+    else:
+        t.Clear()
+        t.dtype = 99
+    return t
+
+
+def _bad_embedding_request(rng: random.Random) -> tuple[str, object]:
+    keys = np.array(rng.sample(range(80), 4), dtype=np.int64)
+    rows = np.full((4, DIM), 0.25, dtype=np.float32)
+    kind = rng.randrange(8)
+    version = 1 if rng.random() < 0.7 else rng.choice([0, 2, -5, 1 << 40])
+    if kind == 0:
+        msg = epb.LookupRequest(shard_map_version=version, keys=to_tensor(keys))
+        if version == 1:
+            msg.keys.CopyFrom(_corrupt_tensor(rng, msg.keys))
+        return "Lookup", msg
+    if kind in (1, 2):
+        msg = epb.WriteBackRequest(shard_map_version=version, keys=to_tensor(keys), rows=to_tensor(rows),
+                                   state=to_tensor(rows))  # fmt: skip
+        if version == 1:
+            field = rng.choice(["keys", "rows", "state"])
+            getattr(msg, field).CopyFrom(_corrupt_tensor(rng, getattr(msg, field)))
+        return "WriteBack", msg
+    if kind == 3:
+        return "Snapshot", epb.SnapshotRequest(
+            shard_map_version=rng.choice([0, 2, 7]), directory="/tmp/x", next_batch=1
+        )
+    if kind == 4:
+        text = rng.choice(["", "{", "[]", '{"version": 2}', ShardMap.create(81, 2).to_json(),
+                           ShardMap.create(80, 2, num_buckets=8).to_json()])  # fmt: skip
+        return "PrepareMigration", epb.PrepareMigrationRequest(
+            shard_map=text, rows_per_second=rng.choice([0, -1])
+        )
+    if kind == 5:
+        return "Receive", epb.ReceiveRequest(shard_map_version=rng.randrange(0, 4), from_shard=rng.randrange(-2, 3),
+                                             keys=to_tensor(keys))  # fmt: skip
+    if kind == 6:
+        return "Seal", epb.SealRequest(shard_map_version=rng.randrange(0, 5))
+    return "Transfer", epb.TransferRequest(shard_map_version=rng.randrange(0, 5))
+
+
+async def _fuzz(count: int) -> None:
+    rng = random.Random(1234)
+    store = _store()
+    before = (store.weights.tobytes(), store.state.tobytes(), store.shard_map.to_json())
+    server, port, _, _ = await create_embedding_server(store)
+    oracle = Oracle(OracleConfig(tuple([10] * 26), 16, 2, 2, 1, 6, "", "", ""))
+    oracle_server, oracle_port, _, _ = await create_oracle(oracle)
+    oracle_before = (list(oracle.written_back), list(oracle.trained), dict(oracle.owners))
+    defined = {grpc.StatusCode.INVALID_ARGUMENT, grpc.StatusCode.FAILED_PRECONDITION}
+    seen: dict[grpc.StatusCode, int] = {}
+    async with grpc.aio.insecure_channel(f"127.0.0.1:{port}") as ch, \
+            grpc.aio.insecure_channel(f"127.0.0.1:{oracle_port}") as och:  # fmt: skip
+        stub = epb_grpc.EmbeddingServerStub(ch)
+        ostub = opb_grpc.OracleCacherStub(och)
+        raw = [ch.unary_unary(f"/bagpipe.v1.EmbeddingServer/{m}") for m in ("Lookup", "WriteBack", "Seal")]
+        for i in range(count):
+            method, request = _bad_embedding_request(rng)
+            code = await _code(lambda m=method, r=request: getattr(stub, m)(r, timeout=5))
+            assert code in defined, f"request {i}: {method} {request} -> {code}"
+            seen[code] = seen.get(code, 0) + 1
+            # the oracle: progress never sent, or from ranks that do not exist; plan streams of no rank
+            if rng.random() < 0.5:
+                report = opb.ProgressReport(rank=rng.randrange(-3, 5), trained=rng.randrange(-9, 1 << 40),
+                                            written_back=rng.randrange(0, 1 << 40))  # fmt: skip
+                code = await _code(lambda r=report: ostub.ReportProgress(r, timeout=5))
+            else:
+                plans = opb.StreamPlansRequest(
+                    rank=rng.choice([-1, 2, 9, 1 << 30]), start=rng.randrange(-5, 5)
+                )
+                code = await _code(lambda r=plans: ostub.StreamPlans(r, timeout=5))
+            assert code == grpc.StatusCode.INVALID_ARGUMENT, f"oracle request {i} -> {code}"
+            if i % 10 == 0:  # bytes that are no message at all
+                junk = bytes(rng.randrange(256) for _ in range(rng.randrange(1, 64)))
+                code = await _code(lambda f=rng.choice(raw), j=junk: f(j, timeout=5))
+                assert code in defined | {grpc.StatusCode.OK}, (code, junk)
+    assert (store.weights.tobytes(), store.state.tobytes(), store.shard_map.to_json()) == before
+    assert store.migration is None
+    assert (list(oracle.written_back), list(oracle.trained)) == oracle_before[:2]
+    assert len(seen) == 2, seen  # both kinds of refusal were exercised
+    await server.stop(None)
+    await oracle_server.stop(None)
+
+
+def test_a_seeded_fuzz_of_bad_requests_gets_defined_statuses_and_changes_nothing() -> None:
+    asyncio.run(_fuzz(1200))
+
+
+# ---- shutdown
+
+
+def test_sigterm_stops_a_service_gracefully_with_exit_0(tmp_path: Path) -> None:
+    redis_server = RedisServer(tmp_path)
+    try:
+        registry = Registry(redis_server.url, "sigterm")
+        proc = subprocess.Popen(
+            [sys.executable, "-m", "bagpipe.embedding_server", "--shard", "0", "--table-rows", ",".join(["10"] * 26),
+             "--redis", redis_server.url, "--job", "sigterm"],
+            env=dict(os.environ, PYTHONUNBUFFERED="1"),
+        )  # fmt: skip
+        deadline = time.monotonic() + 60
+        while "0" not in registry.members("embedding_server"):
+            assert proc.poll() is None and time.monotonic() < deadline
+            time.sleep(0.05)
+        proc.send_signal(signal.SIGTERM)
+        assert proc.wait(30) == 0
+        assert registry.members("embedding_server") == {}  # it left the job on its way out
+    finally:
+        redis_server.stop()
+
+
+# ---- bad flags and files stop `bagpipe run` before anything starts
+
+
+@pytest.mark.parametrize(
+    ("flags", "message"),
+    [
+        (["--trainers", "0"], "--trainers: must be >= 1, got 0"),
+        (["--embedding-servers", "0"], "--embedding-servers: must be >= 1, got 0"),
+        (["--hot-fraction", "0.1"], "--hot-fraction/hot-share: set both or neither"),
+        (["--device", "tpu"], "--device: expected auto, cpu or cuda, got 'tpu'"),
+        (["--lr", "-1"], "--lr: must be > 0, got -1.0"),
+        (["--embedding-dim", "8"], "--bottom-mlp: its last layer (16) must equal --embedding-dim (8)"),
+        (["--data", "criteo:/no/such.tsv"], "--data: /no/such.tsv: no such file"),
+        (["--batch-size", "7"], "--batch-size: 7 is not a multiple of --trainers 2"),
+        (["--data", "hdfs:x"], "--data: expected 'synthetic' or 'criteo:PATH[,PATH...]'"),
+    ],
+)
+def test_bad_flags_stop_bagpipe_run_with_one_line(flags: list[str], message: str, tmp_path: Path) -> None:
+    with pytest.raises(SystemExit) as err:
+        validate_run_args(build_parser().parse_args(["run", *flags, "--run-dir", str(tmp_path / "r")]))
+    assert str(err.value.code).startswith(f"bagpipe run: {message}") and "\n" not in str(err.value.code)
+    assert not (tmp_path / "r").exists()
+
+
+def test_an_empty_input_file_is_named(tmp_path: Path) -> None:
+    empty = tmp_path / "empty.tsv"
+    empty.write_text("")
+    with pytest.raises(SystemExit, match=f"--data: {empty}: empty file"):
+        validate_run_args(build_parser().parse_args(["run", "--data", f"criteo:{empty}"]))
+    with pytest.raises(ValueError, match=f"{empty}:0: field file: '' is empty"):
+        list(CriteoTSVSource(CriteoConfig(paths=(str(empty),), table_rows=tuple([10] * 26))).batches(1))
+
+
+def test_a_dense_value_too_large_names_file_line_and_field(tmp_path: Path) -> None:
+    good = "1\t" + "\t".join(["3"] * 13) + "\t" + "\t".join(["a1b2"] * 26) + "\n"
+    bad = "0\t" + "\t".join(["1" + "0" * 400] + ["3"] * 12) + "\t" + "\t".join(["a1b2"] * 26) + "\n"
+    path = tmp_path / "big.tsv"
+    path.write_text(good + bad)
+    with pytest.raises(
+        ValueError, match=rf"{path}:2: field I1: '1000.*' is out of range \(more than 18 digits\)"
+    ):
+        list(CriteoTSVSource(CriteoConfig(paths=(str(path),), table_rows=tuple([10] * 26))).batches(1))
