@@ -3,14 +3,22 @@ the chart tells each container agrees with what the services parse, listen on an
 
 from __future__ import annotations
 
+import base64
+import contextlib
 import copy
 import importlib
 import json
 import os
 import shutil
+import socket
+import string
 import subprocess
 import sysconfig
 import tempfile
+import threading
+import time
+from collections.abc import Iterator
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
 from types import SimpleNamespace
 from typing import Any
@@ -20,6 +28,7 @@ from urllib.parse import urlparse
 import pytest
 import yaml
 
+from bagpipe.local.launcher import find_redis_server
 from bagpipe.local.prometheus import find_binary
 
 REPO = Path(__file__).resolve().parents[2]
@@ -34,6 +43,8 @@ PARSERS = {
     "trainer": "bagpipe.trainer.config",
     "embedding-server": "bagpipe.embedding_server.config",
 }
+AUTH_SECRET = "bagpipe-auth"  # the chart's Secret: the job's secret and the bundled Redis's password
+JOB_SECRET_ENV, REDIS_PASSWORD_ENV = "BAGPIPE_JOB_SECRET", "BAGPIPE_REDIS_PASSWORD"
 
 
 def helm() -> str:
@@ -43,12 +54,12 @@ def helm() -> str:
     raise FileNotFoundError("no helm binary: run `make tools`")
 
 
-def run(*argv: str) -> subprocess.CompletedProcess[str]:
-    return subprocess.run(list(argv), capture_output=True, text=True, cwd=REPO)
+def run(*argv: str, env: dict[str, str] | None = None) -> subprocess.CompletedProcess[str]:
+    return subprocess.run(list(argv), capture_output=True, text=True, cwd=REPO, env=env)
 
 
-def render(*args: str, chart: Path = CHART) -> list[dict[str, Any]]:
-    out = run(helm(), "template", "bagpipe", str(chart), "--namespace", NAMESPACE, *args)
+def render(*args: str, chart: Path = CHART, env: dict[str, str] | None = None) -> list[dict[str, Any]]:
+    out = run(helm(), "template", "bagpipe", str(chart), "--namespace", NAMESPACE, *args, env=env)
     assert out.returncode == 0, out.stderr
     return [d for d in yaml.safe_load_all(out.stdout) if d]
 
@@ -57,8 +68,9 @@ def by_kind(docs: list[dict[str, Any]], kind: str) -> dict[str, dict[str, Any]]:
     return {d["metadata"]["name"]: d for d in docs if d["kind"] == kind}
 
 
-def test_helm_lint() -> None:
-    out = run(helm(), "lint", str(CHART), "--strict")
+@pytest.mark.parametrize("values", [None, *CI_VALUES], ids=lambda v: "default" if v is None else v.stem)
+def test_helm_lint(values: Path | None) -> None:
+    out = run(helm(), "lint", str(CHART), "--strict", *(["-f", str(values)] if values else []))
     assert out.returncode == 0, out.stdout + out.stderr
 
 
@@ -106,9 +118,11 @@ def expand(arg: str, env: dict[str, str]) -> str:
 
 
 def kubelet_env(container: dict[str, Any], docs: list[dict[str, Any]], **fields: str) -> dict[str, str]:
-    """The container's environment as a kubelet sets it: literal values, keys of the rendered ConfigMaps,
-    and ``fields`` standing in for the fieldRef variables (the pod's IP and ordinal)."""
+    """The container's environment as a kubelet sets it: literal values, keys of the rendered ConfigMaps
+    and Secrets (``<name/key>`` for a Secret the user manages), and ``fields`` standing in for the fieldRef
+    variables (the pod's IP and ordinal)."""
     maps = by_kind(docs, "ConfigMap")
+    secrets = by_kind(docs, "Secret")
     env: dict[str, str] = {}
     for e in container.get("env", []):
         source = e.get("valueFrom", {})
@@ -118,6 +132,12 @@ def kubelet_env(container: dict[str, Any], docs: list[dict[str, Any]], **fields:
             ref = source["configMapKeyRef"]
             assert ref["name"] in maps, f"{e['name']}: no ConfigMap {ref['name']} in the release"
             env[e["name"]] = maps[ref["name"]]["data"][ref["key"]]
+        elif "secretKeyRef" in source:
+            ref = source["secretKeyRef"]
+            if ref["name"] in secrets:
+                env[e["name"]] = base64.b64decode(secrets[ref["name"]]["data"][ref["key"]]).decode()
+            else:
+                env[e["name"]] = f"<{ref['name']}/{ref['key']}>"
         elif "fieldRef" in source and e["name"] in fields:
             env[e["name"]] = fields[e["name"]]
     return env
@@ -176,6 +196,61 @@ def container_ports(container: dict[str, Any]) -> dict[str, int]:
     return {p["name"]: p["containerPort"] for p in container.get("ports", [])}
 
 
+def pod_specs(docs: list[dict[str, Any]]) -> dict[str, dict[str, Any]]:
+    """The pod spec of every workload and of the helm test pod, by owner name."""
+    pods = {name: load["spec"]["template"]["spec"] for name, load in workloads(docs).items()}
+    return {**pods, **{name: pod["spec"] for name, pod in by_kind(docs, "Pod").items()}}
+
+
+def bagpipe_containers(docs: list[dict[str, Any]]) -> dict[str, dict[str, Any]]:
+    """Every container that runs Bagpipe code (all but Redis's), by owner name and container name."""
+    return {
+        f"{owner}/{c['name']}": c
+        for owner, pod in pod_specs(docs).items()
+        for c in [*pod.get("initContainers", []), *pod["containers"]]
+        if c["name"] != "redis"
+    }
+
+
+def secret_ref(container: dict[str, Any], name: str) -> dict[str, str] | None:
+    """Where the container's env var ``name`` comes from, which must be a Secret; None without that var."""
+    found = [e for e in container.get("env", []) if e["name"] == name]
+    if not found:
+        return None
+    assert len(found) == 1, f"{name} set twice"
+    assert set(found[0]) == {"name", "valueFrom"} and set(found[0]["valueFrom"]) == {"secretKeyRef"}, (
+        f"{name} must come from a Secret, not a literal"
+    )
+    return found[0]["valueFrom"]["secretKeyRef"]
+
+
+def secret_values(docs: list[dict[str, Any]]) -> set[str]:
+    """The values in the release's Secrets, decoded and as rendered (base64)."""
+    return {v for s in by_kind(docs, "Secret").values() for b64 in s.get("data", {}).values()
+            for v in (b64, base64.b64decode(b64).decode())}  # fmt: skip
+
+
+def assert_secrets_stay_in_secrets(docs: list[dict[str, Any]]) -> None:
+    """No credential in any object but its Secret (args, commands, hooks, literal env, annotations), no
+    password in a Redis URL, and no ``--requirepass`` but one the kubelet expands from a Secret's variable."""
+    values = secret_values(docs)
+    for doc in docs:
+        if doc["kind"] != "Secret":
+            text = json.dumps(doc)
+            assert not [v for v in values if v in text], f"{doc['kind']} {doc['metadata']['name']}: a secret"
+    for owner, pod in pod_specs(docs).items():
+        for c in [*pod.get("initContainers", []), *pod["containers"]]:
+            hook = c.get("lifecycle", {}).get("preStop", {}).get("exec", {}).get("command", [])
+            argv = [str(a) for a in (*c.get("command", []), *c.get("args", []), *hook)]
+            for i, arg in enumerate(argv):
+                if arg.startswith(("redis://", "rediss://")):
+                    assert urlparse(arg).password is None, f"{owner}: a password in {arg}"
+                if arg == "--requirepass":
+                    var = argv[i + 1]
+                    assert var.startswith("$(") and var.endswith(")"), f"{owner}: a literal Redis password"
+                    assert secret_ref(c, var[2:-1]), f"{owner}: {var} must come from a Secret"
+
+
 def check_consistency(docs: list[dict[str, Any]]) -> dict[str, Any]:
     services = by_kind(docs, "Service")
     loads = workloads(docs)
@@ -224,6 +299,15 @@ def check_consistency(docs: list[dict[str, Any]]) -> dict[str, Any]:
             assert (drain.shard, drain.redis, drain.job) == (cfg.shard, args.redis, args.job)
             assert pod["spec"]["terminationGracePeriodSeconds"] > drain.timeout, "killed mid-drain"
 
+    # every client and server of the job has its secret, and the bundled Redis's clients have its password
+    redis_loads = [load for load in loads.values() if load["metadata"]["name"].endswith("-redis")]
+    for name, container in bagpipe_containers(docs).items():
+        assert (secret_ref(container, JOB_SECRET_ENV) or {}).get("key") == "jobSecret", name
+        for redis_load in redis_loads:
+            (server,) = redis_load["spec"]["template"]["spec"]["containers"]
+            assert secret_ref(container, REDIS_PASSWORD_ENV) == secret_ref(server, "REDIS_PASSWORD"), name
+    assert_secrets_stay_in_secrets(docs)
+
     trainer_cfg, trainer_args, trainer_load = configs["trainer"]
     oracle_cfg, _, _ = configs["oracle-cacher"]
     emb_cfg, _, emb_load = configs["embedding-server"]
@@ -271,10 +355,20 @@ def test_scaling_renders_consistent_shards_and_ranks() -> None:
     assert configs["embedding-server"][0].initial_shards == 6 and configs["oracle-cacher"][0].trainers == 4
 
 
+def without_generated(docs: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """``docs`` with the values of the chart's auth Secret blanked out (random in every helm template)."""
+    docs = copy.deepcopy(docs)
+    for doc in docs:
+        if doc["kind"] == "Secret" and doc["metadata"]["name"] == AUTH_SECRET:
+            doc["data"] = dict.fromkeys(doc["data"], base64.b64encode(b"<generated>").decode())
+    return docs
+
+
 def test_changing_the_server_count_changes_only_replicas() -> None:
     """`helm upgrade --set embeddingServer.replicaCount=N` must not change the servers' pod template (that
     rolls every server, and their rows are in memory), nor anything else but the first shard map's size."""
-    two, five = (render("--set", f"embeddingServer.replicaCount={n}") for n in (2, 5))
+    # (helm template draws new credentials each time; an upgrade keeps the live ones)
+    two, five = (without_generated(render("--set", f"embeddingServer.replicaCount={n}")) for n in (2, 5))
     assert [d["metadata"]["name"] for d in two] == [d["metadata"]["name"] for d in five]
     changed = {(a["kind"], a["metadata"]["name"]) for a, b in zip(two, five, strict=True) if a != b}
     assert changed == {("StatefulSet", "bagpipe-embedding-server"), ("ConfigMap", "bagpipe-embedding-server")}
@@ -331,6 +425,13 @@ def test_gpu_values_ask_for_gpus_and_the_cuda_image() -> None:
         ("oracleCacher:\n  replicaCount: 2\n", "oracleCacher.replicaCount"),
         ("embeddingServer:\n  migrationRowsPerSecond: -1\n", "migrationRowsPerSecond: Must be greater than"),
         ("embeddingServer:\n  drain: {timeoutSeconds: 0}\n", "drain.timeoutSeconds: Must be greater than"),
+        ("auth:\n  jobSecret: too-short\n", "auth.jobSecret: Does not match pattern"),
+        ("auth:\n  existingSecret: Team_Auth\n", "auth.existingSecret: Does not match pattern"),
+        ("auth:\n  redisPassword: x\n", "auth: Additional property redisPassword is not allowed"),
+        (
+            "externalRedis:\n  passwordSecret: {name: r, key: k, value: x}\n",
+            "externalRedis.passwordSecret: Additional property value is not allowed",
+        ),
     ],
 )
 def test_schema_rejects_bad_values_with_a_clear_message(values: str, message: str, tmp_path: Path) -> None:
@@ -360,6 +461,7 @@ def test_notes_tell_the_user_how_to_watch_the_run(tmp_path: Path) -> None:
     assert "port-forward pod/bagpipe-trainer-0 9400" in text and "Bagpipe training" in text
     assert "kubectl -n ml scale statefulset bagpipe-embedding-server --replicas=N" in text
     assert "--set embeddingServer.replicaCount=N" in text and "restarts them" not in text
+    assert "Secret bagpipe-auth, key jobSecret" in text
 
 
 def test_dashboard_configmap_carries_the_dashboard() -> None:
@@ -380,4 +482,230 @@ def test_network_policies_and_rbac() -> None:
     (role,) = by_kind(docs, "Role").values()
     assert role["metadata"]["namespace"] == NAMESPACE
     assert role["rules"] == [{"apiGroups": [""], "resources": ["pods"], "verbs": ["get", "list", "watch", "delete"]}]
+    # the pods get their credentials as env from the kubelet; their service account reads no Secret
+    assert not [r for r in role["rules"] if {"secrets", "*"} & set(r["resources"])]
+    assert not by_kind(docs, "ClusterRole") and not by_kind(docs, "ClusterRoleBinding")
     assert {d["kind"] for d in docs} >= {"PodDisruptionBudget", "ServiceAccount", "RoleBinding", "Pod"}
+
+
+# The job's credentials: the secret every gRPC call carries and the bundled Redis's password (Secret -> env).
+
+EXTERNAL_REDIS = CHART / "ci" / "external-redis.yaml"
+JOB_CONTAINERS = {
+    "bagpipe-trainer/trainer",
+    "bagpipe-embedding-server/embedding-server",
+    "bagpipe-oracle-cacher/oracle-cacher",
+    "bagpipe-data-processor/data-processor",
+    "bagpipe-test/probe",
+}
+
+
+def b64(text: str) -> str:
+    return base64.b64encode(text.encode()).decode()
+
+
+def auth_secret_data(docs: list[dict[str, Any]]) -> dict[str, str]:
+    secret = by_kind(docs, "Secret")[AUTH_SECRET]
+    assert secret["type"] == "Opaque"
+    return {k: base64.b64decode(v, validate=True).decode() for k, v in secret["data"].items()}
+
+
+def test_install_generates_the_job_secret_and_the_redis_password() -> None:
+    first, second = (auth_secret_data(render()) for _ in range(2))
+    for data in (first, second):
+        assert set(data) == {"jobSecret", "redisPassword"}
+        alphanumeric = set(string.ascii_letters + string.digits)
+        assert all(len(v) == 32 and set(v) <= alphanumeric for v in data.values())
+    assert first["jobSecret"] != first["redisPassword"] and first != second, "random, and new at each install"
+    # uninstall removes it: nothing that outlives the release needs it (Redis keeps no data)
+    secret = by_kind(render(), "Secret")[AUTH_SECRET]
+    assert "helm.sh/resource-policy" not in (secret["metadata"].get("annotations") or {})
+    given = auth_secret_data(render("--set", "auth.jobSecret=a-job-secret-of-my-own"))
+    assert given["jobSecret"] == "a-job-secret-of-my-own" and len(given["redisPassword"]) == 32
+
+
+def test_generated_credentials_reach_nothing_but_the_secret() -> None:
+    """Two renders differ only in the Secret's values: no pod template depends on them (a checksum there would
+    restart every embedding server, rows in memory, at each helm template of a GitOps tool)."""
+    one, two = render(), render()
+    assert secret_values(one) != secret_values(two)
+    assert without_generated(one) == without_generated(two)
+
+
+@contextlib.contextmanager
+def fake_cluster(tmp_path: Path, live: dict[str, Any] | None) -> Iterator[tuple[dict[str, str], list[str]]]:
+    """A Kubernetes API server that holds one Secret in NAMESPACE, ``live``, or none: what the chart's
+    ``lookup`` asks under ``helm template --dry-run=server`` (as in ``helm upgrade``). Yields helm's env and
+    the paths asked."""
+    seen: list[str] = []
+
+    class Handler(BaseHTTPRequestHandler):
+        def do_GET(self) -> None:
+            path = urlparse(self.path).path
+            seen.append(path)
+            body: dict[str, Any]
+            if path == "/api/v1":  # discovery: where Secrets are
+                secrets = {"name": "secrets", "namespaced": True, "kind": "Secret", "verbs": ["get"]}
+                code, body = 200, {"kind": "APIResourceList", "groupVersion": "v1", "resources": [secrets]}
+            elif live and path == f"/api/v1/namespaces/{NAMESPACE}/secrets/{live['metadata']['name']}":
+                code, body = 200, live
+            else:
+                code, body = 404, {"kind": "Status", "apiVersion": "v1", "reason": "NotFound", "code": 404}
+            data = json.dumps(body).encode()
+            self.send_response(code)
+            self.send_header("Content-Type", "application/json")
+            self.send_header("Content-Length", str(len(data)))
+            self.end_headers()
+            self.wfile.write(data)
+
+        def log_message(self, *args: Any) -> None:
+            pass
+
+    server = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    kubeconfig = tmp_path / "kubeconfig"
+    kubeconfig.write_text(yaml.safe_dump({
+        "apiVersion": "v1", "kind": "Config", "current-context": "fake",
+        "clusters": [{"name": "fake", "cluster": {"server": f"http://127.0.0.1:{server.server_address[1]}"}}],
+        "contexts": [{"name": "fake", "context": {"cluster": "fake", "user": "fake"}}],
+        "users": [{"name": "fake", "user": {}}],
+    }))  # fmt: skip
+    try:
+        yield {**os.environ, "KUBECONFIG": str(kubeconfig)}, seen
+    finally:
+        server.shutdown()
+        server.server_close()
+
+
+@pytest.mark.parametrize("given", [None, "a-job-secret-of-my-own"])
+def test_upgrade_keeps_the_live_credentials(given: str | None, tmp_path: Path) -> None:
+    """New credentials on upgrade would lock the running pods out of each other and of Redis."""
+    live = {
+        "apiVersion": "v1",
+        "kind": "Secret",
+        "type": "Opaque",
+        "metadata": {"name": AUTH_SECRET, "namespace": NAMESPACE},
+        "data": {"jobSecret": b64("live-job-secret"), "redisPassword": b64("live-redis-password")},
+    }
+    args = ["--dry-run=server", *(["--set", f"auth.jobSecret={given}"] if given else [])]
+    with fake_cluster(tmp_path, live) as (env, seen):
+        upgraded = auth_secret_data(render(*args, env=env))
+    assert f"/api/v1/namespaces/{NAMESPACE}/secrets/{AUTH_SECRET}" in seen
+    assert upgraded == {"jobSecret": given or "live-job-secret", "redisPassword": "live-redis-password"}
+    with fake_cluster(tmp_path, None) as (env, seen):  # an install: nothing to keep
+        installed = auth_secret_data(render(*args, env=env))
+    assert f"/api/v1/namespaces/{NAMESPACE}/secrets/{AUTH_SECRET}" in seen
+    assert installed["jobSecret"] == (given or installed["jobSecret"]) != "live-job-secret"
+    assert len(installed["redisPassword"]) == 32
+
+
+@pytest.mark.parametrize(
+    ("args", "redis_ref"),
+    [
+        ([], {"name": AUTH_SECRET, "key": "redisPassword"}),
+        (["-f", str(EXTERNAL_REDIS)], None),
+        (["-f", str(EXTERNAL_REDIS), "--set", "externalRedis.passwordSecret.name=infra-redis",
+          "--set", "externalRedis.passwordSecret.key=password"], {"name": "infra-redis", "key": "password"}),
+    ],
+    ids=["bundled-redis", "external-redis", "external-redis-with-password"],
+)  # fmt: skip
+def test_every_container_has_the_job_credentials(args: list[str], redis_ref: dict[str, str] | None) -> None:
+    docs = render(*args)
+    containers = bagpipe_containers(docs)
+    assert set(containers) == JOB_CONTAINERS
+    for name, container in containers.items():
+        assert secret_ref(container, JOB_SECRET_ENV) == {"name": AUTH_SECRET, "key": "jobSecret"}, name
+        assert secret_ref(container, REDIS_PASSWORD_ENV) == redis_ref, name
+    assert set(auth_secret_data(docs)) == {"jobSecret", "redisPassword"}
+    check_consistency(docs)
+
+
+def test_an_existing_secret_replaces_the_charts() -> None:
+    docs = render("--set", "auth.existingSecret=team-bagpipe-auth")
+    assert not by_kind(docs, "Secret")
+    containers = bagpipe_containers(docs)
+    assert set(containers) == JOB_CONTAINERS
+    job, password = ({"name": "team-bagpipe-auth", "key": key} for key in ("jobSecret", "redisPassword"))
+    for name, container in containers.items():
+        assert secret_ref(container, JOB_SECRET_ENV) == job, name
+        assert secret_ref(container, REDIS_PASSWORD_ENV) == password, name
+    (redis,) = pod_specs(docs)["bagpipe-redis"]["containers"]
+    assert secret_ref(redis, "REDIS_PASSWORD") == password
+    check_consistency(docs)
+
+
+@pytest.mark.parametrize(
+    ("args", "message"),
+    [
+        (["--set", "auth.existingSecret=mine", "--set", "auth.jobSecret=a-job-secret-of-my-own"],
+         "set auth.jobSecret or auth.existingSecret, not both"),
+        (["-f", str(EXTERNAL_REDIS), "--set", "externalRedis.passwordSecret.name=infra-redis"],
+         "externalRedis.passwordSecret needs both name and key"),
+    ],
+)  # fmt: skip
+def test_ambiguous_credentials_are_refused(args: list[str], message: str) -> None:
+    out = run(helm(), "template", "bagpipe", str(CHART), *args)
+    assert out.returncode != 0 and message in out.stderr, out.stderr
+    assert "a-job-secret-of-my-own" not in out.stderr
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+def test_bundled_redis_requires_the_password_its_clients_send(tmp_path: Path) -> None:
+    """The bundled Redis started here as the kubelet starts it (args expanded from its env), its readiness
+    probe run as the kubelet runs it, and the services' Redis client with the chart's URL and env."""
+    from bagpipe.control.registry import Registry
+    from redis.exceptions import AuthenticationError
+
+    docs = render()
+    (redis,) = pod_specs(docs)["bagpipe-redis"]["containers"]
+    ref = {"name": AUTH_SECRET, "key": "redisPassword"}
+    assert secret_ref(redis, "REDIS_PASSWORD") == secret_ref(redis, "REDISCLI_AUTH") == ref
+    assert redis["args"][redis["args"].index("--requirepass") + 1] == "$(REDIS_PASSWORD)"
+    env = kubelet_env(redis, docs)
+    argv = [expand(a, env) for a in redis["args"]]
+    assert argv[argv.index("--requirepass") + 1] == auth_secret_data(docs)["redisPassword"]
+
+    port, chart_port = free_port(), argv[argv.index("--port") + 1]
+    argv[argv.index("--port") + 1], argv[argv.index("--dir") + 1] = str(port), str(tmp_path)
+    assert argv[0] == "redis-server"
+    server = Path(find_redis_server())
+    proc = subprocess.Popen([str(server), *argv[1:]], stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    try:
+        deadline = time.monotonic() + 10
+        while True:
+            with contextlib.suppress(OSError), socket.create_connection(("127.0.0.1", port), timeout=1):
+                break
+            assert time.monotonic() < deadline and proc.poll() is None, "redis-server did not start"
+            time.sleep(0.05)
+        # readiness: an authenticated PING; without the password it fails
+        probe = redis["readinessProbe"]["exec"]["command"]
+        assert probe[:2] == ["sh", "-c"] and f"-p {chart_port}" in probe[2]
+        script = probe[2].replace(f"-p {chart_port}", f"-p {port}")
+        path = f"{server.parent}{os.pathsep}{os.environ['PATH']}"
+        assert shutil.which("redis-cli", path=path), "redis-cli beside redis-server"
+
+        def probe_rc(probe_env: dict[str, str]) -> int:
+            return subprocess.run(["sh", "-c", script], env={**probe_env, "PATH": path}, timeout=9).returncode
+
+        assert probe_rc(env) == 0
+        assert probe_rc({k: v for k, v in env.items() if k != "REDISCLI_AUTH"}) != 0
+        # the services: the chart's password-less URL, the password from BAGPIPE_REDIS_PASSWORD
+        (trainer,) = pod_specs(docs)["bagpipe-trainer"]["containers"]
+        trainer_env = kubelet_env(trainer, docs, POD_IP="10.0.0.1", POD_INDEX="0")
+        _, args = parse_container(trainer, trainer_env)
+        url = args.redis.replace(f"bagpipe-redis:{chart_port}", f"127.0.0.1:{port}")
+        assert url != args.redis
+        with mock.patch.dict(os.environ, {REDIS_PASSWORD_ENV: trainer_env[REDIS_PASSWORD_ENV]}):
+            assert Registry(url, args.job).ping()
+        with mock.patch.dict(os.environ):
+            os.environ.pop(REDIS_PASSWORD_ENV, None)
+            with pytest.raises(AuthenticationError):
+                Registry(url, args.job).ping()
+    finally:
+        proc.terminate()
+        proc.wait(timeout=10)

@@ -135,7 +135,50 @@ app.kubernetes.io/instance: {{ .Release.Name }}
 {{- end }}
 {{- end -}}
 
-{{/* env every container gets: its pod IP (advertised in Redis) and, in StatefulSets, its ordinal */}}
+{{/* The Secret with the job's secret and the bundled Redis's password: the chart's, or the user's */}}
+{{- define "bagpipe.authSecretName" -}}
+{{- if and .Values.auth.existingSecret .Values.auth.jobSecret -}}
+{{- fail "set auth.jobSecret or auth.existingSecret, not both (the existing Secret holds the job's secret)" -}}
+{{- end -}}
+{{- .Values.auth.existingSecret | default (printf "%s-auth" (include "bagpipe.fullname" .)) -}}
+{{- end -}}
+
+{{/* Where the Redis password is: the auth Secret for the bundled Redis, externalRedis.passwordSecret for
+     another one, nowhere when that is unset (an external Redis may have none) */}}
+{{- define "bagpipe.redisPasswordRef" -}}
+{{- if .Values.redis.enabled -}}
+name: {{ include "bagpipe.authSecretName" . }}
+key: redisPassword
+{{- else -}}
+{{- with .Values.externalRedis.passwordSecret -}}
+{{- if and .name .key -}}
+name: {{ .name }}
+key: {{ .key }}
+{{- else if or .name .key -}}
+{{- fail "externalRedis.passwordSecret needs both name and key (or neither: a Redis without a password)" -}}
+{{- end -}}
+{{- end -}}
+{{- end -}}
+{{- end -}}
+
+{{/* Every Bagpipe container (services, drain hook, test probe) sends the job's secret with each gRPC call and
+     gives Redis its password. Both come from a Secret into the env, never into args: flags show in /proc. */}}
+{{- define "bagpipe.authEnv" -}}
+- name: BAGPIPE_JOB_SECRET
+  valueFrom:
+    secretKeyRef:
+      name: {{ include "bagpipe.authSecretName" . }}
+      key: jobSecret
+{{- with include "bagpipe.redisPasswordRef" . }}
+- name: BAGPIPE_REDIS_PASSWORD
+  valueFrom:
+    secretKeyRef:
+      {{- . | nindent 6 }}
+{{- end }}
+{{- end -}}
+
+{{/* env every container gets: its pod IP (advertised in Redis), in StatefulSets its ordinal, and the job's
+     credentials (the preStop drain hook inherits them) */}}
 {{- define "bagpipe.env" -}}
 - name: POD_IP
   valueFrom:
@@ -147,6 +190,7 @@ app.kubernetes.io/instance: {{ .Release.Name }}
     fieldRef:
       fieldPath: metadata.labels['apps.kubernetes.io/pod-index']
 {{- end }}
+{{ include "bagpipe.authEnv" .root }}
 {{- with .values.extraEnv }}
 {{ toYaml . }}
 {{- end }}
