@@ -8,6 +8,7 @@ import signal
 import sys
 from types import FrameType
 
+from bagpipe import security
 from bagpipe.config_args import (
     DEFAULT_CHECKPOINT_EVERY,
     DEFAULT_TRANSFER_BATCHES,
@@ -61,6 +62,7 @@ def build_parser() -> argparse.ArgumentParser:
                    help="recoveries from failures before the run gives up (default 3)")
     g.add_argument("--resume", default=None, metavar="RUN_DIR",
                    help="go on with a stopped or crashed run from its last checkpoint, with its own flags")
+    security.add_tls_args(r)  # the run's processes inherit the files (every gRPC call then uses mutual TLS)
     g = r.add_argument_group("scaling")
     g.add_argument("--migration-rows-per-second", type=non_negative_float, default=DEFAULT_MIGRATION_RATE,
                    help="re-sharding (bagpipe scale) sends at most this many rows per second from each embedding "

@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 from typing import Any
 
+from bagpipe import security
 from bagpipe.core.data import KAGGLE_TABLE_ROWS, NUM_TABLES, scaled_table_rows
 
 DEFAULT_SCALE = 0.01
@@ -78,6 +79,7 @@ def add_model_args(p: argparse.ArgumentParser, dense: bool = True) -> None:
 
 
 def add_coordination_args(p: argparse.ArgumentParser) -> None:
+    security.add_tls_args(p)
     g = p.add_argument_group("coordination")
     g.add_argument("--redis", default="redis://127.0.0.1:6379/0", help="Redis URL")
     g.add_argument("--job", default="bagpipe", help="job name (namespaces the Redis keys)")

@@ -15,6 +15,8 @@ import urllib.request
 import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
+from bagpipe import serving
+
 
 def http_ready(url: str) -> str | None:
     try:
@@ -28,7 +30,7 @@ def http_ready(url: str) -> str | None:
 
 def grpc_serving(address: str) -> str | None:
     try:
-        with grpc.insecure_channel(address) as ch:
+        with serving.channel(address) as ch:  # (TLS when the job uses it)
             reply = health_pb2_grpc.HealthStub(ch).Check(health_pb2.HealthCheckRequest(service=""), timeout=5)
     except grpc.RpcError as e:
         return f"{address}: {e.code().name}"

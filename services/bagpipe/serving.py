@@ -57,7 +57,8 @@ async def create_server(
     health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
     control = ControlServicer(service, counters)
     control_pb2_grpc.add_ControlServicer_to_server(control, server)
-    port = server.add_insecure_port(address)
+    credentials = security.server_credentials()
+    port = server.add_secure_port(address, credentials) if credentials else server.add_insecure_port(address)
     if port == 0:
         raise OSError(f"{service}: cannot listen on {address}")
     await server.start()
@@ -101,11 +102,19 @@ def start_metrics(
 
 def channel(address: str) -> grpc.Channel:
     """A blocking client channel with Bagpipe's message limits, whose calls carry the job's secret."""
+    tls = security.channel_credentials()
+    if tls is not None:
+        return security.secure(grpc.secure_channel(address, tls[0], options=CHANNEL_OPTIONS + tls[1]))
     return security.secure(grpc.insecure_channel(address, options=CHANNEL_OPTIONS))
 
 
 def aio_channel(address: str) -> grpc.aio.Channel:
     """The same, for asyncio."""
+    tls = security.channel_credentials()
+    if tls is not None:
+        return grpc.aio.secure_channel(
+            address, tls[0], options=CHANNEL_OPTIONS + tls[1], interceptors=security.aio_interceptors()
+        )
     return grpc.aio.insecure_channel(address, options=CHANNEL_OPTIONS, interceptors=security.aio_interceptors())
 
 

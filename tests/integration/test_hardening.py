@@ -7,6 +7,7 @@ from __future__ import annotations
 import asyncio
 import os
 import random
+import shutil
 import signal
 import subprocess
 import sys
@@ -329,3 +330,73 @@ def test_a_dense_value_too_large_names_file_line_and_field(tmp_path: Path) -> No
         ValueError, match=rf"{path}:2: field I1: '1000.*' is out of range \(more than 18 digits\)"
     ):
         list(CriteoTSVSource(CriteoConfig(paths=(str(path),), table_rows=tuple([10] * 26))).batches(1))
+
+
+# ---- mutual TLS
+
+
+def _openssl(*args: str, cwd: Path) -> None:
+    subprocess.run(["openssl", *args], cwd=cwd, check=True, capture_output=True)
+
+
+def _certificates(directory: Path, name: str) -> dict[str, str]:
+    """A CA and one certificate it signed for ``name`` (what every service of a job shares), with openssl."""
+    directory.mkdir(parents=True)
+    _openssl("req", "-x509", "-newkey", "rsa:2048", "-nodes", "-days", "2", "-subj", f"/CN={name}-ca",
+             "-keyout", "ca.key", "-out", "ca.pem", cwd=directory)  # fmt: skip
+    _openssl("req", "-newkey", "rsa:2048", "-nodes", "-subj", f"/CN={name}", "-keyout", "key.pem", "-out", "req.csr",
+             cwd=directory)  # fmt: skip
+    (directory / "ext.cnf").write_text(f"subjectAltName=DNS:{name}\n")
+    _openssl("x509", "-req", "-in", "req.csr", "-CA", "ca.pem", "-CAkey", "ca.key", "-CAcreateserial", "-days", "2",
+             "-extfile", "ext.cnf", "-out", "cert.pem", cwd=directory)  # fmt: skip
+    return {
+        "cert": str(directory / "cert.pem"),
+        "key": str(directory / "key.pem"),
+        "ca": str(directory / "ca.pem"),
+    }
+
+
+def _use_tls(monkeypatch, files: dict[str, str]) -> None:
+    for kind, path in files.items():
+        monkeypatch.setenv(security.TLS_ENV[kind], path)
+
+
+async def _tls_server(store: ShardStore, files: dict[str, str], stranger: dict[str, str]) -> None:
+    server, port, _, _ = await create_embedding_server(store)
+    address = f"127.0.0.1:{port}"
+    request = epb.LookupRequest(shard_map_version=1, keys=to_tensor(np.array([1, 2], dtype=np.int64)))
+    async with serving.aio_channel(address) as ch:  # the job's certificate: served
+        await epb_grpc.EmbeddingServerStub(ch).Lookup(request, timeout=5)
+    async with grpc.aio.insecure_channel(address) as ch:  # plaintext: no handshake
+        assert await _code(lambda c=ch: epb_grpc.EmbeddingServerStub(c).Lookup(request, timeout=5)) == (
+            grpc.StatusCode.UNAVAILABLE
+        )
+    pem = {k: Path(v).read_bytes() for k, v in stranger.items()}
+    foreign = grpc.ssl_channel_credentials(pem["ca"], pem["key"], pem["cert"])  # another CA's certificate
+    options = [("grpc.ssl_target_name_override", "bagpipe")]
+    async with grpc.aio.secure_channel(address, foreign, options=options) as ch:
+        assert await _code(lambda c=ch: epb_grpc.EmbeddingServerStub(c).Lookup(request, timeout=5)) == (
+            grpc.StatusCode.UNAVAILABLE
+        )
+    await server.stop(None)
+
+
+@pytest.mark.skipif(shutil.which("openssl") is None, reason="needs the openssl binary to make certificates")
+def test_mutual_tls_serves_only_the_jobs_certificates(tmp_path: Path, monkeypatch) -> None:
+    files = _certificates(tmp_path / "job", "bagpipe")
+    stranger = _certificates(tmp_path / "other", "bagpipe")
+    _use_tls(monkeypatch, files)
+    asyncio.run(_tls_server(_store(), files, stranger))
+
+
+@pytest.mark.skipif(shutil.which("openssl") is None, reason="needs the openssl binary to make certificates")
+def test_a_whole_run_over_mutual_tls_matches_the_plaintext_one(run_job, tmp_path: Path, monkeypatch) -> None:
+    from bagpipe.core import checkpoint
+
+    from tests.integration.test_equivalence import assert_same_model
+
+    flags = ("--iterations", "12", "--checkpoint-every", "4", "--optimizer", "adagrad", "--lr", "0.05")
+    _, plain = run_job("plain", *flags)
+    _use_tls(monkeypatch, _certificates(tmp_path / "certs", "bagpipe"))
+    _, tls = run_job("tls", *flags)
+    assert_same_model(tls["final"], checkpoint.load(plain["final"]), tolerance=0.0)
