@@ -1,4 +1,5 @@
-"""No client can corrupt or stall a job: real gRPC servers refuse unauthenticated calls, oversized requests
+"""No client can corrupt or stall a job: real gRPC servers refuse unauthenticated calls (and, with mutual TLS,
+strangers), oversized requests
 and out-of-domain values, a seeded fuzz of mutated requests leaves every server alive and unchanged, SIGTERM
 stops a service with exit 0, and bad flags or files stop ``bagpipe run`` before anything starts."""
 
@@ -26,12 +27,14 @@ from bagpipe.core.data import CriteoConfig, CriteoTSVSource, table_offsets
 from bagpipe.core.shard_map import ShardMap
 from bagpipe.core.shard_store import ShardStore
 from bagpipe.embedding_server.server import create_server as create_embedding_server
+from bagpipe.data_processor.config import DataProcessorConfig, SourceConfig
+from bagpipe.data_processor.server import create_server as create_data_processor
 from bagpipe.local.launcher import RedisServer
 from bagpipe.local.validate import validate_run_args
 from bagpipe.oracle_cacher.config import OracleConfig
 from bagpipe.oracle_cacher.server import Oracle
 from bagpipe.oracle_cacher.server import create_server as create_oracle
-from bagpipe.v1 import control_pb2, control_pb2_grpc
+from bagpipe.v1 import control_pb2, control_pb2_grpc, data_processor_pb2, data_processor_pb2_grpc
 from bagpipe.v1 import embedding_server_pb2 as epb
 from bagpipe.v1 import embedding_server_pb2_grpc as epb_grpc
 from bagpipe.v1 import oracle_cacher_pb2 as opb
@@ -226,12 +229,17 @@ async def _fuzz(count: int) -> None:
     oracle = Oracle(OracleConfig(tuple([10] * 26), 16, 2, 2, 1, 6, "", "", ""))
     oracle_server, oracle_port, _, _ = await create_oracle(oracle)
     oracle_before = (list(oracle.written_back), list(oracle.trained), dict(oracle.owners))
+    processor_server, processor_port, _, _ = await create_data_processor(
+        DataProcessorConfig(SourceConfig("synthetic", tuple([10] * 26)), 12, 0, "", "", "")
+    )
     defined = {grpc.StatusCode.INVALID_ARGUMENT, grpc.StatusCode.FAILED_PRECONDITION}
     seen: dict[grpc.StatusCode, int] = {}
     async with grpc.aio.insecure_channel(f"127.0.0.1:{port}") as ch, \
             grpc.aio.insecure_channel(f"127.0.0.1:{oracle_port}") as och:  # fmt: skip
         stub = epb_grpc.EmbeddingServerStub(ch)
         ostub = opb_grpc.OracleCacherStub(och)
+        pch = grpc.aio.insecure_channel(f"127.0.0.1:{processor_port}")
+        pstub = data_processor_pb2_grpc.DataProcessorStub(pch)
         raw = [ch.unary_unary(f"/bagpipe.v1.EmbeddingServer/{m}") for m in ("Lookup", "WriteBack", "Seal")]
         for i in range(count):
             method, request = _bad_embedding_request(rng)
@@ -249,6 +257,16 @@ async def _fuzz(count: int) -> None:
                 )
                 code = await _code(lambda r=plans: ostub.StreamPlans(r, timeout=5))
             assert code == grpc.StatusCode.INVALID_ARGUMENT, f"oracle request {i} -> {code}"
+            # a data processor: ranges, strides and trainer counts it cannot serve
+            bad = rng.randrange(3)
+            stream = data_processor_pb2.StreamBatchesRequest(
+                start=rng.randrange(-9, 0) if bad == 0 else rng.randrange(0, 9),
+                stride=rng.randrange(-3, 1) if bad == 1 else rng.randrange(1, 4),
+                end=rng.randrange(0, 20),
+                trainers=rng.choice([-1, 5, 7, 65, 1 << 20]) if bad == 2 else rng.randrange(0, 4),
+            )  # fmt: skip
+            code = await _code(lambda r=stream: pstub.StreamBatches(r, timeout=5))
+            assert code == grpc.StatusCode.INVALID_ARGUMENT, f"data processor request {i}: {stream} -> {code}"
             if i % 10 == 0:  # bytes that are no message at all
                 junk = bytes(rng.randrange(256) for _ in range(rng.randrange(1, 64)))
                 code = await _code(lambda f=rng.choice(raw), j=junk: f(j, timeout=5))
@@ -257,6 +275,14 @@ async def _fuzz(count: int) -> None:
     assert store.migration is None
     assert (list(oracle.written_back), list(oracle.trained)) == oracle_before[:2]
     assert len(seen) == 2, seen  # both kinds of refusal were exercised
+    # and every server still answers a good request
+    async with grpc.aio.insecure_channel(f"127.0.0.1:{port}") as ch:
+        good = epb.LookupRequest(shard_map_version=1, keys=to_tensor(np.arange(80, dtype=np.int64)))
+        await epb_grpc.EmbeddingServerStub(ch).Lookup(good, timeout=5)
+    batches = [b async for b in pstub.StreamBatches(data_processor_pb2.StreamBatchesRequest(start=0, stride=1, end=2))]
+    assert [b.number for b in batches] == [0, 1]
+    await pch.close()
+    await processor_server.stop(None)
     await server.stop(None)
     await oracle_server.stop(None)
 
