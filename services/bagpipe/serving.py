@@ -35,10 +35,16 @@ class ControlServicer(control_pb2_grpc.ControlServicer):
         self._counters = counters
         self.stop = asyncio.Event()
 
-    async def Status(self, request: control_pb2.StatusRequest, context: grpc.aio.ServicerContext) -> control_pb2.StatusResponse:  # noqa: N802
-        return control_pb2.StatusResponse(service=self.service, address=self.address, counters=self._counters())
+    async def Status(
+        self, request: control_pb2.StatusRequest, context: grpc.aio.ServicerContext
+    ) -> control_pb2.StatusResponse:  # noqa: N802
+        return control_pb2.StatusResponse(
+            service=self.service, address=self.address, counters=self._counters()
+        )
 
-    async def Shutdown(self, request: control_pb2.ShutdownRequest, context: grpc.aio.ServicerContext) -> control_pb2.ShutdownResponse:  # noqa: N802
+    async def Shutdown(
+        self, request: control_pb2.ShutdownRequest, context: grpc.aio.ServicerContext
+    ) -> control_pb2.ShutdownResponse:  # noqa: N802
         logger.info("%s: shutdown requested (%s)", self.service, request.reason or "no reason given")
         self.stop.set()
         return control_pb2.ShutdownResponse()
@@ -81,6 +87,30 @@ def stop_on_signals(stop: asyncio.Event) -> None:
         loop.add_signal_handler(sig, stop.set)
 
 
+def redis_lost(error: BaseException) -> str | None:
+    """One line naming Redis when ``error`` (or what caused it) is a lost Redis connection, else None."""
+    import redis
+
+    seen: BaseException | None = error
+    while seen is not None:
+        if isinstance(seen, redis.RedisError):
+            return f"Redis does not answer ({type(seen).__name__}: {seen}); the job's coordination is lost"
+        seen = seen.__cause__ or seen.__context__
+    return None
+
+
+def run_service(body: Callable[[], object], name: str) -> None:
+    """Runs a service's main body; a lost Redis ends it with one line naming Redis, not a traceback."""
+    try:
+        body()
+    except Exception as e:
+        lost = redis_lost(e)
+        if lost is None:
+            raise
+        logging.getLogger(name).error("%s", lost)
+        raise SystemExit(f"{name}: {lost}") from None
+
+
 def advertised(address: str, host: str | None) -> str:
     """``address`` with its host replaced by ``host`` (the one peers can reach), when given."""
     return f"{host}:{address.rsplit(':', 1)[1]}" if host else address
@@ -115,7 +145,9 @@ def aio_channel(address: str) -> grpc.aio.Channel:
         return grpc.aio.secure_channel(
             address, tls[0], options=CHANNEL_OPTIONS + tls[1], interceptors=security.aio_interceptors()
         )
-    return grpc.aio.insecure_channel(address, options=CHANNEL_OPTIONS, interceptors=security.aio_interceptors())
+    return grpc.aio.insecure_channel(
+        address, options=CHANNEL_OPTIONS, interceptors=security.aio_interceptors()
+    )
 
 
 def configure_logging(level: str = "INFO") -> None:

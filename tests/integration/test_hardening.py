@@ -279,7 +279,10 @@ async def _fuzz(count: int) -> None:
     async with grpc.aio.insecure_channel(f"127.0.0.1:{port}") as ch:
         good = epb.LookupRequest(shard_map_version=1, keys=to_tensor(np.arange(80, dtype=np.int64)))
         await epb_grpc.EmbeddingServerStub(ch).Lookup(good, timeout=5)
-    batches = [b async for b in pstub.StreamBatches(data_processor_pb2.StreamBatchesRequest(start=0, stride=1, end=2))]
+    batches = [
+        b
+        async for b in pstub.StreamBatches(data_processor_pb2.StreamBatchesRequest(start=0, stride=1, end=2))
+    ]
     assert [b.number for b in batches] == [0, 1]
     await pch.close()
     await processor_server.stop(None)
@@ -426,3 +429,24 @@ def test_a_whole_run_over_mutual_tls_matches_the_plaintext_one(run_job, tmp_path
     _use_tls(monkeypatch, _certificates(tmp_path / "certs", "bagpipe"))
     _, tls = run_job("tls", *flags)
     assert_same_model(tls["final"], checkpoint.load(plain["final"]), tolerance=0.0)
+
+
+def test_a_lost_redis_is_named_in_one_line_not_a_traceback(tmp_path: Path) -> None:
+    redis_server = RedisServer(tmp_path)
+    registry = Registry(redis_server.url, "lost")
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "bagpipe.embedding_server", "--shard", "1", "--table-rows", ",".join(["10"] * 26),
+         "--redis", redis_server.url, "--job", "lost", "--log-level", "WARNING"],
+        env=dict(os.environ, PYTHONUNBUFFERED="1"), stderr=subprocess.PIPE, text=True,
+    )  # fmt: skip
+    try:
+        deadline = time.monotonic() + 60
+        while "1" not in registry.members("embedding_server"):
+            assert proc.poll() is None and time.monotonic() < deadline
+            time.sleep(0.05)
+    finally:
+        redis_server.stop()
+    proc.send_signal(signal.SIGTERM)  # on its way out it cannot leave the job: Redis is gone
+    _, err = proc.communicate(timeout=60)
+    assert proc.returncode == 1
+    assert "Redis does not answer" in err and "Traceback" not in err, err

@@ -28,15 +28,17 @@ async def serve(cfg: DataProcessorConfig, args: argparse.Namespace) -> None:
     logger.info("data processor %s serving %s on %s", member, cfg.source.data, control.address)
     serving.stop_on_signals(control.stop)  # SIGTERM (a pod stopping) ends it like Control.Shutdown
     await control.stop.wait()
-    registry.unregister("data_processor", member)
-    await serving.stop_gracefully(server, health)
-    http.stop()
+    try:
+        registry.unregister("data_processor", member)
+    finally:  # (the server stops even when Redis is gone)
+        await serving.stop_gracefully(server, health)
+        http.stop()
 
 
 def main(argv: list[str] | None = None) -> None:
     cfg, args = parse(argv)
     serving.configure_logging(args.log_level)
-    asyncio.run(serve(cfg, args))
+    serving.run_service(lambda: asyncio.run(serve(cfg, args)), "bagpipe.data_processor")
 
 
 if __name__ == "__main__":

@@ -64,9 +64,11 @@ async def serve(cfg: EmbeddingServerConfig, args: argparse.Namespace) -> None:
     await control.stop.wait()
     if coordinator is not None:
         await coordinator
-    registry.unregister("embedding_server", str(cfg.shard))
-    await serving.stop_gracefully(server, health)
-    http.stop()
+    try:
+        registry.unregister("embedding_server", str(cfg.shard))
+    finally:  # (the server stops even when Redis is gone)
+        await serving.stop_gracefully(server, health)
+        http.stop()
     if fatal:
         raise SystemExit(
             f"re-sharding failed between two shard-map versions ({fatal[0]}): "
@@ -78,7 +80,7 @@ def main(argv: list[str] | None = None) -> None:
     cfg = parse(argv)
     args = build_parser().parse_args(argv)
     serving.configure_logging(args.log_level)
-    asyncio.run(serve(cfg, args))
+    serving.run_service(lambda: asyncio.run(serve(cfg, args)), "bagpipe.embedding_server")
 
 
 if __name__ == "__main__":

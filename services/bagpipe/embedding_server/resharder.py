@@ -82,8 +82,12 @@ class Resharder:
                 logger.error("re-sharding failed between versions: %s", e)
                 await on_fatal(e)
                 return
-            except Exception:
-                logger.exception("re-sharding attempt failed; nothing changed, trying again")
+            except Exception as e:
+                lost = serving.redis_lost(e)
+                if lost is not None:  # (the supervisor deals with Redis; one line, not a traceback a second)
+                    logger.warning("re-sharding paused: %s", lost)
+                else:
+                    logger.exception("re-sharding attempt failed; nothing changed, trying again")
 
     async def step(self) -> dict[str, Any] | None:
         """One look at membership; migrates if the servers changed. Returns the record of a migration."""
@@ -117,9 +121,7 @@ class Resharder:
             new.version,
             record["buckets_moved"],
         )
-        channels = {
-            s: serving.aio_channel(members[s]) for s in holders
-        }
+        channels = {s: serving.aio_channel(members[s]) for s in holders}
         stubs = {s: pb_grpc.EmbeddingServerStub(ch) for s, ch in channels.items()}
         timeout = serving.RPC_TIMEOUT_S
         try:

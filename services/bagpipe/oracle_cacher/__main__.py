@@ -39,17 +39,19 @@ async def serve(cfg: OracleConfig, args: argparse.Namespace) -> None:
     )  # fmt: skip
     serving.stop_on_signals(control.stop)  # SIGTERM (a pod stopping) ends it like Control.Shutdown
     await control.stop.wait()
-    registry.unregister("oracle_cacher", "0")
     for task in tasks:
         task.cancel()
-    await serving.stop_gracefully(server, health)
-    http.stop()
+    try:
+        registry.unregister("oracle_cacher", "0")
+    finally:  # (the server stops even when Redis is gone)
+        await serving.stop_gracefully(server, health)
+        http.stop()
 
 
 def main(argv: list[str] | None = None) -> None:
     cfg, args = parse(argv)
     serving.configure_logging(args.log_level)
-    asyncio.run(serve(cfg, args))
+    serving.run_service(lambda: asyncio.run(serve(cfg, args)), "bagpipe.oracle_cacher")
 
 
 if __name__ == "__main__":

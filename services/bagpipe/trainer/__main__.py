@@ -29,10 +29,19 @@ def main(argv: list[str] | None = None) -> None:
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(0))
     try:
         stats = trainer.run()
-        logger.info("rank %d done: %d iterations, %.1f samples/s", cfg.rank, stats["iterations"], stats["samples_per_second"])
-    except BaseException:
+        logger.info(
+            "rank %d done: %d iterations, %.1f samples/s",
+            cfg.rank,
+            stats["iterations"],
+            stats["samples_per_second"],
+        )
+    except BaseException as e:
         trainer.close()
         http.stop()
+        lost = serving.redis_lost(e) if isinstance(e, Exception) else None
+        if lost is not None:  # one line naming Redis, not a thread's traceback
+            logger.error("rank %d: %s", cfg.rank, lost)
+            raise SystemExit(f"trainer {cfg.rank}: {lost}") from None
         raise
     trainer.close()
     if not args.exit_when_done:
