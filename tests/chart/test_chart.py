@@ -19,7 +19,7 @@ import threading
 import time
 from collections.abc import Iterator
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
-from pathlib import Path
+from pathlib import Path, PurePosixPath
 from types import SimpleNamespace
 from typing import Any
 from unittest import mock
@@ -45,6 +45,10 @@ PARSERS = {
 }
 AUTH_SECRET = "bagpipe-auth"  # the chart's Secret: the job's secret and the bundled Redis's password
 JOB_SECRET_ENV, REDIS_PASSWORD_ENV = "BAGPIPE_JOB_SECRET", "BAGPIPE_REDIS_PASSWORD"
+# mutual TLS: the variables the services read their PEM files' paths from, and cert-manager's Secret keys
+TLS_ENV = {"cert": "BAGPIPE_TLS_CERT", "key": "BAGPIPE_TLS_KEY", "ca": "BAGPIPE_TLS_CA"}
+TLS_SERVER_NAME_ENV = "BAGPIPE_TLS_SERVER_NAME"
+TLS_KEYS = {"cert": "tls.crt", "key": "tls.key", "ca": "ca.crt"}
 
 
 def helm() -> str:
@@ -224,6 +228,27 @@ def secret_ref(container: dict[str, Any], name: str) -> dict[str, str] | None:
     return found[0]["valueFrom"]["secretKeyRef"]
 
 
+def tls_files(pod: dict[str, Any], container: dict[str, Any]) -> dict[str, tuple[str, str]] | None:
+    """Where the container's TLS files come from, as (Secret, key) by kind, following the paths in its
+    BAGPIPE_TLS_* variables through its read-only mounts of the pod's Secret volumes; None without TLS."""
+    env = {e["name"]: e for e in container.get("env", [])}
+    if not {*TLS_ENV.values(), TLS_SERVER_NAME_ENV} & set(env):
+        return None
+    assert {*TLS_ENV.values(), TLS_SERVER_NAME_ENV} <= set(env), "all the TLS variables, or none"
+    volumes = {v["name"]: v for v in pod.get("volumes", [])}
+    found: dict[str, tuple[str, str]] = {}
+    for kind, name in TLS_ENV.items():
+        assert set(env[name]) == {"name", "value"}, f"{name}: a path, not a reference"
+        path = PurePosixPath(env[name]["value"])
+        (mount,) = [m for m in container.get("volumeMounts", []) if path.is_relative_to(m["mountPath"])]
+        assert mount.get("readOnly") is True and "subPath" not in mount, f"{name}: a read-only, whole mount"
+        secret = volumes[mount["name"]]["secret"]
+        relative = str(path.relative_to(mount["mountPath"]))
+        keys = {i["path"]: i["key"] for i in secret["items"]} if "items" in secret else {relative: relative}
+        found[kind] = (secret["secretName"], keys[relative])
+    return found
+
+
 def secret_values(docs: list[dict[str, Any]]) -> set[str]:
     """The values in the release's Secrets, decoded and as rendered (base64)."""
     return {v for s in by_kind(docs, "Secret").values() for b64 in s.get("data", {}).values()
@@ -278,7 +303,11 @@ def check_consistency(docs: list[dict[str, Any]]) -> dict[str, Any]:
         assert args.advertise_host == "10.1.2.3"
         if hasattr(args, "address"):
             assert urlparse(f"http://{args.address}").port == ports["grpc"]
-            assert pod["spec"]["containers"][0]["readinessProbe"]["grpc"]["port"] == ports["grpc"]
+            if tls_files(pod["spec"], container):  # kubelet's gRPC probes speak no TLS: /readyz instead
+                for probe in ("startupProbe", "readinessProbe"):
+                    assert container[probe]["httpGet"] == {"path": "/readyz", "port": "metrics"}, probe
+            else:
+                assert pod["spec"]["containers"][0]["readinessProbe"]["grpc"]["port"] == ports["grpc"]
         else:  # the trainer: HTTP readiness on its metrics port
             assert container["readinessProbe"]["httpGet"] == {"path": "/readyz", "port": "metrics"}
         assert container["livenessProbe"]["httpGet"]["path"] == "/healthz"
@@ -307,6 +336,18 @@ def check_consistency(docs: list[dict[str, Any]]) -> dict[str, Any]:
             (server,) = redis_load["spec"]["template"]["spec"]["containers"]
             assert secret_ref(container, REDIS_PASSWORD_ENV) == secret_ref(server, "REDIS_PASSWORD"), name
     assert_secrets_stay_in_secrets(docs)
+    # all of them speak TLS with the same files, or none does
+    tls = {
+        f"{owner}/{c['name']}": (tls_files(pod, c), kubelet_env(c, docs).get(TLS_SERVER_NAME_ENV))
+        for owner, pod in pod_specs(docs).items()
+        for c in [*pod.get("initContainers", []), *pod["containers"]]
+        if c["name"] != "redis"
+    }
+    assert len({json.dumps(v) for v in tls.values()}) == 1, tls
+    if next(iter(tls.values()))[0]:
+        for name, container in bagpipe_containers(docs).items():
+            probes = [container.get(p, {}) for p in ("startupProbe", "readinessProbe", "livenessProbe")]
+            assert not [p for p in probes if "grpc" in p], f"{name}: a gRPC probe, which cannot speak TLS"
 
     trainer_cfg, trainer_args, trainer_load = configs["trainer"]
     oracle_cfg, _, _ = configs["oracle-cacher"]
@@ -432,6 +473,8 @@ def test_gpu_values_ask_for_gpus_and_the_cuda_image() -> None:
             "externalRedis:\n  passwordSecret: {name: r, key: k, value: x}\n",
             "externalRedis.passwordSecret: Additional property value is not allowed",
         ),
+        ("tls:\n  enabled: true\n  secret: bagpipe-tls\n", "tls: Additional property secret is not allowed"),
+        ("tls:\n  serverName: ''\n", "tls.serverName: Does not match pattern"),
     ],
 )
 def test_schema_rejects_bad_values_with_a_clear_message(values: str, message: str, tmp_path: Path) -> None:
@@ -447,7 +490,8 @@ def test_external_redis_needs_a_url() -> None:
     assert out.returncode != 0 and "set externalRedis.url" in out.stderr
 
 
-def test_notes_tell_the_user_how_to_watch_the_run(tmp_path: Path) -> None:
+def render_notes(tmp_path: Path, *args: str) -> str:
+    """NOTES.txt as helm renders it (helm template prints no notes: it goes through a ConfigMap here)."""
     chart = tmp_path / "chart"
     shutil.copytree(CHART, chart)
     notes = (chart / "templates" / "NOTES.txt").read_text()
@@ -455,13 +499,18 @@ def test_notes_tell_the_user_how_to_watch_the_run(tmp_path: Path) -> None:
     (chart / "templates" / "zz-notes.yaml").write_text(
         f"apiVersion: v1\nkind: ConfigMap\nmetadata:\n  name: notes\ndata:\n  notes: |\n{body}\n"
     )
-    (doc,) = render("--show-only", "templates/zz-notes.yaml", chart=chart)
-    text = doc["data"]["notes"]
+    (doc,) = render("--show-only", "templates/zz-notes.yaml", *args, chart=chart)
+    return str(doc["data"]["notes"])
+
+
+def test_notes_tell_the_user_how_to_watch_the_run(tmp_path: Path) -> None:
+    text = render_notes(tmp_path)
     assert "kubectl -n ml get pods -l app.kubernetes.io/instance=bagpipe -w" in text
     assert "port-forward pod/bagpipe-trainer-0 9400" in text and "Bagpipe training" in text
     assert "kubectl -n ml scale statefulset bagpipe-embedding-server --replicas=N" in text
     assert "--set embeddingServer.replicaCount=N" in text and "restarts them" not in text
     assert "Secret bagpipe-auth, key jobSecret" in text
+    assert "TLS" not in text
 
 
 def test_dashboard_configmap_carries_the_dashboard() -> None:
@@ -709,3 +758,135 @@ def test_bundled_redis_requires_the_password_its_clients_send(tmp_path: Path) ->
     finally:
         proc.terminate()
         proc.wait(timeout=10)
+
+
+# Mutual TLS: the user's Secret (tls.crt, tls.key, ca.crt) in every Bagpipe container, paths in the env.
+
+TLS = ("--set", "tls.enabled=true", "--set", "tls.secretName=x")
+
+
+def test_tls_mounts_the_secret_in_every_container_and_probes_readyz() -> None:
+    docs = render(*TLS)
+    pods = pod_specs(docs)
+    containers = bagpipe_containers(docs)
+    assert set(containers) == JOB_CONTAINERS
+    for name, container in containers.items():
+        pod = pods[name.split("/")[0]]
+        expected = {kind: ("x", key) for kind, key in TLS_KEYS.items()}
+        assert tls_files(pod, container) == expected, name
+        env = kubelet_env(container, docs)
+        assert env[TLS_SERVER_NAME_ENV] == "bagpipe", name
+        assert all(env[v].startswith("/etc/bagpipe/tls/") for v in TLS_ENV.values()), name
+        (volume,) = [v for v in pod["volumes"] if "secret" in v and v["secret"]["secretName"] == "x"]
+        assert volume["secret"]["defaultMode"] == 0o440, "the key: not world-readable (the fsGroup reads it)"
+        # no gRPC probe (kubelet's cannot present a certificate): startup and readiness ask /readyz
+        metrics = container_ports(container).get("metrics")
+        for probe in ("startupProbe", "readinessProbe", "livenessProbe"):
+            if probe in container:
+                assert "grpc" not in container[probe], (name, probe)
+                assert container[probe]["httpGet"]["port"] == "metrics" and metrics, (name, probe)
+        for probe in ("startupProbe", "readinessProbe"):
+            if probe in container and name != "bagpipe-trainer/trainer":  # (its startup asks /healthz)
+                assert container[probe]["httpGet"]["path"] == "/readyz", (name, probe)
+    # the bundled Redis neither speaks nor needs it
+    (redis,) = pods["bagpipe-redis"]["containers"]
+    assert not {e["name"] for e in redis.get("env", [])} & {*TLS_ENV.values(), TLS_SERVER_NAME_ENV}
+    check_consistency(docs)
+    # the drain hook inherits the embedding server's env: TLS files included
+    (emb,) = pods["bagpipe-embedding-server"]["containers"]
+    assert {*TLS_ENV.values(), TLS_SERVER_NAME_ENV} <= set(kubelet_env(emb, docs))
+    named = render(*TLS, "--set", "tls.serverName=bagpipe.ml")
+    for name, container in bagpipe_containers(named).items():
+        assert kubelet_env(container, named)[TLS_SERVER_NAME_ENV] == "bagpipe.ml", name
+
+
+def test_without_tls_nothing_changes() -> None:
+    docs = render()
+    pods = pod_specs(docs)
+    for name, container in bagpipe_containers(docs).items():
+        assert tls_files(pods[name.split("/")[0]], container) is None, name
+        assert not [m for m in container.get("volumeMounts", []) if m["mountPath"].startswith("/etc/bagpipe")]
+        if "grpc" in container_ports(container):  # the servers: gRPC health for startup and readiness
+            for probe in ("startupProbe", "readinessProbe"):
+                assert container[probe]["grpc"] == {"port": container_ports(container)["grpc"]}, (name, probe)
+    assert not [v for pod in pods.values() for v in pod.get("volumes", []) if "secret" in v]
+    # a Secret's name alone turns nothing on
+    assert not [d for d in render("--set", "tls.secretName=x") if "BAGPIPE_TLS" in json.dumps(d)]
+
+
+def test_tls_needs_a_secret() -> None:
+    out = run(helm(), "template", "bagpipe", str(CHART), "--set", "tls.enabled=true")
+    assert out.returncode != 0
+    message = "tls.enabled is true: set tls.secretName, a Secret with keys tls.crt, tls.key and ca.crt"
+    assert message in out.stderr, out.stderr
+
+
+def test_notes_say_when_grpc_is_mutual_tls(tmp_path: Path) -> None:
+    text = render_notes(tmp_path, *TLS)
+    assert "gRPC is mutual TLS: Secret x (tls.crt, tls.key, ca.crt)" in text and "DNS:bagpipe." in text
+
+
+def openssl(*args: str, cwd: Path) -> None:
+    subprocess.run(["openssl", *args], cwd=cwd, check=True, capture_output=True)
+
+
+def cert_manager_secret(directory: Path, name: str) -> Path:
+    """What cert-manager's CA issuer writes into a Secret: a certificate for DNS ``name``, its key, the CA."""
+    directory.mkdir(parents=True)
+    openssl("req", "-x509", "-newkey", "rsa:2048", "-nodes", "-days", "2", "-subj", "/CN=ca",
+            "-keyout", "ca.key", "-out", "ca.crt", cwd=directory)  # fmt: skip
+    openssl("req", "-newkey", "rsa:2048", "-nodes", "-subj", f"/CN={name}",
+            "-keyout", "tls.key", "-out", "tls.csr", cwd=directory)  # fmt: skip
+    (directory / "ext.cnf").write_text(f"subjectAltName=DNS:{name}\n")
+    openssl("x509", "-req", "-in", "tls.csr", "-CA", "ca.crt", "-CAkey", "ca.key", "-CAcreateserial",
+            "-days", "2", "-extfile", "ext.cnf", "-out", "tls.crt", cwd=directory)  # fmt: skip
+    return directory
+
+
+def tls_env(pod: dict[str, Any], container: dict[str, Any], docs: list[dict[str, Any]],
+            secrets: dict[str, Path]) -> dict[str, str]:  # fmt: skip
+    """The container's TLS variables with the Secret volume's files at ``secrets[secretName]`` here."""
+    files = tls_files(pod, container)
+    assert files
+    env = {TLS_ENV[kind]: str(secrets[secret] / key) for kind, (secret, key) in files.items()}
+    return {**env, TLS_SERVER_NAME_ENV: kubelet_env(container, docs)[TLS_SERVER_NAME_ENV]}
+
+
+@pytest.mark.skipif(shutil.which("openssl") is None, reason="needs the openssl binary to make certificates")
+@pytest.mark.parametrize(
+    ("certified", "served"), [("bagpipe", True), ("bagpipe.ml", True), ("elsewhere", False)]
+)
+def test_tls_env_lets_the_test_pod_reach_a_server(certified: str, served: bool, tmp_path: Path) -> None:
+    """An oracle's gRPC server with the credentials the chart's env gives it, and the helm test's probe with
+    its own: the chart's paths, keys and server name agree with what the services read."""
+    from concurrent import futures
+
+    import grpc
+    from bagpipe import probe, security
+    from grpc_health.v1 import health, health_pb2, health_pb2_grpc
+
+    server_name = "bagpipe" if certified == "elsewhere" else certified
+    docs = render(*TLS, "--set", f"tls.serverName={server_name}")
+    secrets = {"x": cert_manager_secret(tmp_path / "x", certified)}
+    pods = pod_specs(docs)
+    (oracle,) = pods["bagpipe-oracle-cacher"]["containers"]
+    (prober,) = pods["bagpipe-test"]["containers"]
+    with mock.patch.dict(os.environ, tls_env(pods["bagpipe-oracle-cacher"], oracle, docs, secrets)):
+        credentials = security.server_credentials()
+    assert credentials is not None
+    server = grpc.server(futures.ThreadPoolExecutor(max_workers=2))
+    servicer = health.HealthServicer()
+    servicer.set("", health_pb2.HealthCheckResponse.SERVING)
+    health_pb2_grpc.add_HealthServicer_to_server(servicer, server)
+    port = server.add_secure_port("127.0.0.1:0", credentials)
+    server.start()
+    try:
+        with mock.patch.dict(os.environ, tls_env(pods["bagpipe-test"], prober, docs, secrets)):
+            problem = probe.grpc_serving(f"127.0.0.1:{port}")
+        assert (problem is None) == served, problem
+        # without TLS (a kubelet gRPC probe, a plaintext client) the server does not answer
+        with grpc.insecure_channel(f"127.0.0.1:{port}") as channel, pytest.raises(grpc.RpcError) as refused:
+            health_pb2_grpc.HealthStub(channel).Check(health_pb2.HealthCheckRequest(), timeout=5)
+        assert refused.value.code() == grpc.StatusCode.UNAVAILABLE
+    finally:
+        server.stop(None)

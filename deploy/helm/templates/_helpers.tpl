@@ -161,8 +161,51 @@ key: {{ .key }}
 {{- end -}}
 {{- end -}}
 
+{{/* Mutual TLS: the user's Secret (cert-manager's layout), mounted read-only in every Bagpipe container. Pods
+     are dialled by IP, so clients check the servers' certificates for one name, tls.serverName. */}}
+{{- define "bagpipe.tlsMountPath" -}}/etc/bagpipe/tls{{- end -}}
+
+{{- define "bagpipe.tlsSecretName" -}}
+{{- .Values.tls.secretName | required "tls.enabled is true: set tls.secretName, a Secret with keys tls.crt, tls.key and ca.crt (the job's CA)" -}}
+{{- end -}}
+
+{{/* The services read the files' paths from the env (as --tls-cert/--tls-key/--tls-ca would set them) */}}
+{{- define "bagpipe.tlsEnv" -}}
+{{- if .Values.tls.enabled }}
+{{- $dir := include "bagpipe.tlsMountPath" . }}
+- name: BAGPIPE_TLS_CERT
+  value: {{ printf "%s/tls.crt" $dir | quote }}
+- name: BAGPIPE_TLS_KEY
+  value: {{ printf "%s/tls.key" $dir | quote }}
+- name: BAGPIPE_TLS_CA
+  value: {{ printf "%s/ca.crt" $dir | quote }}
+- name: BAGPIPE_TLS_SERVER_NAME
+  value: {{ .Values.tls.serverName | quote }}
+{{- end }}
+{{- end -}}
+
+{{/* The Secret's volume and its mount (with TLS). The key is group-readable only, through the pods' fsGroup;
+     listing the keys makes a Secret that lacks one fail at mount, in the pod's events. */}}
+{{- define "bagpipe.tlsVolumeMount" -}}
+- name: tls
+  mountPath: {{ include "bagpipe.tlsMountPath" . }}
+  readOnly: true
+{{- end -}}
+
+{{- define "bagpipe.tlsVolume" -}}
+- name: tls
+  secret:
+    secretName: {{ include "bagpipe.tlsSecretName" . }}
+    defaultMode: 0440
+    items:
+      - {key: tls.crt, path: tls.crt}
+      - {key: tls.key, path: tls.key}
+      - {key: ca.crt, path: ca.crt}
+{{- end -}}
+
 {{/* Every Bagpipe container (services, drain hook, test probe) sends the job's secret with each gRPC call and
-     gives Redis its password. Both come from a Secret into the env, never into args: flags show in /proc. */}}
+     gives Redis its password. Both come from a Secret into the env, never into args: flags show in /proc.
+     With TLS, the certificate files' paths too. */}}
 {{- define "bagpipe.authEnv" -}}
 - name: BAGPIPE_JOB_SECRET
   valueFrom:
@@ -175,6 +218,7 @@ key: {{ .key }}
     secretKeyRef:
       {{- . | nindent 6 }}
 {{- end }}
+{{- include "bagpipe.tlsEnv" . }}
 {{- end -}}
 
 {{/* env every container gets: its pod IP (advertised in Redis), in StatefulSets its ordinal, and the job's
@@ -196,15 +240,26 @@ key: {{ .key }}
 {{- end }}
 {{- end -}}
 
+{{/* The gRPC health check, or with TLS (kubelet's gRPC probes speak only plaintext) the service's /readyz,
+     which answers 200 once it listens and is registered */}}
+{{- define "bagpipe.readyCheck" -}}
+{{- if .Values.tls.enabled -}}
+httpGet:
+  path: /readyz
+  port: metrics
+{{- else -}}
+grpc:
+  port: {{ .Values.ports.grpc }}
+{{- end -}}
+{{- end -}}
+
 {{- define "bagpipe.grpcProbes" -}}
 startupProbe:
-  grpc:
-    port: {{ .root.Values.ports.grpc }}
+  {{- include "bagpipe.readyCheck" .root | nindent 2 }}
   periodSeconds: {{ .values.probes.startup.periodSeconds }}
   failureThreshold: {{ .values.probes.startup.failureThreshold }}
 readinessProbe:
-  grpc:
-    port: {{ .root.Values.ports.grpc }}
+  {{- include "bagpipe.readyCheck" .root | nindent 2 }}
   periodSeconds: {{ .values.probes.readiness.periodSeconds }}
   failureThreshold: {{ .values.probes.readiness.failureThreshold }}
 livenessProbe:
