@@ -106,7 +106,7 @@ def add_tls_args(p: argparse.ArgumentParser) -> None:
         g.add_argument(f"--tls-{kind}", action=EnvFlag, env=TLS_ENV[kind], default=None, metavar="PEM",
                        help=f"{what} (PEM; or ${TLS_ENV[kind]})")  # fmt: skip
     g.add_argument("--tls-server-name", action=EnvFlag, env=TLS_SERVER_NAME_ENV, default=None,
-                   help=f"the name servers' certificates carry (default {DEFAULT_TLS_SERVER_NAME})")  # fmt: skip
+                   help=f"the name in servers' certificates (default {DEFAULT_TLS_SERVER_NAME})")  # fmt: skip
 
 
 def job_secret() -> str | None:

@@ -2,11 +2,11 @@
 
 from __future__ import annotations
 
+import threading
 from pathlib import Path
 from typing import Any
 
 import pytest
-
 from bagpipe.cli import build_parser
 from bagpipe.local.launcher import run
 
@@ -14,6 +14,34 @@ TINY = [
     "--scale", "0.0005", "--embedding-dim", "8", "--bottom-mlp", "16,8", "--top-mlp", "16,1",
     "--batch-size", "64", "--data-processors", "1", "--quiet", "--log-level", "WARNING",
 ]  # fmt: skip
+
+
+class BackgroundRun:
+    """A ``run_job`` call in a thread, so that the test can act on the run while it trains."""
+
+    def __init__(self, run_job: Any, name: str, *flags: str) -> None:
+        self._result: list[Any] = []
+        self._error: list[BaseException] = []
+
+        def job() -> None:
+            try:
+                self._result.append(run_job(name, *flags))
+            except BaseException as e:  # reported by the test thread
+                self._error.append(e)
+
+        self.thread = threading.Thread(target=job)
+        self.thread.start()
+
+    def alive(self) -> bool:
+        return self.thread.is_alive()
+
+    def result(self, timeout: float = 300) -> Any:
+        """(summary, paths) once the run ends; its exception if it failed."""
+        self.thread.join(timeout)
+        assert not self.thread.is_alive(), "the run did not end"
+        if self._error:
+            raise self._error[0]
+        return self._result[0]
 
 
 @pytest.fixture

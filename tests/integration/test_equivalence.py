@@ -10,9 +10,14 @@ from __future__ import annotations
 from pathlib import Path
 
 import pytest
-
 from bagpipe.core import checkpoint
-from bagpipe.core.data import CriteoConfig, CriteoTSVSource, SyntheticConfig, SyntheticSource, scaled_table_rows
+from bagpipe.core.data import (
+    CriteoConfig,
+    CriteoTSVSource,
+    SyntheticConfig,
+    SyntheticSource,
+    scaled_table_rows,
+)
 from bagpipe.core.model import DLRMConfig
 from bagpipe.core.optim import OptimizerConfig
 from bagpipe.core.reference import train_reference
@@ -24,6 +29,15 @@ MODEL = DLRMConfig(embedding_dim=8, bottom_mlp=(16, 8), top_mlp=(16, 1))
 def synthetic_batches(iterations: int, batch_size: int = 64, seed: int = 0, alpha: float = 1.1):
     source = SyntheticSource(SyntheticConfig(table_rows=tuple(scaled_table_rows(0.0005)), seed=seed, zipf_alpha=alpha))
     return [source.batch(b, batch_size) for b in range(iterations)]
+
+
+def assert_synchronous(
+    paths: dict[str, Path], iterations: int, batch: int, optimizer: str, lr: float = 0.05
+) -> None:
+    """The run's final checkpoint is the model single-process synchronous training computes on its batches."""
+    batches = synthetic_batches(iterations, batch)
+    expected = train_reference(checkpoint.load(paths["initial"]), batches, MODEL, OptimizerConfig(optimizer, lr))
+    assert_same_model(paths["final"], expected)
 
 
 def assert_same_model(final_path: Path, expected: dict, tolerance: float = TOLERANCE) -> None:
@@ -56,10 +70,7 @@ def test_trainers_match_synchronous_training(run_job, trainers: int, lookahead: 
         assert summary["rows_handed_over"] > 0, "rows must change hands between trainers"
     # transfers are grouped (--transfer-batches 8 by default): fewer calls than batches
     assert summary["write_back_calls_per_iteration"] < trainers
-    expected = train_reference(
-        checkpoint.load(paths["initial"]), synthetic_batches(iterations, batch), MODEL, OptimizerConfig(optimizer, 0.05)
-    )
-    assert_same_model(paths["final"], expected)
+    assert_synchronous(paths, iterations, batch, optimizer)
 
 
 def test_replicated_cache_with_critical_sync_matches_synchronous_training(run_job) -> None:
@@ -71,10 +82,7 @@ def test_replicated_cache_with_critical_sync_matches_synchronous_training(run_jo
     )  # fmt: skip
     assert summary["rows_private_per_iteration"] == 0 and summary["rows_synced_background_per_iteration"] == 0
     assert summary["lookup_calls_per_iteration"] <= 2 and summary["write_back_calls_per_iteration"] <= 2  # one a batch
-    expected = train_reference(
-        checkpoint.load(paths["initial"]), synthetic_batches(iterations), MODEL, OptimizerConfig("adagrad", 0.05)
-    )
-    assert_same_model(paths["final"], expected)
+    assert_synchronous(paths, iterations, 64, "adagrad")
 
 
 def test_a_cache_smaller_than_the_window_shrinks_lookahead_and_stays_exact(run_job) -> None:
@@ -88,10 +96,7 @@ def test_a_cache_smaller_than_the_window_shrinks_lookahead_and_stays_exact(run_j
     assert summary["lookahead"]["requested"] is None and 1 <= summary["lookahead"]["min"] < 8
     assert summary["cache_capacity_rows"] == cache_rows
     assert summary["cache_peak_occupancy_rows"] <= cache_rows
-    expected = train_reference(
-        checkpoint.load(paths["initial"]), synthetic_batches(iterations), MODEL, OptimizerConfig("adagrad", 0.05)
-    )
-    assert_same_model(paths["final"], expected)
+    assert_synchronous(paths, iterations, 64, "adagrad")
 
 
 def handover_tsv(path: Path, batches: int, batch_size: int) -> None:
@@ -170,7 +175,4 @@ def test_benchmark_baselines_also_match_synchronous_training(run_job, system: st
     )  # fmt: skip
     if system == "no-cache":
         assert summary["lookahead"]["max"] == 1 and summary["cache_hit_rate"] == 0.0
-    expected = train_reference(
-        checkpoint.load(paths["initial"]), synthetic_batches(iterations), MODEL, OptimizerConfig("adagrad", 0.05)
-    )
-    assert_same_model(paths["final"], expected)
+    assert_synchronous(paths, iterations, 64, "adagrad")

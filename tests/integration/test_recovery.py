@@ -12,18 +12,15 @@ from __future__ import annotations
 import os
 import random
 import signal
-import threading
 import time
 from pathlib import Path
-from typing import Any
 
 import pytest
 from bagpipe.core import checkpoint
-from bagpipe.core.optim import OptimizerConfig
-from bagpipe.core.reference import train_reference
 from bagpipe.local.launcher import children_matching
 
-from tests.integration.test_equivalence import MODEL, assert_same_model, synthetic_batches
+from tests.integration.conftest import BackgroundRun
+from tests.integration.test_equivalence import assert_same_model, assert_synchronous
 
 
 def _trained(run_dir: Path) -> int:
@@ -36,29 +33,15 @@ def _trained(run_dir: Path) -> int:
 
 def run_with_failure(run_job, tmp_path: Path, name: str, target: str, sig: int, at: int, *flags: str):
     """Runs the job; once rank 0 has trained ``at`` batches, signals the child matching ``target``."""
-    result: list[Any] = []
-    error: list[BaseException] = []
-
-    def job() -> None:
-        try:
-            result.append(run_job(name, *flags))
-        except BaseException as e:  # reported by the test thread
-            error.append(e)
-
-    thread = threading.Thread(target=job)
-    thread.start()
+    job = BackgroundRun(run_job, name, *flags)
     run_dir = tmp_path / name
     deadline = time.monotonic() + 120
-    while _trained(run_dir) < at and thread.is_alive() and time.monotonic() < deadline:
+    while _trained(run_dir) < at and job.alive() and time.monotonic() < deadline:
         time.sleep(0.005)
     pids = children_matching(target)
-    assert thread.is_alive() and len(pids) == 1, f"no single live {target!r} to signal at batch {at}: {pids}"
+    assert job.alive() and len(pids) == 1, f"no single live {target!r} to signal at batch {at}: {pids}"
     os.kill(pids[0], sig)
-    thread.join(300)
-    assert not thread.is_alive(), "the run did not end after the failure"
-    if error:
-        raise error[0]
-    return result[0]
+    return job.result()
 
 
 CASES = [
@@ -98,13 +81,7 @@ def test_a_failed_service_is_recovered_and_the_model_is_exact(
     assert failure["resumed_at_batch"] % 5 == 0 and failure["resumed_at_batch"] <= failure["last_batch"] + 1
     assert summary["iterations"] == iterations
     assert summary["rows_private_per_iteration"] > 0 and summary["rows_handed_over"] > 0
-    expected = train_reference(
-        checkpoint.load(paths["initial"]),
-        synthetic_batches(iterations, batch),
-        MODEL,
-        OptimizerConfig(optimizer, 0.05),
-    )
-    assert_same_model(paths["final"], expected)
+    assert_synchronous(paths, iterations, batch, optimizer)
 
 
 def test_a_run_that_keeps_failing_gives_up_naming_the_component(run_job, tmp_path: Path) -> None:

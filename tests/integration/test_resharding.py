@@ -17,14 +17,13 @@ from bagpipe.control.registry import Registry
 from bagpipe.core import checkpoint
 from bagpipe.core.data import table_offsets
 from bagpipe.core.embedding_init import init_rows
-from bagpipe.core.optim import OptimizerConfig
-from bagpipe.core.reference import train_reference
 from bagpipe.embedding_server.client import EmbeddingClient
 from bagpipe.embedding_server.resharder import drain
 from bagpipe.local.launcher import RedisServer, children_matching
 from bagpipe.local.scaling import request_scale, wait_scaled
 
-from tests.integration.test_equivalence import MODEL, assert_same_model, synthetic_batches
+from tests.integration.conftest import BackgroundRun
+from tests.integration.test_equivalence import assert_same_model, assert_synchronous
 from tests.integration.test_recovery import _trained
 
 TABLES = tuple(100 + 20 * t for t in range(26))  # 9100 rows
@@ -206,34 +205,14 @@ def _scaled(run_dir: Path, servers: int, timeout: float = 120.0) -> dict:
     return status
 
 
-def _run_in_thread(run_job, name: str, *flags: str):
-    result: list = []
-    error: list[BaseException] = []
-
-    def job() -> None:
-        try:
-            result.append(run_job(name, *flags))
-        except BaseException as e:  # reported by the test thread
-            error.append(e)
-
-    thread = threading.Thread(target=job)
-    thread.start()
-    return thread, result, error
+def _when_trained(run_dir: Path, batches: int, job: BackgroundRun) -> None:
+    _wait(f"{batches} batches trained", lambda: _trained(run_dir) >= batches or not job.alive(), 120)
+    assert job.alive(), "the run ended too early"
 
 
-def _when_trained(run_dir: Path, batches: int, thread: threading.Thread) -> None:
-    _wait(f"{batches} batches trained", lambda: _trained(run_dir) >= batches or not thread.is_alive(), 120)
-    assert thread.is_alive(), "the run ended too early"
-
-
-@pytest.mark.parametrize("optimizer", ["sgd", "adagrad"])
-def test_scaling_up_and_down_mid_training_keeps_the_model_exact(
-    run_job, tmp_path: Path, optimizer: str
-) -> None:
-    """S=2 -> 3 -> 1 while training (LRPP, delayed sync, L=8, checkpoints every 5 batches) ends with the final
-    checkpoint of a run at a fixed S=2, and that is the synchronous model."""
-    iterations, batch = 400, 64
-    flags = (
+def _flags(iterations: int, batch: int, optimizer: str, *extra: str) -> tuple[str, ...]:
+    """T=2, S=2, LRPP and delayed sync, L=8 (rows change hands), a checkpoint every 5 batches."""
+    return (
         "--trainers",
         "2",
         "--embedding-servers",
@@ -250,20 +229,30 @@ def test_scaling_up_and_down_mid_training_keeps_the_model_exact(
         "0.05",
         "--checkpoint-every",
         "5",
+        *extra,
     )
-    _, fixed = run_job("fixed", *flags)
-    thread, result, error = _run_in_thread(run_job, "scaled", *flags, "--migration-rows-per-second", "10000")
+
+
+@pytest.mark.parametrize("optimizer", ["sgd", "adagrad"])
+def test_scaling_up_and_down_mid_training_keeps_the_model_exact(
+    run_job, tmp_path: Path, optimizer: str
+) -> None:
+    """S=2 -> 3 -> 1 while training ends with the final checkpoint of a run at a fixed S=2, and that is the
+    synchronous model."""
+    iterations, batch = 400, 64
+    _, fixed = run_job("fixed", *_flags(iterations, batch, optimizer))
+    job = BackgroundRun(
+        run_job, "scaled", *_flags(iterations, batch, optimizer, "--migration-rows-per-second", "10000")
+    )
     run_dir = tmp_path / "scaled"
     try:
-        _when_trained(run_dir, 10, thread)
+        _when_trained(run_dir, 10, job)
         up = _scaled(run_dir, 3)
-        _when_trained(run_dir, _trained(run_dir) + 3, thread)
+        _when_trained(run_dir, _trained(run_dir) + 3, job)
         down = _scaled(run_dir, 1)
         finished_at = _trained(run_dir)
     finally:
-        thread.join(300)
-    assert not error, error
-    summary, paths = result[0]
+        summary, paths = job.result()
     print(f"scaled to 3 and back to 1 by batch {finished_at} of {iterations}: {summary['resharding']}")
     assert finished_at < iterations, "the migrations did not happen while training"
     assert [(r["from_shards"], r["to_shards"]) for r in up["reshards"]] == [([0, 1], [0, 1, 2])]
@@ -273,72 +262,28 @@ def test_scaling_up_and_down_mid_training_keeps_the_model_exact(
     assert summary["embedding_servers"] == 1 and summary["iterations"] == iterations
     assert summary["rows_private_per_iteration"] > 0 and summary["rows_handed_over"] > 0
     assert_same_model(paths["final"], checkpoint.load(fixed["final"]), tolerance=0.0)
-    expected = train_reference(
-        checkpoint.load(paths["initial"]),
-        synthetic_batches(iterations, batch),
-        MODEL,
-        OptimizerConfig(optimizer, 0.05),
-    )
-    assert_same_model(paths["final"], expected)
+    assert_synchronous(paths, iterations, batch, optimizer)
 
 
 def test_a_server_failing_mid_migration_rolls_back_and_stays_exact(run_job, tmp_path: Path) -> None:
     """The joining server dies while rows move to it: the job rolls back to its last checkpoint, goes on with
     the three servers asked for, and ends with the synchronous model."""
     iterations, batch = 400, 64
-    thread, result, error = _run_in_thread(
-        run_job,
-        "interrupted",
-        "--trainers",
-        "2",
-        "--embedding-servers",
-        "2",
-        "--lookahead",
-        "8",
-        "--iterations",
-        str(iterations),
-        "--batch-size",
-        str(batch),
-        "--optimizer",
-        "adagrad",
-        "--lr",
-        "0.05",
-        "--checkpoint-every",
-        "5",
-        "--migration-rows-per-second",
-        "2000",
-        "--failure-timeout",
-        "3",
-        "--log-level",
-        "INFO",
-    )
+    extra = ("--migration-rows-per-second", "2000", "--failure-timeout", "3", "--log-level", "INFO")
+    job = BackgroundRun(run_job, "interrupted", *_flags(iterations, batch, "adagrad", *extra))
     run_dir = tmp_path / "interrupted"
+    log = run_dir / "logs" / "embedding-server-2.log"
     try:
-        _when_trained(run_dir, 8, thread)
+        _when_trained(run_dir, 8, job)
         request = request_scale(run_dir, 3)
-        _wait(
-            "rows moving",
-            lambda: (
-                b"migration to version 2" in (run_dir / "logs" / "embedding-server-2.log").read_bytes()
-                if (run_dir / "logs" / "embedding-server-2.log").is_file()
-                else False
-            ),
-        )
+        _wait("rows moving", lambda: log.is_file() and b"migration to version 2" in log.read_bytes())
         pids = children_matching("bagpipe.embedding_server --shard 2")
         assert len(pids) == 1
         os.kill(pids[0], signal.SIGKILL)
         status = wait_scaled(run_dir, request, 120)
     finally:
-        thread.join(300)
-    assert not error, error
+        summary, paths = job.result()
     assert status["state"] == "done" and "rolled back" in status["note"], status
-    summary, paths = result[0]
     assert summary["recovery"]["failures"][0]["component"] == "embedding-server-2", summary["recovery"]
     assert summary["embedding_servers"] == 3 and summary["iterations"] == iterations
-    expected = train_reference(
-        checkpoint.load(paths["initial"]),
-        synthetic_batches(iterations, batch),
-        MODEL,
-        OptimizerConfig("adagrad", 0.05),
-    )
-    assert_same_model(paths["final"], expected)
+    assert_synchronous(paths, iterations, batch, "adagrad")

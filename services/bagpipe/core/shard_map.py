@@ -94,11 +94,10 @@ class ShardMap:
         keep = np.zeros(self.num_buckets, dtype=bool)
         for s in target:
             keep[held[s][: quota[s]]] = True
-        free = iter(np.flatnonzero(~keep))
         new = np.where(keep, b2s, -1).astype(np.int32)
-        for s in target:
-            for _ in range(quota[s] - min(quota[s], held[s].size)):
-                new[next(free)] = s
+        # the rest go, lowest bucket first, to the shards below their quota, lowest shard first
+        short = [quota[s] - min(quota[s], held[s].size) for s in target]
+        new[~keep] = np.repeat(np.asarray(target, dtype=np.int32), short)
         return ShardMap(self.version + 1, self.num_keys, target[-1] + 1, new)
 
     def moves(self, new: ShardMap) -> list[tuple[int, int, np.ndarray]]:
@@ -107,10 +106,8 @@ class ShardMap:
             raise ValueError("shard maps of different key spaces or bucket counts")
         moved = np.flatnonzero(self.bucket_to_shard != new.bucket_to_shard)
         pairs = np.stack([self.bucket_to_shard[moved], new.bucket_to_shard[moved]], axis=1)
-        out = []
-        for src, dst in sorted({(int(a), int(b)) for a, b in pairs}):
-            out.append((src, dst, moved[(pairs[:, 0] == src) & (pairs[:, 1] == dst)]))
-        return out
+        kinds, which = np.unique(pairs, axis=0, return_inverse=True)
+        return [(int(a), int(b), moved[which.reshape(-1) == k]) for k, (a, b) in enumerate(kinds)]
 
     def local_layout(self, shard: int) -> tuple[np.ndarray, int]:
         """(bucket -> position among the shard's buckets, or -1; number of row slots on the shard)."""

@@ -35,14 +35,15 @@ DEFAULT_MAX_ABS = 1e6
 def check_values(keys: np.ndarray, rows: np.ndarray, state: np.ndarray, max_abs: float) -> None:
     """Rows must be finite and within ``max_abs``; optimizer state (Adagrad sums of squares) finite and >= 0.
     Raises InvalidArgument naming the first bad key and value."""
-    for name, values, bad in (
-        ("rows", rows, ~np.isfinite(rows) | (np.abs(rows) > max_abs)),
-        ("state", state, ~np.isfinite(state) | (state < 0)),
-    ):
+    for name, values, bad, why in (
+        ("rows", rows, ~np.isfinite(rows) | (np.abs(rows) > max_abs),
+         f"at most {max_abs:g} in absolute value (--max-abs-value)"),
+        ("state", state, ~np.isfinite(state) | (state < 0), "finite and >= 0"),
+    ):  # fmt: skip
         if bad.any():
             i, j = np.unravel_index(int(np.argmax(bad)), bad.shape)
-            why = f"at most {max_abs:g} in absolute value (--max-abs-value)" if name == "rows" else "finite and >= 0"
-            raise InvalidArgument(name, f"key {int(keys[i])}: value {float(values[i, j]):.7g} (must be {why})")
+            value = float(values[i, j])
+            raise InvalidArgument(name, f"key {int(keys[i])}: value {value:.7g} (must be {why})")
 
 
 class ShardStore:
@@ -253,8 +254,6 @@ class Migration:
         self.changed = np.zeros(rows, dtype=bool)
         self.sealed = False
         self.finals: set[int] = set()  # sources whose last rows have arrived
-        self.rows_in = 0
-        self.rows_out = 0
 
     @property
     def changes_layout(self) -> bool:
@@ -304,7 +303,6 @@ class Migration:
         check_values(keys, rows, state, self.store.max_abs)
         self.weights[target] = rows
         self.state[target] = state
-        self.rows_in += keys.size
         if flags is not None:
             self.changed[flags] = True
             self.finals.add(source)

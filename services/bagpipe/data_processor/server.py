@@ -22,7 +22,7 @@ from bagpipe.core.data import (
 from bagpipe.core.lookahead import MAX_TRAINERS, trainer_users
 from bagpipe.data_processor import metrics
 from bagpipe.data_processor.config import DataProcessorConfig, SourceConfig
-from bagpipe.errors import InvalidArgument, grpc_errors
+from bagpipe.errors import InvalidArgument
 from bagpipe.v1 import data_processor_pb2 as pb
 from bagpipe.v1 import data_processor_pb2_grpc as pb_grpc
 from bagpipe.wire import to_tensor
@@ -82,7 +82,6 @@ class DataProcessorServicer(pb_grpc.DataProcessorServicer):
     def __init__(self, config: DataProcessorConfig) -> None:
         self.config = config
 
-    @grpc_errors
     async def StreamBatches(self, request: pb.StreamBatchesRequest, context: grpc.aio.ServicerContext):  # noqa: N802
         if request.start < 0:
             raise InvalidArgument("start", f"must be >= 0, got {request.start}")

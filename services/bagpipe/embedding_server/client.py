@@ -9,7 +9,7 @@ import time
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
-from typing import TypeVar
+from typing import Any, TypeVar
 
 import grpc
 import numpy as np
@@ -164,22 +164,23 @@ class EmbeddingClient:
                 time.sleep(wait)
                 wait = min(0.5, 2 * wait)
 
-    def _lookup_shard(
+    def _send(
         self,
         route: _Route,
         shard: int,
         positions: np.ndarray,
-        keys: np.ndarray,
-        rows: np.ndarray,
-        state: np.ndarray,
+        what: str,
+        rpc: Callable[[Any, np.ndarray], Any],
     ) -> np.ndarray:
+        """Sends the keys at ``positions`` to ``shard`` in parts of at most ``MAX_ROWS_PER_RPC``
+        (``rpc(stub, part)``); returns the positions from the first part the server refused for its version
+        (or, drained, did not answer under a newer map) on: that part and the later ones were not applied."""
         for start in range(0, positions.size, MAX_ROWS_PER_RPC):
             part = positions[start : start + MAX_ROWS_PER_RPC]
-            request = pb.LookupRequest(shard_map_version=route.shard_map.version, keys=to_tensor(keys[part]))
             try:
-                reply: pb.LookupResponse = call_with_retry(
-                    functools.partial(route.stubs[shard].Lookup, request, timeout=serving.RPC_TIMEOUT_S),
-                    f"lookup shard {shard}",
+                call_with_retry(
+                    functools.partial(rpc, route.stubs[shard], part),
+                    f"{what} shard {shard}",
                     lambda: self.refresh(route.shard_map.version),
                 )
             except Moved:
@@ -188,54 +189,38 @@ class EmbeddingClient:
                 if e.code() == grpc.StatusCode.FAILED_PRECONDITION:
                     return positions[start:]
                 raise
-            rows[part] = from_tensor(reply.rows, "rows", np.float32, shape=(part.size, self.dim))
-            state[part] = from_tensor(reply.state, "state", np.float32, shape=(part.size, self.state_width))
-            self.bytes_sent += request.ByteSize()
-            self.bytes_received += reply.ByteSize()
         return positions[:0]
 
     def lookup(self, keys: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
         """Rows and optimizer state of ``keys`` (any order, distinct), as float32 arrays."""
         rows = np.empty((keys.size, self.dim), dtype=np.float32)
         state = np.empty((keys.size, self.state_width), dtype=np.float32)
-        self._each_shard(keys, lambda route, s, p: self._lookup_shard(route, s, p, keys, rows, state))
+
+        def one(route: _Route, stub: Any, part: np.ndarray) -> None:
+            request = pb.LookupRequest(shard_map_version=route.shard_map.version, keys=to_tensor(keys[part]))
+            reply = stub.Lookup(request, timeout=serving.RPC_TIMEOUT_S)
+            rows[part] = from_tensor(reply.rows, "rows", np.float32, shape=(part.size, self.dim))
+            state[part] = from_tensor(reply.state, "state", np.float32, shape=(part.size, self.state_width))
+            self.bytes_sent += request.ByteSize()
+            self.bytes_received += reply.ByteSize()
+
+        self._each_shard(keys, lambda r, s, p: self._send(r, s, p, "lookup", functools.partial(one, r)))
         return rows, state
 
-    def _write_shard(
-        self,
-        route: _Route,
-        shard: int,
-        positions: np.ndarray,
-        keys: np.ndarray,
-        rows: np.ndarray,
-        state: np.ndarray,
-    ) -> np.ndarray:
-        for start in range(0, positions.size, MAX_ROWS_PER_RPC):
-            part = positions[start : start + MAX_ROWS_PER_RPC]
+    def write_back(self, keys: np.ndarray, rows: np.ndarray, state: np.ndarray) -> None:
+        """Stores rows and state; returns once every shard has acknowledged (durable in memory)."""
+
+        def one(route: _Route, stub: Any, part: np.ndarray) -> None:
             request = pb.WriteBackRequest(
                 shard_map_version=route.shard_map.version,
                 keys=to_tensor(keys[part]),
                 rows=to_tensor(rows[part]),
                 state=to_tensor(state[part]),
             )
-            try:
-                call_with_retry(
-                    functools.partial(route.stubs[shard].WriteBack, request, timeout=serving.RPC_TIMEOUT_S),
-                    f"write-back shard {shard}",
-                    lambda: self.refresh(route.shard_map.version),
-                )
-            except Moved:  # (a drained server refuses an old version, so it did not apply this part)
-                return positions[start:]
-            except grpc.RpcError as e:
-                if e.code() == grpc.StatusCode.FAILED_PRECONDITION:
-                    return positions[start:]  # this part and the rest were not applied: routed again
-                raise
+            stub.WriteBack(request, timeout=serving.RPC_TIMEOUT_S)
             self.bytes_sent += request.ByteSize()
-        return positions[:0]
 
-    def write_back(self, keys: np.ndarray, rows: np.ndarray, state: np.ndarray) -> None:
-        """Stores rows and state; returns once every shard has acknowledged (durable in memory)."""
-        self._each_shard(keys, lambda route, s, p: self._write_shard(route, s, p, keys, rows, state))
+        self._each_shard(keys, lambda r, s, p: self._send(r, s, p, "write-back", functools.partial(one, r)))
 
     def snapshot(self, directory: str, next_batch: int) -> list[tuple[str, int, int]]:
         """Has every shard write its changed rows into the checkpoint ``next_batch`` of ``directory``, in

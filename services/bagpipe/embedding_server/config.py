@@ -66,7 +66,7 @@ def build_parser() -> argparse.ArgumentParser:
         "--max-rows-per-request",
         type=positive_int,
         default=MAX_ROWS_PER_RPC,
-        help=f"a lookup or write-back with more keys is refused (default {MAX_ROWS_PER_RPC}, what clients send)",
+        help=f"a lookup or write-back with more keys is refused (default {MAX_ROWS_PER_RPC})",
     )
     p.add_argument(
         "--max-abs-value",

@@ -20,9 +20,9 @@ from bagpipe import serving
 from bagpipe.core import snapshots
 from bagpipe.core.shard_map import ShardMap
 from bagpipe.core.shard_store import Migration, ShardStore
-from bagpipe.embedding_server.client import MAX_ROWS_PER_RPC
 from bagpipe.embedding_server import metrics
-from bagpipe.errors import FailedPrecondition, InvalidArgument, grpc_errors
+from bagpipe.embedding_server.client import MAX_ROWS_PER_RPC
+from bagpipe.errors import FailedPrecondition, InvalidArgument
 from bagpipe.v1 import embedding_server_pb2 as pb
 from bagpipe.v1 import embedding_server_pb2_grpc as pb_grpc
 from bagpipe.wire import from_tensor, to_tensor
@@ -60,7 +60,8 @@ class EmbeddingServicer(pb_grpc.EmbeddingServerServicer):
         """Before anything is decoded or allocated: at most ``max_rows`` keys in one request."""
         n = int(keys.shape[0]) if len(keys.shape) == 1 else 0
         if n > self.max_rows:
-            raise InvalidArgument("keys", f"{n} keys in one request; at most {self.max_rows} (--max-rows-per-request)")
+            limit = f"at most {self.max_rows} (--max-rows-per-request)"
+            raise InvalidArgument("keys", f"{n} keys in one request; {limit}")
 
     def _migration(self, version: int) -> Migration:
         m = self.store.migration
@@ -69,7 +70,6 @@ class EmbeddingServicer(pb_grpc.EmbeddingServerServicer):
             raise FailedPrecondition(f"shard_map_version: no migration to version {version} here ({have})")
         return m
 
-    @grpc_errors
     async def Lookup(self, request: pb.LookupRequest, context: grpc.aio.ServicerContext) -> pb.LookupResponse:  # noqa: N802
         with metrics.LATENCY.labels("lookup").time():
             self._check_version(request.shard_map_version)
@@ -81,7 +81,6 @@ class EmbeddingServicer(pb_grpc.EmbeddingServerServicer):
             metrics.BYTES.labels("lookup").inc(rows.nbytes + state.nbytes)
             return pb.LookupResponse(rows=to_tensor(rows), state=to_tensor(state))
 
-    @grpc_errors
     async def WriteBack(
         self, request: pb.WriteBackRequest, context: grpc.aio.ServicerContext
     ) -> pb.WriteBackResponse:  # noqa: N802
@@ -98,7 +97,6 @@ class EmbeddingServicer(pb_grpc.EmbeddingServerServicer):
             metrics.BYTES.labels("write_back").inc(rows.nbytes + state.nbytes)
             return pb.WriteBackResponse(rows=n)
 
-    @grpc_errors
     async def Snapshot(
         self, request: pb.SnapshotRequest, context: grpc.aio.ServicerContext
     ) -> pb.SnapshotResponse:  # noqa: N802
@@ -129,7 +127,6 @@ class EmbeddingServicer(pb_grpc.EmbeddingServerServicer):
         return pb.SnapshotResponse(file=name, rows=keys.size, bytes=size)
 
     # ---- re-sharding
-    @grpc_errors
     async def PrepareMigration(
         self, request: pb.PrepareMigrationRequest, context: grpc.aio.ServicerContext
     ) -> pb.PrepareMigrationResponse:  # noqa: N802
@@ -224,7 +221,6 @@ class EmbeddingServicer(pb_grpc.EmbeddingServerServicer):
         metrics.MIGRATED_BYTES.labels("out").inc(size)
         return size
 
-    @grpc_errors
     async def Transfer(
         self, request: pb.TransferRequest, context: grpc.aio.ServicerContext
     ) -> pb.TransferResponse:  # noqa: N802
@@ -260,7 +256,6 @@ class EmbeddingServicer(pb_grpc.EmbeddingServerServicer):
         )
         return pb.TransferResponse(rows_sent=sent, bytes_sent=size, rows_copied=copied)
 
-    @grpc_errors
     async def Receive(
         self, request: pb.ReceiveRequest, context: grpc.aio.ServicerContext
     ) -> pb.ReceiveResponse:  # noqa: N802
@@ -279,7 +274,6 @@ class EmbeddingServicer(pb_grpc.EmbeddingServerServicer):
             self._ready.set()
         return pb.ReceiveResponse(rows=n)
 
-    @grpc_errors
     async def Seal(self, request: pb.SealRequest, context: grpc.aio.ServicerContext) -> pb.SealResponse:  # noqa: N802
         m = self._migration(request.shard_map_version)
         if m.sealed:
@@ -307,7 +301,6 @@ class EmbeddingServicer(pb_grpc.EmbeddingServerServicer):
         )
         return pb.SealResponse(rows_resent=resent, bytes_resent=sum(sizes), seconds=seconds)
 
-    @grpc_errors
     async def AbortMigration(
         self, request: pb.AbortMigrationRequest, context: grpc.aio.ServicerContext
     ) -> pb.AbortMigrationResponse:  # noqa: N802

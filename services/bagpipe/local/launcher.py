@@ -4,6 +4,7 @@ local processes on loopback, a progress bar, and a summary at the end."""
 from __future__ import annotations
 
 import argparse
+import contextlib
 import csv
 import json
 import logging
@@ -337,10 +338,8 @@ def _run(args: argparse.Namespace, after_training: AfterTraining | None = None) 
                 print(f"failure: {failure.component} {failure.detail}; "
                       f"{'giving up' if len(failures) > args.max_restarts else 'recovering'}", file=sys.stderr)  # fmt: skip
                 generation.job.kill_all()
-                try:
+                with contextlib.suppress(redis.RedisError):  # (Redis may be what failed)
                     scaler.records += generation.registry.reshards()
-                except redis.RedisError:
-                    pass
                 scaler.finish_by_recovery()
                 generation.registry.close()
                 if failure.component == "redis" or redis_server.proc.poll() is not None:
@@ -425,13 +424,9 @@ def _start_generation(
     checkpoints: Path,
 ) -> Generation:
     """Spawns every process of the job, resuming at ``start`` (a complete checkpoint, or 0)."""
-    table_rows = table_rows_of(args)
     registry = Registry(redis_server.url, job_name)
     job = LocalJob(args, run_dir)
-    coord = ["--redis", redis_server.url, "--job", job_name, "--log-level", args.log_level]
-    tables = ["--data", args.data, "--table-rows", ",".join(map(str, table_rows))]
-    model = ["--embedding-dim", str(args.embedding_dim), "--optimizer", args.optimizer, "--lr", repr(args.lr),
-             "--seed", str(args.seed)] + (["--init-from", args.init_from] if args.init_from else [])  # fmt: skip
+    coord, tables, model = _common_args(args, redis_server.url, job_name)
     job.checkpoints = checkpoints
     every = checkpoint_every(args)
     recovery = ["--checkpoint-dir", str(checkpoints), "--resume-batch", str(start)] if every else []
@@ -477,16 +472,22 @@ def _start_generation(
     return Generation(number, start, job_name, registry, job, trainers, len(_iteration_log(run_dir)))
 
 
+def _common_args(args: argparse.Namespace, redis_url: str, job_name: str) -> tuple[list[str], list[str], list[str]]:
+    """The flags every service of a generation shares: coordination, tables, model."""
+    coord = ["--redis", redis_url, "--job", job_name, "--log-level", args.log_level]
+    tables = ["--data", args.data, "--table-rows", ",".join(map(str, table_rows_of(args)))]
+    model = ["--embedding-dim", str(args.embedding_dim), "--optimizer", args.optimizer, "--lr", repr(args.lr),
+             "--seed", str(args.seed)] + (["--init-from", args.init_from] if args.init_from else [])  # fmt: skip
+    return coord, tables, model
+
+
 def spawn_embedding_server(job: LocalJob, redis_server: RedisServer, job_name: str, shard: int,
                            resume: int | None) -> Process:  # fmt: skip
     """Starts embedding server ``shard``: one of the generation's first (it creates the shard map for
     ``--embedding-servers`` of them, and with ``resume`` loads the checkpoint's rows), or one that joins a
     running job (``bagpipe scale``), empty until the coordinator moves its buckets to it."""
     args = job.args
-    coord = ["--redis", redis_server.url, "--job", job_name, "--log-level", args.log_level]
-    model = ["--embedding-dim", str(args.embedding_dim), "--optimizer", args.optimizer, "--lr", repr(args.lr),
-             "--seed", str(args.seed)] + (["--init-from", args.init_from] if args.init_from else [])  # fmt: skip
-    tables = ["--data", args.data, "--table-rows", ",".join(map(str, table_rows_of(args)))]
+    coord, tables, model = _common_args(args, redis_server.url, job_name)
     recovery = []
     if resume is not None:
         recovery = ["--checkpoint-dir", str(job.checkpoints), "--resume-batch", str(resume)]

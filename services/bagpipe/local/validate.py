@@ -55,7 +55,8 @@ def validate_run_args(args: argparse.Namespace) -> None:
     if not args.bottom_mlp or args.bottom_mlp[-1] != args.embedding_dim:
         raise BadFlag(
             "--bottom-mlp",
-            f"its last layer ({args.bottom_mlp[-1] if args.bottom_mlp else 'none'}) must equal --embedding-dim "
+            f"its last layer ({args.bottom_mlp[-1] if args.bottom_mlp else 'none'}) must equal "
+            "--embedding-dim "
             f"({args.embedding_dim}): DLRM's interaction takes dot products of the two",
         )
     if not args.top_mlp or args.top_mlp[-1] != 1:

@@ -21,7 +21,7 @@ from bagpipe import security, serving
 from bagpipe.core.data import table_offsets
 from bagpipe.core.lookahead import BatchPlan, LookaheadPlanner, all_trainers, mask_dtype, trainer_users
 from bagpipe.core.plans import SyncStep, for_trainer
-from bagpipe.errors import InvalidArgument, PermissionDenied, grpc_errors
+from bagpipe.errors import InvalidArgument, PermissionDenied
 from bagpipe.oracle_cacher import metrics
 from bagpipe.oracle_cacher.config import OracleConfig
 from bagpipe.v1 import data_processor_pb2, data_processor_pb2_grpc
@@ -296,7 +296,6 @@ class Oracle(pb_grpc.OracleCacherServicer):
         entry = self._entry(batch)
         return entry is not None and min(self.written_back) >= entry.plan.depends_on
 
-    @grpc_errors
     async def StreamPlans(self, request: pb.StreamPlansRequest, context: grpc.aio.ServicerContext):  # noqa: N802
         rank = request.rank
         if not 0 <= rank < self.config.trainers:
@@ -324,7 +323,6 @@ class Oracle(pb_grpc.OracleCacherServicer):
                 return
             batch += 1
 
-    @grpc_errors
     async def ReportProgress(self, request: pb.ProgressReport, context: grpc.aio.ServicerContext) -> pb.ProgressAck:  # noqa: N802
         rank = request.rank
         if not 0 <= rank < self.config.trainers:
