@@ -20,6 +20,7 @@ from bagpipe.config_args import (
     positive_int,
 )
 from bagpipe.control.detector import DEFAULT_TIMEOUT_S
+from bagpipe.core.optim import OPTIMIZERS
 
 # rows per second each embedding server sends while re-sharding a local run: there the services share the
 # trainers' cores; at the quick profile's size this keeps iterations during a migration as fast as the
@@ -107,7 +108,7 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--trainers", type=int, default=8, help="logical trainers (default 8)")
     g.add_argument("--iterations", type=int, default=60, help="batches measured (default 60)")
     g.add_argument("--embedding-dim", type=int, default=16, help="embedding dimension, for bytes (default 16)")
-    g.add_argument("--optimizer", default="sgd", choices=["sgd", "adagrad"], help="for the bytes of a row's state")
+    g.add_argument("--optimizer", default="sgd", choices=OPTIMIZERS, help="for the bytes of a row's state")
     g.add_argument("--seed", type=int, default=0, help="seed of the synthetic data")
     g.add_argument("--json", action="store_true", help="print JSON instead of a table")
     g.add_argument("--output", default=None, help="also write the JSON here")

@@ -7,6 +7,8 @@ from typing import Any
 
 from bagpipe import security
 from bagpipe.core.data import KAGGLE_TABLE_ROWS, NUM_TABLES, scaled_table_rows
+from bagpipe.core.model import DEFAULT_CROSS_LAYERS, DEFAULT_DEEP_MLP, LINEAR_MODELS, MODELS, ModelConfig
+from bagpipe.core.optim import OPTIMIZERS, OptimizerConfig
 
 DEFAULT_SCALE = 0.01
 DEFAULT_MAX_LOOKAHEAD = 200
@@ -66,16 +68,60 @@ def table_rows_of(args: argparse.Namespace) -> tuple[int, ...]:
 
 
 def add_model_args(p: argparse.ArgumentParser, dense: bool = True) -> None:
+    """The model and optimizer flags; ``dense``: also the dense part's sizes (trainers, ``bagpipe run``).
+    Embedding servers take the rest: the model decides the row width, the optimizer the state width."""
     g = p.add_argument_group("model and optimizer")
-    g.add_argument("--embedding-dim", type=int, default=16, help="embedding dimension (default 16)")
+    g.add_argument("--model", default="dlrm", choices=MODELS,
+                   help="dlrm, wdl (Wide&Deep), deepfm or dcn (Deep&Cross) (default dlrm)")  # fmt: skip
+    g.add_argument("--embedding-dim", type=positive_int, default=16, help="embedding dimension (default 16)")
     if dense:
-        g.add_argument("--model", default="dlrm", choices=["dlrm"], help="model (default dlrm)")
-        g.add_argument("--bottom-mlp", type=int_list, default=(64, 16), help="bottom MLP sizes (default 64,16)")
-        g.add_argument("--top-mlp", type=int_list, default=(64, 1), help="top MLP sizes (default 64,1)")
-    g.add_argument("--optimizer", default="sgd", choices=["sgd", "adagrad"], help="optimizer (default sgd)")
+        g.add_argument("--bottom-mlp", type=int_list, default=None,
+                       help="dlrm: bottom MLP sizes, the last = --embedding-dim (default 64,DIM)")  # fmt: skip
+        g.add_argument("--top-mlp", type=int_list, default=None,
+                       help="dlrm: top MLP sizes, the last = 1 (default 64,1)")  # fmt: skip
+        g.add_argument(
+            "--deep-mlp", type=int_list, default=(),
+            help="wdl/deepfm/dcn: the deep tower's hidden sizes (default: "
+            + "; ".join(f"{m} {','.join(map(str, s))}" for m, s in DEFAULT_DEEP_MLP.items()) + ")",
+        )  # fmt: skip
+        g.add_argument("--cross-layers", type=positive_int, default=DEFAULT_CROSS_LAYERS,
+                       help=f"dcn: cross layers (default {DEFAULT_CROSS_LAYERS})")  # fmt: skip
+    g.add_argument("--optimizer", default="sgd", choices=OPTIMIZERS,
+                   help="sgd, adagrad or adam, for dense parameters and embeddings alike (default sgd)")  # fmt: skip
     g.add_argument("--lr", type=float, default=0.1, help="learning rate (default 0.1)")
-    g.add_argument("--seed", type=int, default=0, help="seed of the initial model and synthetic data")
+    g.add_argument("--eps", type=positive_float, default=None,
+                   help="adagrad/adam epsilon (default: torch's, 1e-10 / 1e-8)")  # fmt: skip
+    g.add_argument("--momentum", type=non_negative_float, default=0.0,
+                   help="refused unless 0: lazy momentum on embeddings is not synchronous training")  # fmt: skip
+    g.add_argument("--weight-decay", type=non_negative_float, default=0.0,
+                   help="refused unless 0: lazy decay on embeddings is not synchronous training")  # fmt: skip
+    g.add_argument(
+        "--seed", type=non_negative_int, default=0, help="seed of the initial model and synthetic data"
+    )
     g.add_argument("--init-from", default=None, help="start from this interchange checkpoint")
+
+
+def model_config_of(args: argparse.Namespace, num_tables: int) -> ModelConfig:
+    """The model the flags describe (ValueError names the field that is wrong)."""
+    return ModelConfig(
+        num_tables=num_tables, embedding_dim=args.embedding_dim, name=args.model,
+        bottom_mlp=getattr(args, "bottom_mlp", None) or (64, args.embedding_dim),
+        top_mlp=getattr(args, "top_mlp", None) or (64, 1),
+        deep_mlp=tuple(getattr(args, "deep_mlp", ()) or ()), cross_layers=getattr(args, "cross_layers", 3),
+    )  # fmt: skip
+
+
+def optimizer_config_of(args: argparse.Namespace) -> OptimizerConfig:
+    """The optimizer the flags describe (ValueError names the field that is wrong)."""
+    return OptimizerConfig(
+        args.optimizer, args.lr, eps=getattr(args, "eps", None), momentum=getattr(args, "momentum", 0.0),
+        weight_decay=getattr(args, "weight_decay", 0.0),
+    )  # fmt: skip
+
+
+def row_width_of(args: argparse.Namespace) -> int:
+    """Floats per stored embedding row: the embedding, plus the first-order weight for wdl/deepfm."""
+    return args.embedding_dim + int(args.model in LINEAR_MODELS)
 
 
 def add_coordination_args(p: argparse.ArgumentParser) -> None:

@@ -1,9 +1,32 @@
-"""DLRM as in facebookresearch/dlrm, with embeddings passed in from outside.
+"""The recommendation models, with their embedding rows passed in from outside.
 
-The embedding tables do not live in the module: the trainer gathers the rows of a batch from its
-cache (the single-process reference from full tables), so the same module serves both and the
-dense parameters are all a trainer owns. Linear layers are named ``bottom_mlp.<k>`` and
-``top_mlp.<k>`` (the interchange checkpoint's names).
+The embedding tables do not live in the modules: the trainer gathers the rows of a batch from its cache
+(the single-process reference from full tables), so the same module serves both and the dense parameters
+are all a trainer owns. ``forward(dense, rows)`` takes the batch's dense features [b, num_dense] (already
+log(1+x)) and its rows [b, num_tables, row_width] and returns one logit per sample.
+
+A row is the category's ``embedding_dim`` vector; for Wide&Deep and DeepFM it has one more column, the
+category's first-order weight (W&D's wide part, DeepFM's linear term), so that a category's parameters
+and optimizer state travel as one row. The interchange checkpoint keeps that column apart, under
+``"linear"`` (see core/checkpoint.py).
+
+* ``dlrm`` — facebookresearch/dlrm: bottom MLP on the dense features (ReLU after every layer), dot
+  products of every pair of [bottom output, embeddings] (strictly lower triangle) concatenated with the
+  bottom output, top MLP (ReLU after every layer but the last, which has one output).
+  Names: ``bottom_mlp.<k>.weight|bias``, ``top_mlp.<k>.weight|bias``.
+* ``wdl`` — Wide&Deep (Cheng et al. 2016): logit = wide + deep. Wide: ``wide`` Linear(num_dense, 1) on the
+  dense features plus the sum of the categories' first-order weights. Deep: ``deep_mlp`` (ReLU after every
+  layer) on [dense, the embeddings flattened in table order], then ``deep_out`` Linear(last, 1).
+* ``deepfm`` — DeepFM (Guo et al. 2017): logit = first order + second order + deep. First order:
+  ``linear`` Linear(num_dense, 1) plus the sum of the first-order weights. Second order (the factorisation
+  machine over the embedding fields): ½·Σ_d[(Σ_t v_td)² − Σ_t v_td²]. Deep: as W&D's.
+* ``dcn`` — Deep & Cross (Wang et al. 2017): x0 = [dense, embeddings flattened]. Cross layers
+  x_{l+1} = x0·(x_l·w_l) + b_l + x_l with ``cross.<l>.weight`` and ``cross.<l>.bias`` (vectors of x0's
+  size); the deep tower ``deep_mlp`` (ReLU after every layer) on x0; ``combine`` Linear on [x_L, deep
+  output] gives the logit.
+
+Every Linear is initialised as in the DLRM reference (weights N(0, 2/(fan_in+fan_out)), biases
+N(0, 1/fan_out)); cross weights N(0, 2/(size+1)) and cross biases 0; all from ``seed`` alone.
 """
 
 from __future__ import annotations
@@ -17,36 +40,87 @@ from torch import nn
 
 logger = logging.getLogger(__name__)
 
+MODELS = ("dlrm", "wdl", "deepfm", "dcn")
+# models whose rows carry a first-order weight after the embedding vector
+LINEAR_MODELS = frozenset({"wdl", "deepfm"})
+# the deep tower's hidden sizes when --deep-mlp is not given (Bagpipe paper Table 2, narrowed to what
+# the default embedding sizes feed)
+DEFAULT_DEEP_MLP = {"wdl": (256, 256, 256), "deepfm": (64, 64, 64), "dcn": (256, 128, 64)}
+DEFAULT_CROSS_LAYERS = 3
+
 
 @dataclass(frozen=True)
-class DLRMConfig:
-    """Sizes of the dense part. ``bottom_mlp``/``top_mlp`` are the output sizes of each layer."""
+class ModelConfig:
+    """Sizes of the dense part; ``*_mlp`` are the output sizes of each layer."""
 
     num_dense: int = 13
     num_tables: int = 26
     embedding_dim: int = 16
     bottom_mlp: tuple[int, ...] = (64, 16)
     top_mlp: tuple[int, ...] = (64, 1)
+    name: str = "dlrm"
+    deep_mlp: tuple[int, ...] = ()  # () : DEFAULT_DEEP_MLP[name]
+    cross_layers: int = DEFAULT_CROSS_LAYERS
 
     def __post_init__(self) -> None:
+        if self.name not in MODELS:
+            raise ValueError(f"model: must be one of {', '.join(MODELS)}, got {self.name!r}")
         if self.embedding_dim < 1:
             raise ValueError(f"embedding_dim: must be >= 1, got {self.embedding_dim}")
-        if not self.bottom_mlp or min(self.bottom_mlp) < 1:
-            raise ValueError(f"bottom_mlp: needs positive layer sizes, got {self.bottom_mlp}")
-        if not self.top_mlp or min(self.top_mlp) < 1:
-            raise ValueError(f"top_mlp: needs positive layer sizes, got {self.top_mlp}")
-        if self.bottom_mlp[-1] != self.embedding_dim:
-            raise ValueError(
-                f"bottom_mlp: the last size ({self.bottom_mlp[-1]}) must equal embedding_dim "
-                f"({self.embedding_dim}) for the dot interaction"
-            )
-        if self.top_mlp[-1] != 1:
-            raise ValueError(f"top_mlp: the last size must be 1 (one logit), got {self.top_mlp[-1]}")
+        if self.num_tables < 1 or self.num_dense < 0:
+            raise ValueError(f"num_tables/num_dense: need >= 1 table, got {self.num_tables}/{self.num_dense}")
+        if self.name == "dlrm":
+            if not self.bottom_mlp or min(self.bottom_mlp) < 1:
+                raise ValueError(f"bottom_mlp: needs positive layer sizes, got {self.bottom_mlp}")
+            if not self.top_mlp or min(self.top_mlp) < 1:
+                raise ValueError(f"top_mlp: needs positive layer sizes, got {self.top_mlp}")
+            if self.bottom_mlp[-1] != self.embedding_dim:
+                raise ValueError(
+                    f"bottom_mlp: the last size ({self.bottom_mlp[-1]}) must equal embedding_dim "
+                    f"({self.embedding_dim}) for the dot interaction"
+                )
+            if self.top_mlp[-1] != 1:
+                raise ValueError(f"top_mlp: the last size must be 1 (one logit), got {self.top_mlp[-1]}")
+            return
+        if not self.deep_mlp:
+            object.__setattr__(self, "deep_mlp", DEFAULT_DEEP_MLP[self.name])
+        if min(self.deep_mlp) < 1:
+            raise ValueError(f"deep_mlp: needs positive layer sizes, got {self.deep_mlp}")
+        if self.name == "dcn" and self.cross_layers < 1:
+            raise ValueError(f"cross_layers: must be >= 1, got {self.cross_layers}")
+
+    @property
+    def linear(self) -> bool:
+        """Rows carry a first-order weight (one column after the embedding vector)."""
+        return self.name in LINEAR_MODELS
+
+    @property
+    def row_width(self) -> int:
+        """Floats per embedding row as servers and caches store it."""
+        return self.embedding_dim + int(self.linear)
 
     @property
     def interaction_size(self) -> int:
         features = self.num_tables + 1
         return features * (features - 1) // 2 + self.embedding_dim
+
+    @property
+    def flat_size(self) -> int:
+        """Width of [dense, embeddings flattened]: the deep (and cross) input."""
+        return self.num_dense + self.num_tables * self.embedding_dim
+
+    def describe(self) -> dict[str, object]:
+        """The flags that define this model, for checkpoints' meta and the run record."""
+        if self.name == "dlrm":
+            return {"model": "dlrm", "bottom_mlp": list(self.bottom_mlp), "top_mlp": list(self.top_mlp)}
+        out: dict[str, object] = {"model": self.name, "deep_mlp": list(self.deep_mlp)}
+        if self.name == "dcn":
+            out["cross_layers"] = self.cross_layers
+        return out
+
+
+# the name DLRM-only code knew this by
+DLRMConfig = ModelConfig
 
 
 def _mlp(in_size: int, sizes: tuple[int, ...]) -> nn.ModuleList:
@@ -57,12 +131,44 @@ def _mlp(in_size: int, sizes: tuple[int, ...]) -> nn.ModuleList:
     return layers
 
 
-class DLRM(nn.Module):
-    """Bottom MLP, dot interaction (strict lower triangle), top MLP; returns logits."""
+def _relu_all(layers: nn.ModuleList, x: torch.Tensor) -> torch.Tensor:
+    for layer in layers:
+        x = F.relu(layer(x))
+    return x
 
-    def __init__(self, config: DLRMConfig, seed: int = 0) -> None:
+
+class _Model(nn.Module):
+    """Shared initialisation: every Linear in registration order, then the cross layers."""
+
+    def __init__(self, config: ModelConfig) -> None:
         super().__init__()
         self.config = config
+
+    def reset_parameters(self, seed: int) -> None:
+        gen = torch.Generator().manual_seed(seed)
+        with torch.no_grad():
+            for module in self.modules():
+                if isinstance(module, nn.Linear):
+                    fan_out, fan_in = module.weight.shape
+                    module.weight.normal_(0.0, (2.0 / (fan_in + fan_out)) ** 0.5, generator=gen)
+                    module.bias.normal_(0.0, (1.0 / fan_out) ** 0.5, generator=gen)
+                elif isinstance(module, CrossLayer):
+                    size = module.weight.numel()
+                    module.weight.normal_(0.0, (2.0 / (size + 1)) ** 0.5, generator=gen)
+                    module.bias.zero_()
+
+    def _split(self, rows: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor | None]:
+        dim = self.config.embedding_dim
+        if self.config.linear:
+            return rows[..., :dim], rows[..., dim]
+        return rows, None
+
+
+class DLRM(_Model):
+    """Bottom MLP, dot interaction (strict lower triangle), top MLP; returns logits."""
+
+    def __init__(self, config: ModelConfig, seed: int = 0) -> None:
+        super().__init__(config)
         self.bottom_mlp = _mlp(config.num_dense, config.bottom_mlp)
         self.top_mlp = _mlp(config.interaction_size, config.top_mlp)
         features = config.num_tables + 1
@@ -71,21 +177,9 @@ class DLRM(nn.Module):
         self.register_buffer("_tril_cols", cols, persistent=False)
         self.reset_parameters(seed)
 
-    def reset_parameters(self, seed: int) -> None:
-        """The reference DLRM initialisation, from ``seed`` alone."""
-        gen = torch.Generator().manual_seed(seed)
-        with torch.no_grad():
-            for layer in [*self.bottom_mlp, *self.top_mlp]:
-                assert isinstance(layer, nn.Linear)
-                fan_out, fan_in = layer.weight.shape
-                layer.weight.normal_(0.0, (2.0 / (fan_in + fan_out)) ** 0.5, generator=gen)
-                layer.bias.normal_(0.0, (1.0 / fan_out) ** 0.5, generator=gen)
-
     def forward(self, dense: torch.Tensor, embedded: torch.Tensor) -> torch.Tensor:
         """dense [b, num_dense], embedded [b, num_tables, dim] -> logits [b]."""
-        x = dense
-        for layer in self.bottom_mlp:
-            x = F.relu(layer(x))
+        x = _relu_all(self.bottom_mlp, dense)
         features = torch.cat([x.unsqueeze(1), embedded], dim=1)
         dots = torch.bmm(features, features.transpose(1, 2))
         z = torch.cat([x, dots[:, self._tril_rows, self._tril_cols]], dim=1)
@@ -94,6 +188,78 @@ class DLRM(nn.Module):
             if k < len(self.top_mlp) - 1:
                 z = F.relu(z)
         return z.squeeze(1)
+
+
+class WideAndDeep(_Model):
+    """Wide (linear on dense features + first-order weights) plus deep (MLP on dense + embeddings)."""
+
+    def __init__(self, config: ModelConfig, seed: int = 0) -> None:
+        super().__init__(config)
+        self.wide = nn.Linear(config.num_dense, 1)
+        self.deep_mlp = _mlp(config.flat_size, config.deep_mlp)
+        self.deep_out = nn.Linear(config.deep_mlp[-1], 1)
+        self.reset_parameters(seed)
+
+    def forward(self, dense: torch.Tensor, rows: torch.Tensor) -> torch.Tensor:
+        embedded, first_order = self._split(rows)
+        assert first_order is not None
+        deep = _relu_all(self.deep_mlp, torch.cat([dense, embedded.flatten(1)], dim=1))
+        return (self.wide(dense) + self.deep_out(deep)).squeeze(1) + first_order.sum(1)
+
+
+class DeepFM(_Model):
+    """First order (linear on dense features + first-order weights), FM second order, deep MLP."""
+
+    def __init__(self, config: ModelConfig, seed: int = 0) -> None:
+        super().__init__(config)
+        self.linear = nn.Linear(config.num_dense, 1)
+        self.deep_mlp = _mlp(config.flat_size, config.deep_mlp)
+        self.deep_out = nn.Linear(config.deep_mlp[-1], 1)
+        self.reset_parameters(seed)
+
+    def forward(self, dense: torch.Tensor, rows: torch.Tensor) -> torch.Tensor:
+        embedded, first_order = self._split(rows)
+        assert first_order is not None
+        second_order = 0.5 * (embedded.sum(1).pow(2) - embedded.pow(2).sum(1)).sum(1)
+        deep = _relu_all(self.deep_mlp, torch.cat([dense, embedded.flatten(1)], dim=1))
+        return (self.linear(dense) + self.deep_out(deep)).squeeze(1) + first_order.sum(1) + second_order
+
+
+class CrossLayer(nn.Module):
+    """x_{l+1} = x0 · (x_l · w) + b + x_l (DCN's cross layer; w and b have x0's size)."""
+
+    def __init__(self, size: int) -> None:
+        super().__init__()
+        self.weight = nn.Parameter(torch.empty(size))
+        self.bias = nn.Parameter(torch.empty(size))
+
+    def forward(self, x0: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
+        return x0 * (x @ self.weight).unsqueeze(1) + self.bias + x
+
+
+class DeepCross(_Model):
+    """Cross network and deep tower side by side on [dense, embeddings], combined by one Linear."""
+
+    def __init__(self, config: ModelConfig, seed: int = 0) -> None:
+        super().__init__(config)
+        self.cross = nn.ModuleList(CrossLayer(config.flat_size) for _ in range(config.cross_layers))
+        self.deep_mlp = _mlp(config.flat_size, config.deep_mlp)
+        self.combine = nn.Linear(config.flat_size + config.deep_mlp[-1], 1)
+        self.reset_parameters(seed)
+
+    def forward(self, dense: torch.Tensor, rows: torch.Tensor) -> torch.Tensor:
+        x0 = torch.cat([dense, rows.flatten(1)], dim=1)
+        x = x0
+        for layer in self.cross:
+            x = layer(x0, x)
+        deep = _relu_all(self.deep_mlp, x0)
+        return self.combine(torch.cat([x, deep], dim=1)).squeeze(1)
+
+
+def build_model(config: ModelConfig, seed: int = 0) -> nn.Module:
+    """The model ``config.name`` names, initialised from ``seed``."""
+    kinds: dict[str, type[_Model]] = {"dlrm": DLRM, "wdl": WideAndDeep, "deepfm": DeepFM, "dcn": DeepCross}
+    return kinds[config.name](config, seed)
 
 
 def batch_loss(logits: torch.Tensor, labels: torch.Tensor, global_batch_size: int) -> torch.Tensor:

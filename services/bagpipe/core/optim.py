@@ -1,19 +1,31 @@
 """Optimizers for embedding rows that live outside any nn.Parameter, with torch.optim semantics.
 
-A row's optimizer state (Adagrad's sum of squares) has the row's shape and travels with it between
-embedding server and cache; ``state_width`` tells how many floats per row that is. The arithmetic
-mirrors ``torch.optim.SGD``/``Adagrad`` on sparse gradients so results match them.
+A row's optimizer state has one block of the row's width per entry of ``STATE_KEYS`` (Adagrad's sum of
+squares; Adam's two moments) and travels with it between embedding server and cache; ``state_width``
+tells how many floats per row that is. The arithmetic mirrors ``torch.optim.SGD``/``Adagrad`` on sparse
+gradients and ``torch.optim.SparseAdam`` (the lazy row-wise Adam: only the rows a batch uses move, with
+the bias correction of the global step count), so results match them.
+
+Momentum and weight decay are refused: applied lazily to the rows a batch uses they would differ from
+the dense torch optimizers a synchronous reference uses (a row's decay would depend on when it is used),
+so no Bagpipe run could promise the synchronous model with them.
 """
 
 from __future__ import annotations
 
+import math
 from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
 
 import torch
 
-OPTIMIZERS = ("sgd", "adagrad")
+OPTIMIZERS = ("sgd", "adagrad", "adam")
+# the per-row state entries of each optimizer, in the order of their blocks in a row's state
+STATE_KEYS: dict[str, tuple[str, ...]] = {"sgd": (), "adagrad": ("sum",), "adam": ("exp_avg", "exp_avg_sq")}
+# state entries that can never be negative (a server refuses a row whose state breaks this)
+NON_NEGATIVE = frozenset({"sum", "exp_avg_sq"})
+DEFAULT_EPS = {"sgd": 0.0, "adagrad": 1e-10, "adam": 1e-8}
 
 
 @dataclass(frozen=True)
@@ -22,21 +34,57 @@ class OptimizerConfig:
 
     name: str = "sgd"
     lr: float = 0.1
-    eps: float = 1e-10
+    eps: float | None = None  # None: the optimizer's torch default
+    betas: tuple[float, float] = (0.9, 0.999)
+    momentum: float = 0.0
+    weight_decay: float = 0.0
 
     def __post_init__(self) -> None:
         if self.name not in OPTIMIZERS:
             raise ValueError(f"optimizer: must be one of {', '.join(OPTIMIZERS)}, got {self.name!r}")
-        if not self.lr > 0:
-            raise ValueError(f"lr: must be > 0, got {self.lr}")
+        if not self.lr > 0 or not math.isfinite(self.lr):
+            raise ValueError(f"lr: must be a finite number > 0, got {self.lr}")
+        if self.eps is None:
+            object.__setattr__(self, "eps", DEFAULT_EPS[self.name])
+        if not all(0.0 <= b < 1.0 for b in self.betas):
+            raise ValueError(f"betas: each must be in [0, 1), got {self.betas}")
+        if self.momentum:
+            raise ValueError(
+                f"momentum: {self.momentum} is not supported: momentum on rows a batch does not use cannot be "
+                "applied lazily and stay equal to synchronous training; use --optimizer adam"
+            )
+        if self.weight_decay:
+            raise ValueError(
+                f"weight_decay: {self.weight_decay} is not supported: decay of every row at every step cannot "
+                "be applied lazily to the cached rows and stay equal to synchronous training"
+            )
 
-    def state_width(self, dim: int) -> int:
-        return dim if self.name == "adagrad" else 0
+    @property
+    def state_keys(self) -> tuple[str, ...]:
+        return STATE_KEYS[self.name]
+
+    def state_width(self, width: int) -> int:
+        """Floats of optimizer state per row of ``width`` floats."""
+        return width * len(self.state_keys)
+
+    def non_negative_columns(self, width: int) -> slice:
+        """The state columns that must be >= 0 (Adagrad: all; Adam: the second moment)."""
+        keys = self.state_keys
+        first = next((i for i, k in enumerate(keys) if k in NON_NEGATIVE), len(keys))
+        return slice(first * width, len(keys) * width)
 
     def dense_optimizer(self, params: list[torch.nn.Parameter]) -> torch.optim.Optimizer:
         if self.name == "adagrad":
             return torch.optim.Adagrad(params, lr=self.lr, eps=self.eps, initial_accumulator_value=0.0)
+        if self.name == "adam":
+            return torch.optim.Adam(params, lr=self.lr, betas=self.betas, eps=self.eps)
         return torch.optim.SGD(params, lr=self.lr)
+
+    def sparse_optimizer(self, params: list[torch.nn.Parameter]) -> torch.optim.Optimizer:
+        """The stock optimizer for sparse-gradient tables (the synchronous reference's embeddings)."""
+        if self.name == "adam":
+            return torch.optim.SparseAdam(params, lr=self.lr, betas=self.betas, eps=self.eps)
+        return self.dense_optimizer(params)
 
 
 def apply_rows(
@@ -45,33 +93,82 @@ def apply_rows(
     state: torch.Tensor,
     index: torch.Tensor,
     grad: torch.Tensor,
+    step: int = 1,
 ) -> None:
     """Updates ``weights[index]`` (and ``state[index]``) in place from the summed gradient ``grad``.
 
-    ``index`` holds distinct row positions; ``grad`` is [len(index), dim].
+    ``index`` holds distinct row positions; ``grad`` is [len(index), dim]; ``step`` is the global
+    optimizer step this update is (1 for the first batch), for Adam's bias correction.
     """
     if config.name == "sgd":
         weights.index_add_(0, index, grad, alpha=-config.lr)
         return
-    total = state.index_select(0, index).addcmul_(grad, grad)
-    state.index_copy_(0, index, total)
-    weights.index_add_(0, index, grad / total.sqrt().add_(config.eps), alpha=-config.lr)
+    assert config.eps is not None
+    if config.name == "adagrad":
+        total = state.index_select(0, index).addcmul_(grad, grad)
+        state.index_copy_(0, index, total)
+        weights.index_add_(0, index, grad / total.sqrt().add_(config.eps), alpha=-config.lr)
+        return
+    # SparseAdam: m += (1-b1)(g-m); v += (1-b2)(g^2-v); w -= lr*sqrt(1-b2^t)/(1-b1^t) * m/(sqrt(v)+eps)
+    beta1, beta2 = config.betas
+    dim = weights.shape[1]
+    old = state.index_select(0, index)
+    m, v = old[:, :dim], old[:, dim:]
+    m.add_(grad.sub(m).mul_(1 - beta1))
+    v.add_(grad.pow(2).sub_(v).mul_(1 - beta2))
+    state.index_copy_(0, index, old)
+    step_size = config.lr * math.sqrt(1 - beta2**step) / (1 - beta1**step)
+    weights.index_add_(0, index, m / v.sqrt().add_(config.eps), alpha=-step_size)
 
 
-def saved_sums(optimizer: torch.optim.Optimizer, params: Mapping[str, torch.Tensor]) -> dict[str, dict[str, torch.Tensor]]:
-    """The checkpoint's optimizer entries, ``{name: {"sum": tensor}}`` (empty for SGD), on the CPU."""
-    return {
-        name: {"sum": optimizer.state[p]["sum"].detach().cpu().clone()}
-        for name, p in params.items()
-        if "sum" in optimizer.state.get(p, {})
-    }
+def saved_state(
+    optimizer: torch.optim.Optimizer, params: Mapping[str, torch.Tensor]
+) -> dict[str, dict[str, Any]]:
+    """The checkpoint's optimizer entries, ``{name: torch's state of that parameter}`` on the CPU
+    (Adagrad: ``sum``; Adam: ``step``, ``exp_avg``, ``exp_avg_sq``; nothing for SGD)."""
+    out: dict[str, dict[str, Any]] = {}
+    for name, p in params.items():
+        state = optimizer.state.get(p, {})
+        entries = {
+            k: (v.detach().cpu().clone() if isinstance(v, torch.Tensor) else v)
+            for k, v in state.items()
+            if k != "step" or isinstance(optimizer, (torch.optim.Adam, torch.optim.SparseAdam))
+        }
+        if entries:
+            out[name] = entries
+    return out
 
 
-def restore_sums(
+def restore_state(
     optimizer: torch.optim.Optimizer, params: Mapping[str, torch.Tensor], saved: Mapping[str, Any]
 ) -> None:
-    """Seeds Adagrad's sums from a checkpoint's entries so training resumes exactly."""
+    """Seeds the optimizer's state from a checkpoint's entries so training resumes exactly. Entries of
+    another optimizer (an Adagrad checkpoint continued with Adam) are ignored: that one starts afresh."""
+    wanted = {
+        torch.optim.Adagrad: ("sum",),
+        torch.optim.Adam: ("step", "exp_avg", "exp_avg_sq"),
+        torch.optim.SparseAdam: ("step", "exp_avg", "exp_avg_sq"),
+    }.get(type(optimizer), ())
     for name, p in params.items():
-        if "sum" in saved.get(name, {}):
-            optimizer.state[p]["sum"] = saved[name]["sum"].clone().to(p.device)
-            optimizer.state[p]["step"] = torch.tensor(0.0)
+        entry = saved.get(name, {})
+        if not wanted or not all(k in entry for k in wanted):
+            continue
+        state: dict[str, Any] = {}
+        for k in wanted:
+            v = entry[k]
+            state[k] = v.clone().to(p.device) if isinstance(v, torch.Tensor) and k != "step" else v
+        if isinstance(optimizer, torch.optim.Adam):
+            state["step"] = torch.as_tensor(float(entry["step"]), dtype=torch.float32)
+        elif isinstance(optimizer, torch.optim.SparseAdam):
+            state["step"] = int(entry["step"])
+        else:
+            state["step"] = torch.tensor(0.0)
+        optimizer.state[p] = state
+
+
+def steps_taken(optimizer: torch.optim.Optimizer) -> int:
+    """Adam's step count (the same for every dense parameter: each gets a gradient every step); 0 else."""
+    for state in optimizer.state.values():
+        if "step" in state and isinstance(optimizer, torch.optim.Adam):
+            return int(state["step"])
+    return 0

@@ -1,8 +1,10 @@
 """Plain single-process synchronous training: the result every Bagpipe run must reproduce.
 
-Full embedding tables as ``nn.Embedding(sparse=True)``, the whole global batch in one step, mean
-loss, and the stock ``torch.optim`` optimizers — deliberately none of Bagpipe's cache, planner or
-row optimizer, so that agreement between the two is evidence and not an echo.
+Full embedding tables as ``nn.Embedding(sparse=True)`` (and, for W&D and DeepFM, one
+``nn.Embedding(rows, 1, sparse=True)`` per table for the first-order weights), the whole global batch in
+one step, mean loss, and the stock ``torch.optim`` optimizers (``SparseAdam`` for the tables under Adam)
+— deliberately none of Bagpipe's cache, planner, row layout or row optimizer, so that agreement between
+the two is evidence and not an echo.
 """
 
 from __future__ import annotations
@@ -13,44 +15,47 @@ from typing import Any
 import torch
 from torch import nn
 
-from bagpipe.core.model import DLRM, DLRMConfig, batch_loss
-from bagpipe.core.optim import OptimizerConfig, restore_sums, saved_sums
+from bagpipe.core.model import ModelConfig, batch_loss, build_model
+from bagpipe.core.optim import OptimizerConfig, restore_state, saved_state
 
 
 def train_reference(
     initial: dict[str, Any],
     batches: Iterable[Any],
-    model_config: DLRMConfig,
+    model_config: ModelConfig,
     optim_config: OptimizerConfig,
 ) -> dict[str, Any]:
     """Trains from an interchange checkpoint on ``batches`` (objects with ``dense``, ``sparse``,
     ``labels`` numpy arrays) and returns the final interchange checkpoint."""
-    model = DLRM(model_config)
+    model = build_model(model_config)
     model.load_state_dict({k: v.clone() for k, v in initial["dense"].items()})
-    tables = [
-        nn.Embedding.from_pretrained(initial["embeddings"][str(t)].clone(), freeze=False, sparse=True)
-        for t in range(model_config.num_tables)
-    ]
+    sections = ["embeddings"] + (["linear"] if model_config.linear else [])
+    tables = {
+        section: {
+            str(t): nn.Embedding.from_pretrained(initial[section][str(t)].clone(), freeze=False, sparse=True)
+            for t in range(model_config.num_tables)
+        }
+        for section in sections
+    }
     dense_opt = optim_config.dense_optimizer(list(model.parameters()))
-    emb_params = [t.weight for t in tables]
-    emb_opt: torch.optim.Optimizer
-    if optim_config.name == "adagrad":
-        emb_opt = torch.optim.Adagrad(emb_params, lr=optim_config.lr, eps=optim_config.eps)
-    else:
-        emb_opt = torch.optim.SGD(emb_params, lr=optim_config.lr)
-    named_dense = dict(model.named_parameters())
-    named_tables = {str(t): tab.weight for t, tab in enumerate(tables)}
+    named = {section: {t: e.weight for t, e in tables[section].items()} for section in sections}
+    emb_opt = optim_config.sparse_optimizer([w for section in sections for w in named[section].values()])
     saved = initial.get("optimizer") or {}
-    restore_sums(dense_opt, named_dense, saved.get("dense", {}))
-    restore_sums(emb_opt, named_tables, saved.get("embeddings", {}))
+    named_dense = dict(model.named_parameters())
+    restore_state(dense_opt, named_dense, saved.get("dense", {}))
+    for section in sections:
+        restore_state(emb_opt, named[section], saved.get(section, {}))
 
     steps = 0
     for batch in batches:
         dense = torch.from_numpy(batch.dense)
         labels = torch.from_numpy(batch.labels)
         sparse = torch.from_numpy(batch.sparse)
-        embedded = torch.stack([tables[t](sparse[:, t]) for t in range(len(tables))], dim=1)
-        loss = batch_loss(model(dense, embedded), labels, len(labels))
+        per_table = [
+            torch.cat([tables[section][str(t)](sparse[:, t]) for section in sections], dim=1)
+            for t in range(model_config.num_tables)
+        ]
+        loss = batch_loss(model(dense, torch.stack(per_table, dim=1)), labels, len(labels))
         dense_opt.zero_grad()
         emb_opt.zero_grad()
         loss.backward()
@@ -58,15 +63,14 @@ def train_reference(
         emb_opt.step()
         steps += 1
 
-    return {
-        "dense": {k: v.detach().clone() for k, v in model.state_dict().items()},
-        "embeddings": {str(t): tab.weight.detach().clone() for t, tab in enumerate(tables)},
-        "optimizer": {
-            "name": optim_config.name,
-            "lr": optim_config.lr,
-            "dense": saved_sums(dense_opt, named_dense),
-            "embeddings": saved_sums(emb_opt, named_tables),
-        },
-        "meta": {"trainer": "reference", "steps": steps + int(initial.get("meta", {}).get("steps", 0))},
+    out: dict[str, Any] = {"dense": {k: v.detach().clone() for k, v in model.state_dict().items()}}
+    for section in sections:
+        out[section] = {t: e.weight.detach().clone() for t, e in tables[section].items()}
+    out["optimizer"] = {
+        "name": optim_config.name,
+        "lr": optim_config.lr,
+        "dense": saved_state(dense_opt, named_dense),
+        **{section: saved_state(emb_opt, named[section]) for section in sections},
     }
-
+    out["meta"] = {"trainer": "reference", "steps": steps + int(initial.get("meta", {}).get("steps", 0))}
+    return out

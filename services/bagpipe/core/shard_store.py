@@ -17,10 +17,12 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Iterable, Mapping
+from typing import Any
 
 import numpy as np
 import torch
 
+from bagpipe.core import checkpoint
 from bagpipe.core.embedding_init import init_rows
 from bagpipe.core.shard_map import ShardMap
 from bagpipe.errors import InvalidArgument
@@ -32,17 +34,24 @@ _INIT_CHUNK = 1 << 18
 DEFAULT_MAX_ABS = 1e6
 
 
-def check_values(keys: np.ndarray, rows: np.ndarray, state: np.ndarray, max_abs: float) -> None:
-    """Rows must be finite and within ``max_abs``; optimizer state (Adagrad sums of squares) finite and >= 0.
+def check_values(
+    keys: np.ndarray, rows: np.ndarray, state: np.ndarray, max_abs: float, non_negative: slice | None = None
+) -> None:
+    """Rows must be finite and within ``max_abs``; optimizer state finite, and >= 0 in the columns
+    ``non_negative`` (default all: Adagrad's sums of squares; Adam's second moment only).
     Raises InvalidArgument naming the first bad key and value."""
+    non_neg = np.zeros(state.shape[1:], dtype=bool)
+    non_neg[non_negative if non_negative is not None else slice(None)] = True
     for name, values, bad, why in (
         ("rows", rows, ~np.isfinite(rows) | (np.abs(rows) > max_abs),
          f"at most {max_abs:g} in absolute value (--max-abs-value)"),
-        ("state", state, ~np.isfinite(state) | (state < 0), "finite and >= 0"),
+        ("state", state, ~np.isfinite(state) | ((state < 0) & non_neg), None),
     ):  # fmt: skip
         if bad.any():
             i, j = np.unravel_index(int(np.argmax(bad)), bad.shape)
             value = float(values[i, j])
+            if why is None:  # (a sum of squares cannot be negative; Adam's first moment can)
+                why = "finite and >= 0" if non_neg[j] else "finite"
             raise InvalidArgument(name, f"key {int(keys[i])}: value {value:.7g} (must be {why})")
 
 
@@ -82,23 +91,31 @@ class ShardStore:
         self._changed = np.zeros(local_rows, dtype=bool)  # written since the last snapshot
         self.migration: Migration | None = None
         self.max_abs = DEFAULT_MAX_ABS  # a written value beyond this is refused (--max-abs-value)
+        self.non_negative: slice | None = None  # state columns that must be >= 0 (None: all)
 
     def load_checkpoint(
-        self, embeddings: Mapping[str, torch.Tensor], state: Mapping[str, torch.Tensor] | None
+        self, ckpt: Mapping[str, Any], state_keys: tuple[str, ...], embedding_dim: int, linear: bool
     ) -> None:
-        """Replaces this shard's rows (and state, if given) with those of an interchange checkpoint."""
+        """Replaces this shard's rows (and state, when the checkpoint has this optimizer's) with those of an
+        interchange checkpoint (core/checkpoint.py); ValueError names the entry that does not fit."""
         local_keys = self.shard_map.local_keys(self.shard)
+        loaded = []
         for t in range(self.offsets.size - 1):
-            table = embeddings.get(str(t))
+            table = checkpoint.table_rows(dict(ckpt), t, embedding_dim, linear)
             rows = int(self.offsets[t + 1] - self.offsets[t])
-            if table is None or tuple(table.shape) != (rows, self.dim):
-                got = None if table is None else tuple(table.shape)
-                raise ValueError(f"embeddings/{t}: expected shape ({rows}, {self.dim}), got {got}")
+            if tuple(table.shape) != (rows, self.dim):
+                raise ValueError(f"embeddings/{t}: expected {rows} rows of width {self.dim}, got {tuple(table.shape)}")
+            saved = checkpoint.table_state(dict(ckpt), t, state_keys, linear) if self.state_width else None
+            if saved is not None and tuple(saved[0].shape) != (rows, self.state_width):
+                raise ValueError(f"optimizer/embeddings/{t}: expected state [{rows}, {self.state_width}], "
+                                 f"got {tuple(saved[0].shape)}")  # fmt: skip
+            loaded.append((t, table, saved))
+        for t, table, saved in loaded:  # (all checked first: a bad checkpoint changes nothing)
             mine = np.flatnonzero((local_keys >= self.offsets[t]) & (local_keys < self.offsets[t + 1]))
             index = torch.from_numpy(local_keys[mine] - self.offsets[t])
             self.weights[mine] = table.index_select(0, index).numpy()
-            if self.state_width and state is not None and str(t) in state:
-                self.state[mine] = state[str(t)]["sum"].index_select(0, index).numpy()
+            if saved is not None:
+                self.state[mine] = saved[0].index_select(0, index).numpy()
 
     def local_index(self, keys: np.ndarray, field: str = "keys") -> np.ndarray:
         """Local rows of ``keys``; InvalidArgument if any key is out of range or not on this shard."""
@@ -127,7 +144,7 @@ class ShardStore:
         index = self.local_index(keys)
         if np.unique(index).size != index.size:
             raise InvalidArgument("keys", "duplicate keys in one write-back")
-        check_values(keys, rows, state, self.max_abs)
+        check_values(keys, rows, state, self.max_abs, self.non_negative)
         self.weights[index] = rows
         if self.state_width:
             self.state[index] = state
@@ -300,7 +317,7 @@ class Migration:
                 raise InvalidArgument(name, f"key {int(k[np.argmax(wrong)])} is not on shard {source}")
         target = self.new_index(keys)
         flags = self.new_index(changed, "changed_keys") if changed is not None else None
-        check_values(keys, rows, state, self.store.max_abs)
+        check_values(keys, rows, state, self.store.max_abs, self.store.non_negative)
         self.weights[target] = rows
         self.state[target] = state
         if flags is not None:

@@ -11,7 +11,6 @@ from bagpipe import serving
 from bagpipe.control.registry import Registry
 from bagpipe.core import checkpoint, snapshots
 from bagpipe.core.data import table_offsets
-from bagpipe.core.optim import OptimizerConfig
 from bagpipe.core.shard_map import ShardMap
 from bagpipe.core.shard_store import ShardStore
 from bagpipe.embedding_server.config import EmbeddingServerConfig, build_parser, parse
@@ -34,11 +33,15 @@ async def serve(cfg: EmbeddingServerConfig, args: argparse.Namespace) -> None:
             f"shard map in Redis has {shard_map.num_keys} keys, this server's tables {int(offsets[-1])}: "
             "other --table-rows than the job's?"
         )
-    width = OptimizerConfig(cfg.optimizer).state_width(cfg.embedding_dim)
-    store = ShardStore(shard_map, cfg.shard, offsets, cfg.embedding_dim, width, cfg.seed)
+    width = cfg.optimizer.state_width(cfg.row_width)
+    store = ShardStore(shard_map, cfg.shard, offsets, cfg.row_width, width, cfg.seed)
+    store.non_negative = cfg.optimizer.non_negative_columns(cfg.row_width)
     if cfg.init_from:
         ckpt = checkpoint.load(cfg.init_from)
-        store.load_checkpoint(ckpt["embeddings"], (ckpt.get("optimizer") or {}).get("embeddings"))
+        try:
+            store.load_checkpoint(ckpt, cfg.optimizer.state_keys, cfg.embedding_dim, cfg.linear)
+        except ValueError as e:
+            raise SystemExit(f"--init-from {cfg.init_from}: {e}") from None
     if cfg.resume_batch:
         assert cfg.checkpoint_dir is not None
         restored = store.restore(snapshots.row_deltas(cfg.checkpoint_dir, cfg.resume_batch))

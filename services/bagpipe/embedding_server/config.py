@@ -12,10 +12,13 @@ from bagpipe.config_args import (
     add_table_args,
     check_resume,
     non_negative_float,
+    optimizer_config_of,
     positive_float,
     positive_int,
     table_rows_of,
 )
+from bagpipe.core.model import LINEAR_MODELS
+from bagpipe.core.optim import OptimizerConfig
 from bagpipe.core.shard_store import DEFAULT_MAX_ABS
 from bagpipe.embedding_server.client import MAX_ROWS_PER_RPC
 
@@ -28,7 +31,7 @@ class EmbeddingServerConfig:
     initial_shards: int
     table_rows: tuple[int, ...]
     embedding_dim: int
-    optimizer: str
+    optimizer: OptimizerConfig
     seed: int
     init_from: str | None
     address: str
@@ -39,6 +42,16 @@ class EmbeddingServerConfig:
     migration_rows_per_second: float = 0.0
     max_rows_per_request: int = MAX_ROWS_PER_RPC
     max_abs_value: float = DEFAULT_MAX_ABS
+    model: str = "dlrm"
+
+    @property
+    def linear(self) -> bool:
+        """Rows carry the model's first-order weight after the embedding."""
+        return self.model in LINEAR_MODELS
+
+    @property
+    def row_width(self) -> int:
+        return self.embedding_dim + int(self.linear)
 
     def __post_init__(self) -> None:
         if self.shard < 0:
@@ -90,14 +103,23 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def parse(argv: list[str] | None = None) -> EmbeddingServerConfig:
-    a = build_parser().parse_args(argv)
+    p = build_parser()
+    a = p.parse_args(argv)
     check_resume(a)
+    try:
+        return _config(a)
+    except ValueError as e:
+        field, _, why = str(e).partition(": ")
+        p.error(f"--{field.replace('_', '-')}: {why}")
+
+
+def _config(a: argparse.Namespace) -> EmbeddingServerConfig:
     return EmbeddingServerConfig(
         shard=a.shard,
         initial_shards=a.initial_shards,
         table_rows=table_rows_of(a),
         embedding_dim=a.embedding_dim,
-        optimizer=a.optimizer,
+        optimizer=optimizer_config_of(a),
         seed=a.seed,
         init_from=a.init_from,
         address=a.address,
@@ -108,4 +130,5 @@ def parse(argv: list[str] | None = None) -> EmbeddingServerConfig:
         migration_rows_per_second=a.migration_rows_per_second,
         max_rows_per_request=a.max_rows_per_request,
         max_abs_value=a.max_abs_value,
+        model=a.model,
     )

@@ -405,7 +405,7 @@ def resumed_args(args: argparse.Namespace) -> argparse.Namespace:
     merged = argparse.Namespace(**{**vars(args), **saved})
     merged.resume = args.resume
     merged.quiet = args.quiet
-    for name in ("table_rows", "bottom_mlp", "top_mlp"):
+    for name in ("table_rows", "bottom_mlp", "top_mlp", "deep_mlp"):
         if isinstance(getattr(merged, name, None), list):
             setattr(merged, name, tuple(getattr(merged, name)))
     checkpoints = Path(merged.checkpoint_dir) if merged.checkpoint_dir else Path(merged.run_dir) / "checkpoints"
@@ -461,8 +461,7 @@ def _start_generation(
                       ["--rank", str(r), "--world-size", str(args.trainers), "--dist-init", dist_init,
                        "--device", args.device, "--transfer-batches", str(args.transfer_batches),
                        "--collective-timeout", repr(max(60.0, 6 * args.failure_timeout)),
-                       "--bottom-mlp", ",".join(map(str, args.bottom_mlp)),
-                       "--top-mlp", ",".join(map(str, args.top_mlp)), *tables, *model, *coord, *extra, *recovery,
+                       *dense_model_args(args), *tables, *model, *coord, *extra, *recovery,
                        "--iteration-log", str(run_dir / "metrics" / f"trainer-{r}.csv"),
                        *system_args(args, job_name),
                        *(["--cache-rows", str(args.cache_rows)] if args.cache_rows else [])])  # fmt: skip
@@ -476,9 +475,22 @@ def _common_args(args: argparse.Namespace, redis_url: str, job_name: str) -> tup
     """The flags every service of a generation shares: coordination, tables, model."""
     coord = ["--redis", redis_url, "--job", job_name, "--log-level", args.log_level]
     tables = ["--data", args.data, "--table-rows", ",".join(map(str, table_rows_of(args)))]
-    model = ["--embedding-dim", str(args.embedding_dim), "--optimizer", args.optimizer, "--lr", repr(args.lr),
-             "--seed", str(args.seed)] + (["--init-from", args.init_from] if args.init_from else [])  # fmt: skip
+    model = ["--model", args.model, "--embedding-dim", str(args.embedding_dim), "--optimizer", args.optimizer,
+             "--lr", repr(args.lr), "--seed", str(args.seed)]  # fmt: skip
+    if getattr(args, "eps", None) is not None:
+        model += ["--eps", repr(args.eps)]
+    model += ["--init-from", args.init_from] if args.init_from else []
     return coord, tables, model
+
+
+def dense_model_args(args: argparse.Namespace) -> list[str]:
+    """The trainers' flags for the dense part of ``--model``."""
+    sizes = {"dlrm": ("bottom_mlp", "top_mlp")}.get(args.model, ("deep_mlp",))
+    out: list[str] = []
+    for name in sizes:
+        if getattr(args, name, None):
+            out += ["--" + name.replace("_", "-"), ",".join(map(str, getattr(args, name)))]
+    return out + (["--cross-layers", str(args.cross_layers)] if args.model == "dcn" else [])
 
 
 def spawn_embedding_server(job: LocalJob, redis_server: RedisServer, job_name: str, shard: int,

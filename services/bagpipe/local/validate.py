@@ -10,7 +10,7 @@ import argparse
 import os
 from pathlib import Path
 
-from bagpipe.config_args import table_rows_of
+from bagpipe.config_args import optimizer_config_of, table_rows_of
 from bagpipe.core.data import SyntheticConfig
 
 
@@ -52,17 +52,28 @@ def validate_run_args(args: argparse.Namespace) -> None:
         raise BadFlag("--lr", f"must be > 0, got {args.lr}")
     if args.device not in ("auto", "cpu", "cuda"):
         raise BadFlag("--device", f"expected auto, cpu or cuda, got {args.device!r}")
-    if not args.bottom_mlp or args.bottom_mlp[-1] != args.embedding_dim:
+    try:
+        optimizer_config_of(args)
+    except ValueError as e:
+        field, _, why = str(e).partition(": ")
+        raise BadFlag("--" + field.replace("_", "-"), why) from None
+    if args.model == "dlrm":
+        if args.bottom_mlp and args.bottom_mlp[-1] != args.embedding_dim:
+            raise BadFlag(
+                "--bottom-mlp",
+                f"its last layer ({args.bottom_mlp[-1]}) must equal --embedding-dim ({args.embedding_dim}): "
+                "DLRM's interaction takes dot products of the two",
+            )
+        if args.top_mlp and args.top_mlp[-1] != 1:
+            raise BadFlag(
+                "--top-mlp", f"its last layer must be 1 (the click logit), got {list(args.top_mlp)}"
+            )
+    elif args.bottom_mlp or args.top_mlp:
+        raise BadFlag("--bottom-mlp/--top-mlp", f"belong to --model dlrm; {args.model} takes --deep-mlp")
+    if args.deep_mlp and args.model == "dlrm":
         raise BadFlag(
-            "--bottom-mlp",
-            f"its last layer ({args.bottom_mlp[-1] if args.bottom_mlp else 'none'}) must equal "
-            "--embedding-dim "
-            f"({args.embedding_dim}): DLRM's interaction takes dot products of the two",
+            "--deep-mlp", "belongs to --model wdl, deepfm or dcn; dlrm takes --bottom-mlp/--top-mlp"
         )
-    if not args.top_mlp or args.top_mlp[-1] != 1:
-        raise BadFlag("--top-mlp", f"its last layer must be 1 (the click logit), got {list(args.top_mlp)}")
-    if any(width < 1 for width in (*args.bottom_mlp, *args.top_mlp)):
-        raise BadFlag("--bottom-mlp/--top-mlp", "every layer needs >= 1 unit")
     if args.data == "synthetic":
         if args.iterations == 0:
             raise BadFlag("--iterations", "synthetic data is endless; give a number of iterations")

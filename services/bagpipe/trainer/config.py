@@ -12,10 +12,12 @@ from bagpipe.config_args import (
     add_recovery_args,
     add_table_args,
     check_resume,
+    model_config_of,
+    optimizer_config_of,
     positive_int,
     table_rows_of,
 )
-from bagpipe.core.model import DLRMConfig
+from bagpipe.core.model import ModelConfig
 from bagpipe.core.optim import OptimizerConfig
 
 
@@ -29,7 +31,7 @@ class TrainerConfig:
     rank: int
     world_size: int
     dist_init: str
-    model: DLRMConfig
+    model: ModelConfig
     optimizer: OptimizerConfig
     table_rows: tuple[int, ...]
     seed: int
@@ -60,9 +62,13 @@ class TrainerConfig:
         if self.collective_timeout <= 0:
             raise ValueError(f"collective_timeout: must be > 0 seconds, got {self.collective_timeout}")
         if self.shared_table and self.checkpoint_dir:
-            raise ValueError("checkpoint_dir: the shared-memory table (benchmark 'ideal' system) is not checkpointed")
+            raise ValueError(
+                "checkpoint_dir: the shared-memory table (benchmark 'ideal' system) is not checkpointed"
+            )
         if len(self.table_rows) != self.model.num_tables:
-            raise ValueError(f"table_rows: {len(self.table_rows)} tables, the model has {self.model.num_tables}")
+            raise ValueError(
+                f"table_rows: {len(self.table_rows)} tables, the model has {self.model.num_tables}"
+            )
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -71,7 +77,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--world-size", type=int, required=True, help="number of trainers")
     p.add_argument("--dist-init", default="tcp://127.0.0.1:29500", help="torch.distributed init method")
     p.add_argument("--device", default="auto", help="auto (CUDA when present), cpu or cuda")
-    p.add_argument("--save-initial", default=None, help="rank 0 writes the initial interchange checkpoint here")
+    p.add_argument(
+        "--save-initial", default=None, help="rank 0 writes the initial interchange checkpoint here"
+    )
     p.add_argument("--save-final", default=None, help="rank 0 writes the final interchange checkpoint here")
     p.add_argument("--iteration-log", default=None, help="write one CSV row per iteration here")
     p.add_argument(
@@ -84,9 +92,14 @@ def build_parser() -> argparse.ArgumentParser:
         help="benchmark 'ideal' system: fetch from and write back to a table in shared memory at PREFIX "
         "(e.g. /dev/shm/bagpipe-job) instead of the embedding servers",
     )  # fmt: skip
-    p.add_argument("--exit-when-done", action="store_true",
-                   help="exit after training instead of serving /metrics until SIGTERM")
-    p.add_argument("--cache-rows", type=positive_int, default=None, help="cache rows (default: grow as planned)")
+    p.add_argument(
+        "--exit-when-done",
+        action="store_true",
+        help="exit after training instead of serving /metrics until SIGTERM",
+    )
+    p.add_argument(
+        "--cache-rows", type=positive_int, default=None, help="cache rows (default: grow as planned)"
+    )
     p.add_argument(
         "--transfer-batches", type=positive_int, default=DEFAULT_TRANSFER_BATCHES,
         help=f"fetch and write back up to this many batches' rows in one call per shard (default "
@@ -105,17 +118,24 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def parse(argv: list[str] | None = None) -> tuple[TrainerConfig, argparse.Namespace]:
-    a = build_parser().parse_args(argv)
+    p = build_parser()
+    a = p.parse_args(argv)
     check_resume(a)
+    try:
+        return _config(a), a
+    except ValueError as e:
+        field, _, why = str(e).partition(": ")
+        p.error(f"--{field.replace('_', '-')}: {why}")
+
+
+def _config(a: argparse.Namespace) -> TrainerConfig:
     table_rows = table_rows_of(a)
-    cfg = TrainerConfig(
+    return TrainerConfig(
         rank=a.rank,
         world_size=a.world_size,
         dist_init=a.dist_init,
-        model=DLRMConfig(
-            num_tables=len(table_rows), embedding_dim=a.embedding_dim, bottom_mlp=a.bottom_mlp, top_mlp=a.top_mlp
-        ),
-        optimizer=OptimizerConfig(a.optimizer, a.lr),
+        model=model_config_of(a, len(table_rows)),
+        optimizer=optimizer_config_of(a),
         table_rows=table_rows,
         seed=a.seed,
         init_from=a.init_from,
@@ -133,4 +153,3 @@ def parse(argv: list[str] | None = None) -> tuple[TrainerConfig, argparse.Namesp
         resume_batch=a.resume_batch,
         collective_timeout=a.collective_timeout,
     )
-    return cfg, a

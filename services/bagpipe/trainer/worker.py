@@ -48,8 +48,8 @@ from bagpipe.control.registry import Registry
 from bagpipe.core import checkpoint, snapshots
 from bagpipe.core.cache import EmbeddingCache
 from bagpipe.core.data import NUM_DENSE, table_offsets
-from bagpipe.core.model import DLRM, batch_loss
-from bagpipe.core.optim import apply_rows, restore_sums, saved_sums
+from bagpipe.core.model import batch_loss, build_model
+from bagpipe.core.optim import apply_rows, restore_state, saved_state, steps_taken
 from bagpipe.core.plans import SyncStep, TrainerPlan
 from bagpipe.embedding_server.client import RESHARD_LOCK, EmbeddingClient, call_with_retry
 from bagpipe.trainer import metrics
@@ -228,16 +228,17 @@ class Trainer:
         self.device = torch.device("cuda", torch.cuda.current_device()) if use_cuda else torch.device("cpu")
         self.registry = Registry(config.redis_url, config.job)
         self.offsets = table_offsets(config.table_rows)
-        self.state_width = config.optimizer.state_width(config.model.embedding_dim)
-        self.model = DLRM(config.model, seed=config.seed).to(self.device)
+        self.width = config.model.row_width  # floats per stored row (embedding, first-order weight)
+        self.state_width = config.optimizer.state_width(self.width)
+        self.model = build_model(config.model, seed=config.seed).to(self.device)
         self.params = list(self.model.parameters())
         self.dense_opt = config.optimizer.dense_optimizer(self.params)
         if config.cache_rows is not None:
             self.cache = EmbeddingCache(
-                config.model.embedding_dim, self.state_width, self.device, capacity=config.cache_rows, fixed=True
+                self.width, self.state_width, self.device, capacity=config.cache_rows, fixed=True
             )
         else:
-            self.cache = EmbeddingCache(config.model.embedding_dim, self.state_width, self.device)
+            self.cache = EmbeddingCache(self.width, self.state_width, self.device)
         self.pipeline = _Pipeline()
         self.prefetch_queue: queue.Queue[PlanArrays | None] = queue.Queue()
         self.sync_queue: queue.Queue[_Background | None] = queue.Queue()
@@ -249,6 +250,7 @@ class Trainer:
         self._write_phase = self._prefetch_phase + k // 2  # ... each one's write-backs fall between its fetches
         self.background_group: Any = None
         self.start_batch = config.resume_batch
+        self.step_base = 0  # optimizer steps before batch 0 (Adam's bias correction counts from there)
         self.pipeline.current = self.start_batch - 1
         metrics.FIRST_BATCH.set(self.start_batch)
         self.synced = self.start_batch - 1  # last batch whose background synchronisation is done
@@ -287,7 +289,7 @@ class Trainer:
                 raise TimeoutError(f"embedding servers {sorted(set(shard_map.owners) - set(servers))} not registered")
             time.sleep(0.05)
         self.client = EmbeddingClient(
-            shard_map, servers, self.config.model.embedding_dim, self.state_width,
+            shard_map, servers, self.width, self.state_width,
             resolver=self.registry.embedding_servers,
         )  # fmt: skip
         oracle_address = self.registry.wait_for_members("oracle_cacher", 1)["0"]
@@ -309,7 +311,7 @@ class Trainer:
     def _use_shared_table(self) -> None:
         """--shared-table: rank 0 copies the servers' rows into shared memory; all trainers use it."""
         assert self.config.shared_table and isinstance(self.client, EmbeddingClient)
-        num_keys, dim = int(self.offsets[-1]), self.config.model.embedding_dim
+        num_keys, dim = int(self.offsets[-1]), self.width
         if self.rank == 0:
             SharedTable(self.config.shared_table, num_keys, dim, self.state_width, create=True).fill_from(self.client)
         if self.config.world_size > 1:
@@ -325,41 +327,52 @@ class Trainer:
             ckpt = checkpoint.load(self.config.init_from)
         else:
             return
-        self.model.load_state_dict({k: v.to(self.device) for k, v in ckpt["dense"].items()})
-        restore_sums(self.dense_opt, dict(self.model.named_parameters()), (ckpt.get("optimizer") or {}).get("dense", {}))
+        try:
+            self.model.load_state_dict({k: v.to(self.device) for k, v in ckpt["dense"].items()})
+        except RuntimeError as e:  # names the missing / unexpected parameters and the shapes that differ
+            source = self.config.init_from if not self.start_batch else f"checkpoint {self.start_batch}"
+            raise SystemExit(f"{source}: not a checkpoint of this --model {self.config.model.name}: {e}") from None
+        restore_state(self.dense_opt, dict(self.model.named_parameters()), (ckpt.get("optimizer") or {}).get("dense", {}))
+        if self.config.optimizer.name == "adam":  # (Adam's dense step count is the global one)
+            self.step_base = steps_taken(self.dense_opt) - self.start_batch
 
-    def export_checkpoint(self, path: str, meta: dict[str, Any]) -> None:
-        """Writes the interchange checkpoint: dense model here, embeddings from the servers."""
+    def _optimizer_step(self, batch: int) -> int:
+        """The global optimizer step that training ``batch`` is (1 for the first batch of a fresh model)."""
+        return self.step_base + batch + 1
+
+    def _optimizer_header(self) -> dict[str, Any]:
+        opt = self.config.optimizer
+        return {"name": opt.name, "lr": opt.lr, "eps": opt.eps, "betas": list(opt.betas)}
+
+    def export_checkpoint(self, path: str, next_batch: int, meta: dict[str, Any]) -> None:
+        """Writes the interchange checkpoint (core/checkpoint.py) after ``next_batch`` batches: dense model
+        here, embeddings from the servers."""
         assert self.client is not None
-        embeddings, emb_state = {}, {}
+        model, opt = self.config.model, self.config.optimizer
+        out: dict[str, Any] = {
+            "dense": {k: v.detach().cpu().clone() for k, v in self.model.state_dict().items()},
+            "optimizer": {
+                **self._optimizer_header(),
+                "dense": saved_state(self.dense_opt, dict(self.model.named_parameters())),
+                "embeddings": {},
+                **({"linear": {}} if model.linear else {}),
+            },
+        }
+        step = self.step_base + next_batch if opt.name == "adam" else None
         for t in range(self.offsets.size - 1):
             keys = np.arange(self.offsets[t], self.offsets[t + 1], dtype=np.int64)
             rows, state = self.client.lookup(keys)
-            embeddings[str(t)] = torch.from_numpy(rows)
-            if self.state_width:
-                emb_state[str(t)] = {"sum": torch.from_numpy(state)}
-        dense_state = saved_sums(self.dense_opt, dict(self.model.named_parameters()))
-        checkpoint.save(
-            path,
-            {
-                "dense": {k: v.detach().cpu().clone() for k, v in self.model.state_dict().items()},
-                "embeddings": embeddings,
-                "optimizer": {
-                    "name": self.config.optimizer.name,
-                    "lr": self.config.optimizer.lr,
-                    "dense": dense_state,
-                    "embeddings": emb_state,
-                },
-                "meta": {
-                    "model": "dlrm",
-                    "table_rows": list(self.config.table_rows),
-                    "embedding_dim": self.config.model.embedding_dim,
-                    "bottom_mlp": list(self.config.model.bottom_mlp),
-                    "top_mlp": list(self.config.model.top_mlp),
-                    **meta,
-                },
-            },
-        )
+            checkpoint.put_table(
+                out, t, torch.from_numpy(rows), torch.from_numpy(state), model.embedding_dim, opt.state_keys,
+                model.linear, step,
+            )  # fmt: skip
+        out["meta"] = {
+            **model.describe(), "table_rows": list(self.config.table_rows), "embedding_dim": model.embedding_dim,
+            "num_dense": model.num_dense, "optimizer_steps": self.step_base + next_batch, **meta,
+        }  # fmt: skip
+        checkpoint.save(path, {"dense": out["dense"], "embeddings": out["embeddings"],
+                               **({"linear": out["linear"]} if model.linear else {}),
+                               "optimizer": out["optimizer"], "meta": out["meta"]})  # fmt: skip
         logger.info("wrote checkpoint %s", path)
 
     # ---- background threads
@@ -499,7 +512,7 @@ class Trainer:
             while (work := self.sync_queue.get()) is not None:
                 if self.config.world_size > 1 and work.step.slots.size:
                     dist.all_reduce(work.grads, group=self.background_group)
-                self._apply(work.step, work.grads)
+                self._apply(work.step, work.grads, work.batch)
                 self._hand_over(work.step, self.background_group)
                 with self.cache.lock.shared():
                     rows, state = self.cache.read(self._index(work.writeback_slots))
@@ -531,11 +544,14 @@ class Trainer:
             out.index_copy_(0, index, grad.index_select(0, torch.from_numpy(local[mine].astype(np.int64)).to(grad.device)))
         return out
 
-    def _apply(self, step: SyncStep, grads: torch.Tensor) -> None:
-        """Applies the all-reduced ``grads`` of ``step.slots``."""
+    def _apply(self, step: SyncStep, grads: torch.Tensor, batch: int) -> None:
+        """Applies the all-reduced ``grads`` of ``step.slots`` (the update of ``batch``)."""
         if step.slots.size:
             with self.cache.lock.shared():
-                apply_rows(self.config.optimizer, self.cache.weights, self.cache.state, self._index(step.slots), grads)
+                apply_rows(
+                    self.config.optimizer, self.cache.weights, self.cache.state, self._index(step.slots), grads,
+                    self._optimizer_step(batch),
+                )  # fmt: skip
 
     def _hand_over(self, step: SyncStep, group: Any) -> None:
         """Copies rows to their new holders: the sender contributes row and state, everyone else zeros,
@@ -615,9 +631,9 @@ class Trainer:
             with self.cache.lock.shared():
                 apply_rows(
                     self.config.optimizer, self.cache.weights, self.cache.state,
-                    slots.index_select(0, private), row_grad.index_select(0, private),
+                    slots.index_select(0, private), row_grad.index_select(0, private), self._optimizer_step(batch),
                 )  # fmt: skip
-        self._apply(share.critical, critical)
+        self._apply(share.critical, critical, batch)
         t = self._timed("optimizer", t)
         self._hand_over(share.critical, None)
         t = self._timed("embedding_sync", t)
@@ -738,9 +754,8 @@ class Trainer:
         snapshots.write_dense(directory, next_batch, {
             "dense": {k: v.detach().cpu().clone() for k, v in self.model.state_dict().items()},
             "optimizer": {
-                "name": self.config.optimizer.name,
-                "lr": self.config.optimizer.lr,
-                "dense": saved_sums(self.dense_opt, dict(self.model.named_parameters())),
+                **self._optimizer_header(),
+                "dense": saved_state(self.dense_opt, dict(self.model.named_parameters())),
             },
             "meta": {"next_batch": next_batch, "trainers": self.config.world_size},
         })  # fmt: skip
@@ -761,7 +776,7 @@ class Trainer:
             self._use_shared_table()
         self._load_initial()
         if self.config.save_initial and self.rank == 0:
-            self.export_checkpoint(self.config.save_initial, {"steps": 0})
+            self.export_checkpoint(self.config.save_initial, 0, {"steps": 0})
         if self.config.world_size > 1:
             dist.barrier()
         self.on_ready()
@@ -789,7 +804,7 @@ class Trainer:
         if self.config.world_size > 1:
             dist.barrier()  # every trainer's write-backs are durable
         if self.config.save_final and self.rank == 0:
-            self.export_checkpoint(self.config.save_final, {"steps": batch + 1})
+            self.export_checkpoint(self.config.save_final, batch + 1, {"steps": batch + 1})
         stats = self.statistics(elapsed)
         self.registry.put_json(f"stats:{self.rank}", stats)
         metrics.FINISHED.set(1)
