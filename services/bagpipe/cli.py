@@ -13,6 +13,7 @@ from bagpipe.config_args import (
     DEFAULT_CHECKPOINT_EVERY,
     DEFAULT_TRANSFER_BATCHES,
     add_cache_args,
+    add_eval_args,
     add_model_args,
     non_negative_float,
     non_negative_int,
@@ -35,6 +36,7 @@ def build_parser() -> argparse.ArgumentParser:
     r = sub.add_parser("run", help="train one job with every service as a local process")
     add_source_args(r)
     add_model_args(r, dense=True)
+    add_eval_args(r)
     g = r.add_argument_group("job")
     g.add_argument("--batch-size", type=int, default=2048, help="global batch size (default 2048)")
     g.add_argument("--iterations", type=int, default=300, help="global batches to train (0: the whole data; default 300)")

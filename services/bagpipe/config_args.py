@@ -124,6 +124,18 @@ def row_width_of(args: argparse.Namespace) -> int:
     return args.embedding_dim + int(args.model in LINEAR_MODELS)
 
 
+def add_eval_args(p: argparse.ArgumentParser) -> None:
+    """Held-out evaluation (trainers and ``bagpipe run``)."""
+    g = p.add_argument_group("evaluation")
+    g.add_argument("--eval-data", default=None, metavar="SOURCE",
+                   help="held-out data for logloss and ROC AUC: a file source like --data's (criteo:PATH, "
+                   "avazu:PATH), or 'synthetic' (unseen samples of the synthetic generator)")  # fmt: skip
+    g.add_argument("--eval-every", type=non_negative_int, default=0,
+                   help="evaluate after every this many batches too (default 0: at the end only)")  # fmt: skip
+    g.add_argument("--eval-samples", type=non_negative_int, default=0,
+                   help="held-out samples to use (default 0: the whole file; 16384 for synthetic)")  # fmt: skip
+
+
 def add_coordination_args(p: argparse.ArgumentParser) -> None:
     security.add_tls_args(p)
     g = p.add_argument_group("coordination")

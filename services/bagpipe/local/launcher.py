@@ -34,6 +34,7 @@ from bagpipe.control.detector import Detector, PrometheusSource, ScrapeSource
 from bagpipe.control.registry import Registry
 from bagpipe.core import snapshots
 from bagpipe.local.prometheus import PrometheusServer
+from bagpipe.local.record import RECORD_KEY, flags_of, read_evals, run_record
 from bagpipe.local.report import write_report
 from bagpipe.local.scaling import Scaler
 from bagpipe.local.validate import validate_run_args
@@ -288,7 +289,8 @@ def _run(args: argparse.Namespace, after_training: AfterTraining | None = None) 
             raise SystemExit(f"--checkpoint-dir: {checkpoints} holds another run's checkpoints; resume it with "
                              f"--resume {run_dir} or choose another directory")  # fmt: skip
         saved = {k: v for k, v in vars(args).items() if isinstance(v, str | int | float | bool | list | tuple | None)}
-        (run_dir / "config.json").write_text(json.dumps({**saved, "run_dir": str(run_dir)}, indent=1))
+        record = {**saved, "run_dir": str(run_dir), RECORD_KEY: run_record()}
+        (run_dir / "config.json").write_text(json.dumps(record, indent=1))
     netns = getattr(args, "embedding_server_netns", None)
     extra_bind = args.netns_addresses.split(",")[0] if netns else None
     redis_server = RedisServer(run_dir, extra_bind=extra_bind)
@@ -368,6 +370,7 @@ def _run(args: argparse.Namespace, after_training: AfterTraining | None = None) 
             raise RuntimeError(f"{stopped_badly.name} exited with {stopped_badly.proc.returncode} while stopping; "
                                f"last lines of {stopped_badly.log}:\n{_tail(stopped_badly.log)}")  # fmt: skip
         summary = summarize(stats, args, run_dir)
+        summary["evaluations"] = read_evals(run_dir / "metrics" / "eval.csv")
         summary["recovery"] = recovery_summary(failures, stats, run_dir, checkpoint_every(args), checkpoints)
         summary["resharding"] = resharding_summary(scaler.records + registry.reshards(), run_dir)
         if failures or stats[0]["first_batch"]:  # the run's batches, not just this generation's
@@ -401,7 +404,7 @@ def resumed_args(args: argparse.Namespace) -> argparse.Namespace:
     config = Path(args.resume) / "config.json"
     if not config.is_file():
         raise SystemExit(f"--resume: {config} not found (not a run directory of `bagpipe run`?)")
-    saved = json.loads(config.read_text())
+    saved = flags_of(json.loads(config.read_text()))
     merged = argparse.Namespace(**{**vars(args), **saved})
     merged.resume = args.resume
     merged.quiet = args.quiet
@@ -446,7 +449,7 @@ def _start_generation(
     job.spawn("oracle-cacher", "bagpipe.oracle_cacher",
               ["--batch-size", str(args.batch_size), "--trainers", str(args.trainers),
                "--data-processors", str(args.data_processors), "--iterations", str(args.iterations),
-               "--checkpoint-every", str(every), "--start-batch", str(start),
+               "--checkpoint-every", str(every), "--start-batch", str(start), *eval_every_args(args),
                *cache_args(args), *tables, *coord])  # fmt: skip
     dist_init = f"tcp://127.0.0.1:{free_port()}"
     trainers = []
@@ -463,7 +466,7 @@ def _start_generation(
                        "--collective-timeout", repr(max(60.0, 6 * args.failure_timeout)),
                        *dense_model_args(args), *tables, *model, *coord, *extra, *recovery,
                        "--iteration-log", str(run_dir / "metrics" / f"trainer-{r}.csv"),
-                       *system_args(args, job_name),
+                       *system_args(args, job_name), *eval_args(args),
                        *(["--cache-rows", str(args.cache_rows)] if args.cache_rows else [])])  # fmt: skip
         )
     if number:
@@ -560,6 +563,18 @@ def cache_args(args: argparse.Namespace) -> list[str]:
     return out
 
 
+def eval_every_args(args: argparse.Namespace) -> list[str]:
+    """The oracle plans a flush (a checkpoint) at every evaluation point."""
+    return ["--eval-every", str(args.eval_every)] if getattr(args, "eval_data", None) and args.eval_every else []
+
+
+def eval_args(args: argparse.Namespace) -> list[str]:
+    """The trainers' held-out evaluation flags."""
+    if not getattr(args, "eval_data", None):
+        return []
+    return ["--eval-data", args.eval_data, "--eval-every", str(args.eval_every), "--eval-samples", str(args.eval_samples)]
+
+
 def system_args(args: argparse.Namespace, job_name: str) -> list[str]:
     """Trainer flags of ``--system``: no-cache fetches synchronously, ideal uses a shared-memory table."""
     system = getattr(args, "system", "bagpipe")
@@ -604,6 +619,7 @@ def _watch(
     bar.n = generation.start_batch
     bar.refresh()
     watched = set(registry.metrics_endpoints())
+    shown_eval = None  # the batch count of the evaluation the bar shows
 
     def spawn(shard: int) -> None:
         spawn_embedding_server(job, redis_server, generation.job_name, shard, resume=None)
@@ -631,8 +647,12 @@ def _watch(
             if all(registry.get_json(f"stats:{r}") is not None for r in range(len(trainers))):
                 break
             progress = registry.progress()
+            evaluated = registry.get_json("eval")
         except redis.RedisError as e:
             raise ComponentFailure("redis", "gone", f"does not answer: {e}") from None
+        if evaluated and evaluated.get("batches") != shown_eval:
+            shown_eval = evaluated.get("batches")
+            bar.set_postfix(auc=f"{evaluated['auc']:.4f}", logloss=f"{evaluated['logloss']:.4f}", refresh=False)
         if all(p.proc.poll() is not None for p in trainers):
             raise RuntimeError("the trainers exited without their statistics; see logs/trainer-*.log")
         if len(progress) == len(trainers):
@@ -861,4 +881,8 @@ def format_summary(s: dict[str, Any]) -> str:
                      f"{r['bytes_moved'] / 2**20:.1f} MiB in {r['seconds']:.1f} s{slowdown}")  # fmt: skip
     if s["first_loss"] is not None:
         lines.append(f"loss                 {s['first_loss']:.4f} first, {s['final_loss']:.4f} last (mean of the last 10)")
+    if s.get("evaluations"):
+        e = s["evaluations"][-1]
+        lines.append(f"held-out             logloss {e['logloss']:.4f}, AUC {e['auc']:.4f} after {e['batches']} batches "
+                     f"({e['samples']:,} samples; {len(s['evaluations'])} evaluation(s))")  # fmt: skip
     return "\n".join(lines)

@@ -1,14 +1,17 @@
 """The run report: plots of a local run from the trainers' per-iteration CSV files.
 
 ``write_report`` makes ``iteration_breakdown.png`` (stacked stage times per trainer), ``loss.png``,
-``cache.png`` (hit rate, rows fetched and synchronised per iteration) and ``report.html``, which shows
-the summary and the three plots and can be opened straight from the run directory.
+``cache.png`` (hit rate, rows fetched and synchronised per iteration), ``eval.png`` (held-out logloss and
+AUC, with ``--eval-data``) and ``report.html``: the run record at the top (model, data, layout, git
+revision, package versions, every flag from config.json), then the plots and the summary. It opens
+straight from the run directory.
 """
 
 from __future__ import annotations
 
 import csv
 import html
+import json
 from pathlib import Path
 from typing import Any
 
@@ -17,6 +20,7 @@ import matplotlib
 matplotlib.use("Agg")
 import matplotlib.pyplot as plt  # noqa: E402
 
+from bagpipe.local.record import RECORD_KEY  # noqa: E402
 from bagpipe.trainer.metrics import STAGES  # noqa: E402
 
 COLOURS = ("#8c8c8c", "#c7c7c7", "#1f77b4", "#aec7e8", "#d62728", "#ff9896", "#2ca02c", "#ffbb78")
@@ -97,18 +101,36 @@ def write_report(run_dir: Path, summary: dict[str, Any]) -> Path:
     fig.savefig(run_dir / "cache.png", dpi=110)
     plt.close(fig)
 
+    evals = summary.get("evaluations") or []
+    if evals:
+        fig, (ax1, ax2) = plt.subplots(1, 2, figsize=(11, 3.2))
+        done = [e["batches"] for e in evals]
+        ax1.plot(done, [e["logloss"] for e in evals], "o-", color="#d62728", lw=1.4)
+        ax1.set_ylabel("logloss")
+        ax2.plot(done, [e["auc"] for e in evals], "o-", color="#2ca02c", lw=1.4)
+        ax2.set_ylabel("ROC AUC")
+        for ax in (ax1, ax2):
+            ax.set_xlabel("batches trained")
+            ax.grid(alpha=0.3)
+        fig.suptitle(f"held-out data ({evals[-1]['samples']:,} samples)", fontsize=10)
+        fig.tight_layout()
+        fig.savefig(run_dir / "eval.png", dpi=110)
+        plt.close(fig)
     rows = "".join(
         f"<tr><th>{html.escape(k)}</th><td>{html.escape(_fmt(v))}</td></tr>"
         for k, v in summary.items()
-        if k != "losses"
+        if k not in ("losses", "evaluations")
     )
+    run_config = _run_config(run_dir)
     page = f"""<!doctype html>
 <html><head><meta charset="utf-8"><title>Bagpipe run {html.escape(run_dir.name)}</title>
 <style>body{{font-family:sans-serif;max-width:1200px;margin:2em auto}}th{{text-align:left;padding-right:1em}}
 td,th{{font-size:13px;vertical-align:top}}img{{max-width:100%;border:1px solid #ddd;margin:.5em 0}}</style></head>
 <body><h1>Bagpipe run {html.escape(run_dir.name)}</h1>
+{run_config}
 <h2>Iteration breakdown</h2><img src="iteration_breakdown.png" alt="iteration breakdown">
 <h2>Loss</h2><img src="loss.png" alt="loss">
+{'<h2>Held-out evaluation</h2><img src="eval.png" alt="held-out logloss and AUC">' + _eval_table(evals) if evals else ""}
 <h2>Cache</h2><img src="cache.png" alt="cache hit rate and rows moved">
 <h2>Summary</h2><table>{rows}</table>
 <p>Per-iteration data: <code>metrics/trainer-&lt;rank&gt;.csv</code>; final scrapes of every service:
@@ -118,6 +140,48 @@ td,th{{font-size:13px;vertical-align:top}}img{{max-width:100%;border:1px solid #
     out = run_dir / "report.html"
     out.write_text(page)
     return out
+
+
+def _eval_table(evals: list[dict[str, Any]]) -> str:
+    head = "<tr><th>batches</th><th>samples</th><th>logloss</th><th>AUC</th><th>seconds</th></tr>"
+    body = "".join(
+        f"<tr><td>{e['batches']}</td><td>{e['samples']:,}</td><td>{e['logloss']:.5f}</td><td>{e['auc']:.5f}</td>"
+        f"<td>{e['seconds']:.2f}</td></tr>"
+        for e in evals
+    )
+    return f"<table>{head}{body}</table>"
+
+
+def _run_config(run_dir: Path) -> str:
+    """The run's record from config.json (what ran, with which code and packages), readable."""
+    path = run_dir / "config.json"
+    if not path.exists():
+        return ""
+    config = json.loads(path.read_text())
+    record = config.pop(RECORD_KEY, {}) or {}
+    model = config.get("model", "dlrm")
+    sizes = (f"bottom {config.get('bottom_mlp') or 'default'}, top {config.get('top_mlp') or 'default'}"
+             if model == "dlrm" else f"deep {config.get('deep_mlp') or 'default'}")  # fmt: skip
+    headline = [
+        ("model", f"{model}, embedding dim {config.get('embedding_dim')}, {sizes}"),
+        ("optimizer", f"{config.get('optimizer')}, lr {config.get('lr')}"),
+        ("data", f"{config.get('data')}, batch {config.get('batch_size')}, {config.get('iterations')} iterations"),
+        ("layout", f"{config.get('trainers')} trainers, {config.get('embedding_servers')} embedding servers, "
+                   f"{config.get('data_processors')} data processors"),
+        ("held-out", config.get("eval_data") or "none"),
+        ("code", f"git {record.get('git_revision') or 'unknown'}" + (" (modified)" if record.get("git_dirty") else "")),
+        ("packages", ", ".join(f"{k} {v}" for k, v in (record.get("packages") or {}).items() if v)),
+        ("machine", f"{record.get('host')}, {record.get('cpus')} CPUs, Python {record.get('python')}, "
+                    f"{record.get('platform')}"),
+        ("started", f"{record.get('started')}: {record.get('command', '')}"),
+    ]  # fmt: skip
+    top = "".join(f"<tr><th>{html.escape(k)}</th><td>{html.escape(str(v))}</td></tr>" for k, v in headline)
+    flags = "".join(
+        f"<tr><th>--{html.escape(k.replace('_', '-'))}</th><td>{html.escape(_fmt(v))}</td></tr>"
+        for k, v in sorted(config.items())
+    )
+    return (f"<h2>Run</h2><table>{top}</table><details><summary>every flag (config.json)</summary>"
+            f"<table>{flags}</table></details>")  # fmt: skip
 
 
 def _fmt(value: Any) -> str:

@@ -100,6 +100,20 @@ def validate_run_args(args: argparse.Namespace) -> None:
         raise BadFlag("--data", f"expected 'synthetic' or 'criteo:PATH[,PATH...]', got {args.data!r}")
     if args.init_from:
         _readable_file("--init-from", args.init_from)
+    eval_data = getattr(args, "eval_data", None)
+    if eval_data:
+        kind, _, paths = eval_data.partition(":")
+        if eval_data != "synthetic":
+            if kind not in ("criteo", "avazu") or not paths:
+                raise BadFlag("--eval-data", f"expected 'synthetic', 'criteo:PATH' or 'avazu:PATH', got {eval_data!r}")
+            if kind != args.data.partition(":")[0]:
+                raise BadFlag("--eval-data", f"{kind}: data is not in the format of --data {args.data.partition(':')[0]}")
+            for path in (p for p in paths.split(",") if p):
+                _readable_file("--eval-data", path)
+        elif args.data != "synthetic":
+            raise BadFlag("--eval-data", "synthetic held-out samples need --data synthetic")
+    elif getattr(args, "eval_every", 0):
+        raise BadFlag("--eval-every", "needs --eval-data")
     lookahead = getattr(args, "lookahead", None)
     if lookahead is not None and lookahead > args.max_lookahead:
         raise BadFlag("--lookahead", f"{lookahead} is over --max-lookahead {args.max_lookahead}")

@@ -37,6 +37,7 @@ class OracleConfig:
     cache_mode: str = "lrpp"
     delayed_sync: bool = True
     checkpoint_every: int = 0
+    eval_every: int = 0
     start_batch: int = 0
 
     @property
@@ -65,14 +66,18 @@ class OracleConfig:
             raise ValueError(f"data_processors: must be >= 1, got {self.data_processors}")
         if self.iterations < 0:
             raise ValueError(f"iterations: must be >= 0 (0: until the data ends), got {self.iterations}")
+        if self.eval_every < 0:
+            raise ValueError(f"eval_every: must be >= 0 (0: at the end only), got {self.eval_every}")
         if self.checkpoint_every < 0:
             raise ValueError(f"checkpoint_every: must be >= 0 (0: never), got {self.checkpoint_every}")
         if self.start_batch < 0 or (self.iterations and self.start_batch >= self.iterations):
             raise ValueError(f"start_batch: must be in [0, {self.iterations or 'the end'}), got {self.start_batch}")
 
     def checkpoint_after(self, batch: int) -> bool:
-        """A consistent checkpoint follows ``batch`` (never the last one: the final model covers it)."""
-        return self.checkpoint_every > 0 and (batch + 1) % self.checkpoint_every == 0
+        """A consistent checkpoint follows ``batch`` (never the last one: the final model covers it): every
+        ``checkpoint_every`` batches, and every ``eval_every`` (an evaluation needs the same flush of the
+        trainers' cached rows to the servers, so it is a checkpoint too)."""
+        return any(every > 0 and (batch + 1) % every == 0 for every in (self.checkpoint_every, self.eval_every))
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -85,6 +90,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--address", default="127.0.0.1:0", help="host:port to listen on (port 0: any)")
     p.add_argument("--checkpoint-every", type=non_negative_int, default=0,
                    help="a consistent checkpoint after every this many batches (default 0: none)")
+    p.add_argument("--eval-every", type=non_negative_int, default=0,
+                   help="the trainers evaluate after every this many batches: plan a checkpoint there too")
     p.add_argument("--start-batch", type=non_negative_int, default=0,
                    help="plan from this batch on (a run resumed from the checkpoint of that name)")
     add_table_args(p)
@@ -110,6 +117,7 @@ def parse(argv: list[str] | None = None) -> tuple[OracleConfig, argparse.Namespa
         redis_url=a.redis,
         job=a.job,
         checkpoint_every=a.checkpoint_every,
+        eval_every=a.eval_every,
         start_batch=a.start_batch,
     )
     return cfg, a

@@ -8,6 +8,7 @@ from dataclasses import dataclass
 from bagpipe.config_args import (
     DEFAULT_TRANSFER_BATCHES,
     add_coordination_args,
+    add_eval_args,
     add_model_args,
     add_recovery_args,
     add_table_args,
@@ -49,6 +50,9 @@ class TrainerConfig:
     checkpoint_dir: str | None = None
     resume_batch: int = 0
     collective_timeout: float = DEFAULT_COLLECTIVE_TIMEOUT_S
+    eval_data: str | None = None
+    eval_every: int = 0
+    eval_samples: int = 0
 
     def __post_init__(self) -> None:
         if self.transfer_batches < 1:
@@ -112,6 +116,7 @@ def build_parser() -> argparse.ArgumentParser:
     )  # fmt: skip
     add_table_args(p)
     add_model_args(p, dense=True)
+    add_eval_args(p)
     add_coordination_args(p)
     add_recovery_args(p)
     return p
@@ -152,4 +157,7 @@ def _config(a: argparse.Namespace) -> TrainerConfig:
         checkpoint_dir=a.checkpoint_dir,
         resume_batch=a.resume_batch,
         collective_timeout=a.collective_timeout,
+        eval_data=a.eval_data,
+        eval_every=a.eval_every,
+        eval_samples=a.eval_samples,
     )

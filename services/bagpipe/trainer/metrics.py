@@ -40,6 +40,13 @@ CHECKPOINT_SECONDS = Histogram(
 CHECKPOINTS = Counter("bagpipe_trainer_checkpoints_total", "Consistent checkpoints this trainer took part in")
 LAST_CHECKPOINT = Gauge("bagpipe_trainer_last_checkpoint_batch", "First batch after the newest checkpoint")
 FIRST_BATCH = Gauge("bagpipe_trainer_first_batch", "The batch this trainer process began at (> 0: resumed)")
+EVAL_LOGLOSS = Gauge("bagpipe_trainer_eval_logloss", "Logloss of the model on the held-out data, last evaluation")
+EVAL_AUC = Gauge("bagpipe_trainer_eval_auc", "ROC AUC of the model on the held-out data, last evaluation")
+EVAL_BATCH = Gauge("bagpipe_trainer_eval_batches", "Batches trained before the last evaluation")
+EVAL_SECONDS = Histogram(
+    "bagpipe_trainer_eval_seconds", "Time training paused for one evaluation",
+    buckets=(0.01, 0.05, 0.1, 0.2, 0.5, 1.0, 2.0, 5.0, 10.0, 30.0, 60.0),
+)  # fmt: skip
 SHARD_MAP_VERSION = Gauge("bagpipe_trainer_shard_map_version", "Shard-map version this trainer's transfers use")
 SHARD_MAP_REFUSALS = Counter(
     "bagpipe_trainer_shard_map_refusals_total",

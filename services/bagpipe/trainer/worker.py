@@ -54,6 +54,7 @@ from bagpipe.core.plans import SyncStep, TrainerPlan
 from bagpipe.embedding_server.client import RESHARD_LOCK, EmbeddingClient, call_with_retry
 from bagpipe.trainer import metrics
 from bagpipe.trainer.config import TrainerConfig
+from bagpipe.trainer.evaluation import HeldOut, append_eval, load_held_out
 from bagpipe.trainer.shared_table import SharedTable
 from bagpipe.v1 import oracle_cacher_pb2 as opb
 from bagpipe.v1 import oracle_cacher_pb2_grpc as opb_grpc
@@ -268,6 +269,7 @@ class Trainer:
         self._refusals_seen = 0
         self.oracle: opb_grpc.OracleCacherStub | None = None
         self.checkpoints: list[dict[str, float]] = []
+        self.held_out: HeldOut | None = None
         self._token = [(security.TRAINER_KEY, secrets.token_hex(16))]  # the oracle binds this rank to this process
 
     # ---- setup
@@ -718,9 +720,7 @@ class Trainer:
         optimizer, and marks the checkpoint complete; the barriers keep every write-back of a later batch
         out of the snapshot. The rows stay cached: training goes on as if nothing happened.
         """
-        directory = self.config.checkpoint_dir
-        if directory is None:
-            raise ValueError(f"plan {plan.batch}: asks for a checkpoint, but this trainer has no --checkpoint-dir")
+        directory = self.config.checkpoint_dir  # (None: a flush for an evaluation only)
         assert self.client is not None and plan.checkpoint_keys is not None and plan.checkpoint_slots is not None
         t0 = time.perf_counter()
         batch = plan.batch
@@ -733,11 +733,16 @@ class Trainer:
         if self.config.world_size > 1:
             dist.barrier()
         written = {"rows": float(plan.checkpoint_keys.size), "bytes": 0.0}
-        if self.rank == 0:
+        if self.rank == 0 and directory is not None:
             written = self._seal_checkpoint(directory, batch + 1)
+        evaluated = 0.0
+        if self.held_out is not None and self.config.eval_every and (batch + 1) % self.config.eval_every == 0:
+            evaluated = self._evaluate(batch + 1)  # (the servers hold every newest row until the barrier)
         if self.config.world_size > 1:
             dist.barrier()
-        seconds = time.perf_counter() - t0
+        if directory is None:
+            return
+        seconds = time.perf_counter() - t0 - evaluated
         self.checkpoints.append({"next_batch": float(batch + 1), "seconds": seconds, **written})
         metrics.CHECKPOINT_SECONDS.observe(seconds)
         metrics.CHECKPOINTS.inc()
@@ -768,9 +773,27 @@ class Trainer:
         logger.info("checkpoint %d complete: %d changed rows, %d bytes", next_batch, rows, size)
         return {"rows": float(rows), "bytes": float(size)}
 
+    def _evaluate(self, trained: int) -> float:
+        """Logloss and AUC on the held-out data after ``trained`` batches; returns the seconds it took."""
+        assert self.held_out is not None and self.client is not None
+        result = self.held_out.evaluate(self.model, self.client, self.device, trained)
+        metrics.EVAL_LOGLOSS.set(result.logloss)
+        metrics.EVAL_AUC.set(result.auc)
+        metrics.EVAL_BATCH.set(trained)
+        metrics.EVAL_SECONDS.observe(result.seconds)
+        if self.rank == 0:
+            self.registry.put_json("eval", result.as_dict())
+            if self.config.iteration_log:
+                append_eval(Path(self.config.iteration_log).parent / "eval.csv", result)
+        return result.seconds
+
     def run(self) -> dict[str, Any]:
         """Trains to the end and returns this trainer's statistics."""
         self._connect()
+        if self.config.eval_data:
+            samples = load_held_out(self.config.eval_data, self.config.table_rows, self.config.seed,
+                                    self.config.eval_samples, 4096)  # fmt: skip
+            self.held_out = HeldOut(samples, self.offsets, self.rank, self.config.world_size)
         self._init_dist()
         if self.config.shared_table:
             self._use_shared_table()
@@ -803,6 +826,8 @@ class Trainer:
         metrics.HEARTBEAT.set(time.time())
         if self.config.world_size > 1:
             dist.barrier()  # every trainer's write-backs are durable
+        if self.held_out is not None and not (self.held_out.results and self.held_out.results[-1].batch == batch + 1):
+            self._evaluate(batch + 1)
         if self.config.save_final and self.rank == 0:
             self.export_checkpoint(self.config.save_final, batch + 1, {"steps": batch + 1})
         stats = self.statistics(elapsed)
@@ -823,6 +848,7 @@ class Trainer:
             "rank": self.rank,
             "first_batch": self.start_batch,
             "checkpoints": self.checkpoints,
+            "evaluations": [r.as_dict() for r in self.held_out.results] if self.held_out is not None else [],
             "iterations": self.counts["iterations"],
             "seconds": elapsed,
             "samples_per_second": self.counts["global_samples"] / elapsed if elapsed > 0 else 0.0,
