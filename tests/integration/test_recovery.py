@@ -46,9 +46,9 @@ def run_with_failure(run_job, tmp_path: Path, name: str, target: str, sig: int, 
 
 CASES = [
     # (target command line, signal, trainers, optimizer, what the detector must blame)
-    ("bagpipe.trainer --rank 1", signal.SIGKILL, 2, "sgd", "trainer-1"),
+    ("bagpipe.trainer --rank 1", signal.SIGKILL, 2, "adam", "trainer-1"),
     ("bagpipe.trainer --rank 2", signal.SIGSTOP, 3, "adagrad", "trainer-2"),
-    ("bagpipe.embedding_server --shard 1", signal.SIGKILL, 3, "sgd", "embedding-server-1"),
+    ("bagpipe.embedding_server --shard 1", signal.SIGKILL, 3, "adam", "embedding-server-1"),
     ("bagpipe.embedding_server --shard 0", signal.SIGSTOP, 2, "adagrad", "embedding-server-0"),
     ("bagpipe.oracle_cacher", signal.SIGKILL, 2, "adagrad", "oracle-cacher"),
     ("bagpipe.data_processor", signal.SIGKILL, 3, "adagrad", "data-processor-0"),
