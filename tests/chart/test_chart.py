@@ -361,6 +361,11 @@ def check_consistency(docs: list[dict[str, Any]]) -> dict[str, Any]:
     assert dp_cfg.index is None, "data processors in a Deployment register under their pod names"
     assert oracle_cfg.batch_size == dp_cfg.batch_size
     assert oracle_cfg.table_rows == trainer_cfg.table_rows == emb_cfg.table_rows == dp_cfg.source.table_rows
+    # servers store what the trainers' model and optimizer read and write: row and state widths agree
+    assert emb_cfg.model == trainer_cfg.model.name and emb_cfg.row_width == trainer_cfg.model.row_width
+    assert emb_cfg.optimizer == trainer_cfg.optimizer
+    # an evaluation point is a flush the oracle plans
+    assert oracle_cfg.eval_every == (trainer_cfg.eval_every if trainer_cfg.eval_data else 0)
     # torch.distributed rendezvous: trainer 0 through the trainers' headless Service
     sts = trainer_load["metadata"]["name"]
     rendezvous = urlparse(trainer_cfg.dist_init)

@@ -100,12 +100,18 @@ app.kubernetes.io/instance: {{ .Release.Name }}
 {{- end -}}
 
 {{- define "bagpipe.modelArgs" -}}
+- --model
+- {{ .Values.training.model | quote }}
 - --embedding-dim
 - {{ .Values.training.embeddingDim | int64 | quote }}
 - --optimizer
 - {{ .Values.training.optimizer | quote }}
 - --lr
 - {{ .Values.training.lr | quote }}
+{{- if .Values.training.eps }}
+- --eps
+- {{ .Values.training.eps | quote }}
+{{- end }}
 - --seed
 - {{ .Values.training.seed | int64 | quote }}
 {{- if .Values.training.initFrom }}
