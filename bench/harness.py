@@ -5,6 +5,7 @@ reports medians and p90s of the per-iteration time (the trainers' own clocks, fr
 logs, warm-up excluded) and their ratios, with Bagpipe's iteration-stage breakdown. Sections:
 
 * ``systems``   ideal / bagpipe / no-cache on loopback (2 trainers, 2 embedding servers);
+* ``models``    the same for each model (DLRM, Wide&Deep, DeepFM, Deep&Cross) at the profile's sizes;
 * ``torchrec``  TorchRec's per-trainer compute on the same data and model (its own venv; skipped,
                 saying how to install it, when absent);
 * ``network``   the same with the embedding servers in a network namespace behind a veth link limited
@@ -58,6 +59,8 @@ PROFILES: dict[str, dict[str, Any]] = {
         "model": ["--embedding-dim", "64", "--bottom-mlp", "128,64", "--top-mlp", "128,1"],
         "batch": 2048, "scale": "0.01", "iterations": 100, "optimizer": ["--optimizer", "adagrad", "--lr", "0.05"],
         "lookaheads": [5, 10, 50, 100, 200, 300], "lookahead_extra": 40,
+        "models": {"dlrm": [], "wdl": ["--deep-mlp", "256,256,256"], "deepfm": ["--deep-mlp", "64,64,64"],
+                   "dcn": ["--deep-mlp", "256,128,64", "--cross-layers", "3"]}, "model_iterations": 60,
         "hot_shares": [0.9, 0.4, 0.01], "zipf_alphas": [1.0, 3.0, 5.0], "skew_iterations": 60,
         "oracle": {"batches": [1024, 4096, 16384], "tables": [8, 13, 26], "lookaheads": [10, 50, 200], "timed": 40},
         "rates": ["10gbit", "1gbit"],
@@ -67,6 +70,9 @@ PROFILES: dict[str, dict[str, Any]] = {
         "model": ["--embedding-dim", "48", "--bottom-mlp", "512,256,64,48", "--top-mlp", "1024,1024,1024,256,128,1"],
         "batch": 16384, "scale": "0.1", "iterations": 300, "optimizer": ["--optimizer", "adagrad", "--lr", "0.05"],
         "lookaheads": [5, 10, 50, 100, 200, 300], "lookahead_extra": 100,
+        # Table 2's dense parts
+        "models": {"dlrm": [], "wdl": ["--deep-mlp", "256,256,256"], "deepfm": ["--deep-mlp", "64,64,64"],
+                   "dcn": ["--deep-mlp", "1024,512,256", "--cross-layers", "3"]}, "model_iterations": 200,
         "hot_shares": [0.9, 0.7, 0.4, 0.1, 0.01], "zipf_alphas": [1.0, 2.0, 3.0, 4.0, 5.0],
         "oracle": {"batches": [1024, 4096, 16384, 65536], "tables": [4, 8, 13, 26], "lookaheads": [10, 50, 100, 200, 300],
                    "timed": 100},
@@ -179,6 +185,16 @@ def section_systems(profile: dict[str, Any], out: Path) -> dict[str, Any]:
     return {"loopback": compare("loopback", profile, out)}
 
 
+def section_models(profile: dict[str, Any], out: Path) -> dict[str, Any]:
+    """Each model with its own dense part (the profile's embedding sizes and optimizer)."""
+    dim = ["--embedding-dim", dict(zip(profile["model"][::2], profile["model"][1::2], strict=True))["--embedding-dim"]]
+    results = {}
+    for model, flags in profile["models"].items():
+        sized = {**profile, "model": profile["model"] if model == "dlrm" else dim, "iterations": profile["model_iterations"]}
+        results[model] = compare(f"model-{model}", sized, out, "--model", model, *flags)
+    return results
+
+
 def section_network(profile: dict[str, Any], out: Path) -> dict[str, Any]:
     results: dict[str, Any] = {}
     for rate in profile["rates"]:
@@ -259,7 +275,7 @@ def section_torchrec(profile: dict[str, Any], out: Path) -> dict[str, Any]:
     return result
 
 
-SECTIONS = {"systems": section_systems, "torchrec": section_torchrec, "network": section_network, "oracle": section_oracle,
+SECTIONS = {"systems": section_systems, "models": section_models, "torchrec": section_torchrec, "network": section_network, "oracle": section_oracle,
             "lookahead": section_lookahead, "skew": section_skew}  # fmt: skip
 
 
@@ -350,6 +366,14 @@ def table(results: dict[str, Any]) -> str:
                     cpu = r["systems"][name].get("cpu_ms", {})
                     lines.append(f"| {regime} | {name} | " + " | ".join(f"{cpu.get(k, 0):.1f}" for k in kinds)
                                  + f" | {sum(cpu.values()):.1f} |")  # fmt: skip
+    if "models" in results:
+        lines += ["", "| model | ideal median ms | bagpipe median ms | no-cache median ms | bagpipe/ideal | no-cache/bagpipe |",
+                  "|---|---|---|---|---|---|"]  # fmt: skip
+        for model, r in results["models"].items():
+            s = r["systems"]
+            lines.append(f"| {model} | {s['ideal']['median_ms']:.1f} | {s['bagpipe']['median_ms']:.1f} | "
+                         f"{s['no-cache']['median_ms']:.1f} | {r['bagpipe_over_ideal']:.2f}x | "
+                         f"{r['no_cache_over_bagpipe']:.2f}x |")  # fmt: skip
     tr = results.get("torchrec", {})
     if tr.get("median_ms"):
         lines += ["", f"TorchRec (FBGEMM table-batched embeddings, fused row-wise Adagrad), one trainer's slice of "
@@ -391,6 +415,9 @@ def main() -> None:
     profile = PROFILES[a.profile]
     started = time.perf_counter()
     results: dict[str, Any] = {}
+    previous = out / f"bench-{a.profile}.json"
+    if previous.exists():  # sections not run this time keep their last figures
+        results = {k: v for k, v in json.loads(previous.read_text()).items() if k in SECTIONS}
     for name in a.only.split(","):
         log(f"section {name}")
         results[name] = SECTIONS[name](profile, out)

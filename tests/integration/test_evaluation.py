@@ -10,10 +10,11 @@ import numpy as np
 import pytest
 import torch
 from bagpipe.core import checkpoint
-from bagpipe.core.data import CriteoConfig, CriteoTSVSource, table_offsets
+from bagpipe.core.data import CriteoConfig, CriteoTSVSource
 from bagpipe.core.model import build_model
 from bagpipe.core.optim import OptimizerConfig
 from bagpipe.core.reference import train_reference
+
 from tests.integration.test_equivalence import MODEL
 
 ROWS = [5, 7, 50, 40, 3, 4, 30, 6, 3, 20, 9, 45, 8, 4, 11, 35, 4, 6, 5, 4, 33, 4, 4, 12, 4, 9]
@@ -23,20 +24,26 @@ def criteo_tsv(path: Path, samples: int, salt: int) -> None:
     lines = []
     for i in range(samples):
         ints = ["" if (i + salt) % 7 == 0 else str((i * 13 + k * salt) % 50) for k in range(13)]
-        cats = [format((i * 2654435761 + k * 97 + salt) % (1 << 32) % (3 + (i % 5) * 40), "x") for k in range(26)]
+        cats = [
+            format((i * 2654435761 + k * 97 + salt) % (1 << 32) % (3 + (i % 5) * 40), "x") for k in range(26)
+        ]
         lines.append("\t".join([str((i * 7 + salt) % 3 % 2), *ints, *cats]))
     path.write_text("\n".join(lines) + "\n")
 
 
 def direct_metrics(model_ckpt: dict, held_out: Path) -> tuple[float, float]:
     """Logloss (torch's BCE) and AUC (the pairwise definition) of a checkpoint on every held-out sample."""
-    samples = [s for _, s in CriteoTSVSource(CriteoConfig(paths=(str(held_out),), table_rows=tuple(ROWS))).batches(1)]
+    samples = [
+        s for _, s in CriteoTSVSource(CriteoConfig(paths=(str(held_out),), table_rows=tuple(ROWS))).batches(1)
+    ]
     dense = torch.from_numpy(np.concatenate([s.dense for s in samples]))
     sparse = np.concatenate([s.sparse for s in samples])
     labels = np.concatenate([s.labels for s in samples])
     model = build_model(MODEL)
     model.load_state_dict(model_ckpt["dense"])
-    rows = torch.stack([model_ckpt["embeddings"][str(t)][torch.from_numpy(sparse[:, t])] for t in range(26)], dim=1)
+    rows = torch.stack(
+        [model_ckpt["embeddings"][str(t)][torch.from_numpy(sparse[:, t])] for t in range(26)], dim=1
+    )
     with torch.no_grad():
         logits = model(dense, rows).double()
     loss = torch.nn.functional.binary_cross_entropy_with_logits(logits, torch.from_numpy(labels).double())
@@ -58,7 +65,10 @@ def test_held_out_logloss_and_auc_equal_a_direct_computation(run_job, tmp_path: 
     assert [e["batches"] for e in evals] == [4, 8, 10] and all(e["samples"] == 157 for e in evals)
     # mid-training: rows cached by one trainer only (LRPP) must be part of the model evaluated
     assert summary["rows_private_per_iteration"] > 0
-    batches = [s for _, s in CriteoTSVSource(CriteoConfig(paths=(str(train),), table_rows=tuple(ROWS))).batches(batch)]
+    batches = [
+        s
+        for _, s in CriteoTSVSource(CriteoConfig(paths=(str(train),), table_rows=tuple(ROWS))).batches(batch)
+    ]
     initial = checkpoint.load(paths["initial"])
     for e in evals:
         at = train_reference(initial, batches[: e["batches"]], MODEL, OptimizerConfig("adagrad", 0.1))
@@ -67,7 +77,9 @@ def test_held_out_logloss_and_auc_equal_a_direct_computation(run_job, tmp_path: 
         assert e["auc"] == pytest.approx(auc, abs=1e-9), e
     assert evals[-1]["auc"] != evals[0]["auc"], "the model changed between evaluations"
     # the final one is the final model's
-    assert (evals[-1]["logloss"], evals[-1]["auc"]) == pytest.approx(direct_metrics(checkpoint.load(paths["final"]), held_out))
+    assert (evals[-1]["logloss"], evals[-1]["auc"]) == pytest.approx(
+        direct_metrics(checkpoint.load(paths["final"]), held_out)
+    )
     run_dir = Path(summary["run_dir"])
     assert (run_dir / "eval.png").exists() and "Held-out evaluation" in (run_dir / "report.html").read_text()
     scrape = (run_dir / "metrics" / "trainer-0.prom").read_text()

@@ -23,6 +23,7 @@ from bagpipe.core import checkpoint
 from bagpipe.core.model import ModelConfig
 from bagpipe.core.optim import OptimizerConfig
 from bagpipe.core.reference import train_reference
+
 from tests.integration.test_equivalence import TOLERANCE, synthetic_batches
 
 SIZES = {

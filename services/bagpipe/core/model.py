@@ -32,6 +32,7 @@ N(0, 1/fan_out)); cross weights N(0, 2/(size+1)) and cross biases 0; all from ``
 from __future__ import annotations
 
 import logging
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
@@ -167,6 +168,9 @@ class _Model(nn.Module):
 class DLRM(_Model):
     """Bottom MLP, dot interaction (strict lower triangle), top MLP; returns logits."""
 
+    _tril_rows: torch.Tensor
+    _tril_cols: torch.Tensor
+
     def __init__(self, config: ModelConfig, seed: int = 0) -> None:
         super().__init__(config)
         self.bottom_mlp = _mlp(config.num_dense, config.bottom_mlp)
@@ -258,7 +262,9 @@ class DeepCross(_Model):
 
 def build_model(config: ModelConfig, seed: int = 0) -> nn.Module:
     """The model ``config.name`` names, initialised from ``seed``."""
-    kinds: dict[str, type[_Model]] = {"dlrm": DLRM, "wdl": WideAndDeep, "deepfm": DeepFM, "dcn": DeepCross}
+    kinds: dict[str, Callable[[ModelConfig, int], nn.Module]] = {
+        "dlrm": DLRM, "wdl": WideAndDeep, "deepfm": DeepFM, "dcn": DeepCross,
+    }  # fmt: skip
     return kinds[config.name](config, seed)
 
 

@@ -73,17 +73,22 @@ class OptimizerConfig:
         first = next((i for i, k in enumerate(keys) if k in NON_NEGATIVE), len(keys))
         return slice(first * width, len(keys) * width)
 
+    @property
+    def epsilon(self) -> float:
+        """``eps`` resolved to the optimizer's default."""
+        return DEFAULT_EPS[self.name] if self.eps is None else self.eps
+
     def dense_optimizer(self, params: list[torch.nn.Parameter]) -> torch.optim.Optimizer:
         if self.name == "adagrad":
-            return torch.optim.Adagrad(params, lr=self.lr, eps=self.eps, initial_accumulator_value=0.0)
+            return torch.optim.Adagrad(params, lr=self.lr, eps=self.epsilon, initial_accumulator_value=0.0)
         if self.name == "adam":
-            return torch.optim.Adam(params, lr=self.lr, betas=self.betas, eps=self.eps)
+            return torch.optim.Adam(params, lr=self.lr, betas=self.betas, eps=self.epsilon)
         return torch.optim.SGD(params, lr=self.lr)
 
     def sparse_optimizer(self, params: list[torch.nn.Parameter]) -> torch.optim.Optimizer:
         """The stock optimizer for sparse-gradient tables (the synchronous reference's embeddings)."""
         if self.name == "adam":
-            return torch.optim.SparseAdam(params, lr=self.lr, betas=self.betas, eps=self.eps)
+            return torch.optim.SparseAdam(params, lr=self.lr, betas=self.betas, eps=self.epsilon)
         return self.dense_optimizer(params)
 
 
@@ -103,11 +108,10 @@ def apply_rows(
     if config.name == "sgd":
         weights.index_add_(0, index, grad, alpha=-config.lr)
         return
-    assert config.eps is not None
     if config.name == "adagrad":
         total = state.index_select(0, index).addcmul_(grad, grad)
         state.index_copy_(0, index, total)
-        weights.index_add_(0, index, grad / total.sqrt().add_(config.eps), alpha=-config.lr)
+        weights.index_add_(0, index, grad / total.sqrt().add_(config.epsilon), alpha=-config.lr)
         return
     # SparseAdam: m += (1-b1)(g-m); v += (1-b2)(g^2-v); w -= lr*sqrt(1-b2^t)/(1-b1^t) * m/(sqrt(v)+eps)
     beta1, beta2 = config.betas
@@ -118,7 +122,7 @@ def apply_rows(
     v.add_(grad.pow(2).sub_(v).mul_(1 - beta2))
     state.index_copy_(0, index, old)
     step_size = config.lr * math.sqrt(1 - beta2**step) / (1 - beta1**step)
-    weights.index_add_(0, index, m / v.sqrt().add_(config.eps), alpha=-step_size)
+    weights.index_add_(0, index, m / v.sqrt().add_(config.epsilon), alpha=-step_size)
 
 
 def saved_state(

@@ -32,7 +32,7 @@ def _git(*argv: str) -> str | None:
 
 def run_record() -> dict[str, Any]:
     """Where and with what code this run ran."""
-    versions = {}
+    versions: dict[str, str | None] = {}
     for name in PACKAGES:
         try:
             versions[name] = importlib.metadata.version(name)

@@ -72,10 +72,8 @@ def load_held_out(data: str, table_rows: tuple[int, ...], seed: int, limit: int,
             parts.append(source.batch(number, min(batch_size, want - sum(len(p) for p in parts))))  # type: ignore[union-attr]
             number += 1
     else:
-        count = 0
-        for _, sample in source.batches(1):  # type: ignore[union-attr]
+        for count, (_, sample) in enumerate(source.batches(1), start=1):  # type: ignore[union-attr]
             parts.append(sample)
-            count += 1
             if limit and count >= limit:
                 break
     if not parts:
@@ -109,7 +107,9 @@ class HeldOut:
                 keys = self.keys[lo : lo + SCORE_CHUNK]
                 unique, inverse = np.unique(keys, return_inverse=True)
                 rows, _ = client.lookup(unique)
-                rows_t = torch.from_numpy(rows).to(device)[torch.from_numpy(inverse.reshape(keys.shape)).to(device)]
+                rows_t = torch.from_numpy(rows).to(device)[
+                    torch.from_numpy(inverse.reshape(keys.shape)).to(device)
+                ]
                 dense = torch.from_numpy(self.dense[lo : lo + SCORE_CHUNK]).to(device)
                 logits[lo : lo + keys.shape[0]] = model(dense, rows_t).float().cpu().numpy()
         if self.world_size > 1:

@@ -344,7 +344,7 @@ class Trainer:
 
     def _optimizer_header(self) -> dict[str, Any]:
         opt = self.config.optimizer
-        return {"name": opt.name, "lr": opt.lr, "eps": opt.eps, "betas": list(opt.betas)}
+        return {"name": opt.name, "lr": opt.lr, "eps": opt.epsilon, "betas": list(opt.betas)}
 
     def export_checkpoint(self, path: str, next_batch: int, meta: dict[str, Any]) -> None:
         """Writes the interchange checkpoint (core/checkpoint.py) after ``next_batch`` batches: dense model

@@ -1,0 +1,155 @@
+"""The models and row-wise optimizers against stock PyTorch, in one process (no services).
+
+Training with Bagpipe's row layout (a field's vector and first-order weight as one row, its optimizer
+state beside it) and ``core.optim.apply_rows`` must equal ``core.reference`` (stock ``nn.Embedding``
+tables, ``torch.optim`` dense optimizers, ``SparseAdam``), and the interchange checkpoint must round-trip
+the row layout.
+"""
+
+from __future__ import annotations
+
+from types import SimpleNamespace
+
+import numpy as np
+import pytest
+import torch
+from bagpipe.core import checkpoint
+from bagpipe.core.model import MODELS, ModelConfig, batch_loss, build_model
+from bagpipe.core.optim import OPTIMIZERS, OptimizerConfig, apply_rows, saved_state
+from bagpipe.core.reference import train_reference
+
+TABLES, ROWS, BATCH, DIM = 3, 20, 16, 4
+
+
+def config(name: str) -> ModelConfig:
+    if name == "dlrm":
+        return ModelConfig(num_tables=TABLES, embedding_dim=DIM, bottom_mlp=(8, DIM), top_mlp=(8, 1))
+    return ModelConfig(num_tables=TABLES, embedding_dim=DIM, name=name, deep_mlp=(8,), cross_layers=2)
+
+
+def batches(n: int, seed: int = 0) -> list[SimpleNamespace]:
+    rng = np.random.default_rng(seed)
+    return [
+        SimpleNamespace(
+            dense=rng.random((BATCH, 13), dtype=np.float32),
+            sparse=rng.integers(0, ROWS, (BATCH, TABLES)),
+            labels=(rng.random(BATCH) < 0.5).astype(np.float32),
+        )
+        for _ in range(n)
+    ]
+
+
+@pytest.mark.parametrize("optimizer", OPTIMIZERS)
+@pytest.mark.parametrize("name", MODELS)
+def test_row_layout_and_row_optimizer_equal_stock_pytorch(name: str, optimizer: str) -> None:
+    model_config, optim = config(name), OptimizerConfig(optimizer, 0.05)
+    model = build_model(model_config, seed=1)
+    width = model_config.row_width
+    assert width == DIM + (name in ("wdl", "deepfm"))
+    table = torch.randn(TABLES * ROWS, width, generator=torch.Generator().manual_seed(2)) * 0.1
+    initial: dict = {"dense": {k: v.clone() for k, v in model.state_dict().items()}}
+    for t in range(TABLES):
+        checkpoint.put_table(
+            initial, t, table[t * ROWS : (t + 1) * ROWS], torch.zeros(ROWS, 0), DIM, (), model_config.linear
+        )
+    data = batches(4)
+    expected = train_reference(initial, data, model_config, optim)
+
+    dense_opt = optim.dense_optimizer(list(model.parameters()))
+    weights, state = table.clone(), torch.zeros(TABLES * ROWS, optim.state_width(width))
+    for step, b in enumerate(data, start=1):
+        keys = torch.from_numpy(b.sparse + np.arange(TABLES) * ROWS)
+        unique, inverse = torch.unique(keys, return_inverse=True)
+        rows = weights[unique].clone().requires_grad_()
+        loss = batch_loss(model(torch.from_numpy(b.dense), rows[inverse]), torch.from_numpy(b.labels), BATCH)
+        dense_opt.zero_grad()
+        loss.backward()
+        dense_opt.step()
+        apply_rows(optim, weights, state, unique, rows.grad, step)
+    got: dict = {
+        "dense": model.state_dict(),
+        "optimizer": {"dense": saved_state(dense_opt, dict(model.named_parameters()))},
+    }
+    step_count = len(data) if optimizer == "adam" else None
+    for t in range(TABLES):
+        part = slice(t * ROWS, (t + 1) * ROWS)
+        checkpoint.put_table(
+            got, t, weights[part], state[part], DIM, optim.state_keys, model_config.linear, step_count
+        )
+    diffs = checkpoint.max_abs_difference(got, expected)
+    assert max(diffs.values()) < 1e-6, {k: v for k, v in diffs.items() if v >= 1e-6}
+    if model_config.linear:
+        assert "linear" in expected and all(v.shape == (ROWS, 1) for v in expected["linear"].values())
+    # and the checkpoint's sections join back into the stored rows and state
+    for t in range(TABLES):
+        part = slice(t * ROWS, (t + 1) * ROWS)
+        assert torch.equal(checkpoint.table_rows(got, t, DIM, model_config.linear), weights[part])
+        saved = checkpoint.table_state(got, t, optim.state_keys, model_config.linear)
+        if optim.state_keys:
+            assert saved is not None and torch.equal(saved[0], state[part])
+            assert saved[1] == (len(data) if optimizer == "adam" else 0)
+        else:
+            assert saved is None
+
+
+def test_adam_state_layout_and_which_columns_must_be_non_negative() -> None:
+    adam = OptimizerConfig("adam", 1e-3)
+    assert adam.state_keys == ("exp_avg", "exp_avg_sq") and adam.state_width(5) == 10
+    assert adam.non_negative_columns(5) == slice(5, 10)  # the second moment, not the first
+    assert OptimizerConfig("adagrad").non_negative_columns(4) == slice(0, 4)
+    assert adam.epsilon == 1e-8 and OptimizerConfig("adagrad").epsilon == 1e-10
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "message"),
+    [
+        ({"name": "sgd", "momentum": 0.9}, "momentum: 0.9 is not supported"),
+        ({"name": "adam", "weight_decay": 0.01}, "weight_decay: 0.01 is not supported"),
+        ({"name": "rmsprop"}, "optimizer: must be one of sgd, adagrad, adam"),
+        ({"name": "adam", "lr": float("nan")}, "lr: must be a finite number > 0"),
+    ],
+)
+def test_optimizers_that_cannot_stay_exact_are_refused(kwargs: dict, message: str) -> None:
+    with pytest.raises(ValueError, match=message):
+        OptimizerConfig(**kwargs)
+
+
+def test_model_configs_are_checked() -> None:
+    with pytest.raises(ValueError, match="model: must be one of dlrm, wdl, deepfm, dcn"):
+        ModelConfig(name="fm")
+    with pytest.raises(ValueError, match=r"bottom_mlp: the last size \(16\) must equal embedding_dim \(8\)"):
+        ModelConfig(embedding_dim=8)
+    assert ModelConfig(name="wdl").deep_mlp == (256, 256, 256)
+    with pytest.raises(ValueError, match="cross_layers: must be >= 1"):
+        ModelConfig(name="dcn", cross_layers=0)
+
+
+def test_a_checkpoint_of_another_model_is_named_when_it_does_not_fit() -> None:
+    ckpt = {"embeddings": {"0": torch.zeros(5, DIM)}}
+    with pytest.raises(ValueError, match=r"linear/0: expected a \[5, 1\] tensor"):
+        checkpoint.table_rows(ckpt, 0, DIM, linear=True)
+    with pytest.raises(ValueError, match=r"embeddings/0: expected a \[rows, 6\] tensor, got \(5, 4\)"):
+        checkpoint.table_rows(ckpt, 0, 6, linear=False)
+
+
+def test_a_server_takes_a_negative_first_moment_but_refuses_a_negative_second_one() -> None:
+    from bagpipe.core.data import table_offsets
+    from bagpipe.core.shard_map import ShardMap
+    from bagpipe.core.shard_store import ShardStore
+    from bagpipe.errors import InvalidArgument
+
+    adam = OptimizerConfig("adam", 1e-3)
+    store = ShardStore(
+        ShardMap.create(40, 1, num_buckets=8), 0, table_offsets([20, 20]), DIM, adam.state_width(DIM), 1
+    )
+    store.non_negative = adam.non_negative_columns(DIM)
+    keys, rows = np.array([3, 25]), np.zeros((2, DIM), dtype=np.float32)
+    state = np.zeros((2, 2 * DIM), dtype=np.float32)
+    state[:, :DIM] = -0.5  # exp_avg may be negative
+    store.write(keys, rows, state)
+    assert np.array_equal(store.lookup(keys)[1], state)
+    bad = state.copy()
+    bad[1, DIM + 2] = -1e-3
+    with pytest.raises(InvalidArgument, match=r"state: key 25: value -0.001 \(must be finite and >= 0\)"):
+        store.write(keys, rows + 1, bad)
+    assert np.array_equal(store.lookup(keys)[0], rows), "a refused write changes nothing"
