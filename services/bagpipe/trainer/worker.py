@@ -351,15 +351,21 @@ class Trainer:
         here, embeddings from the servers."""
         assert self.client is not None
         model, opt = self.config.model, self.config.optimizer
-        out: dict[str, Any] = {
+        out: dict[str, Any] = {  # (the sections in the contract's order; put_table fills the tables)
             "dense": {k: v.detach().cpu().clone() for k, v in self.model.state_dict().items()},
+            "embeddings": {},
+            **({"linear": {}} if model.linear else {}),
             "optimizer": {
                 **self._optimizer_header(),
                 "dense": saved_state(self.dense_opt, dict(self.model.named_parameters())),
                 "embeddings": {},
                 **({"linear": {}} if model.linear else {}),
             },
-        }
+            "meta": {
+                **model.describe(), "table_rows": list(self.config.table_rows), "embedding_dim": model.embedding_dim,
+                "num_dense": model.num_dense, "optimizer_steps": self.step_base + next_batch, **meta,
+            },
+        }  # fmt: skip
         step = self.step_base + next_batch if opt.name == "adam" else None
         for t in range(self.offsets.size - 1):
             keys = np.arange(self.offsets[t], self.offsets[t + 1], dtype=np.int64)
@@ -368,13 +374,7 @@ class Trainer:
                 out, t, torch.from_numpy(rows), torch.from_numpy(state), model.embedding_dim, opt.state_keys,
                 model.linear, step,
             )  # fmt: skip
-        out["meta"] = {
-            **model.describe(), "table_rows": list(self.config.table_rows), "embedding_dim": model.embedding_dim,
-            "num_dense": model.num_dense, "optimizer_steps": self.step_base + next_batch, **meta,
-        }  # fmt: skip
-        checkpoint.save(path, {"dense": out["dense"], "embeddings": out["embeddings"],
-                               **({"linear": out["linear"]} if model.linear else {}),
-                               "optimizer": out["optimizer"], "meta": out["meta"]})  # fmt: skip
+        checkpoint.save(path, out)
         logger.info("wrote checkpoint %s", path)
 
     # ---- background threads
