@@ -50,13 +50,13 @@ class OptimizerConfig:
             raise ValueError(f"betas: each must be in [0, 1), got {self.betas}")
         if self.momentum:
             raise ValueError(
-                f"momentum: {self.momentum} is not supported: momentum on rows a batch does not use cannot be "
-                "applied lazily and stay equal to synchronous training; use --optimizer adam"
+                f"momentum: {self.momentum} is not supported: momentum on rows a batch does not use cannot "
+                "be applied lazily and stay equal to synchronous training; use --optimizer adam"
             )
         if self.weight_decay:
             raise ValueError(
-                f"weight_decay: {self.weight_decay} is not supported: decay of every row at every step cannot "
-                "be applied lazily to the cached rows and stay equal to synchronous training"
+                f"weight_decay: {self.weight_decay} is not supported: decay of every row at every step "
+                "cannot be applied lazily to the cached rows and stay equal to synchronous training"
             )
 
     @property

@@ -104,7 +104,8 @@ class ShardStore:
             table = checkpoint.table_rows(dict(ckpt), t, embedding_dim, linear)
             rows = int(self.offsets[t + 1] - self.offsets[t])
             if tuple(table.shape) != (rows, self.dim):
-                raise ValueError(f"embeddings/{t}: expected {rows} rows of width {self.dim}, got {tuple(table.shape)}")
+                got = tuple(table.shape)
+                raise ValueError(f"embeddings/{t}: expected {rows} rows of width {self.dim}, got {got}")
             saved = checkpoint.table_state(dict(ckpt), t, state_keys, linear) if self.state_width else None
             if saved is not None and tuple(saved[0].shape) != (rows, self.state_width):
                 raise ValueError(f"optimizer/embeddings/{t}: expected state [{rows}, {self.state_width}], "
