@@ -6,7 +6,7 @@ import argparse
 from typing import Any
 
 from bagpipe import security
-from bagpipe.core.data import KAGGLE_TABLE_ROWS, NUM_TABLES, scaled_table_rows
+from bagpipe.core.data import KAGGLE_TABLE_ROWS, scaled_table_rows, source_schema
 from bagpipe.core.model import DEFAULT_CROSS_LAYERS, DEFAULT_DEEP_MLP, LINEAR_MODELS, MODELS, ModelConfig
 from bagpipe.core.optim import OPTIMIZERS, OptimizerConfig
 
@@ -38,14 +38,15 @@ def add_table_args(p: argparse.ArgumentParser) -> None:
     g.add_argument(
         "--data",
         default="synthetic",
-        help="'synthetic' (Criteo-Kaggle-like skewed generator) or 'criteo:PATH[,PATH...]' (TSV files)",
+        help="'synthetic' (Criteo-Kaggle-like skewed generator), 'criteo:PATH[,PATH...]' (Criteo TSV files) "
+        "or 'avazu:PATH[,PATH...]' (Avazu CSV files)",
     )
     g.add_argument(
         "--table-rows",
         type=int_list,
         default=None,
-        help=f"rows of each of the {NUM_TABLES} tables, comma-separated (default: the Kaggle "
-        "cardinalities for criteo:, scaled by --scale for synthetic)",
+        help="rows of each table, comma-separated: 26 for synthetic and criteo:, 22 for avazu: (default: the "
+        "Kaggle cardinalities for criteo:, scaled by --scale for synthetic; Avazu's for avazu:)",
     )
     g.add_argument(
         "--scale",
@@ -56,10 +57,17 @@ def add_table_args(p: argparse.ArgumentParser) -> None:
 
 
 def table_rows_of(args: argparse.Namespace) -> tuple[int, ...]:
+    """The tables' sizes: ``--table-rows``, or the source's default."""
+    _, tables = source_schema(args.data)
     if args.table_rows is not None:
-        if len(args.table_rows) != NUM_TABLES:
-            raise SystemExit(f"--table-rows: expected {NUM_TABLES} values, got {len(args.table_rows)}")
+        if len(args.table_rows) != tables:
+            raise SystemExit(f"--table-rows: expected {tables} values for {args.data.partition(':')[0]} data, "
+                             f"got {len(args.table_rows)}")  # fmt: skip
         return tuple(args.table_rows)
+    if args.data.startswith("avazu:"):
+        from bagpipe.core.files import AVAZU_TABLE_ROWS
+
+        return AVAZU_TABLE_ROWS
     if args.data == "synthetic":
         if not 0 < args.scale <= 1:
             raise SystemExit(f"--scale: must be in (0, 1], got {args.scale}")
@@ -104,7 +112,8 @@ def add_model_args(p: argparse.ArgumentParser, dense: bool = True) -> None:
 def model_config_of(args: argparse.Namespace, num_tables: int) -> ModelConfig:
     """The model the flags describe (ValueError names the field that is wrong)."""
     return ModelConfig(
-        num_tables=num_tables, embedding_dim=args.embedding_dim, name=args.model,
+        num_tables=num_tables, num_dense=source_schema(getattr(args, "data", "synthetic"))[0],
+        embedding_dim=args.embedding_dim, name=args.model,
         bottom_mlp=getattr(args, "bottom_mlp", None) or (64, args.embedding_dim),
         top_mlp=getattr(args, "top_mlp", None) or (64, 1),
         deep_mlp=tuple(getattr(args, "deep_mlp", ()) or ()), cross_layers=getattr(args, "cross_layers", 3),

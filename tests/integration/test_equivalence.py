@@ -11,13 +11,8 @@ from pathlib import Path
 
 import pytest
 from bagpipe.core import checkpoint
-from bagpipe.core.data import (
-    CriteoConfig,
-    CriteoTSVSource,
-    SyntheticConfig,
-    SyntheticSource,
-    scaled_table_rows,
-)
+from bagpipe.core.data import SyntheticConfig, SyntheticSource, scaled_table_rows
+from bagpipe.core.files import CriteoConfig, CriteoTSVSource
 from bagpipe.core.model import ModelConfig
 from bagpipe.core.optim import OptimizerConfig
 from bagpipe.core.reference import train_reference

@@ -10,7 +10,7 @@ import numpy as np
 import pytest
 import torch
 from bagpipe.core import checkpoint
-from bagpipe.core.data import CriteoConfig, CriteoTSVSource
+from bagpipe.core.files import CriteoConfig, CriteoTSVSource
 from bagpipe.core.model import build_model
 from bagpipe.core.optim import OptimizerConfig
 from bagpipe.core.reference import train_reference

@@ -23,7 +23,8 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 from bagpipe import security, serving
 from bagpipe.cli import build_parser
 from bagpipe.control.registry import Registry
-from bagpipe.core.data import CriteoConfig, CriteoTSVSource, table_offsets
+from bagpipe.core.data import table_offsets
+from bagpipe.core.files import CriteoConfig, CriteoTSVSource
 from bagpipe.core.shard_map import ShardMap
 from bagpipe.core.shard_store import ShardStore
 from bagpipe.embedding_server.server import create_server as create_embedding_server

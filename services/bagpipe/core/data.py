@@ -1,6 +1,6 @@
-"""Training samples: a synthetic Criteo-like generator, a Criteo TSV reader, and batch key extraction.
+"""Training samples: a synthetic Criteo-like generator, the schema of each source, and batch key extraction.
 
-Both sources produce :class:`Samples` (log-transformed dense features, per-table row indices, labels)
+Every source (this generator; the Criteo and Avazu files of core/files.py) produces :class:`Samples` (log-transformed dense features, per-table row indices, labels)
 and number global batches the same way: batch ``b`` is samples ``[b*B, (b+1)*B)`` of the stream.
 :class:`SyntheticSource` is stateless, so any batch can be regenerated on its own (a restarted data
 processor needs nothing but the batch number); its accesses are skewed like real click logs and its
@@ -13,7 +13,6 @@ from __future__ import annotations
 
 import logging
 import math
-import re
 import threading
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
@@ -28,7 +27,13 @@ KAGGLE_TABLE_ROWS: tuple[int, ...] = (
     1460, 583, 10131227, 2202608, 305, 24, 12517, 633, 3, 93145, 5683, 8351593, 3194, 27, 14992,
     5461306, 10, 5652, 2173, 4, 7046547, 18, 15, 286181, 105, 142572,
 )  # fmt: skip
-_NUM_FIELDS = 1 + NUM_DENSE + NUM_TABLES
+
+
+def source_schema(data: str) -> tuple[int, int]:
+    """(dense features, tables) of a ``--data`` source: 'synthetic' and 'criteo:' 13 and 26, 'avazu:' 1 and 22."""
+    if data.startswith("avazu:"):
+        return 1, 22
+    return NUM_DENSE, NUM_TABLES
 
 
 def scaled_table_rows(scale: float, base: Sequence[int] = KAGGLE_TABLE_ROWS) -> list[int]:
@@ -69,7 +74,7 @@ class DataFormatError(ValueError):
 
 @dataclass(frozen=True)
 class Samples:
-    """A block of samples: ``dense`` float32 ``[n, 13]`` (already log(1+x)), ``sparse`` int64
+    """A block of samples: ``dense`` float32 ``[n, dense features]`` (already log(1+x)), ``sparse`` int64
     ``[n, tables]`` (row index within each table) and ``labels`` float32 ``[n]`` (0.0 or 1.0)."""
 
     dense: np.ndarray
@@ -80,10 +85,8 @@ class Samples:
         n = self.labels.shape[0] if self.labels.ndim == 1 else -1
         if self.labels.ndim != 1 or self.labels.dtype != np.float32:
             raise ValueError(f"labels: must be float32 [n], got {self.labels.dtype} {self.labels.shape}")
-        if self.dense.shape != (n, NUM_DENSE) or self.dense.dtype != np.float32:
-            raise ValueError(
-                f"dense: must be float32 [{n}, {NUM_DENSE}], got {self.dense.dtype} {self.dense.shape}"
-            )
+        if self.dense.ndim != 2 or self.dense.shape[0] != n or self.dense.dtype != np.float32:
+            raise ValueError(f"dense: must be float32 [{n}, features], got {self.dense.dtype} {self.dense.shape}")
         if self.sparse.ndim != 2 or self.sparse.shape[0] != n or self.sparse.dtype != np.int64:
             raise ValueError(
                 f"sparse: must be int64 [{n}, tables], got {self.sparse.dtype} {self.sparse.shape}"
@@ -251,144 +254,6 @@ class SyntheticSource:
 
 
 # ---------------------------------------------------------------------------------------------------
-# Criteo TSV
-
-
-@dataclass(frozen=True)
-class CriteoConfig:
-    """Criteo click logs: ``paths`` are read in order as one stream; ``table_rows`` are the
-    cardinalities categorical values are hashed into; ``skip_bad_rows`` counts and drops malformed
-    lines instead of raising :class:`DataFormatError`."""
-
-    paths: tuple[str, ...]
-    table_rows: tuple[int, ...]
-    skip_bad_rows: bool = False
-
-    def __post_init__(self) -> None:
-        object.__setattr__(self, "paths", tuple(str(p) for p in self.paths))
-        object.__setattr__(self, "table_rows", tuple(int(rows) for rows in self.table_rows))
-        if not self.paths:
-            raise ValueError("paths: must name at least one file")
-        if len(self.table_rows) != NUM_TABLES:
-            raise ValueError(f"table_rows: must have {NUM_TABLES} values, got {len(self.table_rows)}")
-        if min(self.table_rows) < 1:
-            raise ValueError(f"table_rows: every table needs >= 1 row, got {list(self.table_rows)}")
-
-
-# bounded: a dense value must fit int64 (Criteo's are far smaller), a categorical hash is 8 hex digits
-_INT_DIGITS = 18
-_HEX_DIGITS = 32
-_INT_PATTERN = rb"(?:-?[0-9]{1,%d})?" % _INT_DIGITS
-_HEX_PATTERN = rb"[0-9A-Fa-f]{0,%d}" % _HEX_DIGITS
-_VALID_LINE = re.compile(
-    rb"[01]" + (rb"\t" + _INT_PATTERN) * NUM_DENSE + (rb"\t" + _HEX_PATTERN) * NUM_TABLES
-)
-_VALID_INT = re.compile(_INT_PATTERN)
-_VALID_HEX = re.compile(_HEX_PATTERN)
-
-
-def _diagnose(path: str, number: int, line: bytes) -> DataFormatError:
-    """The first problem of a line that failed :data:`_VALID_LINE`."""
-
-    def error(field: str, value: bytes, reason: str) -> DataFormatError:
-        return DataFormatError(path, number, field, value.decode("utf-8", "replace"), reason)
-
-    fields = line.split(b"\t")
-    if len(fields) != _NUM_FIELDS:
-        return error("fields", line, f"has {len(fields)} tab-separated fields, expected {_NUM_FIELDS}")
-    if fields[0] not in (b"0", b"1"):
-        return error("label", fields[0], "is not 0 or 1")
-    for k in range(1, NUM_DENSE + 1):
-        if not _VALID_INT.fullmatch(fields[k]):
-            if re.fullmatch(rb"-?[0-9]+", fields[k]):
-                return error(f"I{k}", fields[k], f"is out of range (more than {_INT_DIGITS} digits)")
-            return error(f"I{k}", fields[k], "is not an integer")
-    for k in range(1, NUM_TABLES + 1):
-        if not _VALID_HEX.fullmatch(fields[NUM_DENSE + k]):
-            if re.fullmatch(rb"[0-9A-Fa-f]+", fields[NUM_DENSE + k]):
-                return error(f"C{k}", fields[NUM_DENSE + k], f"is too long (more than {_HEX_DIGITS} hex digits)")
-            return error(f"C{k}", fields[NUM_DENSE + k], "is not hexadecimal")
-    return error("line", line, "is malformed")
-
-
-class CriteoTSVSource:
-    """Reads Criteo TSV files (``label \\t I1..I13 \\t C1..C26``) into numbered batches.
-
-    An empty or negative integer feature counts as 0 and comes out as log(1+x); a categorical value is
-    hexadecimal and becomes ``int(value, 16) % table_rows[k]``, an empty one row 0. ``bad_rows`` and
-    ``samples_read`` describe the latest :meth:`batches` pass (valid samples parsed so far, including
-    those passed over to reach ``start``).
-    """
-
-    def __init__(self, config: CriteoConfig) -> None:
-        self.config = config
-        self.bad_rows = 0
-        self.samples_read = 0
-
-    def _lines(self) -> Iterator[bytes]:
-        """Every valid line of the stream, without its line ending; bad ones raise or are counted."""
-        for path in self.config.paths:
-            with open(path, "rb") as f:
-                number = 0
-                for number, raw in enumerate(f, start=1):  # noqa: B007 (read after the loop)
-                    line = raw.rstrip(b"\r\n")
-                    if _VALID_LINE.fullmatch(line):
-                        yield line
-                        continue
-                    error = _diagnose(path, number, line)
-                    if not self.config.skip_bad_rows:
-                        raise error
-                    self.bad_rows += 1
-                    logger.debug("skipping bad row: %s", error)
-                if number == 0:
-                    raise DataFormatError(path, 0, "file", "", "is empty: no samples")
-
-    def batches(self, batch_size: int, start: int = 0) -> Iterator[tuple[int, Samples]]:
-        """Yields ``(number, samples)`` for global batch numbers ``start, start+1, ...``.
-
-        Batch ``b`` holds valid samples ``[b*B, (b+1)*B)`` in file order; a final partial batch is
-        dropped. The first ``start*B`` valid samples are validated and counted but not built.
-        """
-        if batch_size < 1:
-            raise ValueError(f"batch_size: must be >= 1, got {batch_size}")
-        if start < 0:
-            raise ValueError(f"start: must be >= 0, got {start}")
-        self.bad_rows = 0
-        self.samples_read = 0
-        rows = self.config.table_rows
-        skip = start * batch_size
-        number = start
-        labels: list[int] = []
-        dense: list[int] = []
-        sparse: list[int] = []
-        for line in self._lines():
-            self.samples_read += 1
-            if self.samples_read <= skip:
-                continue
-            fields = line.split(b"\t")
-            labels.append(fields[0] == b"1")
-            dense.extend([int(v) if v else 0 for v in fields[1 : NUM_DENSE + 1]])
-            sparse.extend(
-                [int(v, 16) % r if v else 0 for v, r in zip(fields[NUM_DENSE + 1 :], rows, strict=True)]
-            )
-            if len(labels) == batch_size:
-                yield number, self._samples(labels, dense, sparse)
-                number += 1
-                labels, dense, sparse = [], [], []
-        if self.bad_rows:
-            logger.info("skipped %d bad rows out of %d", self.bad_rows, self.bad_rows + self.samples_read)
-
-    @staticmethod
-    def _samples(labels: list[int], dense: list[int], sparse: list[int]) -> Samples:
-        counts = np.maximum(np.array(dense, dtype=np.float64), 0.0).reshape(len(labels), NUM_DENSE)
-        return Samples(
-            dense=np.log1p(counts).astype(np.float32),
-            sparse=np.array(sparse, dtype=np.int64).reshape(len(labels), NUM_TABLES),
-            labels=np.array(labels, dtype=np.float32),
-        )
-
-
-# ---------------------------------------------------------------------------------------------------
 # Batch key extraction
 
 
@@ -406,8 +271,8 @@ class BatchArrays:
 
     def __post_init__(self) -> None:
         b = self.labels.shape[0]
-        if self.dense.shape != (b, NUM_DENSE):
-            raise ValueError(f"dense: must have shape [{b}, {NUM_DENSE}], got {self.dense.shape}")
+        if self.dense.ndim != 2 or self.dense.shape[0] != b:
+            raise ValueError(f"dense: must have shape [{b}, features], got {self.dense.shape}")
         if self.keys.ndim != 1:
             raise ValueError(f"keys: must be 1-D, got shape {self.keys.shape}")
         if self.inverse.ndim != 2 or self.inverse.shape[0] != b:

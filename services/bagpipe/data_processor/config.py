@@ -5,13 +5,21 @@ from __future__ import annotations
 import argparse
 from dataclasses import dataclass
 
-from bagpipe.config_args import add_coordination_args, add_table_args, table_rows_of
-from bagpipe.core.data import CriteoConfig, CriteoTSVSource, SyntheticConfig, SyntheticSource
+from bagpipe.config_args import add_coordination_args, add_table_args, non_negative_int, positive_int, table_rows_of
+from bagpipe.core.data import SyntheticConfig, SyntheticSource
+from bagpipe.core.files import (
+    DEFAULT_SHUFFLE_BUFFER,
+    AvazuConfig,
+    AvazuCSVSource,
+    CriteoConfig,
+    CriteoTSVSource,
+    FileSource,
+)
 
 
 @dataclass(frozen=True)
 class SourceConfig:
-    """Which source to read and how: ``data`` is 'synthetic' or 'criteo:PATH[,PATH...]'."""
+    """Which source to read and how: ``data`` is 'synthetic', 'criteo:PATH[,PATH...]' or 'avazu:PATH[,PATH...]'."""
 
     data: str
     table_rows: tuple[int, ...]
@@ -20,12 +28,17 @@ class SourceConfig:
     hot_fraction: float | None = None
     hot_share: float | None = None
     skip_bad_rows: bool = False
+    shuffle_seed: int | None = None
+    shuffle_buffer: int = DEFAULT_SHUFFLE_BUFFER
 
     def __post_init__(self) -> None:
-        if self.data != "synthetic" and not (self.data.startswith("criteo:") and len(self.data) > 7):
-            raise ValueError(f"data: expected 'synthetic' or 'criteo:PATH', got {self.data!r}")
+        kind, _, paths = self.data.partition(":")
+        if self.data != "synthetic" and not (kind in ("criteo", "avazu") and paths):
+            raise ValueError(f"data: expected 'synthetic', 'criteo:PATH' or 'avazu:PATH', got {self.data!r}")
+        if self.shuffle_seed is not None and self.data == "synthetic":
+            raise ValueError("shuffle_seed: synthetic samples are drawn at random already; it applies to files")
 
-    def open(self) -> SyntheticSource | CriteoTSVSource:
+    def open(self) -> SyntheticSource | FileSource:
         if self.data == "synthetic":
             hot = self.hot_fraction is not None or self.hot_share is not None
             return SyntheticSource(
@@ -37,8 +50,11 @@ class SourceConfig:
                     hot_share=self.hot_share,
                 )
             )
-        paths = tuple(p for p in self.data[len("criteo:") :].split(",") if p)
-        return CriteoTSVSource(CriteoConfig(paths=paths, table_rows=self.table_rows, skip_bad_rows=self.skip_bad_rows))
+        kind, _, listed = self.data.partition(":")
+        paths = tuple(p for p in listed.split(",") if p)
+        config, source = (AvazuConfig, AvazuCSVSource) if kind == "avazu" else (CriteoConfig, CriteoTSVSource)
+        return source(config(paths=paths, table_rows=self.table_rows, skip_bad_rows=self.skip_bad_rows,
+                             shuffle_seed=self.shuffle_seed, shuffle_buffer=self.shuffle_buffer))  # fmt: skip
 
 
 @dataclass(frozen=True)
@@ -63,7 +79,12 @@ def add_source_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--zipf-alpha", type=float, default=1.1, help="synthetic: Zipf exponent of row popularity")
     g.add_argument("--hot-fraction", type=float, default=None, help="synthetic: the top p of rows (0-1) ...")
     g.add_argument("--hot-share", type=float, default=None, help="... get this share (0-1) of the accesses")
-    g.add_argument("--skip-bad-rows", action="store_true", help="criteo: count and skip malformed lines")
+    g.add_argument("--skip-bad-rows", action="store_true", help="files: count and skip malformed lines")
+    g.add_argument("--shuffle-seed", type=non_negative_int, default=None,
+                   help="files: shuffle samples within windows of --shuffle-buffer by this seed (default: file "
+                   "order); the batches do not depend on the number of processors, trainers or servers")  # fmt: skip
+    g.add_argument("--shuffle-buffer", type=positive_int, default=DEFAULT_SHUFFLE_BUFFER,
+                   help=f"samples permuted together (default {DEFAULT_SHUFFLE_BUFFER})")  # fmt: skip
 
 
 def source_of(a: argparse.Namespace) -> SourceConfig:
@@ -75,6 +96,8 @@ def source_of(a: argparse.Namespace) -> SourceConfig:
         hot_fraction=a.hot_fraction,
         hot_share=a.hot_share,
         skip_bad_rows=a.skip_bad_rows,
+        shuffle_seed=a.shuffle_seed,
+        shuffle_buffer=a.shuffle_buffer,
     )
 
 

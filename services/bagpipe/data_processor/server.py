@@ -11,14 +11,8 @@ import grpc
 import numpy as np
 
 from bagpipe import serving
-from bagpipe.core.data import (
-    BatchArrays,
-    CriteoTSVSource,
-    DataFormatError,
-    SyntheticSource,
-    build_batch,
-    table_offsets,
-)
+from bagpipe.core.data import BatchArrays, DataFormatError, SyntheticSource, build_batch, table_offsets
+from bagpipe.core.files import FileSource
 from bagpipe.core.lookahead import MAX_TRAINERS, trainer_users
 from bagpipe.data_processor import metrics
 from bagpipe.data_processor.config import DataProcessorConfig, SourceConfig
@@ -43,25 +37,19 @@ def generate(source: SourceConfig, batch_size: int, start: int, stride: int, end
             metrics.BUILD_SECONDS.observe(time.perf_counter() - t0)
             yield arrays, number == end - 1
         return
-    assert isinstance(src, CriteoTSVSource)
-    # A batch is the last one only if the source has no further full batch: hold ours back by one.
-    pending: BatchArrays | None = None
+    assert isinstance(src, FileSource)
+    # this processor parses only its own batches' lines (core/files.py); last: no full batch follows
     bad_seen = 0
     t0 = time.perf_counter()
-    for number, samples in src.batches(batch_size, start):
+    for number, samples, last in src.numbered(batch_size, start, stride):
         if end > 0 and number >= end:
             break
-        if pending is not None:
-            yield pending, False
-            pending = None
-        if (number - start) % stride == 0:
-            pending = build_batch(number, samples, offsets)
-            metrics.BUILD_SECONDS.observe(time.perf_counter() - t0)
+        arrays = build_batch(number, samples, offsets)
+        metrics.BUILD_SECONDS.observe(time.perf_counter() - t0)
         metrics.BAD_ROWS.inc(src.bad_rows - bad_seen)
         bad_seen = src.bad_rows
+        yield arrays, last or number == end - 1
         t0 = time.perf_counter()
-    if pending is not None:
-        yield pending, True
 
 
 def with_users(

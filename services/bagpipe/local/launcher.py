@@ -442,6 +442,8 @@ def _start_generation(
         skew += ["--hot-share", repr(args.hot_share)]
     if args.skip_bad_rows:
         skew.append("--skip-bad-rows")
+    if getattr(args, "shuffle_seed", None) is not None:
+        skew += ["--shuffle-seed", str(args.shuffle_seed), "--shuffle-buffer", str(args.shuffle_buffer)]
     for i in range(args.data_processors):
         job.spawn(f"data-processor-{i}", "bagpipe.data_processor",
                   ["--index", str(i), "--batch-size", str(args.batch_size), "--seed", str(args.seed),

@@ -90,14 +90,23 @@ def validate_run_args(args: argparse.Namespace) -> None:
         except ValueError as e:
             field, _, why = str(e).partition(": ")
             raise BadFlag("--" + field.replace("_", "-"), why) from None
-    elif args.data.startswith("criteo:"):
-        paths = [p for p in args.data[len("criteo:") :].split(",") if p]
+    elif args.data.partition(":")[0] in ("criteo", "avazu"):
+        kind, _, listed = args.data.partition(":")
+        paths = [p for p in listed.split(",") if p]
         if not paths:
-            raise BadFlag("--data", "criteo: needs at least one path (criteo:PATH[,PATH...])")
+            raise BadFlag("--data", f"{kind}: needs at least one path ({kind}:PATH[,PATH...])")
         for path in paths:
             _readable_file("--data", path)
+        try:
+            table_rows_of(args)
+        except SystemExit as e:
+            raise BadFlag(*str(e).split(": ", 1)) from None
     else:
-        raise BadFlag("--data", f"expected 'synthetic' or 'criteo:PATH[,PATH...]', got {args.data!r}")
+        raise BadFlag(
+            "--data", f"expected 'synthetic', 'criteo:PATH[,PATH...]' or 'avazu:PATH[,PATH...]', got {args.data!r}"
+        )
+    if getattr(args, "shuffle_seed", None) is not None and args.data == "synthetic":
+        raise BadFlag("--shuffle-seed", "synthetic samples are drawn at random already; it applies to files")
     if args.init_from:
         _readable_file("--init-from", args.init_from)
     eval_data = getattr(args, "eval_data", None)

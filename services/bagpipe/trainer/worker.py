@@ -47,7 +47,7 @@ from bagpipe import security, serving
 from bagpipe.control.registry import Registry
 from bagpipe.core import checkpoint, snapshots
 from bagpipe.core.cache import EmbeddingCache
-from bagpipe.core.data import NUM_DENSE, table_offsets
+from bagpipe.core.data import table_offsets
 from bagpipe.core.model import batch_loss, build_model
 from bagpipe.core.optim import apply_rows, restore_state, saved_state, steps_taken
 from bagpipe.core.plans import SyncStep, TrainerPlan
@@ -110,7 +110,7 @@ class PlanArrays:
         return self.share.batch
 
     @classmethod
-    def decode(cls, msg: opb.Plan, num_tables: int) -> PlanArrays:
+    def decode(cls, msg: opb.Plan, num_tables: int, num_dense: int) -> PlanArrays:
         b = msg.batch
         slots = _tensor(msg, "slots", np.int32, b, ndim=1)
         labels = _tensor(msg, "labels", np.float32, b, ndim=1)
@@ -139,7 +139,7 @@ class PlanArrays:
         )
         return cls(
             share=share,
-            dense=_tensor(msg, "dense", np.float32, b, shape=(labels.size, NUM_DENSE)),
+            dense=_tensor(msg, "dense", np.float32, b, shape=(labels.size, num_dense)),
             labels=labels,
             slot_high_water=msg.slot_high_water,
             global_batch_size=msg.global_batch_size,
@@ -386,7 +386,7 @@ class Trainer:
                 request = opb.StreamPlansRequest(rank=self.rank, start=expected)
                 try:
                     for msg in self.oracle.StreamPlans(request, timeout=PLAN_STREAM_WINDOW_S, metadata=self._token):
-                        plan = PlanArrays.decode(msg, self.config.model.num_tables)
+                        plan = PlanArrays.decode(msg, self.config.model.num_tables, self.config.model.num_dense)
                         if plan.batch != expected:
                             raise ValueError(f"plan stream: expected batch {expected}, got {plan.batch}")
                         with self.pipeline.cond:

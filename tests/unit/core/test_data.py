@@ -12,8 +12,6 @@ from bagpipe.core.data import (
     NUM_DENSE,
     NUM_TABLES,
     BatchArrays,
-    CriteoConfig,
-    CriteoTSVSource,
     DataFormatError,
     Samples,
     SyntheticConfig,
@@ -22,6 +20,7 @@ from bagpipe.core.data import (
     scaled_table_rows,
     table_offsets,
 )
+from bagpipe.core.files import CriteoConfig, CriteoTSVSource
 
 SMALL_ROWS = (50, 40, 30, 20, 1000, 7)
 
@@ -356,11 +355,13 @@ def test_criteo_malformed_line_raises_with_location(
     assert str(error).endswith(reason)
 
 
-def test_criteo_malformed_line_before_start_still_raises(tmp_path: Path) -> None:
+def test_criteo_malformed_line_is_reported_by_the_processor_whose_batch_holds_it(tmp_path: Path) -> None:
+    """Processors parse only their own batches' lines (the others' are counted), so the owner reports it."""
     path = _write(tmp_path / "day_0.tsv", [_line("0"), _line("x"), *_numbered(0, 6)])
-    source = CriteoTSVSource(CriteoConfig((path,), ROWS))
     with pytest.raises(DataFormatError, match="day_0.tsv:2: field label"):
-        list(source.batches(2, start=2))
+        list(CriteoTSVSource(CriteoConfig((path,), ROWS)).batches(2, start=0, stride=2))
+    others = list(CriteoTSVSource(CriteoConfig((path,), ROWS)).batches(2, start=1, stride=2))
+    assert [(number, _indices(s)) for number, s in others] == [(1, [0, 1]), (3, [4, 5])]
 
 
 def test_criteo_skip_bad_rows_counts_and_drops_them(tmp_path: Path) -> None:
