@@ -335,7 +335,7 @@ def test_sigterm_stops_a_service_gracefully_with_exit_0(tmp_path: Path) -> None:
         (["--optimizer", "adam", "--weight-decay", "0.01"], "--weight-decay: 0.01 is not supported"),
         (["--data", "criteo:/no/such.tsv"], "--data: /no/such.tsv: no such file"),
         (["--batch-size", "7"], "--batch-size: 7 is not a multiple of --trainers 2"),
-        (["--data", "hdfs:x"], "--data: expected 'synthetic' or 'criteo:PATH[,PATH...]'"),
+        (["--data", "hdfs:x"], "--data: expected 'synthetic', 'criteo:PATH[,PATH...]' or 'avazu:PATH[,PATH...]'"),
     ],
 )
 def test_bad_flags_stop_bagpipe_run_with_one_line(flags: list[str], message: str, tmp_path: Path) -> None:

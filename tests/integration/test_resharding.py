@@ -239,7 +239,7 @@ def test_scaling_up_and_down_mid_training_keeps_the_model_exact(
 ) -> None:
     """S=2 -> 3 -> 1 while training ends with the final checkpoint of a run at a fixed S=2, and that is the
     synchronous model."""
-    iterations, batch = 400, 64
+    iterations, batch = 600, 64  # (both re-shardings must end well before training does)
     _, fixed = run_job("fixed", *_flags(iterations, batch, optimizer))
     job = BackgroundRun(
         run_job, "scaled", *_flags(iterations, batch, optimizer, "--migration-rows-per-second", "10000")

@@ -334,12 +334,14 @@ def _run(args: argparse.Namespace, after_training: AfterTraining | None = None) 
                 cpu_from = _watch(generation, redis_server, detector, bar, failures, scaler, prometheus)
                 break
             except ComponentFailure as failure:
-                record = _record_failure(failure, generation, run_dir, bar)
-                failures.append(record)
                 logger.warning("generation %d: %s", number, failure.detail)
                 print(f"failure: {failure.component} {failure.detail}; "
-                      f"{'giving up' if len(failures) > args.max_restarts else 'recovering'}", file=sys.stderr)  # fmt: skip
+                      f"{'giving up' if len(failures) + 1 > args.max_restarts else 'recovering'}", file=sys.stderr)  # fmt: skip
                 generation.job.kill_all()
+                # (recorded once the generation is stopped: the others may have trained on, and even completed
+                # a checkpoint, between the detection and the kill)
+                record = _record_failure(failure, generation, run_dir, bar)
+                failures.append(record)
                 with contextlib.suppress(redis.RedisError):  # (Redis may be what failed)
                     scaler.records += generation.registry.reshards()
                 scaler.finish_by_recovery()
