@@ -194,39 +194,43 @@ class DLRM(_Model):
         return z.squeeze(1)
 
 
-class WideAndDeep(_Model):
+class _LinearAndDeep(_Model):
+    """A first-order part (a Linear on the dense features, named ``first_order``, plus the categories'
+    first-order weights) beside a deep tower on [dense, embeddings flattened]: W&D and DeepFM."""
+
+    first_order = "wide"
+
+    def __init__(self, config: ModelConfig, seed: int = 0) -> None:
+        super().__init__(config)
+        self.add_module(self.first_order, nn.Linear(config.num_dense, 1))
+        self.deep_mlp = _mlp(config.flat_size, config.deep_mlp)
+        self.deep_out = nn.Linear(config.deep_mlp[-1], 1)
+        self.reset_parameters(seed)
+
+    def _parts(self, dense: torch.Tensor, rows: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """The embeddings [b, tables, dim] and the logit of the first-order part plus the deep tower."""
+        embedded, weights = self._split(rows)
+        assert weights is not None
+        deep = _relu_all(self.deep_mlp, torch.cat([dense, embedded.flatten(1)], dim=1))
+        linear = getattr(self, self.first_order)
+        return embedded, (linear(dense) + self.deep_out(deep)).squeeze(1) + weights.sum(1)
+
+
+class WideAndDeep(_LinearAndDeep):
     """Wide (linear on dense features + first-order weights) plus deep (MLP on dense + embeddings)."""
 
-    def __init__(self, config: ModelConfig, seed: int = 0) -> None:
-        super().__init__(config)
-        self.wide = nn.Linear(config.num_dense, 1)
-        self.deep_mlp = _mlp(config.flat_size, config.deep_mlp)
-        self.deep_out = nn.Linear(config.deep_mlp[-1], 1)
-        self.reset_parameters(seed)
-
     def forward(self, dense: torch.Tensor, rows: torch.Tensor) -> torch.Tensor:
-        embedded, first_order = self._split(rows)
-        assert first_order is not None
-        deep = _relu_all(self.deep_mlp, torch.cat([dense, embedded.flatten(1)], dim=1))
-        return (self.wide(dense) + self.deep_out(deep)).squeeze(1) + first_order.sum(1)
+        return self._parts(dense, rows)[1]
 
 
-class DeepFM(_Model):
+class DeepFM(_LinearAndDeep):
     """First order (linear on dense features + first-order weights), FM second order, deep MLP."""
 
-    def __init__(self, config: ModelConfig, seed: int = 0) -> None:
-        super().__init__(config)
-        self.linear = nn.Linear(config.num_dense, 1)
-        self.deep_mlp = _mlp(config.flat_size, config.deep_mlp)
-        self.deep_out = nn.Linear(config.deep_mlp[-1], 1)
-        self.reset_parameters(seed)
+    first_order = "linear"
 
     def forward(self, dense: torch.Tensor, rows: torch.Tensor) -> torch.Tensor:
-        embedded, first_order = self._split(rows)
-        assert first_order is not None
-        second_order = 0.5 * (embedded.sum(1).pow(2) - embedded.pow(2).sum(1)).sum(1)
-        deep = _relu_all(self.deep_mlp, torch.cat([dense, embedded.flatten(1)], dim=1))
-        return (self.linear(dense) + self.deep_out(deep)).squeeze(1) + first_order.sum(1) + second_order
+        embedded, logit = self._parts(dense, rows)
+        return logit + 0.5 * (embedded.sum(1).pow(2) - embedded.pow(2).sum(1)).sum(1)
 
 
 class CrossLayer(nn.Module):
