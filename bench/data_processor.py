@@ -20,7 +20,14 @@ REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO / "services"))
 
 from bagpipe.core.data import KAGGLE_TABLE_ROWS, build_batch, table_offsets  # noqa: E402
-from bagpipe.core.files import AVAZU_HEADER, AVAZU_TABLE_ROWS, AvazuConfig, AvazuCSVSource, CriteoConfig, CriteoTSVSource  # noqa: E402
+from bagpipe.core.files import (
+    AVAZU_HEADER,
+    AVAZU_TABLE_ROWS,
+    AvazuConfig,
+    AvazuCSVSource,
+    CriteoConfig,
+    CriteoTSVSource,
+)  # noqa: E402
 
 
 def criteo_file(path: Path, lines: int) -> None:
@@ -37,7 +44,9 @@ def avazu_file(path: Path, lines: int) -> None:
     with path.open("w") as f:
         f.write(AVAZU_HEADER.decode() + "\n")
         for i in range(lines):
-            cats = [format(rng.getrandbits(32), "08x") for _ in range(8)] + [str(rng.randint(0, 3000)) for _ in range(11)]
+            cats = [format(rng.getrandbits(32), "08x") for _ in range(8)] + [
+                str(rng.randint(0, 3000)) for _ in range(11)
+            ]
             f.write(",".join([str(10**18 + i), str(rng.randint(0, 1)), f"141021{rng.randint(0, 23):02d}", "1005",
                               *cats[:1], *cats]) + "\n")  # fmt: skip
 
@@ -63,7 +72,11 @@ def main() -> None:
         criteo_file(criteo, a.lines)
         avazu_file(avazu, a.lines)
         for name, make, rows in (
-            ("criteo", lambda: CriteoTSVSource(CriteoConfig((str(criteo),), KAGGLE_TABLE_ROWS)), KAGGLE_TABLE_ROWS),
+            (
+                "criteo",
+                lambda: CriteoTSVSource(CriteoConfig((str(criteo),), KAGGLE_TABLE_ROWS)),
+                KAGGLE_TABLE_ROWS,
+            ),
             ("avazu", lambda: AvazuCSVSource(AvazuConfig((str(avazu),), AVAZU_TABLE_ROWS)), AVAZU_TABLE_ROWS),
         ):
             alone = measure(make, rows, 1)

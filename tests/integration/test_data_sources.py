@@ -10,6 +10,7 @@ from bagpipe.core.files import AVAZU_HEADER, AvazuConfig, AvazuCSVSource, Criteo
 from bagpipe.core.model import ModelConfig
 from bagpipe.core.optim import OptimizerConfig
 from bagpipe.core.reference import train_reference
+
 from tests.integration.test_equivalence import MODEL, assert_same_model
 from tests.integration.test_evaluation import ROWS, criteo_tsv
 
@@ -19,7 +20,11 @@ AVAZU_ROWS = (24, 7, 7, 50, 60, 26, 70, 40, 36, 200, 300, 80, 5, 4, 90, 8, 9, 45
 def avazu_csv(path: Path, samples: int) -> None:
     lines = [AVAZU_HEADER.decode()]
     for i in range(samples):
-        site, app, device = f"{(i * 2654435761) % 97:08x}", f"{(i * 40503) % 61:08x}", f"{(i * 7919) % 211:08x}"
+        site, app, device = (
+            f"{(i * 2654435761) % 97:08x}",
+            f"{(i * 40503) % 61:08x}",
+            f"{(i * 7919) % 211:08x}",
+        )
         lines.append(",".join([
             str(10**18 + i), str((i * 7 + i // 3) % 3 % 2), f"141021{i % 24:02d}", "1005", str(i % 3), site,
             "f3845767", "28905ebd", app, "7801e8d9", "07d7df22", device, f"{(i * 31) % 283:08x}",
@@ -33,7 +38,8 @@ def test_avazu_run_with_two_processors_matches_synchronous_training(run_job, tmp
     data, batch = tmp_path / "train.csv", 32
     avazu_csv(data, 12 * batch + 5)  # (a partial last batch is dropped)
     summary, paths = run_job(
-        "avazu", "--data", f"avazu:{data}", "--table-rows", ",".join(map(str, AVAZU_ROWS)), "--iterations", "0",
+        "avazu", "--data", f"avazu:{data}", "--table-rows", ",".join(map(str, AVAZU_ROWS)),
+        "--iterations", "0",
         "--trainers", "2", "--embedding-servers", "2", "--data-processors", "2", "--lookahead", "4",
         "--batch-size", str(batch), "--optimizer", "adam", "--lr", "0.01",
     )  # fmt: skip
@@ -59,5 +65,7 @@ def test_a_shuffled_run_with_two_processors_matches_synchronous_training(run_job
     batches = [s for _, s in CriteoTSVSource(config).batches(batch)]
     plain = [s for _, s in CriteoTSVSource(CriteoConfig((str(data),), ROWS)).batches(batch)]
     assert any((a.sparse != b.sparse).any() for a, b in zip(batches, plain, strict=True)), "the order changed"
-    expected = train_reference(checkpoint.load(paths["initial"]), batches, MODEL, OptimizerConfig("adagrad", 0.1))
+    expected = train_reference(
+        checkpoint.load(paths["initial"]), batches, MODEL, OptimizerConfig("adagrad", 0.1)
+    )
     assert_same_model(paths["final"], expected)

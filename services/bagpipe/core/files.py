@@ -127,12 +127,16 @@ def _split(buf: np.ndarray, sep: int, fields: int) -> tuple[np.ndarray, np.ndarr
     return starts.reshape(-1, fields), ends.reshape(-1, fields), ok
 
 
-def _columns(buf: np.ndarray, starts: np.ndarray, ends: np.ndarray, width: int) -> tuple[np.ndarray, np.ndarray]:
+def _columns(
+    buf: np.ndarray, starts: np.ndarray, ends: np.ndarray, width: int
+) -> tuple[np.ndarray, np.ndarray]:
     """The fields' last ``width`` bytes, right-aligned, as ``[width, ...]`` (position-major, so each step of
     a digit loop reads a contiguous array; 0 before a field's first byte), and the mask of real bytes.
     Each field's bytes come in one row of a sliding window over the chunk (a short copy, not a gather)."""
     padded = np.concatenate([np.zeros(width, dtype=np.uint8), buf])
-    rows = np.lib.stride_tricks.sliding_window_view(padded, width)[ends]  # [..., width]: bytes ends-width..ends-1
+    rows = np.lib.stride_tricks.sliding_window_view(padded, width)[
+        ends
+    ]  # [..., width]: bytes ends-width..ends-1
     inside = np.arange(width) >= (width - (ends - starts))[..., None]
     mat = np.where(inside, rows, 0)
     return np.ascontiguousarray(np.moveaxis(mat, -1, 0)), np.moveaxis(inside, -1, 0)
@@ -159,7 +163,9 @@ def _decimal(buf: np.ndarray, starts: np.ndarray, ends: np.ndarray) -> tuple[np.
     return np.where(minus | ~valid, 0, value), valid
 
 
-def _hex_rows(buf: np.ndarray, starts: np.ndarray, ends: np.ndarray, rows: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+def _hex_rows(
+    buf: np.ndarray, starts: np.ndarray, ends: np.ndarray, rows: np.ndarray
+) -> tuple[np.ndarray, np.ndarray]:
     """Criteo categoricals: (int(value, 16) % rows, empty 0; valid: at most 32 hex digits). Up to 15 digits
     the value is exact in int64 (Horner over right-aligned digits); longer ones, which real logs do not
     have, are converted one by one."""
@@ -184,7 +190,9 @@ def _fnv_rows(buf: np.ndarray, starts: np.ndarray, ends: np.ndarray, rows: np.nd
     """Avazu categoricals: FNV-1a-64 of each field's bytes, modulo its table's rows."""
     lengths = ends - starts
     width = _widest(starts, ends, 1 << 16)
-    index = starts + np.arange(width).reshape((width,) + (1,) * starts.ndim)  # left-aligned: FNV runs forwards
+    index = starts + np.arange(width).reshape(
+        (width,) + (1,) * starts.ndim
+    )  # left-aligned: FNV runs forwards
     mat = buf[np.minimum(index, buf.size - 1)].astype(np.uint64)
     h = np.full(lengths.shape, _FNV_OFFSET, dtype=np.uint64)
     with np.errstate(over="ignore"):
@@ -274,7 +282,9 @@ def _avazu_diagnose(path: str, number: int, line: bytes) -> DataFormatError:
 
     fields = line.split(b",")
     if len(fields) != len(AVAZU_FIELDS):
-        return error("fields", line, f"has {len(fields)} comma-separated fields, expected {len(AVAZU_FIELDS)}")
+        return error(
+            "fields", line, f"has {len(fields)} comma-separated fields, expected {len(AVAZU_FIELDS)}"
+        )
     if fields[1] not in (b"0", b"1"):
         return error("click", fields[1], "is not 0 or 1")
     if not re.fullmatch(rb"[0-9]{6}([01][0-9]|2[0-3])", fields[2]):
@@ -335,8 +345,9 @@ class FileSource:
                         if not seen and self.header is not None and data.startswith(self.header[:9]):
                             first_end = data.index(b"\n")
                             if data[:first_end] != self.header:
-                                raise DataFormatError(path, 1, "header", data[:first_end].decode("utf-8", "replace"),
-                                                      f"is not Avazu's header {self.header.decode()!r}")  # fmt: skip
+                                found = data[:first_end].decode("utf-8", "replace")
+                                why = f"is not Avazu's header {self.header.decode()!r}"
+                                raise DataFormatError(path, 1, "header", found, why)
                             data, line_number = data[first_end + 1 :], 2
                         seen = seen or bool(data)
                         if data:
@@ -359,7 +370,9 @@ class FileSource:
             logger.debug("%s: skipping %d bad rows from line %d", path, bad.size, first_line + int(bad[0]))
         return samples
 
-    def _stream(self, wanted: Callable[[int, int], list[tuple[int, int]]]) -> Iterator[tuple[int, int, Samples | None]]:
+    def _stream(
+        self, wanted: Callable[[int, int], list[tuple[int, int]]]
+    ) -> Iterator[tuple[int, int, Samples | None]]:
         """``(first, count, samples)`` runs of the sample stream in file order, ``samples`` None where
         ``wanted(first, count)`` (absolute sample ranges) leaves them out. Without skip_bad_rows a line is a
         sample, so unwanted lines are only counted, never parsed."""
@@ -396,7 +409,9 @@ class FileSource:
             self.samples_read = position
 
     # -- batches
-    def numbered(self, batch_size: int, start: int = 0, stride: int = 1) -> Iterator[tuple[int, Samples, bool]]:
+    def numbered(
+        self, batch_size: int, start: int = 0, stride: int = 1
+    ) -> Iterator[tuple[int, Samples, bool]]:
         """``(number, samples, last)`` for batches ``start, start+stride, ...``; ``last``: no full batch of
         any number follows it."""
         if batch_size < 1:

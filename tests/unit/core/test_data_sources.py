@@ -29,8 +29,10 @@ def criteo_lines(n: int, seed: int) -> list[str]:
     lines = []
     for _ in range(n):
         ints = [rng.choice(["", "0", str(rng.randint(-50, 10**6)), "9" * 18, "-7"]) for _ in range(13)]
-        cats = [rng.choice(["", format(rng.getrandbits(32), "x"), format(rng.getrandbits(128), "X"), "0", "aBc"])
-                for _ in range(26)]  # fmt: skip
+        cats = [
+            rng.choice(["", f"{rng.getrandbits(32):x}", f"{rng.getrandbits(128):X}", "0", "aBc"])
+            for _ in range(26)
+        ]
         lines.append("\t".join([str(rng.randint(0, 1)), *ints, *cats]))
     return lines
 
@@ -38,9 +40,11 @@ def criteo_lines(n: int, seed: int) -> list[str]:
 def by_the_contract(line: str, rows: tuple[int, ...]) -> tuple[float, list[float], list[int]]:
     fields = line.split("\t")
     ints = [max(int(v), 0) if v else 0 for v in fields[1:14]]
-    return float(fields[0]), list(np.log1p(np.array(ints, dtype=np.float64)).astype(np.float32)), [
-        int(v, 16) % r if v else 0 for v, r in zip(fields[14:], rows, strict=True)
-    ]
+    return (
+        float(fields[0]),
+        list(np.log1p(np.array(ints, dtype=np.float64)).astype(np.float32)),
+        [int(v, 16) % r if v else 0 for v, r in zip(fields[14:], rows, strict=True)],
+    )
 
 
 def write(path: Path, lines: list[str], header: str | None = None) -> str:
@@ -97,7 +101,9 @@ def test_a_processor_parses_only_its_own_lines(tmp_path: Path, monkeypatch: pyte
     parsed: list[int] = []
     source = CriteoTSVSource(CriteoConfig((path,), ROWS))
     original = source._parse
-    monkeypatch.setattr(source, "_parse", lambda buf: (parsed.append(int((buf == 10).sum())), original(buf))[1])
+    monkeypatch.setattr(
+        source, "_parse", lambda buf: (parsed.append(int((buf == 10).sum())), original(buf))[1]
+    )
     assert [n for n, _ in source.batches(20, start=1, stride=4)] == [1, 5, 9, 13, 17]
     assert sum(parsed) == 5 * 20, "the other processors' 300 lines are counted, not parsed"
 
@@ -106,8 +112,11 @@ def test_shuffle_is_a_deterministic_permutation_within_windows(tmp_path: Path) -
     lines = [line for line in criteo_lines(60, seed=5)]
     path = write(tmp_path / "d.tsv", lines)
     plain = np.concatenate([s.sparse for _, s in CriteoTSVSource(CriteoConfig((path,), ROWS)).batches(10)])
-    shuffled = [np.concatenate([s.sparse for _, s in CriteoTSVSource(
-        CriteoConfig((path,), ROWS, shuffle_seed=seed, shuffle_buffer=25)).batches(10)]) for seed in (7, 7, 8)]  # fmt: skip
+    shuffled = [
+        np.concatenate([s.sparse for _, s in CriteoTSVSource(CriteoConfig((path,), ROWS, shuffle_seed=seed,
+                                                                          shuffle_buffer=25)).batches(10)])
+        for seed in (7, 7, 8)
+    ]  # fmt: skip
     assert np.array_equal(shuffled[0], shuffled[1]) and not np.array_equal(shuffled[0], shuffled[2])
     assert not np.array_equal(shuffled[0], plain)
     for lo in (0, 25, 50):  # each window keeps its own samples
@@ -136,7 +145,9 @@ def test_avazu_parse_hashes_every_field_and_takes_the_hour_of_day(tmp_path: Path
         assert samples.sparse[i].tolist() == [
             fnv1a64(v.encode()) % r for v, r in zip(fields[2:], AVAZU_TABLE_ROWS, strict=True)
         ]
-    assert fnv1a64(b"") == 0xCBF29CE484222325 and fnv1a64(b"a") == 0xAF63DC4C8601EC8C  # published FNV-1a-64 values
+    assert (
+        fnv1a64(b"") == 0xCBF29CE484222325 and fnv1a64(b"a") == 0xAF63DC4C8601EC8C
+    )  # published FNV-1a-64 values
 
 
 AVAZU_BAD = [
@@ -148,7 +159,9 @@ AVAZU_BAD = [
 
 
 @pytest.mark.parametrize(("bad", "field", "reason"), AVAZU_BAD)
-def test_avazu_malformed_lines_are_named_or_skipped(tmp_path: Path, bad: str, field: str, reason: str) -> None:
+def test_avazu_malformed_lines_are_named_or_skipped(
+    tmp_path: Path, bad: str, field: str, reason: str
+) -> None:
     lines = [avazu_line(i) for i in range(4)]
     lines.insert(2, bad)
     path = write(tmp_path / "train.csv", lines, header=AVAZU_HEADER.decode())
