@@ -46,7 +46,7 @@ check-protos: $(STAMP)  ## fail if the committed generated code is not what prot
 		cmp -s $$f $(GEN_DIR)/$$(basename $$f) || { echo "stale generated code: $(GEN_DIR)/$$(basename $$f); run 'make protos'"; rm -rf $$tmp; exit 1; }; \
 	done; rm -rf $$tmp; echo "generated code is current"
 
-run: $(STAMP) $(PROMTOOL)  ## train the default job (DLRM, synthetic Criteo-like data, 2 trainers, 2 embedding servers)
+run: $(STAMP)  ## train the default job (DLRM, synthetic Criteo-like data, 2 trainers, 2 embedding servers); no root, no apt
 	$(VENV)/bin/bagpipe run $(RUN_ARGS)
 
 test: $(STAMP) $(PROMTOOL) $(HELM) check-protos  ## run the test suite (chart and Dockerfile checks included)
