@@ -62,8 +62,14 @@ def run(*argv: str, env: dict[str, str] | None = None) -> subprocess.CompletedPr
     return subprocess.run(list(argv), capture_output=True, text=True, cwd=REPO, env=env)
 
 
-def render(*args: str, chart: Path = CHART, env: dict[str, str] | None = None) -> list[dict[str, Any]]:
-    out = run(helm(), "template", "bagpipe", str(chart), "--namespace", NAMESPACE, *args, env=env)
+MONITORING_API = ("--api-versions", "monitoring.coreos.com/v1")  # a cluster with the Prometheus Operator's CRDs
+
+
+def render(
+    *args: str, chart: Path = CHART, env: dict[str, str] | None = None, crds: bool = True
+) -> list[dict[str, Any]]:
+    out = run(helm(), "template", "bagpipe", str(chart), "--namespace", NAMESPACE, *args,
+              *(MONITORING_API if crds else ()), env=env)  # fmt: skip
     assert out.returncode == 0, out.stderr
     return [d for d in yaml.safe_load_all(out.stdout) if d]
 
@@ -895,3 +901,16 @@ def test_tls_env_lets_the_test_pod_reach_a_server(certified: str, served: bool, 
         assert refused.value.code() == grpc.StatusCode.UNAVAILABLE
     finally:
         server.stop(None)
+
+
+def test_operator_objects_render_only_where_the_cluster_has_their_crds() -> None:
+    """`helm install` must work on a cluster without the Prometheus Operator (enabled: auto)."""
+    kinds = ("ServiceMonitor", "PrometheusRule")
+    with_crds, without = render(), render(crds=False)
+    assert all(by_kind(with_crds, k) for k in kinds)
+    assert not any(by_kind(without, k) for k in kinds)
+    forced = render("--set", "prometheus.serviceMonitor.enabled=true", "--set", "prometheus.rules.enabled=true",
+                    crds=False)  # fmt: skip
+    assert all(by_kind(forced, k) for k in kinds)
+    off = render("--set", "prometheus.serviceMonitor.enabled=false", "--set", "prometheus.rules.enabled=false")
+    assert not any(by_kind(off, k) for k in kinds)

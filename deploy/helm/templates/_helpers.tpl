@@ -322,3 +322,15 @@ spec:
 {{- range . }}{{ $out = append $out (int64 . | toString) }}{{ end -}}
 {{- join "," $out -}}
 {{- end -}}
+
+{{/* Whether to render a Prometheus Operator object: "auto" when the cluster serves its CRDs
+     (monitoring.coreos.com/v1), so installs work on clusters without the operator; true/false force it. */}}
+{{- define "bagpipe.monitoring" -}}
+{{- $root := index . 0 -}}
+{{- $enabled := index . 1 -}}
+{{- if eq (toString $enabled) "auto" -}}
+{{- if $root.Capabilities.APIVersions.Has "monitoring.coreos.com/v1" }}true{{ end -}}
+{{- else if $enabled -}}
+true
+{{- end -}}
+{{- end -}}
