@@ -20,14 +20,14 @@ REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO / "services"))
 
 from bagpipe.core.data import KAGGLE_TABLE_ROWS, build_batch, table_offsets  # noqa: E402
-from bagpipe.core.files import (
+from bagpipe.core.files import (  # noqa: E402
     AVAZU_HEADER,
     AVAZU_TABLE_ROWS,
     AvazuConfig,
     AvazuCSVSource,
     CriteoConfig,
     CriteoTSVSource,
-)  # noqa: E402
+)
 
 
 def criteo_file(path: Path, lines: int) -> None:
@@ -47,8 +47,19 @@ def avazu_file(path: Path, lines: int) -> None:
             cats = [format(rng.getrandbits(32), "08x") for _ in range(8)] + [
                 str(rng.randint(0, 3000)) for _ in range(11)
             ]
-            f.write(",".join([str(10**18 + i), str(rng.randint(0, 1)), f"141021{rng.randint(0, 23):02d}", "1005",
-                              *cats[:1], *cats]) + "\n")  # fmt: skip
+            f.write(
+                ",".join(
+                    [
+                        str(10**18 + i),
+                        str(rng.randint(0, 1)),
+                        f"141021{rng.randint(0, 23):02d}",
+                        "1005",
+                        *cats[:1],
+                        *cats,
+                    ]
+                )
+                + "\n"
+            )
 
 
 def measure(source_of, table_rows, processors: int) -> float:  # type: ignore[no-untyped-def]
@@ -81,8 +92,10 @@ def main() -> None:
         ):
             alone = measure(make, rows, 1)
             split = measure(make, rows, 2)
-            print(f"{name}: {alone / 1e3:,.0f} k samples/s per processor alone; as one of 2 processors "
-                  f"{split / 1e3:,.0f} k samples/s of its own batches ({a.lines:,} lines, batch 2048)")  # fmt: skip
+            print(
+                f"{name}: {alone / 1e3:,.0f} k samples/s per processor alone; as one of 2 processors "
+                f"{split / 1e3:,.0f} k samples/s of its own batches ({a.lines:,} lines, batch 2048)"
+            )
 
 
 if __name__ == "__main__":

@@ -57,28 +57,66 @@ PROFILES: dict[str, dict[str, Any]] = {
     # about the proportion they have on the paper's GPUs; wider rows (dim 64, Adagrad state) as the traffic
     "quick": {
         "model": ["--embedding-dim", "64", "--bottom-mlp", "128,64", "--top-mlp", "128,1"],
-        "batch": 2048, "scale": "0.01", "iterations": 100, "optimizer": ["--optimizer", "adagrad", "--lr", "0.05"],
-        "lookaheads": [5, 10, 50, 100, 200, 300], "lookahead_extra": 40,
-        "models": {"dlrm": [], "wdl": ["--deep-mlp", "256,256,256"], "deepfm": ["--deep-mlp", "64,64,64"],
-                   "dcn": ["--deep-mlp", "256,128,64", "--cross-layers", "3"]}, "model_iterations": 60,
-        "hot_shares": [0.9, 0.4, 0.01], "zipf_alphas": [1.0, 3.0, 5.0], "skew_iterations": 60,
-        "oracle": {"batches": [1024, 4096, 16384], "tables": [8, 13, 26], "lookaheads": [10, 50, 200], "timed": 40},
+        "batch": 2048,
+        "scale": "0.01",
+        "iterations": 100,
+        "optimizer": ["--optimizer", "adagrad", "--lr", "0.05"],
+        "lookaheads": [5, 10, 50, 100, 200, 300],
+        "lookahead_extra": 40,
+        "models": {
+            "dlrm": [],
+            "wdl": ["--deep-mlp", "256,256,256"],
+            "deepfm": ["--deep-mlp", "64,64,64"],
+            "dcn": ["--deep-mlp", "256,128,64", "--cross-layers", "3"],
+        },
+        "model_iterations": 60,
+        "hot_shares": [0.9, 0.4, 0.01],
+        "zipf_alphas": [1.0, 3.0, 5.0],
+        "skew_iterations": 60,
+        "oracle": {
+            "batches": [1024, 4096, 16384],
+            "tables": [8, 13, 26],
+            "lookaheads": [10, 50, 200],
+            "timed": 40,
+        },
         "rates": ["10gbit", "1gbit"],
     },
     # the paper's DLRM (Table 2) and batch; hours on 2 cores
     "full": {
-        "model": ["--embedding-dim", "48", "--bottom-mlp", "512,256,64,48", "--top-mlp", "1024,1024,1024,256,128,1"],
-        "batch": 16384, "scale": "0.1", "iterations": 300, "optimizer": ["--optimizer", "adagrad", "--lr", "0.05"],
-        "lookaheads": [5, 10, 50, 100, 200, 300], "lookahead_extra": 100,
+        "model": [
+            "--embedding-dim",
+            "48",
+            "--bottom-mlp",
+            "512,256,64,48",
+            "--top-mlp",
+            "1024,1024,1024,256,128,1",
+        ],
+        "batch": 16384,
+        "scale": "0.1",
+        "iterations": 300,
+        "optimizer": ["--optimizer", "adagrad", "--lr", "0.05"],
+        "lookaheads": [5, 10, 50, 100, 200, 300],
+        "lookahead_extra": 100,
         # Table 2's dense parts
-        "models": {"dlrm": [], "wdl": ["--deep-mlp", "256,256,256"], "deepfm": ["--deep-mlp", "64,64,64"],
-                   "dcn": ["--deep-mlp", "1024,512,256", "--cross-layers", "3"]}, "model_iterations": 200,
-        "hot_shares": [0.9, 0.7, 0.4, 0.1, 0.01], "zipf_alphas": [1.0, 2.0, 3.0, 4.0, 5.0],
-        "oracle": {"batches": [1024, 4096, 16384, 65536], "tables": [4, 8, 13, 26], "lookaheads": [10, 50, 100, 200, 300],
-                   "timed": 100},
-        "rates": ["10gbit", "1gbit", "100mbit"], "skew_iterations": 200,
+        "models": {
+            "dlrm": [],
+            "wdl": ["--deep-mlp", "256,256,256"],
+            "deepfm": ["--deep-mlp", "64,64,64"],
+            "dcn": ["--deep-mlp", "1024,512,256", "--cross-layers", "3"],
+        },
+        "model_iterations": 200,
+        "hot_shares": [0.9, 0.7, 0.4, 0.1, 0.01],
+        "zipf_alphas": [1.0, 2.0, 3.0, 4.0, 5.0],
+        "oracle": {
+            "batches": [1024, 4096, 16384, 65536],
+            "tables": [4, 8, 13, 26],
+            "lookaheads": [10, 50, 100, 200, 300],
+            "timed": 100,
+        },
+        "rates": ["10gbit", "1gbit", "100mbit"],
+        "skew_iterations": 200,
     },
-}  # fmt: skip
+}
 NETNS, HOST_IF, NS_IF = "bagpipe-bench", "bpb-host", "bpb-ns"
 HOST_IP, NS_IP = "10.231.0.1", "10.231.0.2"
 
@@ -88,14 +126,34 @@ def log(msg: str) -> None:
 
 
 # ---- one job
-def job(name: str, profile: dict[str, Any], out: Path, *extra: str, iterations: int | None = None) -> dict[str, Any]:
+def job(
+    name: str, profile: dict[str, Any], out: Path, *extra: str, iterations: int | None = None
+) -> dict[str, Any]:
     """Runs ``bagpipe run`` with the profile's model and data; returns timings and the breakdown."""
     run_dir = out / "runs" / name
     shutil.rmtree(run_dir, ignore_errors=True)
     n = iterations or profile["iterations"]
-    argv = ["run", "--quiet", "--log-level", "WARNING", "--scale", profile["scale"], "--batch-size",
-            str(profile["batch"]), "--iterations", str(n), "--trainers", "2", "--embedding-servers", "2",
-            *profile["model"], *profile["optimizer"], "--run-dir", str(run_dir), *extra]  # fmt: skip
+    argv = [
+        "run",
+        "--quiet",
+        "--log-level",
+        "WARNING",
+        "--scale",
+        profile["scale"],
+        "--batch-size",
+        str(profile["batch"]),
+        "--iterations",
+        str(n),
+        "--trainers",
+        "2",
+        "--embedding-servers",
+        "2",
+        *profile["model"],
+        *profile["optimizer"],
+        "--run-dir",
+        str(run_dir),
+        *extra,
+    ]
     t0 = time.perf_counter()
     summary = run_job(build_parser().parse_args(argv))
     per_iteration = iteration_times(run_dir)
@@ -118,7 +176,10 @@ def job(name: str, profile: dict[str, Any], out: Path, *extra: str, iterations: 
         "cpu_ms": {k: 1000 * v for k, v in summary.get("cpu_seconds_per_iteration", {}).items()},
         "wall_s": time.perf_counter() - t0,
     }
-    log(f"{name}: median {result['median_ms']:.1f} ms, p90 {result['p90_ms']:.1f} ms ({result['wall_s']:.0f} s)")
+    log(
+        f"{name}: median {result['median_ms']:.1f} ms, p90 {result['p90_ms']:.1f} ms "
+        f"({result['wall_s']:.0f} s)"
+    )
     return result
 
 
@@ -161,7 +222,10 @@ def limited_link(rate: str) -> Iterator[str | None]:
         sh("ip", "netns", "add", NETNS)
     except (subprocess.CalledProcessError, FileNotFoundError) as e:
         reason = getattr(e, "stderr", "") or str(e)
-        log(f"network-bound regime skipped: cannot create a network namespace ({reason.strip()}); needs root and iproute2")
+        log(
+            f"network-bound regime skipped: cannot create a network namespace ({reason.strip()}); needs "
+            "root and iproute2"
+        )
         yield None
         return
     try:
@@ -169,10 +233,22 @@ def limited_link(rate: str) -> Iterator[str | None]:
         sh("ip", "link", "set", NS_IF, "netns", NETNS)
         sh("ip", "addr", "add", f"{HOST_IP}/24", "dev", HOST_IF)
         sh("ip", "link", "set", HOST_IF, "up")
-        for cmd in (["ip", "addr", "add", f"{NS_IP}/24", "dev", NS_IF], ["ip", "link", "set", NS_IF, "up"],
-                    ["ip", "link", "set", "lo", "up"]):  # fmt: skip
+        for cmd in (
+            ["ip", "addr", "add", f"{NS_IP}/24", "dev", NS_IF],
+            ["ip", "link", "set", NS_IF, "up"],
+            ["ip", "link", "set", "lo", "up"],
+        ):
             sh("ip", "netns", "exec", NETNS, *cmd)
-        tbf = ["root", "tbf", "rate", rate, "burst", "4mb" if rate.startswith("10") else "1mb", "latency", "20ms"]
+        tbf = [
+            "root",
+            "tbf",
+            "rate",
+            rate,
+            "burst",
+            "4mb" if rate.startswith("10") else "1mb",
+            "latency",
+            "20ms",
+        ]
         sh("tc", "qdisc", "add", "dev", HOST_IF, *tbf)
         sh("ip", "netns", "exec", NETNS, "tc", "qdisc", "add", "dev", NS_IF, *tbf)
         yield NETNS
@@ -187,10 +263,17 @@ def section_systems(profile: dict[str, Any], out: Path) -> dict[str, Any]:
 
 def section_models(profile: dict[str, Any], out: Path) -> dict[str, Any]:
     """Each model with its own dense part (the profile's embedding sizes and optimizer)."""
-    dim = ["--embedding-dim", dict(zip(profile["model"][::2], profile["model"][1::2], strict=True))["--embedding-dim"]]
+    dim = [
+        "--embedding-dim",
+        dict(zip(profile["model"][::2], profile["model"][1::2], strict=True))["--embedding-dim"],
+    ]
     results = {}
     for model, flags in profile["models"].items():
-        sized = {**profile, "model": profile["model"] if model == "dlrm" else dim, "iterations": profile["model_iterations"]}
+        sized = {
+            **profile,
+            "model": profile["model"] if model == "dlrm" else dim,
+            "iterations": profile["model_iterations"],
+        }
         results[model] = compare(f"model-{model}", sized, out, "--model", model, *flags)
     return results
 
@@ -201,8 +284,15 @@ def section_network(profile: dict[str, Any], out: Path) -> dict[str, Any]:
         with limited_link(rate) as ns:
             if ns is None:
                 return {"skipped": "network namespaces are not permitted here (needs root and iproute2)"}
-            results[rate] = compare(f"link-{rate}", profile, out, "--embedding-server-netns", ns,
-                                    "--netns-addresses", f"{HOST_IP},{NS_IP}")  # fmt: skip
+            results[rate] = compare(
+                f"link-{rate}",
+                profile,
+                out,
+                "--embedding-server-netns",
+                ns,
+                "--netns-addresses",
+                f"{HOST_IP},{NS_IP}",
+            )
     return results
 
 
@@ -210,23 +300,39 @@ def section_oracle(profile: dict[str, Any], out: Path) -> dict[str, Any]:
     o = profile["oracle"]
     points = []
     for b in o["batches"]:
-        points.append({"sweep": "batch", **oracle_measure(batch_size=b, tables=26, lookahead=50, timed=o["timed"])})
+        points.append(
+            {"sweep": "batch", **oracle_measure(batch_size=b, tables=26, lookahead=50, timed=o["timed"])}
+        )
     for t in o["tables"]:
-        points.append({"sweep": "tables", **oracle_measure(batch_size=16384, tables=t, lookahead=50, timed=o["timed"])})
+        points.append(
+            {"sweep": "tables", **oracle_measure(batch_size=16384, tables=t, lookahead=50, timed=o["timed"])}
+        )
     for lookahead in o["lookaheads"]:
-        points.append({"sweep": "lookahead", **oracle_measure(batch_size=16384, tables=26, lookahead=lookahead,
-                                                             timed=o["timed"])})  # fmt: skip
+        points.append(
+            {
+                "sweep": "lookahead",
+                **oracle_measure(batch_size=16384, tables=26, lookahead=lookahead, timed=o["timed"]),
+            }
+        )
     for p in points:
-        log(f"oracle {p['sweep']}: batch {p['batch_size']}, {p['tables']} tables, L={p['lookahead']}: "
-            f"{p['samples_per_second'] / 1e6:.2f} M samples/s")  # fmt: skip
+        log(
+            f"oracle {p['sweep']}: batch {p['batch_size']}, {p['tables']} tables, L={p['lookahead']}: "
+            f"{p['samples_per_second'] / 1e6:.2f} M samples/s"
+        )
     return {"points": points, "paper_samples_per_second": 3.27e6}
 
 
 def section_lookahead(profile: dict[str, Any], out: Path) -> dict[str, Any]:
     runs = []
     for lookahead in profile["lookaheads"]:
-        r = job(f"lookahead-{lookahead}", profile, out, "--lookahead", str(lookahead),
-                iterations=lookahead + profile["lookahead_extra"])  # fmt: skip
+        r = job(
+            f"lookahead-{lookahead}",
+            profile,
+            out,
+            "--lookahead",
+            str(lookahead),
+            iterations=lookahead + profile["lookahead_extra"],
+        )
         runs.append({**r, "L": lookahead})
     return {"runs": runs}
 
@@ -235,23 +341,43 @@ def section_skew(profile: dict[str, Any], out: Path) -> dict[str, Any]:
     points, n = [], profile["skew_iterations"]
     for share in profile["hot_shares"]:
         flags = ["--hot-fraction", "0.01", "--hot-share", str(share)]
-        points.append({"skew": f"top 1% = {100 * share:g}%", "kind": "hot", "value": share,
-                       "ideal": job(f"hot-{share:g}-ideal", profile, out, *flags, "--system", "ideal", iterations=n),
-                       "bagpipe": job(f"hot-{share:g}-bagpipe", profile, out, *flags, iterations=n),
-                       "no-cache": job(f"hot-{share:g}-no-cache", profile, out, *flags, "--system", "no-cache",
-                                       iterations=n)})  # fmt: skip
+        points.append(
+            {
+                "skew": f"top 1% = {100 * share:g}%",
+                "kind": "hot",
+                "value": share,
+                "ideal": job(f"hot-{share:g}-ideal", profile, out, *flags, "--system", "ideal", iterations=n),
+                "bagpipe": job(f"hot-{share:g}-bagpipe", profile, out, *flags, iterations=n),
+                "no-cache": job(
+                    f"hot-{share:g}-no-cache", profile, out, *flags, "--system", "no-cache", iterations=n
+                ),
+            }
+        )
     for alpha in profile["zipf_alphas"]:
         flags = ["--zipf-alpha", str(alpha)]
-        points.append({"skew": f"zipf {alpha:g}", "kind": "zipf", "value": alpha,
-                       "ideal": job(f"zipf-{alpha:g}-ideal", profile, out, *flags, "--system", "ideal", iterations=n),
-                       "bagpipe": job(f"zipf-{alpha:g}-bagpipe", profile, out, *flags, iterations=n),
-                       "no-cache": job(f"zipf-{alpha:g}-no-cache", profile, out, *flags, "--system", "no-cache",
-                                       iterations=n)})  # fmt: skip
+        points.append(
+            {
+                "skew": f"zipf {alpha:g}",
+                "kind": "zipf",
+                "value": alpha,
+                "ideal": job(
+                    f"zipf-{alpha:g}-ideal", profile, out, *flags, "--system", "ideal", iterations=n
+                ),
+                "bagpipe": job(f"zipf-{alpha:g}-bagpipe", profile, out, *flags, iterations=n),
+                "no-cache": job(
+                    f"zipf-{alpha:g}-no-cache", profile, out, *flags, "--system", "no-cache", iterations=n
+                ),
+            }
+        )
     times = [p["bagpipe"]["median_ms"] for p in points]
     ideal = [p["ideal"]["median_ms"] for p in points]
     over = [p["bagpipe"]["median_ms"] / p["ideal"]["median_ms"] for p in points]
-    return {"points": points, "bagpipe_spread": max(times) / min(times) - 1, "ideal_spread": max(ideal) / min(ideal) - 1,
-            "bagpipe_over_ideal_spread": max(over) / min(over) - 1}  # fmt: skip
+    return {
+        "points": points,
+        "bagpipe_spread": max(times) / min(times) - 1,
+        "ideal_spread": max(ideal) / min(ideal) - 1,
+        "bagpipe_over_ideal_spread": max(over) / min(over) - 1,
+    }
 
 
 TORCHREC_PYTHON = REPO / "bench" / ".venv-torchrec" / "bin" / "python"
@@ -260,13 +386,28 @@ TORCHREC_PYTHON = REPO / "bench" / ".venv-torchrec" / "bin" / "python"
 def section_torchrec(profile: dict[str, Any], out: Path) -> dict[str, Any]:
     """TorchRec's per-trainer compute on the same data and model (its own venv: make bench-torchrec-env)."""
     if not TORCHREC_PYTHON.exists():
-        reason = "bench/.venv-torchrec is missing: `make bench-torchrec-env` installs TorchRec 1.8 for CPU (~2 min)"
+        reason = "bench/.venv-torchrec is missing: `make bench-torchrec-env` installs TorchRec 1.8 (~2 min)"
         log(f"torchrec skipped: {reason}")
         return {"skipped": reason}
     model = dict(zip(profile["model"][::2], profile["model"][1::2], strict=True))
-    argv = [str(TORCHREC_PYTHON), str(REPO / "bench" / "torchrec_reference.py"), "--batch-size", str(profile["batch"]),
-            "--trainers", "2", "--scale", profile["scale"], "--embedding-dim", model["--embedding-dim"],
-            "--bottom-mlp", model["--bottom-mlp"], "--top-mlp", model["--top-mlp"], "--iterations", "60"]  # fmt: skip
+    argv = [
+        str(TORCHREC_PYTHON),
+        str(REPO / "bench" / "torchrec_reference.py"),
+        "--batch-size",
+        str(profile["batch"]),
+        "--trainers",
+        "2",
+        "--scale",
+        profile["scale"],
+        "--embedding-dim",
+        model["--embedding-dim"],
+        "--bottom-mlp",
+        model["--bottom-mlp"],
+        "--top-mlp",
+        model["--top-mlp"],
+        "--iterations",
+        "60",
+    ]
     done = subprocess.run(argv, capture_output=True, text=True)
     if done.returncode != 0:
         return {"skipped": f"torchrec_reference.py failed: {done.stderr.strip().splitlines()[-1:]}"}
@@ -275,14 +416,24 @@ def section_torchrec(profile: dict[str, Any], out: Path) -> dict[str, Any]:
     return result
 
 
-SECTIONS = {"systems": section_systems, "models": section_models, "torchrec": section_torchrec, "network": section_network, "oracle": section_oracle,
-            "lookahead": section_lookahead, "skew": section_skew}  # fmt: skip
+SECTIONS = {
+    "systems": section_systems,
+    "models": section_models,
+    "torchrec": section_torchrec,
+    "network": section_network,
+    "oracle": section_oracle,
+    "lookahead": section_lookahead,
+    "skew": section_skew,
+}
 
 
 # ---- report
 def plots(results: dict[str, Any], out: Path, profile: str) -> list[str]:
     made = []
-    regimes = {**results.get("systems", {}), **{k: v for k, v in results.get("network", {}).items() if k != "skipped"}}
+    regimes = {
+        **results.get("systems", {}),
+        **{k: v for k, v in results.get("network", {}).items() if k != "skipped"},
+    }
     if regimes:
         fig, axes = plt.subplots(1, len(regimes), figsize=(4.5 * len(regimes), 4), squeeze=False)
         for ax, (regime, r) in zip(axes[0], regimes.items(), strict=True):
@@ -304,11 +455,18 @@ def plots(results: dict[str, Any], out: Path, profile: str) -> list[str]:
     if "lookahead" in results:
         runs = results["lookahead"]["runs"]
         fig, ax1 = plt.subplots(figsize=(7, 4))
-        ax1.plot([r["L"] for r in runs], [r["cache_peak_occupancy_rows"] for r in runs], "o-", label="peak cache rows")
+        ax1.plot(
+            [r["L"] for r in runs],
+            [r["cache_peak_occupancy_rows"] for r in runs],
+            "o-",
+            label="peak cache rows",
+        )
         ax1.set_xlabel("L")
         ax1.set_ylabel("peak cache rows")
         ax2 = ax1.twinx()
-        ax2.plot([r["L"] for r in runs], [r["median_ms"] for r in runs], "s--", color="C1", label="ms/iteration")
+        ax2.plot(
+            [r["L"] for r in runs], [r["median_ms"] for r in runs], "s--", color="C1", label="ms/iteration"
+        )
         ax2.set_ylabel("median ms per iteration")
         fig.legend(loc="upper left", fontsize=8)
         fig.tight_layout()
@@ -320,7 +478,9 @@ def plots(results: dict[str, Any], out: Path, profile: str) -> list[str]:
         fig, ax = plt.subplots(figsize=(9, 4))
         x = range(len(pts))
         for k, (system, w) in enumerate((("ideal", -0.27), ("bagpipe", 0.0), ("no-cache", 0.27))):
-            ax.bar([i + w for i in x], [p[system]["median_ms"] for p in pts], 0.27, label=system, color=f"C{k}")
+            ax.bar(
+                [i + w for i in x], [p[system]["median_ms"] for p in pts], 0.27, label=system, color=f"C{k}"
+            )
         ax.set_xticks(list(x), [p["skew"] for p in pts], rotation=30, fontsize=8)
         ax.set_ylabel("median ms per iteration")
         ax.legend()
@@ -330,7 +490,9 @@ def plots(results: dict[str, Any], out: Path, profile: str) -> list[str]:
         made.append(f"skew-{profile}.png")
     if "oracle" in results:
         fig, axes = plt.subplots(1, 3, figsize=(12, 3.5))
-        for ax, (sweep, key) in zip(axes, (("batch", "batch_size"), ("tables", "tables"), ("lookahead", "lookahead")), strict=True):
+        for ax, (sweep, key) in zip(
+            axes, (("batch", "batch_size"), ("tables", "tables"), ("lookahead", "lookahead")), strict=True
+        ):
             pts = [p for p in results["oracle"]["points"] if p["sweep"] == sweep]
             ax.plot([p[key] for p in pts], [p["median_ms_per_batch"] for p in pts], "o-")
             ax.set_xlabel(key)
@@ -344,70 +506,129 @@ def plots(results: dict[str, Any], out: Path, profile: str) -> list[str]:
 
 def table(results: dict[str, Any]) -> str:
     lines = []
-    regimes = {**results.get("systems", {}), **{k: v for k, v in results.get("network", {}).items() if k != "skipped"}}
+    regimes = {
+        **results.get("systems", {}),
+        **{k: v for k, v in results.get("network", {}).items() if k != "skipped"},
+    }
     if regimes:
-        lines += ["| regime | ideal median / mean / p90 (ms) | bagpipe median / mean / p90 (ms) | no-cache median / mean / p90 (ms) "
-                  "| bagpipe/ideal (median; mean) | no-cache/bagpipe (median; mean) |", "|---|---|---|---|---|---|"]  # fmt: skip
+        lines += [
+            "| regime | ideal median / mean / p90 (ms) | bagpipe median / mean / p90 (ms) | no-cache "
+            "median / mean / p90 (ms) "
+            "| bagpipe/ideal (median; mean) | no-cache/bagpipe (median; mean) |",
+            "|---|---|---|---|---|---|",
+        ]
         for regime, r in regimes.items():
             s = r["systems"]
-            lines.append(f"| {regime} | " + " | ".join(f"{s[n]['median_ms']:.1f} / {s[n]['mean_ms']:.1f} / {s[n]['p90_ms']:.1f}"
-                                                     for n in SYSTEMS)
-                         + f" | {r['bagpipe_over_ideal']:.2f}x; {r['bagpipe_over_ideal_mean']:.2f}x"
-                         f" | {r['no_cache_over_bagpipe']:.2f}x; {r['no_cache_over_bagpipe_mean']:.2f}x |")  # fmt: skip
-        lines += ["", "Bagpipe's iteration breakdown (ms): " + "; ".join(
-            f"{regime}: " + ", ".join(f"{k} {v:.1f}" for k, v in r["systems"]["bagpipe"]["stage_ms"].items())
-            for regime, r in regimes.items())]  # fmt: skip
-        kinds = sorted({k for r in regimes.values() for s in r["systems"].values() for k in s.get("cpu_ms", {})})
+            lines.append(
+                f"| {regime} | "
+                + " | ".join(
+                    f"{s[n]['median_ms']:.1f} / {s[n]['mean_ms']:.1f} / {s[n]['p90_ms']:.1f}" for n in SYSTEMS
+                )
+                + f" | {r['bagpipe_over_ideal']:.2f}x; {r['bagpipe_over_ideal_mean']:.2f}x"
+                f" | {r['no_cache_over_bagpipe']:.2f}x; {r['no_cache_over_bagpipe_mean']:.2f}x |"
+            )
+        lines += [
+            "",
+            "Bagpipe's iteration breakdown (ms): "
+            + "; ".join(
+                f"{regime}: "
+                + ", ".join(f"{k} {v:.1f}" for k, v in r["systems"]["bagpipe"]["stage_ms"].items())
+                for regime, r in regimes.items()
+            ),
+        ]
+        kinds = sorted(
+            {k for r in regimes.values() for s in r["systems"].values() for k in s.get("cpu_ms", {})}
+        )
         if kinds:  # every service shares this machine's cores: where the CPU time goes, per iteration
-            lines += ["", "| regime | system | " + " | ".join(f"{k} CPU ms" for k in kinds) + " | all CPU ms |",
-                      "|---|---|" + "---|" * (len(kinds) + 1)]  # fmt: skip
+            lines += [
+                "",
+                "| regime | system | " + " | ".join(f"{k} CPU ms" for k in kinds) + " | all CPU ms |",
+                "|---|---|" + "---|" * (len(kinds) + 1),
+            ]
             for regime, r in regimes.items():
                 for name in SYSTEMS:
                     cpu = r["systems"][name].get("cpu_ms", {})
-                    lines.append(f"| {regime} | {name} | " + " | ".join(f"{cpu.get(k, 0):.1f}" for k in kinds)
-                                 + f" | {sum(cpu.values()):.1f} |")  # fmt: skip
+                    lines.append(
+                        f"| {regime} | {name} | "
+                        + " | ".join(f"{cpu.get(k, 0):.1f}" for k in kinds)
+                        + f" | {sum(cpu.values()):.1f} |"
+                    )
     if "models" in results:
-        lines += ["", "| model | ideal median ms | bagpipe median ms | no-cache median ms | bagpipe/ideal | no-cache/bagpipe |",
-                  "|---|---|---|---|---|---|"]  # fmt: skip
+        lines += [
+            "",
+            "| model | ideal median ms | bagpipe median ms | no-cache median ms | bagpipe/ideal | "
+            "no-cache/bagpipe |",
+            "|---|---|---|---|---|---|",
+        ]
         for model, r in results["models"].items():
             s = r["systems"]
-            lines.append(f"| {model} | {s['ideal']['median_ms']:.1f} | {s['bagpipe']['median_ms']:.1f} | "
-                         f"{s['no-cache']['median_ms']:.1f} | {r['bagpipe_over_ideal']:.2f}x | "
-                         f"{r['no_cache_over_bagpipe']:.2f}x |")  # fmt: skip
+            lines.append(
+                f"| {model} | {s['ideal']['median_ms']:.1f} | {s['bagpipe']['median_ms']:.1f} | "
+                f"{s['no-cache']['median_ms']:.1f} | {r['bagpipe_over_ideal']:.2f}x | "
+                f"{r['no_cache_over_bagpipe']:.2f}x |"
+            )
     tr = results.get("torchrec", {})
     if tr.get("median_ms"):
-        lines += ["", f"TorchRec (FBGEMM table-batched embeddings, fused row-wise Adagrad), one trainer's slice of "
-                      f"{tr['samples_per_iteration']} samples, compute only, no communication: median "
-                      f"{tr['median_ms']:.1f} ms, p90 {tr['p90_ms']:.1f} ms per iteration."]  # fmt: skip
+        lines += [
+            "",
+            f"TorchRec (FBGEMM table-batched embeddings, fused row-wise Adagrad), one trainer's slice of "
+            f"{tr['samples_per_iteration']} samples, compute only, no communication: median "
+            f"{tr['median_ms']:.1f} ms, p90 {tr['p90_ms']:.1f} ms per iteration.",
+        ]
     elif tr.get("skipped"):
         lines += ["", f"TorchRec reference skipped: {tr['skipped']}"]
     if results.get("network", {}).get("skipped"):
         lines += ["", f"Network-bound regime skipped: {results['network']['skipped']}"]
     if "lookahead" in results:
         lines += ["", "| L | peak cache rows | cache slots | median ms | p90 ms |", "|---|---|---|---|---|"]
-        lines += [f"| {r['L']} | {r['cache_peak_occupancy_rows']:,} | {r['cache_capacity_rows']:,} | "
-                  f"{r['median_ms']:.1f} | {r['p90_ms']:.1f} |" for r in results["lookahead"]["runs"]]  # fmt: skip
+        lines += [
+            f"| {r['L']} | {r['cache_peak_occupancy_rows']:,} | {r['cache_capacity_rows']:,} | "
+            f"{r['median_ms']:.1f} | {r['p90_ms']:.1f} |"
+            for r in results["lookahead"]["runs"]
+        ]
     if "skew" in results:
-        lines += ["", "| skew | unique rows per batch | ideal median ms | bagpipe median ms | no-cache median ms | bagpipe/ideal | no-cache/bagpipe |",
-                  "|---|---|---|---|---|---|---|"]  # fmt: skip
-        lines += [f"| {p['skew']} | {p['bagpipe']['rows_per_iteration']:,.0f} | {p['ideal']['median_ms']:.1f} | {p['bagpipe']['median_ms']:.1f} | "
-                  f"{p['no-cache']['median_ms']:.1f} | {p['bagpipe']['median_ms'] / p['ideal']['median_ms']:.2f}x | "
-                  f"{p['no-cache']['median_ms'] / p['bagpipe']['median_ms']:.2f}x |" for p in results["skew"]["points"]]  # fmt: skip
+        lines += [
+            "",
+            "| skew | unique rows per batch | ideal median ms | bagpipe median ms | no-cache median ms "
+            "| bagpipe/ideal | no-cache/bagpipe |",
+            "|---|---|---|---|---|---|---|",
+        ]
+        lines += [
+            f"| {p['skew']} | {p['bagpipe']['rows_per_iteration']:,.0f} | {p['ideal']['median_ms']:.1f} | "
+            f"{p['bagpipe']['median_ms']:.1f} | "
+            f"{p['no-cache']['median_ms']:.1f} | "
+            f"{p['bagpipe']['median_ms'] / p['ideal']['median_ms']:.2f}x | "
+            f"{p['no-cache']['median_ms'] / p['bagpipe']['median_ms']:.2f}x |"
+            for p in results["skew"]["points"]
+        ]
         sk = results["skew"]
-        lines.append(f"\nAcross the skew sweep (max/min - 1): bagpipe's time varies by {100 * sk['bagpipe_spread']:.1f}% "
-                     f"(paper: at most 13%), the ideal system's by {100 * sk['ideal_spread']:.1f}%, and bagpipe/ideal by "
-                     f"{100 * sk['bagpipe_over_ideal_spread']:.1f}%.")  # fmt: skip
+        lines.append(
+            "\nAcross the skew sweep (max/min - 1): bagpipe's time varies by "
+            f"{100 * sk['bagpipe_spread']:.1f}% "
+            f"(paper: at most 13%), the ideal system's by {100 * sk['ideal_spread']:.1f}%, and "
+            "bagpipe/ideal by "
+            f"{100 * sk['bagpipe_over_ideal_spread']:.1f}%."
+        )
     if "oracle" in results:
-        lines += ["", "| oracle sweep | batch | tables | L | M samples/s | ms per batch |", "|---|---|---|---|---|---|"]
-        lines += [f"| {p['sweep']} | {p['batch_size']} | {p['tables']} | {p['lookahead']} | "
-                  f"{p['samples_per_second'] / 1e6:.2f} | {p['median_ms_per_batch']:.2f} |" for p in results["oracle"]["points"]]  # fmt: skip
+        lines += [
+            "",
+            "| oracle sweep | batch | tables | L | M samples/s | ms per batch |",
+            "|---|---|---|---|---|---|",
+        ]
+        lines += [
+            f"| {p['sweep']} | {p['batch_size']} | {p['tables']} | {p['lookahead']} | "
+            f"{p['samples_per_second'] / 1e6:.2f} | {p['median_ms_per_batch']:.2f} |"
+            for p in results["oracle"]["points"]
+        ]
     return "\n".join(lines)
 
 
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--profile", choices=sorted(PROFILES), default="quick")
-    p.add_argument("--only", default=",".join(SECTIONS), help=f"comma-separated sections of {', '.join(SECTIONS)}")
+    p.add_argument(
+        "--only", default=",".join(SECTIONS), help=f"comma-separated sections of {', '.join(SECTIONS)}"
+    )
     p.add_argument("--out", default=str(REPO / "bench" / "results"))
     a = p.parse_args()
     out = Path(a.out)
@@ -421,15 +642,25 @@ def main() -> None:
     for name in a.only.split(","):
         log(f"section {name}")
         results[name] = SECTIONS[name](profile, out)
-    meta = {"profile": a.profile, "settings": profile, "seconds": time.perf_counter() - started,
-            "machine": f"{platform.machine()}, {os.cpu_count()} cores", "date": time.strftime("%Y-%m-%d")}  # fmt: skip
+    meta = {
+        "profile": a.profile,
+        "settings": profile,
+        "seconds": time.perf_counter() - started,
+        "machine": f"{platform.machine()}, {os.cpu_count()} cores",
+        "date": time.strftime("%Y-%m-%d"),
+    }
     (out / f"bench-{a.profile}.json").write_text(json.dumps({"meta": meta, **results}, indent=2))
     made = plots(results, out, a.profile)
     text = table(results)
-    (out / f"bench-{a.profile}.md").write_text(f"# bench ({a.profile}, {meta['date']}, {meta['machine']})\n\n{text}\n")
+    (out / f"bench-{a.profile}.md").write_text(
+        f"# bench ({a.profile}, {meta['date']}, {meta['machine']})\n\n{text}\n"
+    )
     shutil.rmtree(out / "runs", ignore_errors=True)
     print(text)
-    print(f"\nwrote {out}/bench-{a.profile}.json, bench-{a.profile}.md, {', '.join(made)} in {meta['seconds']:.0f} s")
+    print(
+        f"\nwrote {out}/bench-{a.profile}.json, bench-{a.profile}.md, {', '.join(made)} in "
+        f"{meta['seconds']:.0f} s"
+    )
 
 
 if __name__ == "__main__":

@@ -26,7 +26,6 @@ from typing import Any
 os.environ.setdefault("OMP_NUM_THREADS", "1")
 
 import numpy as np  # noqa: E402
-
 from bagpipe.core.data import KAGGLE_TABLE_ROWS, SyntheticConfig, SyntheticSource, build_batch, table_offsets  # noqa: E402
 from bagpipe.core.lookahead import LookaheadPlanner, trainer_users  # noqa: E402
 
@@ -34,7 +33,11 @@ PAPER_SAMPLES_PER_SECOND = 3.27e6
 
 
 def measure(
-    batch_size: int = 16384, tables: int = 26, lookahead: int = 200, timed: int = 200, trainers: int = 8,
+    batch_size: int = 16384,
+    tables: int = 26,
+    lookahead: int = 200,
+    timed: int = 200,
+    trainers: int = 8,
     zipf_alpha: float = 1.1,
 ) -> dict[str, Any]:
     """Plans ``timed`` batches against a full window; the first ``tables`` Kaggle tables."""
@@ -98,11 +101,16 @@ def main() -> None:
     Path(a.out).parent.mkdir(parents=True, exist_ok=True)
     Path(a.out).write_text(json.dumps(result, indent=2))
     print(
-        f"oracle: batch {a.batch_size}, {result['tables']} tables, L={a.lookahead}, LRPP for {a.trainers} trainers: "
-        f"{result['samples_per_second'] / 1e6:.2f} M samples/s (median {result['median_ms_per_batch']:.2f} ms/batch, "
-        f"{result['unique_keys_per_batch']:,.0f} unique keys/batch); paper 3.27 M -> ratio {result['ratio_to_paper']:.2f}; "
-        f"the data processor's per-trainer usage masks take {result['median_ms_per_batch_trainer_masks']:.2f} ms/batch "
-        f"(oracle and masks on one core: {result['samples_per_second_with_trainer_masks'] / 1e6:.2f} M samples/s)"
+        f"oracle: batch {a.batch_size}, {result['tables']} tables, L={a.lookahead}, LRPP for {a.trainers} "
+        "trainers: "
+        f"{result['samples_per_second'] / 1e6:.2f} M samples/s (median "
+        f"{result['median_ms_per_batch']:.2f} ms/batch, "
+        f"{result['unique_keys_per_batch']:,.0f} unique keys/batch); paper 3.27 M -> ratio "
+        f"{result['ratio_to_paper']:.2f}; "
+        "the data processor's per-trainer usage masks take "
+        f"{result['median_ms_per_batch_trainer_masks']:.2f} ms/batch "
+        f"(oracle and masks on one core: {result['samples_per_second_with_trainer_masks'] / 1e6:.2f} M "
+        "samples/s)"
     )
 
 

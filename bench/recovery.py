@@ -73,8 +73,16 @@ def main() -> None:
     p.add_argument("--failure-timeout", type=float, default=10.0)
     p.add_argument("--work", default="runs/bench-recovery")
     a = p.parse_args()
-    flags = ["--iterations", str(a.iterations), "--batch-size", str(a.batch_size), "--scale", str(a.scale),
-             "--failure-timeout", str(a.failure_timeout)]  # fmt: skip
+    flags = [
+        "--iterations",
+        str(a.iterations),
+        "--batch-size",
+        str(a.batch_size),
+        "--scale",
+        str(a.scale),
+        "--failure-timeout",
+        str(a.failure_timeout),
+    ]
     work = Path(a.work) / time.strftime("%Y%m%d-%H%M%S")
     rows: list[dict[str, Any]] = []
     plain, _ = one_run([*flags, "--checkpoint-every", "0"], work / "no-checkpoints", None, 0)
@@ -85,28 +93,46 @@ def main() -> None:
     cost = checked["recovery"]["checkpoint_seconds_per_iteration"] / checked["seconds_per_iteration"]
     for name, pattern, sig in TARGETS:
         summary, signalled = one_run(
-            [*flags, "--checkpoint-every", str(a.checkpoint_every)], work / name.replace(" ", "-"),
-            (pattern, sig), a.iterations // 3,
-        )  # fmt: skip
+            [*flags, "--checkpoint-every", str(a.checkpoint_every)],
+            work / name.replace(" ", "-"),
+            (pattern, sig),
+            a.iterations // 3,
+        )
         failure = summary["recovery"]["failures"][0]
-        rows.append({
-            "component": name, "signal": signal.Signals(sig).name, "blamed": failure["component"],
-            "detect_seconds": failure["detected_at"] - signalled,
-            "recover_seconds": failure.get("recovered_seconds", float("nan")),
-            "replayed_iterations": failure["replayed_iterations"],
-        })  # fmt: skip
-    print(f"checkpoint every {a.checkpoint_every} batches: {100 * cost:.1f}% of iteration time checkpointing,"
-          f" {100 * slowdown:+.1f}% time per iteration against no checkpoints (target <= 5%)")  # fmt: skip
+        rows.append(
+            {
+                "component": name,
+                "signal": signal.Signals(sig).name,
+                "blamed": failure["component"],
+                "detect_seconds": failure["detected_at"] - signalled,
+                "recover_seconds": failure.get("recovered_seconds", float("nan")),
+                "replayed_iterations": failure["replayed_iterations"],
+            }
+        )
+    print(
+        f"checkpoint every {a.checkpoint_every} batches: {100 * cost:.1f}% of iteration time checkpointing,"
+        f" {100 * slowdown:+.1f}% time per iteration against no checkpoints (target <= 5%)"
+    )
     print(f"{'component':<18} {'signal':<8} {'blamed':<20} {'detect s':>9} {'recover s':>10} {'replayed':>9}")
     for r in rows:
-        print(f"{r['component']:<18} {r['signal']:<8} {r['blamed']:<20} {r['detect_seconds']:9.1f} "
-              f"{r['recover_seconds']:10.1f} {r['replayed_iterations']:9d}")  # fmt: skip
+        print(
+            f"{r['component']:<18} {r['signal']:<8} {r['blamed']:<20} {r['detect_seconds']:9.1f} "
+            f"{r['recover_seconds']:10.1f} {r['replayed_iterations']:9d}"
+        )
     print("targets: detect <= 10 s, recover <= 30 s")
     RESULTS.mkdir(exist_ok=True)
-    (RESULTS / "recovery-quick.json").write_text(json.dumps({
-        "flags": flags, "checkpoint_every": a.checkpoint_every, "checkpoint_share": cost,
-        "slowdown": slowdown, "failures": rows,
-    }, indent=1))  # fmt: skip
+    (RESULTS / "recovery-quick.json").write_text(
+        json.dumps(
+            {
+                "flags": flags,
+                "checkpoint_every": a.checkpoint_every,
+                "checkpoint_share": cost,
+                "slowdown": slowdown,
+                "failures": rows,
+            },
+            indent=1,
+        )
+    )
 
 
 if __name__ == "__main__":

@@ -55,8 +55,11 @@ def main() -> None:
     top = [int(x) for x in a.top_mlp.split(",")]
     tbe = SplitTableBatchedEmbeddingBagsCodegen(
         [(n, dim, EmbeddingLocation.HOST, ComputeDevice.CPU) for n in rows],
-        optimizer=EmbOptimType.EXACT_ROWWISE_ADAGRAD, learning_rate=a.lr, eps=1e-10, pooling_mode=PoolingMode.SUM,
-    )  # fmt: skip
+        optimizer=EmbOptimType.EXACT_ROWWISE_ADAGRAD,
+        learning_rate=a.lr,
+        eps=1e-10,
+        pooling_mode=PoolingMode.SUM,
+    )
     dense_arch = DenseArch(13, bottom)
     interaction = InteractionArch(num_sparse_features=tables)
     over = OverArch(dim + tables * (tables + 1) // 2, top)
@@ -75,7 +78,10 @@ def main() -> None:
         pooled = tbe(ids, offsets).view(per, tables, dim)
         x = dense_arch(dense)
         logits = over(interaction(x, pooled)).squeeze(1)
-        loss = torch.nn.functional.binary_cross_entropy_with_logits(logits, labels, reduction="sum") / a.batch_size
+        loss = (
+            torch.nn.functional.binary_cross_entropy_with_logits(logits, labels, reduction="sum")
+            / a.batch_size
+        )
         opt.zero_grad()
         loss.backward()  # TBE applies its fused row-wise Adagrad in the backward pass
         opt.step()
@@ -83,10 +89,13 @@ def main() -> None:
     warm = times[max(5, len(times) // 10) :]
     result = {
         "system": "torchrec (fbgemm TBE, single trainer slice, no communication)",
-        "batch_size": a.batch_size, "trainers": a.trainers, "samples_per_iteration": per,
-        "median_ms": 1000 * statistics.median(warm), "p90_ms": 1000 * sorted(warm)[int(0.9 * (len(warm) - 1))],
+        "batch_size": a.batch_size,
+        "trainers": a.trainers,
+        "samples_per_iteration": per,
+        "median_ms": 1000 * statistics.median(warm),
+        "p90_ms": 1000 * sorted(warm)[int(0.9 * (len(warm) - 1))],
         "torch": torch.__version__,
-    }  # fmt: skip
+    }
     if a.out:
         Path(a.out).write_text(json.dumps(result, indent=2))
     print(json.dumps(result))

@@ -33,8 +33,12 @@ def defined_metric_names() -> set[str]:
     for module in METRIC_MODULES:
         importlib.import_module(f"bagpipe.{module}.metrics")
     names: set[str] = set()
-    suffixes = {"counter": ("_total", "_created"), "histogram": ("_bucket", "_sum", "_count", "_created"),
-                "gauge": ("",), "summary": ("_sum", "_count", "_created")}  # fmt: skip
+    suffixes = {
+        "counter": ("_total", "_created"),
+        "histogram": ("_bucket", "_sum", "_count", "_created"),
+        "gauge": ("",),
+        "summary": ("_sum", "_count", "_created"),
+    }
     for family in REGISTRY.collect():
         names.update(family.name + s for s in suffixes.get(family.type, ("",)))
     return names

@@ -22,16 +22,18 @@ from bagpipe.config_args import (
 )
 from bagpipe.control.detector import DEFAULT_TIMEOUT_S
 from bagpipe.core.optim import OPTIMIZERS
+from bagpipe.data_processor.config import add_source_args
 
 # rows per second each embedding server sends while re-sharding a local run: there the services share the
 # trainers' cores; at the quick profile's size this keeps iterations during a migration as fast as the
 # others (bench/resharding.py), where no limit makes them about 1.6x slower on 2 cores
 DEFAULT_MIGRATION_RATE = 50_000.0
-from bagpipe.data_processor.config import add_source_args
 
 
 def build_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="bagpipe", description="Bagpipe: lookahead-cached recommendation model training")
+    p = argparse.ArgumentParser(
+        prog="bagpipe", description="Bagpipe: lookahead-cached recommendation model training"
+    )
     sub = p.add_subparsers(dest="command", required=True)
     r = sub.add_parser("run", help="train one job with every service as a local process")
     add_source_args(r)
@@ -39,14 +41,20 @@ def build_parser() -> argparse.ArgumentParser:
     add_eval_args(r)
     g = r.add_argument_group("job")
     g.add_argument("--batch-size", type=int, default=2048, help="global batch size (default 2048)")
-    g.add_argument("--iterations", type=int, default=300, help="global batches to train (0: the whole data; default 300)")
+    g.add_argument(
+        "--iterations", type=int, default=300, help="global batches to train (0: the whole data; default 300)"
+    )
     g.add_argument("--trainers", type=int, default=2, help="number of trainers (default 2)")
     g.add_argument("--embedding-servers", type=int, default=2, help="number of embedding servers (default 2)")
     g.add_argument("--data-processors", type=int, default=1, help="number of data processors (default 1)")
     g.add_argument("--device", default="auto", help="trainer device: auto, cpu or cuda (default auto)")
-    g.add_argument("--transfer-batches", type=positive_int, default=DEFAULT_TRANSFER_BATCHES,
-                   help="trainers fetch and write back up to this many batches' rows in one call per shard "
-                   f"(default {DEFAULT_TRANSFER_BATCHES})")  # fmt: skip
+    g.add_argument(
+        "--transfer-batches",
+        type=positive_int,
+        default=DEFAULT_TRANSFER_BATCHES,
+        help="trainers fetch and write back up to this many batches' rows in one call per shard "
+        f"(default {DEFAULT_TRANSFER_BATCHES})",
+    )
     g.add_argument("--save-initial", default=None, help="write the initial interchange checkpoint here")
     g.add_argument("--save-final", default=None, help="write the final interchange checkpoint here")
     g.add_argument("--run-dir", default=None, help="where logs and the summary go (default runs/<time>)")
@@ -54,49 +62,91 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--log-level", default="INFO", help="services' logging level (default INFO)")
     add_cache_args(r)
     g = r.add_argument_group("failures and recovery")
-    g.add_argument("--checkpoint-every", type=non_negative_int, default=DEFAULT_CHECKPOINT_EVERY,
-                   help="a consistent, incremental checkpoint after every this many batches, from which the job "
-                   f"recovers exactly (default {DEFAULT_CHECKPOINT_EVERY}; 0: none)")  # fmt: skip
-    g.add_argument("--checkpoint-dir", default=None, help="where checkpoints go (default RUN_DIR/checkpoints)")
-    g.add_argument("--failure-timeout", type=positive_float, default=DEFAULT_TIMEOUT_S,
-                   help="a service that does not answer its /metrics, or a trainer that makes no progress, for "
-                   f"this many seconds has failed (default {DEFAULT_TIMEOUT_S:g})")  # fmt: skip
-    g.add_argument("--max-restarts", type=non_negative_int, default=3,
-                   help="recoveries from failures before the run gives up (default 3)")
-    g.add_argument("--resume", default=None, metavar="RUN_DIR",
-                   help="go on with a stopped or crashed run from its last checkpoint, with its own flags")
+    g.add_argument(
+        "--checkpoint-every",
+        type=non_negative_int,
+        default=DEFAULT_CHECKPOINT_EVERY,
+        help="a consistent, incremental checkpoint after every this many batches, from which the job "
+        f"recovers exactly (default {DEFAULT_CHECKPOINT_EVERY}; 0: none)",
+    )
+    g.add_argument(
+        "--checkpoint-dir", default=None, help="where checkpoints go (default RUN_DIR/checkpoints)"
+    )
+    g.add_argument(
+        "--failure-timeout",
+        type=positive_float,
+        default=DEFAULT_TIMEOUT_S,
+        help="a service that does not answer its /metrics, or a trainer that makes no progress, for "
+        f"this many seconds has failed (default {DEFAULT_TIMEOUT_S:g})",
+    )
+    g.add_argument(
+        "--max-restarts",
+        type=non_negative_int,
+        default=3,
+        help="recoveries from failures before the run gives up (default 3)",
+    )
+    g.add_argument(
+        "--resume",
+        default=None,
+        metavar="RUN_DIR",
+        help="go on with a stopped or crashed run from its last checkpoint, with its own flags",
+    )
     security.add_tls_args(r)  # the run's processes inherit the files (every gRPC call then uses mutual TLS)
     g = r.add_argument_group("scaling")
-    g.add_argument("--migration-rows-per-second", type=non_negative_float, default=DEFAULT_MIGRATION_RATE,
-                   help="re-sharding (bagpipe scale) sends at most this many rows per second from each embedding "
-                   f"server, so that training keeps its share of the cores and the network (default "
-                   f"{DEFAULT_MIGRATION_RATE:g}; 0: no limit)")  # fmt: skip
+    g.add_argument(
+        "--migration-rows-per-second",
+        type=non_negative_float,
+        default=DEFAULT_MIGRATION_RATE,
+        help="re-sharding (bagpipe scale) sends at most this many rows per second from each embedding "
+        f"server, so that training keeps its share of the cores and the network (default "
+        f"{DEFAULT_MIGRATION_RATE:g}; 0: no limit)",
+    )
     g = r.add_argument_group("benchmarking")
     g.add_argument(
-        "--system", choices=["bagpipe", "no-cache", "ideal"], default="bagpipe",
+        "--system",
+        choices=["bagpipe", "no-cache", "ideal"],
+        default="bagpipe",
         help="bagpipe (default); no-cache: L=1, every row fetched before and written back after each step "
         "on the critical path; ideal: embeddings in shared memory beside the trainers, no network transfers",
-    )  # fmt: skip
-    g.add_argument("--embedding-server-netns", default=None, metavar="NAME",
-                   help="run the embedding servers in this network namespace (the benchmark's limited link)")
-    g.add_argument("--netns-addresses", default="10.231.0.1,10.231.0.2", metavar="HOST_IP,NETNS_IP",
-                   help="the link's address on this side and inside the namespace (default 10.231.0.1,10.231.0.2)")
+    )
+    g.add_argument(
+        "--embedding-server-netns",
+        default=None,
+        metavar="NAME",
+        help="run the embedding servers in this network namespace (the benchmark's limited link)",
+    )
+    g.add_argument(
+        "--netns-addresses",
+        default="10.231.0.1,10.231.0.2",
+        metavar="HOST_IP,NETNS_IP",
+        help="the link's address on this side and inside the namespace (default 10.231.0.1,10.231.0.2)",
+    )
     g = r.add_argument_group("monitoring")
-    g.add_argument("--prometheus", action="store_true",
-                   help="also start a real Prometheus server scraping every service (binary: make tools)")
+    g.add_argument(
+        "--prometheus",
+        action="store_true",
+        help="also start a real Prometheus server scraping every service (binary: make tools)",
+    )
     g.add_argument("--prometheus-port", type=int, default=0, help="its port (default: any free port)")
-    g.add_argument("--prometheus-linger", type=float, default=0.0,
-                   help="seconds Prometheus stays up after training, for queries (default 0)")
+    g.add_argument(
+        "--prometheus-linger",
+        type=float,
+        default=0.0,
+        help="seconds Prometheus stays up after training, for queries (default 0)",
+    )
 
     c = sub.add_parser(
         "scale",
-        help="change the number of embedding servers of a running `bagpipe run`: rows and optimizer state move "
+        help="change the number of embedding servers of a running `bagpipe run`: rows and optimizer "
+        "state move "
         "to the new servers, or off the removed ones, while training goes on",
     )
     c.add_argument("tier", choices=["embedding-servers"], help="what to scale")
     c.add_argument("count", type=positive_int, help="the number of embedding servers wanted")
     c.add_argument("--run", required=True, metavar="RUN_DIR", help="the run directory of the running job")
-    c.add_argument("--timeout", type=positive_float, default=600.0, help="seconds to wait for it (default 600)")
+    c.add_argument(
+        "--timeout", type=positive_float, default=600.0, help="seconds to wait for it (default 600)"
+    )
     c.add_argument("--no-wait", action="store_true", help="return once the request is made")
 
     s = sub.add_parser(
@@ -109,7 +159,9 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--batch-size", type=int, default=16384, help="global batch size (default 16384)")
     g.add_argument("--trainers", type=int, default=8, help="logical trainers (default 8)")
     g.add_argument("--iterations", type=int, default=60, help="batches measured (default 60)")
-    g.add_argument("--embedding-dim", type=int, default=16, help="embedding dimension, for bytes (default 16)")
+    g.add_argument(
+        "--embedding-dim", type=int, default=16, help="embedding dimension, for bytes (default 16)"
+    )
     g.add_argument("--optimizer", default="sgd", choices=OPTIMIZERS, help="for the bytes of a row's state")
     g.add_argument("--seed", type=int, default=0, help="seed of the synthetic data")
     g.add_argument("--json", action="store_true", help="print JSON instead of a table")
@@ -142,12 +194,19 @@ def scale(args: argparse.Namespace) -> None:
     if status["state"] != "done":
         print(f"bagpipe scale: {status['state']}: {status.get('error', '')}", file=sys.stderr)
         raise SystemExit(1)
-    print(f"{status['embedding_servers']} embedding servers, shard map version {status.get('shard_map_version', '?')}"
-          f" ({status.get('seconds', 0.0):.1f} s)" + (f"; {status['note']}" if status.get("note") else ""))
+    print(
+        f"{status['embedding_servers']} embedding servers, shard map version "
+        f"{status.get('shard_map_version', '?')}"
+        f" ({status.get('seconds', 0.0):.1f} s)" + (f"; {status['note']}" if status.get("note") else "")
+    )
     for r in status.get("reshards", []):
-        print(f"  version {r['from_version']} -> {r['to_version']}: shards {r['from_shards']} -> {r['to_shards']}, "
-              f"{r['buckets_moved']} buckets, {r.get('rows_moved', 0):,} rows, {r.get('bytes_moved', 0) / 2**20:.1f} MiB "
-              f"in {r.get('seconds', 0.0):.2f} s (switch {1000 * r.get('switch_seconds', 0.0):.1f} ms)")
+        print(
+            f"  version {r['from_version']} -> {r['to_version']}: shards {r['from_shards']} -> "
+            f"{r['to_shards']}, "
+            f"{r['buckets_moved']} buckets, {r.get('rows_moved', 0):,} rows, "
+            f"{r.get('bytes_moved', 0) / 2**20:.1f} MiB "
+            f"in {r.get('seconds', 0.0):.2f} s (switch {1000 * r.get('switch_seconds', 0.0):.1f} ms)"
+        )
 
 
 def main(argv: list[str] | None = None) -> None:

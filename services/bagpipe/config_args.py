@@ -61,8 +61,10 @@ def table_rows_of(args: argparse.Namespace) -> tuple[int, ...]:
     _, tables = source_schema(args.data)
     if args.table_rows is not None:
         if len(args.table_rows) != tables:
-            raise SystemExit(f"--table-rows: expected {tables} values for {args.data.partition(':')[0]} data, "
-                             f"got {len(args.table_rows)}")  # fmt: skip
+            raise SystemExit(
+                f"--table-rows: expected {tables} values for {args.data.partition(':')[0]} data, "
+                f"got {len(args.table_rows)}"
+            )
         return tuple(args.table_rows)
     if args.data.startswith("avazu:"):
         from bagpipe.core.files import AVAZU_TABLE_ROWS
@@ -79,30 +81,62 @@ def add_model_args(p: argparse.ArgumentParser, dense: bool = True) -> None:
     """The model and optimizer flags; ``dense``: also the dense part's sizes (trainers, ``bagpipe run``).
     Embedding servers take the rest: the model decides the row width, the optimizer the state width."""
     g = p.add_argument_group("model and optimizer")
-    g.add_argument("--model", default="dlrm", choices=MODELS,
-                   help="dlrm, wdl (Wide&Deep), deepfm or dcn (Deep&Cross) (default dlrm)")  # fmt: skip
+    g.add_argument(
+        "--model",
+        default="dlrm",
+        choices=MODELS,
+        help="dlrm, wdl (Wide&Deep), deepfm or dcn (Deep&Cross) (default dlrm)",
+    )
     g.add_argument("--embedding-dim", type=positive_int, default=16, help="embedding dimension (default 16)")
     if dense:
-        g.add_argument("--bottom-mlp", type=int_list, default=None,
-                       help="dlrm: bottom MLP sizes, the last = --embedding-dim (default 64,DIM)")  # fmt: skip
-        g.add_argument("--top-mlp", type=int_list, default=None,
-                       help="dlrm: top MLP sizes, the last = 1 (default 64,1)")  # fmt: skip
         g.add_argument(
-            "--deep-mlp", type=int_list, default=(),
+            "--bottom-mlp",
+            type=int_list,
+            default=None,
+            help="dlrm: bottom MLP sizes, the last = --embedding-dim (default 64,DIM)",
+        )
+        g.add_argument(
+            "--top-mlp", type=int_list, default=None, help="dlrm: top MLP sizes, the last = 1 (default 64,1)"
+        )
+        g.add_argument(
+            "--deep-mlp",
+            type=int_list,
+            default=(),
             help="wdl/deepfm/dcn: the deep tower's hidden sizes (default: "
-            + "; ".join(f"{m} {','.join(map(str, s))}" for m, s in DEFAULT_DEEP_MLP.items()) + ")",
-        )  # fmt: skip
-        g.add_argument("--cross-layers", type=positive_int, default=DEFAULT_CROSS_LAYERS,
-                       help=f"dcn: cross layers (default {DEFAULT_CROSS_LAYERS})")  # fmt: skip
-    g.add_argument("--optimizer", default="sgd", choices=OPTIMIZERS,
-                   help="sgd, adagrad or adam, for dense parameters and embeddings alike (default sgd)")  # fmt: skip
+            + "; ".join(f"{m} {','.join(map(str, s))}" for m, s in DEFAULT_DEEP_MLP.items())
+            + ")",
+        )
+        g.add_argument(
+            "--cross-layers",
+            type=positive_int,
+            default=DEFAULT_CROSS_LAYERS,
+            help=f"dcn: cross layers (default {DEFAULT_CROSS_LAYERS})",
+        )
+    g.add_argument(
+        "--optimizer",
+        default="sgd",
+        choices=OPTIMIZERS,
+        help="sgd, adagrad or adam, for dense parameters and embeddings alike (default sgd)",
+    )
     g.add_argument("--lr", type=float, default=0.1, help="learning rate (default 0.1)")
-    g.add_argument("--eps", type=positive_float, default=None,
-                   help="adagrad/adam epsilon (default: torch's, 1e-10 / 1e-8)")  # fmt: skip
-    g.add_argument("--momentum", type=non_negative_float, default=0.0,
-                   help="refused unless 0: lazy momentum on embeddings is not synchronous training")  # fmt: skip
-    g.add_argument("--weight-decay", type=non_negative_float, default=0.0,
-                   help="refused unless 0: lazy decay on embeddings is not synchronous training")  # fmt: skip
+    g.add_argument(
+        "--eps",
+        type=positive_float,
+        default=None,
+        help="adagrad/adam epsilon (default: torch's, 1e-10 / 1e-8)",
+    )
+    g.add_argument(
+        "--momentum",
+        type=non_negative_float,
+        default=0.0,
+        help="refused unless 0: lazy momentum on embeddings is not synchronous training",
+    )
+    g.add_argument(
+        "--weight-decay",
+        type=non_negative_float,
+        default=0.0,
+        help="refused unless 0: lazy decay on embeddings is not synchronous training",
+    )
     g.add_argument(
         "--seed", type=non_negative_int, default=0, help="seed of the initial model and synthetic data"
     )
@@ -112,20 +146,26 @@ def add_model_args(p: argparse.ArgumentParser, dense: bool = True) -> None:
 def model_config_of(args: argparse.Namespace, num_tables: int) -> ModelConfig:
     """The model the flags describe (ValueError names the field that is wrong)."""
     return ModelConfig(
-        num_tables=num_tables, num_dense=source_schema(getattr(args, "data", "synthetic"))[0],
-        embedding_dim=args.embedding_dim, name=args.model,
+        num_tables=num_tables,
+        num_dense=source_schema(getattr(args, "data", "synthetic"))[0],
+        embedding_dim=args.embedding_dim,
+        name=args.model,
         bottom_mlp=getattr(args, "bottom_mlp", None) or (64, args.embedding_dim),
         top_mlp=getattr(args, "top_mlp", None) or (64, 1),
-        deep_mlp=tuple(getattr(args, "deep_mlp", ()) or ()), cross_layers=getattr(args, "cross_layers", 3),
-    )  # fmt: skip
+        deep_mlp=tuple(getattr(args, "deep_mlp", ()) or ()),
+        cross_layers=getattr(args, "cross_layers", 3),
+    )
 
 
 def optimizer_config_of(args: argparse.Namespace) -> OptimizerConfig:
     """The optimizer the flags describe (ValueError names the field that is wrong)."""
     return OptimizerConfig(
-        args.optimizer, args.lr, eps=getattr(args, "eps", None), momentum=getattr(args, "momentum", 0.0),
+        args.optimizer,
+        args.lr,
+        eps=getattr(args, "eps", None),
+        momentum=getattr(args, "momentum", 0.0),
         weight_decay=getattr(args, "weight_decay", 0.0),
-    )  # fmt: skip
+    )
 
 
 def row_width_of(args: argparse.Namespace) -> int:
@@ -136,13 +176,25 @@ def row_width_of(args: argparse.Namespace) -> int:
 def add_eval_args(p: argparse.ArgumentParser) -> None:
     """Held-out evaluation (trainers and ``bagpipe run``)."""
     g = p.add_argument_group("evaluation")
-    g.add_argument("--eval-data", default=None, metavar="SOURCE",
-                   help="held-out data for logloss and ROC AUC: a file source like --data's (criteo:PATH, "
-                   "avazu:PATH), or 'synthetic' (unseen samples of the synthetic generator)")  # fmt: skip
-    g.add_argument("--eval-every", type=non_negative_int, default=0,
-                   help="evaluate after every this many batches too (default 0: at the end only)")  # fmt: skip
-    g.add_argument("--eval-samples", type=non_negative_int, default=0,
-                   help="held-out samples to use (default 0: the whole file; 16384 for synthetic)")  # fmt: skip
+    g.add_argument(
+        "--eval-data",
+        default=None,
+        metavar="SOURCE",
+        help="held-out data for logloss and ROC AUC: a file source like --data's (criteo:PATH, "
+        "avazu:PATH), or 'synthetic' (unseen samples of the synthetic generator)",
+    )
+    g.add_argument(
+        "--eval-every",
+        type=non_negative_int,
+        default=0,
+        help="evaluate after every this many batches too (default 0: at the end only)",
+    )
+    g.add_argument(
+        "--eval-samples",
+        type=non_negative_int,
+        default=0,
+        help="held-out samples to use (default 0: the whole file; 16384 for synthetic)",
+    )
 
 
 def add_coordination_args(p: argparse.ArgumentParser) -> None:

@@ -26,7 +26,10 @@ _ALIVE: dict[str, Gauge] = {}
 def _alive_gauge(service: str) -> Gauge:
     """``bagpipe_<service>_alive_timestamp_seconds``: the time of the scrape itself (once per process)."""
     if service not in _ALIVE:
-        gauge = Gauge(f"bagpipe_{service}_alive_timestamp_seconds", "Unix time at which this process answered the scrape")
+        gauge = Gauge(
+            f"bagpipe_{service}_alive_timestamp_seconds",
+            "Unix time at which this process answered the scrape",
+        )
         gauge.set_function(time.time)
         _ALIVE[service] = gauge
     return _ALIVE[service]

@@ -39,13 +39,17 @@ def grpc_serving(address: str) -> str | None:
 
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(prog="bagpipe-probe", description=__doc__)
-    p.add_argument("--ready", action="append", default=[], metavar="URL", help="an HTTP URL that must answer 200")
+    p.add_argument(
+        "--ready", action="append", default=[], metavar="URL", help="an HTTP URL that must answer 200"
+    )
     p.add_argument("--grpc-health", action="append", default=[], metavar="HOST:PORT", help="must be SERVING")
     p.add_argument("--timeout", type=float, default=120.0, help="seconds to keep trying (default 120)")
     a = p.parse_args(argv)
     deadline = time.monotonic() + a.timeout
     while True:
-        problems = [x for x in map(http_ready, a.ready) if x] + [x for x in map(grpc_serving, a.grpc_health) if x]
+        problems = [x for x in map(http_ready, a.ready) if x] + [
+            x for x in map(grpc_serving, a.grpc_health) if x
+        ]
         if not problems:
             print(f"ready: {len(a.ready) + len(a.grpc_health)} checks passed")
             return 0

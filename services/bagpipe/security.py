@@ -66,8 +66,9 @@ def server_credentials() -> grpc.ServerCredentials | None:
     if files is None:
         return None
     pem = _pem(files)
-    return grpc.ssl_server_credentials([(pem["key"], pem["cert"])], root_certificates=pem["ca"],
-                                       require_client_auth=True)  # fmt: skip
+    return grpc.ssl_server_credentials(
+        [(pem["key"], pem["cert"])], root_certificates=pem["ca"], require_client_auth=True
+    )
 
 
 def channel_credentials() -> tuple[grpc.ChannelCredentials, list[tuple[str, str]]] | None:
@@ -93,20 +94,39 @@ class EnvFlag(argparse.Action):
         super().__init__(*args, **kwargs)
         self.env = env
 
-    def __call__(self, parser: argparse.ArgumentParser, namespace: argparse.Namespace, values: Any,
-                 option_string: str | None = None) -> None:  # fmt: skip
+    def __call__(
+        self,
+        parser: argparse.ArgumentParser,
+        namespace: argparse.Namespace,
+        values: Any,
+        option_string: str | None = None,
+    ) -> None:
         os.environ[self.env] = str(values)
         setattr(namespace, self.dest, values)
 
 
 def add_tls_args(p: argparse.ArgumentParser) -> None:
     g = p.add_argument_group("mutual TLS (all three, or none: plaintext)")
-    for kind, what in (("cert", "this process's certificate"), ("key", "its private key"),
-                       ("ca", "the job's CA certificate, which signed every service's")):  # fmt: skip
-        g.add_argument(f"--tls-{kind}", action=EnvFlag, env=TLS_ENV[kind], default=None, metavar="PEM",
-                       help=f"{what} (PEM; or ${TLS_ENV[kind]})")  # fmt: skip
-    g.add_argument("--tls-server-name", action=EnvFlag, env=TLS_SERVER_NAME_ENV, default=None,
-                   help=f"the name in servers' certificates (default {DEFAULT_TLS_SERVER_NAME})")  # fmt: skip
+    for kind, what in (
+        ("cert", "this process's certificate"),
+        ("key", "its private key"),
+        ("ca", "the job's CA certificate, which signed every service's"),
+    ):
+        g.add_argument(
+            f"--tls-{kind}",
+            action=EnvFlag,
+            env=TLS_ENV[kind],
+            default=None,
+            metavar="PEM",
+            help=f"{what} (PEM; or ${TLS_ENV[kind]})",
+        )
+    g.add_argument(
+        "--tls-server-name",
+        action=EnvFlag,
+        env=TLS_SERVER_NAME_ENV,
+        default=None,
+        help=f"the name in servers' certificates (default {DEFAULT_TLS_SERVER_NAME})",
+    )
 
 
 def job_secret() -> str | None:

@@ -7,14 +7,14 @@ import numpy as np
 from bagpipe.errors import InvalidArgument
 from bagpipe.v1 import tensor_pb2
 
-_TO_PROTO = {
+_TO_PROTO: dict[np.dtype, tensor_pb2.DType] = {
     np.dtype("<f4"): tensor_pb2.DTYPE_FLOAT32,
     np.dtype("<i8"): tensor_pb2.DTYPE_INT64,
     np.dtype("<i4"): tensor_pb2.DTYPE_INT32,
     np.dtype("bool"): tensor_pb2.DTYPE_BOOL,
 }
 _FROM_PROTO = {v: k for k, v in _TO_PROTO.items()}
-_NAMES = {v: np.dtype(k).name for k, v in _TO_PROTO.items()}
+_NAMES = {v: k.name for k, v in _TO_PROTO.items()}
 
 
 def to_tensor(array: np.ndarray) -> tensor_pb2.Tensor:
@@ -48,10 +48,11 @@ def from_tensor(
         raise InvalidArgument(field, f"negative dimension in shape {list(dims)}")
     if ndim is not None and len(dims) != ndim:
         raise InvalidArgument(field, f"must have {ndim} dimensions, got shape {list(dims)}")
-    if shape is not None:
-        if len(dims) != len(shape) or any(s is not None and s != d for s, d in zip(shape, dims, strict=True)):
-            expect = ["*" if s is None else s for s in shape]
-            raise InvalidArgument(field, f"shape must be {expect}, got {list(dims)}")
+    if shape is not None and (
+        len(dims) != len(shape) or any(s is not None and s != d for s, d in zip(shape, dims, strict=True))
+    ):
+        expect = ["*" if s is None else s for s in shape]
+        raise InvalidArgument(field, f"shape must be {expect}, got {list(dims)}")
     count = int(np.prod(dims, dtype=np.int64)) if dims else 1
     if len(tensor.data) != count * want.itemsize:
         raise InvalidArgument(

@@ -27,7 +27,6 @@ from urllib.parse import urlparse
 
 import pytest
 import yaml
-
 from bagpipe.local.launcher import find_redis_server
 from bagpipe.local.prometheus import find_binary
 
@@ -52,7 +51,11 @@ TLS_KEYS = {"cert": "tls.crt", "key": "tls.key", "ca": "ca.crt"}
 
 
 def helm() -> str:
-    for candidate in (os.environ.get("BAGPIPE_HELM"), shutil.which("helm"), str(REPO / ".tools" / "helm" / "helm")):
+    for candidate in (
+        os.environ.get("BAGPIPE_HELM"),
+        shutil.which("helm"),
+        str(REPO / ".tools" / "helm" / "helm"),
+    ):
         if candidate and os.access(candidate, os.X_OK):
             return candidate
     raise FileNotFoundError("no helm binary: run `make tools`")
@@ -62,14 +65,26 @@ def run(*argv: str, env: dict[str, str] | None = None) -> subprocess.CompletedPr
     return subprocess.run(list(argv), capture_output=True, text=True, cwd=REPO, env=env)
 
 
-MONITORING_API = ("--api-versions", "monitoring.coreos.com/v1")  # a cluster with the Prometheus Operator's CRDs
+MONITORING_API = (
+    "--api-versions",
+    "monitoring.coreos.com/v1",
+)  # a cluster with the Prometheus Operator's CRDs
 
 
 def render(
     *args: str, chart: Path = CHART, env: dict[str, str] | None = None, crds: bool = True
 ) -> list[dict[str, Any]]:
-    out = run(helm(), "template", "bagpipe", str(chart), "--namespace", NAMESPACE, *args,
-              *(MONITORING_API if crds else ()), env=env)  # fmt: skip
+    out = run(
+        helm(),
+        "template",
+        "bagpipe",
+        str(chart),
+        "--namespace",
+        NAMESPACE,
+        *args,
+        *(MONITORING_API if crds else ()),
+        env=env,
+    )
     assert out.returncode == 0, out.stderr
     return [d for d in yaml.safe_load_all(out.stdout) if d]
 
@@ -99,8 +114,12 @@ def test_rendered_manifests_are_valid_kubernetes(values: Path | None, tmp_path: 
 def test_prometheus_rule_passes_promtool(tmp_path: Path) -> None:
     (rule,) = by_kind(render(), "PrometheusRule").values()
     alerts = {r["alert"] for g in rule["spec"]["groups"] for r in g["rules"]}
-    assert alerts == {"BagpipeTrainerStuck", "BagpipeServiceGone", "BagpipeOracleStarvingTrainers",
-                      "BagpipeIterationTimeRegressed"}  # fmt: skip
+    assert alerts == {
+        "BagpipeTrainerStuck",
+        "BagpipeServiceGone",
+        "BagpipeOracleStarvingTrainers",
+        "BagpipeIterationTimeRegressed",
+    }
     path = tmp_path / "rules.yml"
     path.write_text(yaml.safe_dump({"groups": rule["spec"]["groups"]}))
     out = run(find_binary("promtool"), "check", "rules", str(path))
@@ -170,8 +189,12 @@ def run_drain_hook(container: dict[str, Any], env: dict[str, str]) -> list[str]:
         python = Path(tmp) / "python"
         python.write_text('#!/bin/sh\nfor a in "$@"; do printf \'%s\\0\' "$a"; done\n')
         python.chmod(0o755)
-        out = subprocess.run([shutil.which("sh") or "/bin/sh", *command[1:]], capture_output=True, text=True,
-                             env={**env, "PATH": tmp})  # fmt: skip
+        out = subprocess.run(
+            [shutil.which("sh") or "/bin/sh", *command[1:]],
+            capture_output=True,
+            text=True,
+            env={**env, "PATH": tmp},
+        )
     assert out.returncode == 0, out.stderr
     return out.stdout.split("\0")[:-1]
 
@@ -257,8 +280,12 @@ def tls_files(pod: dict[str, Any], container: dict[str, Any]) -> dict[str, tuple
 
 def secret_values(docs: list[dict[str, Any]]) -> set[str]:
     """The values in the release's Secrets, decoded and as rendered (base64)."""
-    return {v for s in by_kind(docs, "Secret").values() for b64 in s.get("data", {}).values()
-            for v in (b64, base64.b64decode(b64).decode())}  # fmt: skip
+    return {
+        v
+        for s in by_kind(docs, "Secret").values()
+        for b64 in s.get("data", {}).values()
+        for v in (b64, base64.b64decode(b64).decode())
+    }
 
 
 def assert_secrets_stay_in_secrets(docs: list[dict[str, Any]]) -> None:
@@ -297,7 +324,9 @@ def check_consistency(docs: list[dict[str, Any]]) -> dict[str, Any]:
         fake_env = {"POD_IP": "10.1.2.3"}
         if load["kind"] == "StatefulSet":
             ref = env_names["POD_INDEX"]["valueFrom"]["fieldRef"]["fieldPath"]
-            assert ref == "metadata.labels['apps.kubernetes.io/pod-index']", "rank/shard must come from the ordinal"
+            assert ref == "metadata.labels['apps.kubernetes.io/pod-index']", (
+                "rank/shard must come from the ordinal"
+            )
             fake_env["POD_INDEX"] = str(load["spec"]["replicas"] - 1)
             headless = services[load["spec"]["serviceName"]]
             assert headless["spec"]["clusterIP"] == "None"
@@ -325,9 +354,15 @@ def check_consistency(docs: list[dict[str, Any]]) -> dict[str, Any]:
         for svc in services.values():
             if all(labels.get(k) == v for k, v in svc["spec"]["selector"].items()):
                 for p in svc["spec"]["ports"]:
-                    assert p["targetPort"] in ports, f"{svc['metadata']['name']} targets a missing port {p['targetPort']}"
+                    assert p["targetPort"] in ports, (
+                        f"{svc['metadata']['name']} targets a missing port {p['targetPort']}"
+                    )
         sc = container["securityContext"]
-        assert sc["readOnlyRootFilesystem"] and not sc["allowPrivilegeEscalation"] and sc["capabilities"]["drop"] == ["ALL"]
+        assert (
+            sc["readOnlyRootFilesystem"]
+            and not sc["allowPrivilegeEscalation"]
+            and sc["capabilities"]["drop"] == ["ALL"]
+        )
         assert pod["spec"]["securityContext"]["runAsNonRoot"]
         if container["name"] == "embedding-server":  # its preStop drain: this shard, this job's Redis
             drain = parse_drain(run_drain_hook(container, env))
@@ -375,13 +410,21 @@ def check_consistency(docs: list[dict[str, Any]]) -> dict[str, Any]:
     # torch.distributed rendezvous: trainer 0 through the trainers' headless Service
     sts = trainer_load["metadata"]["name"]
     rendezvous = urlparse(trainer_cfg.dist_init)
-    assert rendezvous.hostname == f"{sts}-0.{trainer_load['spec']['serviceName']}.{NAMESPACE}.svc.cluster.local"
+    assert (
+        rendezvous.hostname == f"{sts}-0.{trainer_load['spec']['serviceName']}.{NAMESPACE}.svc.cluster.local"
+    )
     (trainer_container,) = trainer_load["spec"]["template"]["spec"]["containers"]
     assert rendezvous.port == container_ports(trainer_container)["rendezvous"]
     # ServiceMonitors select Services that have a metrics port
     for monitor in by_kind(docs, "ServiceMonitor").values():
-        matched = [s for s in services.values()
-                   if all(s["metadata"]["labels"].get(k) == v for k, v in monitor["spec"]["selector"]["matchLabels"].items())]  # fmt: skip
+        matched = [
+            s
+            for s in services.values()
+            if all(
+                s["metadata"]["labels"].get(k) == v
+                for k, v in monitor["spec"]["selector"]["matchLabels"].items()
+            )
+        ]
         assert len(matched) == 1 and any(p["name"] == "metrics" for p in matched[0]["spec"]["ports"])
     return configs
 
@@ -471,8 +514,14 @@ def test_gpu_values_ask_for_gpus_and_the_cuda_image() -> None:
     ("values", "message"),
     [
         ("trainer:\n  replicaCout: 3\n", "trainer: Additional property replicaCout is not allowed"),
-        ("embeddingServer:\n  replicaCount: six\n", "embeddingServer.replicaCount: Invalid type. Expected: integer, given: string"),
-        ("training:\n  batchSize: '16384'\n", "training.batchSize: Invalid type. Expected: integer, given: string"),
+        (
+            "embeddingServer:\n  replicaCount: six\n",
+            "embeddingServer.replicaCount: Invalid type. Expected: integer, given: string",
+        ),
+        (
+            "training:\n  batchSize: '16384'\n",
+            "training.batchSize: Invalid type. Expected: integer, given: string",
+        ),
         ("trainers:\n  replicaCount: 2\n", "Additional property trainers is not allowed"),
         ("oracleCacher:\n  replicaCount: 2\n", "oracleCacher.replicaCount"),
         ("embeddingServer:\n  migrationRowsPerSecond: -1\n", "migrationRowsPerSecond: Must be greater than"),
@@ -534,14 +583,26 @@ def test_dashboard_configmap_carries_the_dashboard() -> None:
 def test_network_policies_and_rbac() -> None:
     docs = render()
     policies = by_kind(docs, "NetworkPolicy")
-    assert set(policies) == {f"bagpipe-{c}" for c in ("data-processor", "oracle-cacher", "trainer", "embedding-server", "redis")}
+    assert set(policies) == {
+        f"bagpipe-{c}" for c in ("data-processor", "oracle-cacher", "trainer", "embedding-server", "redis")
+    }
     for policy in policies.values():
         peers = policy["spec"]["ingress"][0]["from"]
-        assert peers == [{"podSelector": {"matchLabels": {"app.kubernetes.io/name": "bagpipe",
-                                                           "app.kubernetes.io/instance": "bagpipe"}}}]  # fmt: skip
+        assert peers == [
+            {
+                "podSelector": {
+                    "matchLabels": {
+                        "app.kubernetes.io/name": "bagpipe",
+                        "app.kubernetes.io/instance": "bagpipe",
+                    }
+                }
+            }
+        ]
     (role,) = by_kind(docs, "Role").values()
     assert role["metadata"]["namespace"] == NAMESPACE
-    assert role["rules"] == [{"apiGroups": [""], "resources": ["pods"], "verbs": ["get", "list", "watch", "delete"]}]
+    assert role["rules"] == [
+        {"apiGroups": [""], "resources": ["pods"], "verbs": ["get", "list", "watch", "delete"]}
+    ]
     # the pods get their credentials as env from the kubelet; their service account reads no Secret
     assert not [r for r in role["rules"] if {"secrets", "*"} & set(r["resources"])]
     assert not by_kind(docs, "ClusterRole") and not by_kind(docs, "ClusterRoleBinding")
@@ -624,12 +685,20 @@ def fake_cluster(tmp_path: Path, live: dict[str, Any] | None) -> Iterator[tuple[
     server = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
     threading.Thread(target=server.serve_forever, daemon=True).start()
     kubeconfig = tmp_path / "kubeconfig"
-    kubeconfig.write_text(yaml.safe_dump({
-        "apiVersion": "v1", "kind": "Config", "current-context": "fake",
-        "clusters": [{"name": "fake", "cluster": {"server": f"http://127.0.0.1:{server.server_address[1]}"}}],
-        "contexts": [{"name": "fake", "context": {"cluster": "fake", "user": "fake"}}],
-        "users": [{"name": "fake", "user": {}}],
-    }))  # fmt: skip
+    kubeconfig.write_text(
+        yaml.safe_dump(
+            {
+                "apiVersion": "v1",
+                "kind": "Config",
+                "current-context": "fake",
+                "clusters": [
+                    {"name": "fake", "cluster": {"server": f"http://127.0.0.1:{server.server_address[1]}"}}
+                ],
+                "contexts": [{"name": "fake", "context": {"cluster": "fake", "user": "fake"}}],
+                "users": [{"name": "fake", "user": {}}],
+            }
+        )
+    )
     try:
         yield {**os.environ, "KUBECONFIG": str(kubeconfig)}, seen
     finally:
@@ -664,11 +733,20 @@ def test_upgrade_keeps_the_live_credentials(given: str | None, tmp_path: Path) -
     [
         ([], {"name": AUTH_SECRET, "key": "redisPassword"}),
         (["-f", str(EXTERNAL_REDIS)], None),
-        (["-f", str(EXTERNAL_REDIS), "--set", "externalRedis.passwordSecret.name=infra-redis",
-          "--set", "externalRedis.passwordSecret.key=password"], {"name": "infra-redis", "key": "password"}),
+        (
+            [
+                "-f",
+                str(EXTERNAL_REDIS),
+                "--set",
+                "externalRedis.passwordSecret.name=infra-redis",
+                "--set",
+                "externalRedis.passwordSecret.key=password",
+            ],
+            {"name": "infra-redis", "key": "password"},
+        ),
     ],
     ids=["bundled-redis", "external-redis", "external-redis-with-password"],
-)  # fmt: skip
+)
 def test_every_container_has_the_job_credentials(args: list[str], redis_ref: dict[str, str] | None) -> None:
     docs = render(*args)
     containers = bagpipe_containers(docs)
@@ -697,12 +775,16 @@ def test_an_existing_secret_replaces_the_charts() -> None:
 @pytest.mark.parametrize(
     ("args", "message"),
     [
-        (["--set", "auth.existingSecret=mine", "--set", "auth.jobSecret=a-job-secret-of-my-own"],
-         "set auth.jobSecret or auth.existingSecret, not both"),
-        (["-f", str(EXTERNAL_REDIS), "--set", "externalRedis.passwordSecret.name=infra-redis"],
-         "externalRedis.passwordSecret needs both name and key"),
+        (
+            ["--set", "auth.existingSecret=mine", "--set", "auth.jobSecret=a-job-secret-of-my-own"],
+            "set auth.jobSecret or auth.existingSecret, not both",
+        ),
+        (
+            ["-f", str(EXTERNAL_REDIS), "--set", "externalRedis.passwordSecret.name=infra-redis"],
+            "externalRedis.passwordSecret needs both name and key",
+        ),
     ],
-)  # fmt: skip
+)
 def test_ambiguous_credentials_are_refused(args: list[str], message: str) -> None:
     out = run(helm(), "template", "bagpipe", str(CHART), *args)
     assert out.returncode != 0 and message in out.stderr, out.stderr
@@ -844,18 +926,60 @@ def openssl(*args: str, cwd: Path) -> None:
 def cert_manager_secret(directory: Path, name: str) -> Path:
     """What cert-manager's CA issuer writes into a Secret: a certificate for DNS ``name``, its key, the CA."""
     directory.mkdir(parents=True)
-    openssl("req", "-x509", "-newkey", "rsa:2048", "-nodes", "-days", "2", "-subj", "/CN=ca",
-            "-keyout", "ca.key", "-out", "ca.crt", cwd=directory)  # fmt: skip
-    openssl("req", "-newkey", "rsa:2048", "-nodes", "-subj", f"/CN={name}",
-            "-keyout", "tls.key", "-out", "tls.csr", cwd=directory)  # fmt: skip
+    openssl(
+        "req",
+        "-x509",
+        "-newkey",
+        "rsa:2048",
+        "-nodes",
+        "-days",
+        "2",
+        "-subj",
+        "/CN=ca",
+        "-keyout",
+        "ca.key",
+        "-out",
+        "ca.crt",
+        cwd=directory,
+    )
+    openssl(
+        "req",
+        "-newkey",
+        "rsa:2048",
+        "-nodes",
+        "-subj",
+        f"/CN={name}",
+        "-keyout",
+        "tls.key",
+        "-out",
+        "tls.csr",
+        cwd=directory,
+    )
     (directory / "ext.cnf").write_text(f"subjectAltName=DNS:{name}\n")
-    openssl("x509", "-req", "-in", "tls.csr", "-CA", "ca.crt", "-CAkey", "ca.key", "-CAcreateserial",
-            "-days", "2", "-extfile", "ext.cnf", "-out", "tls.crt", cwd=directory)  # fmt: skip
+    openssl(
+        "x509",
+        "-req",
+        "-in",
+        "tls.csr",
+        "-CA",
+        "ca.crt",
+        "-CAkey",
+        "ca.key",
+        "-CAcreateserial",
+        "-days",
+        "2",
+        "-extfile",
+        "ext.cnf",
+        "-out",
+        "tls.crt",
+        cwd=directory,
+    )
     return directory
 
 
-def tls_env(pod: dict[str, Any], container: dict[str, Any], docs: list[dict[str, Any]],
-            secrets: dict[str, Path]) -> dict[str, str]:  # fmt: skip
+def tls_env(
+    pod: dict[str, Any], container: dict[str, Any], docs: list[dict[str, Any]], secrets: dict[str, Path]
+) -> dict[str, str]:
     """The container's TLS variables with the Secret volume's files at ``secrets[secretName]`` here."""
     files = tls_files(pod, container)
     assert files
@@ -909,8 +1033,15 @@ def test_operator_objects_render_only_where_the_cluster_has_their_crds() -> None
     with_crds, without = render(), render(crds=False)
     assert all(by_kind(with_crds, k) for k in kinds)
     assert not any(by_kind(without, k) for k in kinds)
-    forced = render("--set", "prometheus.serviceMonitor.enabled=true", "--set", "prometheus.rules.enabled=true",
-                    crds=False)  # fmt: skip
+    forced = render(
+        "--set",
+        "prometheus.serviceMonitor.enabled=true",
+        "--set",
+        "prometheus.rules.enabled=true",
+        crds=False,
+    )
     assert all(by_kind(forced, k) for k in kinds)
-    off = render("--set", "prometheus.serviceMonitor.enabled=false", "--set", "prometheus.rules.enabled=false")
+    off = render(
+        "--set", "prometheus.serviceMonitor.enabled=false", "--set", "prometheus.rules.enabled=false"
+    )
     assert not any(by_kind(off, k) for k in kinds)

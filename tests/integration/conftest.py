@@ -11,9 +11,18 @@ from bagpipe.cli import build_parser
 from bagpipe.local.launcher import run
 
 TINY = [
-    "--scale", "0.0005", "--embedding-dim", "8",
-    "--batch-size", "64", "--data-processors", "1", "--quiet", "--log-level", "WARNING",
-]  # fmt: skip
+    "--scale",
+    "0.0005",
+    "--embedding-dim",
+    "8",
+    "--batch-size",
+    "64",
+    "--data-processors",
+    "1",
+    "--quiet",
+    "--log-level",
+    "WARNING",
+]
 # the dense part's sizes of each model in tests
 TINY_MODEL = {
     "dlrm": ["--bottom-mlp", "16,8", "--top-mlp", "16,1"],
@@ -58,8 +67,18 @@ def run_job(tmp_path: Path):
     def _run(name: str, *extra: str, after_training: Any = None) -> tuple[dict[str, Any], dict[str, Path]]:
         paths = {"initial": tmp_path / f"{name}-initial.pt", "final": tmp_path / f"{name}-final.pt"}
         model = extra[extra.index("--model") + 1] if "--model" in extra else "dlrm"
-        argv = ["run", *TINY, *TINY_MODEL[model], *extra, "--run-dir", str(tmp_path / name),
-                "--save-initial", str(paths["initial"]), "--save-final", str(paths["final"])]  # fmt: skip
+        argv = [
+            "run",
+            *TINY,
+            *TINY_MODEL[model],
+            *extra,
+            "--run-dir",
+            str(tmp_path / name),
+            "--save-initial",
+            str(paths["initial"]),
+            "--save-final",
+            str(paths["final"]),
+        ]
         return run(build_parser().parse_args(argv), after_training=after_training), paths
 
     return _run

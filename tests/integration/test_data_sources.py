@@ -25,12 +25,36 @@ def avazu_csv(path: Path, samples: int) -> None:
             f"{(i * 40503) % 61:08x}",
             f"{(i * 7919) % 211:08x}",
         )
-        lines.append(",".join([
-            str(10**18 + i), str((i * 7 + i // 3) % 3 % 2), f"141021{i % 24:02d}", "1005", str(i % 3), site,
-            "f3845767", "28905ebd", app, "7801e8d9", "07d7df22", device, f"{(i * 31) % 283:08x}",
-            f"{i % 17:x}", "1", str(i % 4), str(15000 + i % 40), "320", "50", str(1700 + i % 23), "0", "35",
-            str(-1 + i % 5), str(79 + i % 9),
-        ]))  # fmt: skip
+        lines.append(
+            ",".join(
+                [
+                    str(10**18 + i),
+                    str((i * 7 + i // 3) % 3 % 2),
+                    f"141021{i % 24:02d}",
+                    "1005",
+                    str(i % 3),
+                    site,
+                    "f3845767",
+                    "28905ebd",
+                    app,
+                    "7801e8d9",
+                    "07d7df22",
+                    device,
+                    f"{(i * 31) % 283:08x}",
+                    f"{i % 17:x}",
+                    "1",
+                    str(i % 4),
+                    str(15000 + i % 40),
+                    "320",
+                    "50",
+                    str(1700 + i % 23),
+                    "0",
+                    "35",
+                    str(-1 + i % 5),
+                    str(79 + i % 9),
+                ]
+            )
+        )
     path.write_text("\n".join(lines) + "\n")
 
 
@@ -38,11 +62,28 @@ def test_avazu_run_with_two_processors_matches_synchronous_training(run_job, tmp
     data, batch = tmp_path / "train.csv", 32
     avazu_csv(data, 12 * batch + 5)  # (a partial last batch is dropped)
     summary, paths = run_job(
-        "avazu", "--data", f"avazu:{data}", "--table-rows", ",".join(map(str, AVAZU_ROWS)),
-        "--iterations", "0",
-        "--trainers", "2", "--embedding-servers", "2", "--data-processors", "2", "--lookahead", "4",
-        "--batch-size", str(batch), "--optimizer", "adam", "--lr", "0.01",
-    )  # fmt: skip
+        "avazu",
+        "--data",
+        f"avazu:{data}",
+        "--table-rows",
+        ",".join(map(str, AVAZU_ROWS)),
+        "--iterations",
+        "0",
+        "--trainers",
+        "2",
+        "--embedding-servers",
+        "2",
+        "--data-processors",
+        "2",
+        "--lookahead",
+        "4",
+        "--batch-size",
+        str(batch),
+        "--optimizer",
+        "adam",
+        "--lr",
+        "0.01",
+    )
     assert summary["iterations"] == 12
     initial = checkpoint.load(paths["initial"])
     assert len(initial["embeddings"]) == 22 and initial["dense"]["bottom_mlp.0.weight"].shape[1] == 1
@@ -55,11 +96,32 @@ def test_a_shuffled_run_with_two_processors_matches_synchronous_training(run_job
     data, batch = tmp_path / "day.tsv", 32
     criteo_tsv(data, 10 * batch, salt=3)
     summary, paths = run_job(
-        "shuffled", "--data", f"criteo:{data}", "--table-rows", ",".join(map(str, ROWS)), "--iterations", "0",
-        "--trainers", "2", "--embedding-servers", "1", "--data-processors", "2", "--lookahead", "4",
-        "--batch-size", str(batch), "--optimizer", "adagrad", "--lr", "0.1",
-        "--shuffle-seed", "11", "--shuffle-buffer", "100",
-    )  # fmt: skip
+        "shuffled",
+        "--data",
+        f"criteo:{data}",
+        "--table-rows",
+        ",".join(map(str, ROWS)),
+        "--iterations",
+        "0",
+        "--trainers",
+        "2",
+        "--embedding-servers",
+        "1",
+        "--data-processors",
+        "2",
+        "--lookahead",
+        "4",
+        "--batch-size",
+        str(batch),
+        "--optimizer",
+        "adagrad",
+        "--lr",
+        "0.1",
+        "--shuffle-seed",
+        "11",
+        "--shuffle-buffer",
+        "100",
+    )
     assert summary["iterations"] == 10
     config = CriteoConfig((str(data),), ROWS, shuffle_seed=11, shuffle_buffer=100)
     batches = [s for _, s in CriteoTSVSource(config).batches(batch)]

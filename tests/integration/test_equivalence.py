@@ -22,17 +22,25 @@ MODEL = ModelConfig(embedding_dim=8, bottom_mlp=(16, 8), top_mlp=(16, 1))
 
 
 def synthetic_batches(iterations: int, batch_size: int = 64, seed: int = 0, alpha: float = 1.1):
-    source = SyntheticSource(SyntheticConfig(table_rows=tuple(scaled_table_rows(0.0005)), seed=seed, zipf_alpha=alpha))
+    source = SyntheticSource(
+        SyntheticConfig(table_rows=tuple(scaled_table_rows(0.0005)), seed=seed, zipf_alpha=alpha)
+    )
     return [source.batch(b, batch_size) for b in range(iterations)]
 
 
 def assert_synchronous(
-    paths: dict[str, Path], iterations: int, batch: int, optimizer: str, lr: float = 0.05,
+    paths: dict[str, Path],
+    iterations: int,
+    batch: int,
+    optimizer: str,
+    lr: float = 0.05,
     model: ModelConfig = MODEL,
 ) -> None:
     """The run's final checkpoint is the model single-process synchronous training computes on its batches."""
     batches = synthetic_batches(iterations, batch)
-    expected = train_reference(checkpoint.load(paths["initial"]), batches, model, OptimizerConfig(optimizer, lr))
+    expected = train_reference(
+        checkpoint.load(paths["initial"]), batches, model, OptimizerConfig(optimizer, lr)
+    )
     assert_same_model(paths["final"], expected)
 
 
@@ -49,16 +57,29 @@ def assert_same_model(final_path: Path, expected: dict, tolerance: float = TOLER
 
 
 @pytest.mark.parametrize(
-    ("trainers", "lookahead", "optimizer"), [(2, 4, "sgd"), (2, 4, "adagrad"), (3, 8, "sgd"), (3, 8, "adagrad")]
+    ("trainers", "lookahead", "optimizer"),
+    [(2, 4, "sgd"), (2, 4, "adagrad"), (3, 8, "sgd"), (3, 8, "adagrad")],
 )
 def test_trainers_match_synchronous_training(run_job, trainers: int, lookahead: int, optimizer: str) -> None:
     """LRPP and delayed synchronisation are on (the defaults); with L=8 rows change hands."""
     iterations, batch = 12 + 2 * lookahead, 32 * trainers
     summary, paths = run_job(
-        f"t{trainers}-{optimizer}", "--trainers", str(trainers), "--embedding-servers", "2",
-        "--lookahead", str(lookahead), "--iterations", str(iterations), "--batch-size", str(batch),
-        "--optimizer", optimizer, "--lr", "0.05",
-    )  # fmt: skip
+        f"t{trainers}-{optimizer}",
+        "--trainers",
+        str(trainers),
+        "--embedding-servers",
+        "2",
+        "--lookahead",
+        str(lookahead),
+        "--iterations",
+        str(iterations),
+        "--batch-size",
+        str(batch),
+        "--optimizer",
+        optimizer,
+        "--lr",
+        "0.05",
+    )
     assert summary["iterations"] == iterations
     assert 0 < summary["cache_hit_rate"] < 1, "rows must be both reused from the cache and prefetched"
     assert summary["rows_private_per_iteration"] > 0, "some rows must be updated by one trainer only"
@@ -74,12 +95,28 @@ def test_trainers_match_synchronous_training(run_job, trainers: int, lookahead: 
 def test_replicated_cache_with_critical_sync_matches_synchronous_training(run_job) -> None:
     iterations = 10
     summary, paths = run_job(
-        "replicated", "--trainers", "2", "--lookahead", "4", "--iterations", str(iterations),
-        "--cache-mode", "replicated", "--sync", "critical", "--optimizer", "adagrad", "--lr", "0.05",
-        "--transfer-batches", "1",
-    )  # fmt: skip
+        "replicated",
+        "--trainers",
+        "2",
+        "--lookahead",
+        "4",
+        "--iterations",
+        str(iterations),
+        "--cache-mode",
+        "replicated",
+        "--sync",
+        "critical",
+        "--optimizer",
+        "adagrad",
+        "--lr",
+        "0.05",
+        "--transfer-batches",
+        "1",
+    )
     assert summary["rows_private_per_iteration"] == 0 and summary["rows_synced_background_per_iteration"] == 0
-    assert summary["lookup_calls_per_iteration"] <= 2 and summary["write_back_calls_per_iteration"] <= 2  # one a batch
+    assert (
+        summary["lookup_calls_per_iteration"] <= 2 and summary["write_back_calls_per_iteration"] <= 2
+    )  # one a batch
     assert_synchronous(paths, iterations, 64, "adagrad")
 
 
@@ -87,9 +124,20 @@ def test_a_cache_smaller_than_the_window_shrinks_lookahead_and_stays_exact(run_j
     """No --lookahead: the oracle picks L from --cache-rows (live rows at L=8 peak near 580 here)."""
     iterations, cache_rows = 24, 450
     summary, paths = run_job(
-        "small-cache", "--trainers", "2", "--cache-rows", str(cache_rows), "--max-lookahead", "8",
-        "--iterations", str(iterations), "--optimizer", "adagrad", "--lr", "0.05",
-    )  # fmt: skip
+        "small-cache",
+        "--trainers",
+        "2",
+        "--cache-rows",
+        str(cache_rows),
+        "--max-lookahead",
+        "8",
+        "--iterations",
+        str(iterations),
+        "--optimizer",
+        "adagrad",
+        "--lr",
+        "0.05",
+    )
     assert summary["iterations"] == iterations
     assert summary["lookahead"]["requested"] is None and 1 <= summary["lookahead"]["min"] < 8
     assert summary["cache_capacity_rows"] == cache_rows
@@ -119,14 +167,32 @@ def test_second_trainer_trains_on_the_first_trainers_update(run_job, tmp_path: P
     data, rows, batch = tmp_path / "handover.tsv", [10] * 26, 8
     handover_tsv(data, 12, batch)
     summary, paths = run_job(
-        f"handover-{optimizer}", "--data", f"criteo:{data}", "--table-rows", ",".join(map(str, rows)),
-        "--iterations", "0", "--trainers", "2", "--embedding-servers", "2", "--lookahead", "4",
-        "--batch-size", str(batch), "--optimizer", optimizer, "--lr", "0.1",
-    )  # fmt: skip
+        f"handover-{optimizer}",
+        "--data",
+        f"criteo:{data}",
+        "--table-rows",
+        ",".join(map(str, rows)),
+        "--iterations",
+        "0",
+        "--trainers",
+        "2",
+        "--embedding-servers",
+        "2",
+        "--lookahead",
+        "4",
+        "--batch-size",
+        str(batch),
+        "--optimizer",
+        optimizer,
+        "--lr",
+        "0.1",
+    )
     assert summary["rows_handed_over"] >= 2
     source = CriteoTSVSource(CriteoConfig(paths=(str(data),), table_rows=tuple(rows)))
     batches = [s for _, s in source.batches(batch)]
-    expected = train_reference(checkpoint.load(paths["initial"]), batches, MODEL, OptimizerConfig(optimizer, 0.1))
+    expected = train_reference(
+        checkpoint.load(paths["initial"]), batches, MODEL, OptimizerConfig(optimizer, 0.1)
+    )
     assert_same_model(paths["final"], expected)
 
 
@@ -144,21 +210,61 @@ def test_criteo_tsv_run_starting_from_a_checkpoint_matches_reference(run_job, tm
     lines = []
     for i in range(8 * 32):
         ints = ["" if i % 7 == 0 else str((i * 13 + k) % 50 - (k == 2)) for k in range(13)]
-        cats = ["" if (i + k) % 11 == 0 else format((i * 2654435761 + k * 97) % (1 << 32) % (3 + (i % 5) * 40), "x") for k in range(26)]
+        cats = [
+            ""
+            if (i + k) % 11 == 0
+            else format((i * 2654435761 + k * 97) % (1 << 32) % (3 + (i % 5) * 40), "x")
+            for k in range(26)
+        ]
         lines.append("\t".join([str((i * 7) % 3 % 2), *ints, *cats]))
     data = tmp_path / "day.tsv"
     data.write_text("\n".join(lines) + "\n")
     table_rows = ",".join(map(str, rows))
-    _, first = run_job("criteo-a", "--data", f"criteo:{data}", "--table-rows", table_rows, "--iterations", "2",
-                       "--trainers", "1", "--embedding-servers", "1", "--optimizer", "adagrad", "--batch-size", "32")  # fmt: skip
+    _, first = run_job(
+        "criteo-a",
+        "--data",
+        f"criteo:{data}",
+        "--table-rows",
+        table_rows,
+        "--iterations",
+        "2",
+        "--trainers",
+        "1",
+        "--embedding-servers",
+        "1",
+        "--optimizer",
+        "adagrad",
+        "--batch-size",
+        "32",
+    )
     # continue from the first run's checkpoint with a different layout; the reference continues too
-    _, second = run_job("criteo-b", "--data", f"criteo:{data}", "--table-rows", table_rows, "--iterations", "0",
-                        "--trainers", "2", "--embedding-servers", "2", "--lookahead", "3", "--optimizer", "adagrad",
-                        "--batch-size", "32", "--init-from", str(first["final"]))  # fmt: skip
+    _, second = run_job(
+        "criteo-b",
+        "--data",
+        f"criteo:{data}",
+        "--table-rows",
+        table_rows,
+        "--iterations",
+        "0",
+        "--trainers",
+        "2",
+        "--embedding-servers",
+        "2",
+        "--lookahead",
+        "3",
+        "--optimizer",
+        "adagrad",
+        "--batch-size",
+        "32",
+        "--init-from",
+        str(first["final"]),
+    )
     source = CriteoTSVSource(CriteoConfig(paths=(str(data),), table_rows=tuple(rows)))
     batches = [s for _, s in source.batches(32)]
     assert len(batches) == 8
-    expected = train_reference(checkpoint.load(first["final"]), batches, MODEL, OptimizerConfig("adagrad", 0.1))
+    expected = train_reference(
+        checkpoint.load(first["final"]), batches, MODEL, OptimizerConfig("adagrad", 0.1)
+    )
     assert_same_model(second["final"], expected)
 
 
@@ -168,9 +274,18 @@ def test_benchmark_baselines_also_match_synchronous_training(run_job, system: st
     the same model, so comparing their speed with Bagpipe's is fair."""
     iterations = 10
     summary, paths = run_job(
-        system, "--trainers", "2", "--iterations", str(iterations), "--system", system,
-        "--optimizer", "adagrad", "--lr", "0.05",
-    )  # fmt: skip
+        system,
+        "--trainers",
+        "2",
+        "--iterations",
+        str(iterations),
+        "--system",
+        system,
+        "--optimizer",
+        "adagrad",
+        "--lr",
+        "0.05",
+    )
     if system == "no-cache":
         assert summary["lookahead"]["max"] == 1 and summary["cache_hit_rate"] == 0.0
     assert_synchronous(paths, iterations, 64, "adagrad")

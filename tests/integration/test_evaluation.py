@@ -57,10 +57,30 @@ def test_held_out_logloss_and_auc_equal_a_direct_computation(run_job, tmp_path: 
     criteo_tsv(train, 10 * batch, salt=1)
     criteo_tsv(held_out, 157, salt=5)  # not a multiple of anything: every sample counts
     summary, paths = run_job(
-        "eval", "--data", f"criteo:{train}", "--table-rows", ",".join(map(str, ROWS)), "--iterations", "0",
-        "--trainers", "2", "--embedding-servers", "2", "--lookahead", "4", "--batch-size", str(batch),
-        "--optimizer", "adagrad", "--lr", "0.1", "--eval-data", f"criteo:{held_out}", "--eval-every", "4",
-    )  # fmt: skip
+        "eval",
+        "--data",
+        f"criteo:{train}",
+        "--table-rows",
+        ",".join(map(str, ROWS)),
+        "--iterations",
+        "0",
+        "--trainers",
+        "2",
+        "--embedding-servers",
+        "2",
+        "--lookahead",
+        "4",
+        "--batch-size",
+        str(batch),
+        "--optimizer",
+        "adagrad",
+        "--lr",
+        "0.1",
+        "--eval-data",
+        f"criteo:{held_out}",
+        "--eval-every",
+        "4",
+    )
     evals = summary["evaluations"]
     assert [e["batches"] for e in evals] == [4, 8, 10] and all(e["samples"] == 157 for e in evals)
     # mid-training: rows cached by one trainer only (LRPP) must be part of the model evaluated

@@ -18,8 +18,6 @@ from pathlib import Path
 import grpc
 import numpy as np
 import pytest
-from grpc_health.v1 import health_pb2, health_pb2_grpc
-
 from bagpipe import security, serving
 from bagpipe.cli import build_parser
 from bagpipe.control.registry import Registry
@@ -27,21 +25,21 @@ from bagpipe.core.data import table_offsets
 from bagpipe.core.files import CriteoConfig, CriteoTSVSource
 from bagpipe.core.shard_map import ShardMap
 from bagpipe.core.shard_store import ShardStore
-from bagpipe.embedding_server.server import create_server as create_embedding_server
 from bagpipe.data_processor.config import DataProcessorConfig, SourceConfig
 from bagpipe.data_processor.server import create_server as create_data_processor
+from bagpipe.embedding_server.server import create_server as create_embedding_server
 from bagpipe.local.launcher import RedisServer
 from bagpipe.local.validate import validate_run_args
 from bagpipe.oracle_cacher.config import OracleConfig
 from bagpipe.oracle_cacher.server import Oracle
 from bagpipe.oracle_cacher.server import create_server as create_oracle
-from bagpipe.v1 import control_pb2, control_pb2_grpc, data_processor_pb2, data_processor_pb2_grpc
+from bagpipe.v1 import control_pb2, control_pb2_grpc, data_processor_pb2, data_processor_pb2_grpc, tensor_pb2
 from bagpipe.v1 import embedding_server_pb2 as epb
 from bagpipe.v1 import embedding_server_pb2_grpc as epb_grpc
 from bagpipe.v1 import oracle_cacher_pb2 as opb
 from bagpipe.v1 import oracle_cacher_pb2_grpc as opb_grpc
-from bagpipe.v1 import tensor_pb2
 from bagpipe.wire import to_tensor
+from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 SECRET = "test-secret-0123456789"
 DIM = 4
@@ -82,8 +80,14 @@ async def _unauthenticated_calls_are_refused() -> None:
                 await _code(lambda s=stub, m=metadata: s.WriteBack(write, metadata=m))
                 == grpc.StatusCode.UNAUTHENTICATED
             )
-            assert await _code(lambda s=stub, m=metadata: s.Lookup(epb.LookupRequest(shard_map_version=1, keys=keys),
-                                                                  metadata=m)) == grpc.StatusCode.UNAUTHENTICATED  # fmt: skip
+            assert (
+                await _code(
+                    lambda s=stub, m=metadata: s.Lookup(
+                        epb.LookupRequest(shard_map_version=1, keys=keys), metadata=m
+                    )
+                )
+                == grpc.StatusCode.UNAUTHENTICATED
+            )
             shutdown = control_pb2_grpc.ControlStub(ch).Shutdown
             assert await _code(
                 lambda f=shutdown, m=metadata: f(control_pb2.ShutdownRequest(), metadata=m)
@@ -147,8 +151,9 @@ async def _limits_and_values() -> None:
             (ok, -ok, "state: key 1: value -0.5 (must be finite and >= 0)"),
             (ok * np.inf, ok, "rows: key 1: value inf"),
         ):
-            request = epb.WriteBackRequest(shard_map_version=1, keys=to_tensor(keys), rows=to_tensor(rows),
-                                           state=to_tensor(state))  # fmt: skip
+            request = epb.WriteBackRequest(
+                shard_map_version=1, keys=to_tensor(keys), rows=to_tensor(rows), state=to_tensor(state)
+            )
             with pytest.raises(grpc.aio.AioRpcError) as err:
                 await stub.WriteBack(request, timeout=5)
             assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT and err.value.details().startswith(
@@ -198,8 +203,9 @@ def _bad_embedding_request(rng: random.Random) -> tuple[str, object]:
             msg.keys.CopyFrom(_corrupt_tensor(rng, msg.keys))
         return "Lookup", msg
     if kind in (1, 2):
-        msg = epb.WriteBackRequest(shard_map_version=version, keys=to_tensor(keys), rows=to_tensor(rows),
-                                   state=to_tensor(rows))  # fmt: skip
+        msg = epb.WriteBackRequest(
+            shard_map_version=version, keys=to_tensor(keys), rows=to_tensor(rows), state=to_tensor(rows)
+        )
         if version == 1:
             field = rng.choice(["keys", "rows", "state"])
             getattr(msg, field).CopyFrom(_corrupt_tensor(rng, getattr(msg, field)))
@@ -209,14 +215,23 @@ def _bad_embedding_request(rng: random.Random) -> tuple[str, object]:
             shard_map_version=rng.choice([0, 2, 7]), directory="/tmp/x", next_batch=1
         )
     if kind == 4:
-        text = rng.choice(["", "{", "[]", '{"version": 2}', ShardMap.create(81, 2).to_json(),
-                           ShardMap.create(80, 2, num_buckets=8).to_json()])  # fmt: skip
+        text = rng.choice(
+            [
+                "",
+                "{",
+                "[]",
+                '{"version": 2}',
+                ShardMap.create(81, 2).to_json(),
+                ShardMap.create(80, 2, num_buckets=8).to_json(),
+            ]
+        )
         return "PrepareMigration", epb.PrepareMigrationRequest(
             shard_map=text, rows_per_second=rng.choice([0, -1])
         )
     if kind == 5:
-        return "Receive", epb.ReceiveRequest(shard_map_version=rng.randrange(0, 4), from_shard=rng.randrange(-2, 3),
-                                             keys=to_tensor(keys))  # fmt: skip
+        return "Receive", epb.ReceiveRequest(
+            shard_map_version=rng.randrange(0, 4), from_shard=rng.randrange(-2, 3), keys=to_tensor(keys)
+        )
     if kind == 6:
         return "Seal", epb.SealRequest(shard_map_version=rng.randrange(0, 5))
     return "Transfer", epb.TransferRequest(shard_map_version=rng.randrange(0, 5))
@@ -235,8 +250,10 @@ async def _fuzz(count: int) -> None:
     )
     defined = {grpc.StatusCode.INVALID_ARGUMENT, grpc.StatusCode.FAILED_PRECONDITION}
     seen: dict[grpc.StatusCode, int] = {}
-    async with grpc.aio.insecure_channel(f"127.0.0.1:{port}") as ch, \
-            grpc.aio.insecure_channel(f"127.0.0.1:{oracle_port}") as och:  # fmt: skip
+    async with (
+        grpc.aio.insecure_channel(f"127.0.0.1:{port}") as ch,
+        grpc.aio.insecure_channel(f"127.0.0.1:{oracle_port}") as och,
+    ):
         stub = epb_grpc.EmbeddingServerStub(ch)
         ostub = opb_grpc.OracleCacherStub(och)
         pch = grpc.aio.insecure_channel(f"127.0.0.1:{processor_port}")
@@ -249,8 +266,11 @@ async def _fuzz(count: int) -> None:
             seen[code] = seen.get(code, 0) + 1
             # the oracle: progress never sent, or from ranks that do not exist; plan streams of no rank
             if rng.random() < 0.5:
-                report = opb.ProgressReport(rank=rng.randrange(-3, 5), trained=rng.randrange(-9, 1 << 40),
-                                            written_back=rng.randrange(0, 1 << 40))  # fmt: skip
+                report = opb.ProgressReport(
+                    rank=rng.randrange(-3, 5),
+                    trained=rng.randrange(-9, 1 << 40),
+                    written_back=rng.randrange(0, 1 << 40),
+                )
                 code = await _code(lambda r=report: ostub.ReportProgress(r, timeout=5))
             else:
                 plans = opb.StreamPlansRequest(
@@ -265,12 +285,13 @@ async def _fuzz(count: int) -> None:
                 stride=rng.randrange(-3, 1) if bad == 1 else rng.randrange(1, 4),
                 end=rng.randrange(0, 20),
                 trainers=rng.choice([-1, 5, 7, 65, 1 << 20]) if bad == 2 else rng.randrange(0, 4),
-            )  # fmt: skip
+            )
             code = await _code(lambda r=stream: pstub.StreamBatches(r, timeout=5))
             assert code == grpc.StatusCode.INVALID_ARGUMENT, f"data processor request {i}: {stream} -> {code}"
             if i % 10 == 0:  # bytes that are no message at all
                 junk = bytes(rng.randrange(256) for _ in range(rng.randrange(1, 64)))
-                code = await _code(lambda f=rng.choice(raw), j=junk: f(j, timeout=5))
+                call = rng.choice(raw)
+                code = await _code(lambda f=call, j=junk: f(j, timeout=5))
                 assert code in defined | {grpc.StatusCode.OK}, (code, junk)
     assert (store.weights.tobytes(), store.state.tobytes(), store.shard_map.to_json()) == before
     assert store.migration is None
@@ -303,10 +324,21 @@ def test_sigterm_stops_a_service_gracefully_with_exit_0(tmp_path: Path) -> None:
     try:
         registry = Registry(redis_server.url, "sigterm")
         proc = subprocess.Popen(
-            [sys.executable, "-m", "bagpipe.embedding_server", "--shard", "0", "--table-rows", ",".join(["10"] * 26),
-             "--redis", redis_server.url, "--job", "sigterm"],
+            [
+                sys.executable,
+                "-m",
+                "bagpipe.embedding_server",
+                "--shard",
+                "0",
+                "--table-rows",
+                ",".join(["10"] * 26),
+                "--redis",
+                redis_server.url,
+                "--job",
+                "sigterm",
+            ],
             env=dict(os.environ, PYTHONUNBUFFERED="1"),
-        )  # fmt: skip
+        )
         deadline = time.monotonic() + 60
         while "0" not in registry.members("embedding_server"):
             assert proc.poll() is None and time.monotonic() < deadline
@@ -329,13 +361,22 @@ def test_sigterm_stops_a_service_gracefully_with_exit_0(tmp_path: Path) -> None:
         (["--hot-fraction", "0.1"], "--hot-fraction/hot-share: set both or neither"),
         (["--device", "tpu"], "--device: expected auto, cpu or cuda, got 'tpu'"),
         (["--lr", "-1"], "--lr: must be > 0, got -1.0"),
-        (["--embedding-dim", "8", "--bottom-mlp", "64,16"], "--bottom-mlp: its last layer (16) must equal --embedding-dim (8)"),
-        (["--model", "wdl", "--top-mlp", "8,1"], "--bottom-mlp/--top-mlp: belong to --model dlrm; wdl takes --deep-mlp"),
+        (
+            ["--embedding-dim", "8", "--bottom-mlp", "64,16"],
+            "--bottom-mlp: its last layer (16) must equal --embedding-dim (8)",
+        ),
+        (
+            ["--model", "wdl", "--top-mlp", "8,1"],
+            "--bottom-mlp/--top-mlp: belong to --model dlrm; wdl takes --deep-mlp",
+        ),
         (["--momentum", "0.9"], "--momentum: 0.9 is not supported"),
         (["--optimizer", "adam", "--weight-decay", "0.01"], "--weight-decay: 0.01 is not supported"),
         (["--data", "criteo:/no/such.tsv"], "--data: /no/such.tsv: no such file"),
         (["--batch-size", "7"], "--batch-size: 7 is not a multiple of --trainers 2"),
-        (["--data", "hdfs:x"], "--data: expected 'synthetic', 'criteo:PATH[,PATH...]' or 'avazu:PATH[,PATH...]'"),
+        (
+            ["--data", "hdfs:x"],
+            "--data: expected 'synthetic', 'criteo:PATH[,PATH...]' or 'avazu:PATH[,PATH...]'",
+        ),
     ],
 )
 def test_bad_flags_stop_bagpipe_run_with_one_line(flags: list[str], message: str, tmp_path: Path) -> None:
@@ -375,13 +416,54 @@ def _openssl(*args: str, cwd: Path) -> None:
 def _certificates(directory: Path, name: str) -> dict[str, str]:
     """A CA and one certificate it signed for ``name`` (what every service of a job shares), with openssl."""
     directory.mkdir(parents=True)
-    _openssl("req", "-x509", "-newkey", "rsa:2048", "-nodes", "-days", "2", "-subj", f"/CN={name}-ca",
-             "-keyout", "ca.key", "-out", "ca.pem", cwd=directory)  # fmt: skip
-    _openssl("req", "-newkey", "rsa:2048", "-nodes", "-subj", f"/CN={name}", "-keyout", "key.pem", "-out", "req.csr",
-             cwd=directory)  # fmt: skip
+    _openssl(
+        "req",
+        "-x509",
+        "-newkey",
+        "rsa:2048",
+        "-nodes",
+        "-days",
+        "2",
+        "-subj",
+        f"/CN={name}-ca",
+        "-keyout",
+        "ca.key",
+        "-out",
+        "ca.pem",
+        cwd=directory,
+    )
+    _openssl(
+        "req",
+        "-newkey",
+        "rsa:2048",
+        "-nodes",
+        "-subj",
+        f"/CN={name}",
+        "-keyout",
+        "key.pem",
+        "-out",
+        "req.csr",
+        cwd=directory,
+    )
     (directory / "ext.cnf").write_text(f"subjectAltName=DNS:{name}\n")
-    _openssl("x509", "-req", "-in", "req.csr", "-CA", "ca.pem", "-CAkey", "ca.key", "-CAcreateserial", "-days", "2",
-             "-extfile", "ext.cnf", "-out", "cert.pem", cwd=directory)  # fmt: skip
+    _openssl(
+        "x509",
+        "-req",
+        "-in",
+        "req.csr",
+        "-CA",
+        "ca.pem",
+        "-CAkey",
+        "ca.key",
+        "-CAcreateserial",
+        "-days",
+        "2",
+        "-extfile",
+        "ext.cnf",
+        "-out",
+        "cert.pem",
+        cwd=directory,
+    )
     return {
         "cert": str(directory / "cert.pem"),
         "key": str(directory / "key.pem"),
@@ -439,10 +521,25 @@ def test_a_lost_redis_is_named_in_one_line_not_a_traceback(tmp_path: Path) -> No
     redis_server = RedisServer(tmp_path)
     registry = Registry(redis_server.url, "lost")
     proc = subprocess.Popen(
-        [sys.executable, "-m", "bagpipe.embedding_server", "--shard", "1", "--table-rows", ",".join(["10"] * 26),
-         "--redis", redis_server.url, "--job", "lost", "--log-level", "WARNING"],
-        env=dict(os.environ, PYTHONUNBUFFERED="1"), stderr=subprocess.PIPE, text=True,
-    )  # fmt: skip
+        [
+            sys.executable,
+            "-m",
+            "bagpipe.embedding_server",
+            "--shard",
+            "1",
+            "--table-rows",
+            ",".join(["10"] * 26),
+            "--redis",
+            redis_server.url,
+            "--job",
+            "lost",
+            "--log-level",
+            "WARNING",
+        ],
+        env=dict(os.environ, PYTHONUNBUFFERED="1"),
+        stderr=subprocess.PIPE,
+        text=True,
+    )
     try:
         deadline = time.monotonic() + 60
         while "1" not in registry.members("embedding_server"):

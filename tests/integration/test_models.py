@@ -56,10 +56,24 @@ def test_model_and_optimizer_match_synchronous_training(
 ) -> None:
     iterations, batch = 20, 32 * trainers
     summary, paths = run_job(
-        f"{model}-{optimizer}-t{trainers}", "--model", model, "--optimizer", optimizer,
-        "--lr", str(LR[optimizer]), "--trainers", str(trainers), "--embedding-servers", str(servers),
-        "--lookahead", "8", "--iterations", str(iterations), "--batch-size", str(batch),
-    )  # fmt: skip
+        f"{model}-{optimizer}-t{trainers}",
+        "--model",
+        model,
+        "--optimizer",
+        optimizer,
+        "--lr",
+        str(LR[optimizer]),
+        "--trainers",
+        str(trainers),
+        "--embedding-servers",
+        str(servers),
+        "--lookahead",
+        "8",
+        "--iterations",
+        str(iterations),
+        "--batch-size",
+        str(batch),
+    )
     assert summary["iterations"] == iterations
     assert summary["rows_private_per_iteration"] > 0 and summary["rows_synced_background_per_iteration"] > 0
     assert summary["rows_handed_over"] > 0

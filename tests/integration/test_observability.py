@@ -8,10 +8,10 @@ import urllib.request
 from pathlib import Path
 from typing import Any
 
-from prometheus_client.parser import text_string_to_metric_families
-
 from bagpipe.local.prometheus import PrometheusServer
 from bagpipe.trainer.metrics import STAGES
+from prometheus_client.parser import text_string_to_metric_families
+
 from tests.dashboard_exprs import dashboard_exprs
 
 ITERATIONS, BATCH, TRAINERS, SERVERS = 16, 64, 2, 2
@@ -58,18 +58,27 @@ def check_live_services(endpoints: dict[str, str], prometheus: PrometheusServer 
         assert total(t, "bagpipe_trainer_samples_total") == ITERATIONS * BATCH / TRAINERS
         iteration = total(t, "bagpipe_trainer_iteration_seconds_sum")
         stages = sum(total(t, "bagpipe_trainer_stage_seconds_sum", stage=s) for s in STAGES)
-        assert abs(stages - iteration) <= 0.01 * iteration, f"stages {stages:.4f} s vs iterations {iteration:.4f} s"
+        assert abs(stages - iteration) <= 0.01 * iteration, (
+            f"stages {stages:.4f} s vs iterations {iteration:.4f} s"
+        )
         for s in STAGES:
             assert total(t, "bagpipe_trainer_stage_seconds_count", stage=s) == ITERATIONS
         lookups = total(t, "bagpipe_trainer_cache_lookups_total")
-        hits, misses = total(t, "bagpipe_trainer_cache_hits_total"), total(t, "bagpipe_trainer_cache_misses_total")
+        hits, misses = (
+            total(t, "bagpipe_trainer_cache_hits_total"),
+            total(t, "bagpipe_trainer_cache_misses_total"),
+        )
         assert hits + misses == lookups > 0 and hits > 0 and misses > 0
         assert total(t, "bagpipe_trainer_rows_prefetched_total") > 0
         assert total(t, "bagpipe_trainer_rows_written_back_total") > 0
         assert total(t, "bagpipe_trainer_embedding_bytes_total", direction="received") > 0
         assert total(t, "bagpipe_trainer_embedding_bytes_total", direction="sent") > 0
         assert total(t, "bagpipe_trainer_rows_synced_total", path="critical") > 0
-        assert 0 < total(t, "bagpipe_trainer_cache_occupancy_rows") <= total(t, "bagpipe_trainer_cache_capacity_rows")
+        assert (
+            0
+            < total(t, "bagpipe_trainer_cache_occupancy_rows")
+            <= total(t, "bagpipe_trainer_cache_capacity_rows")
+        )
         assert 0.0 < total(t, "bagpipe_trainer_loss") < 2.0
         assert abs(time.time() - total(t, "bagpipe_trainer_heartbeat_timestamp_seconds")) < 300
 
@@ -80,8 +89,12 @@ def check_live_services(endpoints: dict[str, str], prometheus: PrometheusServer 
     assert total(o, "bagpipe_oracle_cacher_lookahead_batches") >= 1
     assert {lab["rank"] for lab, _ in o["bagpipe_oracle_cacher_queue_depth_plans"]} == {"0", "1"}
 
-    fetched = sum(total(scraped[f"trainer/{r}"], "bagpipe_trainer_rows_prefetched_total") for r in range(TRAINERS))
-    written = sum(total(scraped[f"trainer/{r}"], "bagpipe_trainer_rows_written_back_total") for r in range(TRAINERS))
+    fetched = sum(
+        total(scraped[f"trainer/{r}"], "bagpipe_trainer_rows_prefetched_total") for r in range(TRAINERS)
+    )
+    written = sum(
+        total(scraped[f"trainer/{r}"], "bagpipe_trainer_rows_written_back_total") for r in range(TRAINERS)
+    )
     served = [scraped[f"embedding_server/{s}"] for s in range(SERVERS)]
     assert sum(total(e, "bagpipe_embedding_server_rows_total", op="lookup") for e in served) >= fetched
     assert sum(total(e, "bagpipe_embedding_server_rows_total", op="write_back") for e in served) == written
@@ -101,8 +114,12 @@ def check_live_services(endpoints: dict[str, str], prometheus: PrometheusServer 
     while True:
         result = prometheus.query("bagpipe_trainer_iterations_total")
         scrapes = prometheus.query("count_over_time(bagpipe_trainer_iterations_total[5m])")
-        if (len(result) == TRAINERS and all(float(r["value"][1]) == ITERATIONS for r in result)
-                and len(scrapes) == TRAINERS and all(float(r["value"][1]) >= 2 for r in scrapes)):  # fmt: skip
+        if (
+            len(result) == TRAINERS
+            and all(float(r["value"][1]) == ITERATIONS for r in result)
+            and len(scrapes) == TRAINERS
+            and all(float(r["value"][1]) >= 2 for r in scrapes)
+        ):
             break
         assert time.monotonic() < deadline, f"Prometheus has {result}"
         time.sleep(0.5)
@@ -116,10 +133,18 @@ def check_live_services(endpoints: dict[str, str], prometheus: PrometheusServer 
 def test_every_service_serves_metrics_that_add_up_and_prometheus_scrapes_them(run_job) -> None:
     seen: dict[str, Any] = {}
     summary, _ = run_job(
-        "observed", "--trainers", str(TRAINERS), "--embedding-servers", str(SERVERS), "--lookahead", "4",
-        "--iterations", str(ITERATIONS), "--prometheus",
+        "observed",
+        "--trainers",
+        str(TRAINERS),
+        "--embedding-servers",
+        str(SERVERS),
+        "--lookahead",
+        "4",
+        "--iterations",
+        str(ITERATIONS),
+        "--prometheus",
         after_training=lambda endpoints, prom: seen.update(check_live_services(endpoints, prom)),
-    )  # fmt: skip
+    )
     assert seen, "the checks ran while the services were up"
     run_dir = Path(summary["run_dir"])
     # the run directory holds the per-iteration metrics, the final scrapes and the report

@@ -56,8 +56,11 @@ CASES = [
 ]
 
 
-@pytest.mark.parametrize(("target", "sig", "trainers", "optimizer", "blamed"), CASES,
-                         ids=[f"{c[4]}-{signal.Signals(c[1]).name}" for c in CASES])  # fmt: skip
+@pytest.mark.parametrize(
+    ("target", "sig", "trainers", "optimizer", "blamed"),
+    CASES,
+    ids=[f"{c[4]}-{signal.Signals(c[1]).name}" for c in CASES],
+)
 def test_a_failed_service_is_recovered_and_the_model_is_exact(
     run_job, tmp_path: Path, target: str, sig: int, trainers: int, optimizer: str, blamed: str
 ) -> None:
@@ -68,11 +71,31 @@ def test_a_failed_service_is_recovered_and_the_model_is_exact(
     at = random.Random(f"{target}-{sig}").randint(7, 14)
     print(f"signal {signal.Signals(sig).name} to {target!r} after batch {at}")
     summary, paths = run_with_failure(
-        run_job, tmp_path, "chaos", target, sig, at,
-        "--trainers", str(trainers), "--embedding-servers", "2", "--lookahead", "8",
-        "--iterations", str(iterations), "--batch-size", str(batch), "--optimizer", optimizer, "--lr", "0.05",
-        "--checkpoint-every", "5", "--failure-timeout", "3",
-    )  # fmt: skip
+        run_job,
+        tmp_path,
+        "chaos",
+        target,
+        sig,
+        at,
+        "--trainers",
+        str(trainers),
+        "--embedding-servers",
+        "2",
+        "--lookahead",
+        "8",
+        "--iterations",
+        str(iterations),
+        "--batch-size",
+        str(batch),
+        "--optimizer",
+        optimizer,
+        "--lr",
+        "0.05",
+        "--checkpoint-every",
+        "5",
+        "--failure-timeout",
+        "3",
+    )
     recovery = summary["recovery"]
     assert recovery["failures_detected"] == 1, recovery
     failure = recovery["failures"][0]
@@ -87,9 +110,19 @@ def test_a_failed_service_is_recovered_and_the_model_is_exact(
 def test_a_run_that_keeps_failing_gives_up_naming_the_component(run_job, tmp_path: Path) -> None:
     with pytest.raises(RuntimeError, match=r"trainer-1 failed after 0 restarts \(--max-restarts\)"):
         run_with_failure(
-            run_job, tmp_path, "give-up", "bagpipe.trainer --rank 1", signal.SIGKILL, 8,
-            "--iterations", "40", "--checkpoint-every", "5", "--max-restarts", "0",
-        )  # fmt: skip
+            run_job,
+            tmp_path,
+            "give-up",
+            "bagpipe.trainer --rank 1",
+            signal.SIGKILL,
+            8,
+            "--iterations",
+            "40",
+            "--checkpoint-every",
+            "5",
+            "--max-restarts",
+            "0",
+        )
 
 
 def test_resume_continues_a_stopped_run_to_the_same_model(run_job, tmp_path: Path) -> None:

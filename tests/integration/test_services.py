@@ -9,7 +9,7 @@ from pathlib import Path
 import grpc
 import numpy as np
 import pytest
-
+from bagpipe.codec import WireBatch, decode_batch, encode_batch
 from bagpipe.core.data import SyntheticConfig, SyntheticSource, build_batch, scaled_table_rows, table_offsets
 from bagpipe.core.lookahead import trainer_users
 from bagpipe.core.shard_map import ShardMap
@@ -40,13 +40,22 @@ async def _embedding_server_rejects_bad_requests() -> None:
         good_rows = np.full((2, 4), 0.5, dtype=np.float32)
         bad = {
             "keys: dtype must be int64, got int32": epb.WriteBackRequest(
-                shard_map_version=1, keys=to_tensor(keys.astype(np.int32)), rows=to_tensor(good_rows), state=to_tensor(good_rows)
+                shard_map_version=1,
+                keys=to_tensor(keys.astype(np.int32)),
+                rows=to_tensor(good_rows),
+                state=to_tensor(good_rows),
             ),
             "rows: shape must be [2, 4], got [2, 3]": epb.WriteBackRequest(
-                shard_map_version=1, keys=to_tensor(keys), rows=to_tensor(good_rows[:, :3]), state=to_tensor(good_rows)
+                shard_map_version=1,
+                keys=to_tensor(keys),
+                rows=to_tensor(good_rows[:, :3]),
+                state=to_tensor(good_rows),
             ),
             "keys: key 80 out of range [0, 80)": epb.WriteBackRequest(
-                shard_map_version=1, keys=to_tensor(np.array([3, 80])), rows=to_tensor(good_rows), state=to_tensor(good_rows)
+                shard_map_version=1,
+                keys=to_tensor(np.array([3, 80])),
+                rows=to_tensor(good_rows),
+                state=to_tensor(good_rows),
             ),
         }
         for message, request in bad.items():
@@ -55,14 +64,21 @@ async def _embedding_server_rejects_bad_requests() -> None:
             assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT
             assert err.value.details() == message
         with pytest.raises(grpc.aio.AioRpcError) as err:
-            await stub.Lookup(epb.LookupRequest(shard_map_version=1, keys=to_tensor(np.array([-1]))), timeout=5)
+            await stub.Lookup(
+                epb.LookupRequest(shard_map_version=1, keys=to_tensor(np.array([-1]))), timeout=5
+            )
         assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT
         with pytest.raises(grpc.aio.AioRpcError) as err:
             await stub.Lookup(epb.LookupRequest(shard_map_version=2, keys=to_tensor(keys)), timeout=5)
         assert err.value.code() == grpc.StatusCode.FAILED_PRECONDITION
         assert np.array_equal(store.weights, before), "a rejected request changed rows"
         await stub.WriteBack(
-            epb.WriteBackRequest(shard_map_version=1, keys=to_tensor(keys), rows=to_tensor(good_rows), state=to_tensor(good_rows)),
+            epb.WriteBackRequest(
+                shard_map_version=1,
+                keys=to_tensor(keys),
+                rows=to_tensor(good_rows),
+                state=to_tensor(good_rows),
+            ),
             timeout=5,
         )
         reply = await stub.Lookup(epb.LookupRequest(shard_map_version=1, keys=to_tensor(keys)), timeout=5)
@@ -85,7 +101,9 @@ async def _malformed_tsv(tmp_path: Path) -> None:
         stub = data_processor_pb2_grpc.DataProcessorStub(ch)
         got = []
         with pytest.raises(grpc.aio.AioRpcError) as err:
-            async for batch in stub.StreamBatches(data_processor_pb2.StreamBatchesRequest(start=0, stride=1), timeout=10):
+            async for batch in stub.StreamBatches(
+                data_processor_pb2.StreamBatchesRequest(start=0, stride=1), timeout=10
+            ):
                 got.append(batch.number)
         assert got in ([], [0])  # batch 0 may go out before the processor reads past it
         assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT
@@ -110,10 +128,17 @@ async def _processor_trainer_masks() -> None:
             inverse = from_tensor(batch.inverse, "inverse", np.int32, ndim=2)
             users = from_tensor(batch.users, "users", np.int64, shape=keys.shape)
             assert np.array_equal(users, trainer_users(inverse, keys.size, 3))
-        plain = [b async for b in stub.StreamBatches(data_processor_pb2.StreamBatchesRequest(start=0, stride=1, end=1))]
+        plain = [
+            b
+            async for b in stub.StreamBatches(
+                data_processor_pb2.StreamBatchesRequest(start=0, stride=1, end=1)
+            )
+        ]
         assert not plain[0].HasField("users")
-        for trainers, why in ((5, "trainers: batch size 12 does not split over 5 trainers"),
-                              (65, "trainers: must be in [0, 64], got 65")):  # fmt: skip
+        for trainers, why in (
+            (5, "trainers: batch size 12 does not split over 5 trainers"),
+            (65, "trainers: must be in [0, 64], got 65"),
+        ):
             with pytest.raises(grpc.aio.AioRpcError) as err:
                 bad = data_processor_pb2.StreamBatchesRequest(start=0, stride=1, end=1, trainers=trainers)
                 _ = [b async for b in stub.StreamBatches(bad, timeout=10)]
@@ -129,16 +154,24 @@ def test_data_processor_works_out_which_trainers_use_each_key() -> None:
 def test_oracle_rejects_trainer_masks_that_name_no_trainer_or_an_unknown_one() -> None:
     rows = tuple(scaled_table_rows(0.0005))
     oracle = Oracle(OracleConfig(rows, 16, 2, 2, 1, 6, "", "", ""))
-    arrays = build_batch(0, SyntheticSource(SyntheticConfig(table_rows=rows)).batch(0, 16), table_offsets(rows))
+    arrays = build_batch(
+        0, SyntheticSource(SyntheticConfig(table_rows=rows)).batch(0, 16), table_offsets(rows)
+    )
     good = trainer_users(arrays.inverse, arrays.keys.size, 2).astype(np.int64)
+
+    def decode(users: np.ndarray):
+        return decode_batch(
+            encode_batch(arrays, False, users.astype(np.uint64)),
+            num_keys=oracle.num_keys,
+            batch_size=16,
+            num_tables=len(rows),
+            trainers=2,
+        )
+
     for bad in (np.where(np.arange(good.size) == 0, 0, good), np.where(np.arange(good.size) == 0, 4, good)):
-        msg = data_processor_pb2.Batch(number=0, keys=to_tensor(arrays.keys), inverse=to_tensor(arrays.inverse),
-                                       users=to_tensor(bad.astype(np.int64)))  # fmt: skip
-        with pytest.raises(InvalidArgument, match=r"users: batch 0: masks outside \[1, 3\] for 2 trainers"):
-            oracle._users(msg, arrays.keys.size)
-    msg = data_processor_pb2.Batch(number=0, keys=to_tensor(arrays.keys), inverse=to_tensor(arrays.inverse),
-                                   users=to_tensor(good))  # fmt: skip
-    assert np.array_equal(oracle._users(msg, arrays.keys.size), good.astype(np.uint8))
+        with pytest.raises(InvalidArgument, match=r"batch 0: users: masks outside \[1, 3\] for 2 trainers"):
+            decode(bad)
+    assert np.array_equal(oracle._users(decode(good)), good.astype(np.uint8))
 
 
 async def _oracle_gates_plans() -> None:
@@ -149,11 +182,8 @@ async def _oracle_gates_plans() -> None:
     source = SyntheticSource(SyntheticConfig(table_rows=rows))
     for b in range(6):
         arrays = build_batch(b, source.batch(b, 16), offsets)
-        msg = data_processor_pb2.Batch(
-            number=b, dense=to_tensor(arrays.dense), labels=to_tensor(arrays.labels),
-            keys=to_tensor(arrays.keys), inverse=to_tensor(arrays.inverse), last=b == 5,
-        )  # fmt: skip
-        oracle.received[b] = _Received(msg, arrays.keys, oracle._users(msg, arrays.keys.size))
+        batch = WireBatch(arrays, last=b == 5, users=None)
+        oracle.received[b] = _Received(batch, oracle._users(batch))
     oracle.readers_done = 1
     planner = asyncio.create_task(oracle.run_planner())
     server, port, _, _ = await create_oracle(oracle)
@@ -177,16 +207,22 @@ async def _oracle_gates_plans() -> None:
         # progress on a batch never sent, or going back, is refused
         for trained, field in ((6, "sent plans up to 5"), (2, "progress only moves on")):
             with pytest.raises(grpc.aio.AioRpcError) as err:
-                await stub.ReportProgress(opb.ProgressReport(rank=0, trained=trained, written_back=trained), timeout=5)
+                await stub.ReportProgress(
+                    opb.ProgressReport(rank=0, trained=trained, written_back=trained), timeout=5
+                )
             assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT and field in err.value.details()
         # a rank belongs to the process that first called for it
         with pytest.raises(grpc.aio.AioRpcError) as err:
             await stub.ReportProgress(
-                opb.ProgressReport(rank=0, trained=5, written_back=5), timeout=5, metadata=[("bagpipe-trainer", "x")]
+                opb.ProgressReport(rank=0, trained=5, written_back=5),
+                timeout=5,
+                metadata=[("bagpipe-trainer", "x")],
             )
         assert err.value.code() == grpc.StatusCode.PERMISSION_DENIED
         with pytest.raises(grpc.aio.AioRpcError) as err:
-            async for _ in stub.StreamPlans(opb.StreamPlansRequest(rank=0, start=0), metadata=[("bagpipe-trainer", "x")]):
+            async for _ in stub.StreamPlans(
+                opb.StreamPlansRequest(rank=0, start=0), metadata=[("bagpipe-trainer", "x")]
+            ):
                 pass
         assert err.value.code() == grpc.StatusCode.PERMISSION_DENIED
         with pytest.raises(grpc.aio.AioRpcError) as err:

@@ -6,6 +6,7 @@ import json
 import subprocess
 
 from bagpipe.local.prometheus import find_binary
+
 from tests.dashboard_exprs import DASHBOARD, dashboard_exprs, defined_metric_names, names_in
 
 
@@ -14,19 +15,33 @@ def test_every_dashboard_metric_is_defined_in_the_code() -> None:
     used = set().union(*(names_in(e) for e in dashboard_exprs()))
     assert used, "the dashboard must query Bagpipe metrics"
     assert not used - defined, f"the dashboard uses metrics no service defines: {sorted(used - defined)}"
-    for needed in ("bagpipe_trainer_stage_seconds_sum", "bagpipe_embedding_server_request_seconds_bucket",
-                   "bagpipe_oracle_cacher_queue_depth_plans", "bagpipe_trainer_heartbeat_timestamp_seconds",
-                   "bagpipe_trainer_rows_synced_total", "bagpipe_trainer_cache_hits_total"):  # fmt: skip
+    for needed in (
+        "bagpipe_trainer_stage_seconds_sum",
+        "bagpipe_embedding_server_request_seconds_bucket",
+        "bagpipe_oracle_cacher_queue_depth_plans",
+        "bagpipe_trainer_heartbeat_timestamp_seconds",
+        "bagpipe_trainer_rows_synced_total",
+        "bagpipe_trainer_cache_hits_total",
+    ):
         assert needed in used, f"the dashboard should show {needed}"
 
 
 def test_every_dashboard_expr_passes_promtool(tmp_path) -> None:
-    rules = {"groups": [{"name": "dashboard", "rules": [
-        {"record": f"dashboard:expr_{i}", "expr": e} for i, e in enumerate(dashboard_exprs())
-    ]}]}  # fmt: skip
+    rules = {
+        "groups": [
+            {
+                "name": "dashboard",
+                "rules": [
+                    {"record": f"dashboard:expr_{i}", "expr": e} for i, e in enumerate(dashboard_exprs())
+                ],
+            }
+        ]
+    }
     path = tmp_path / "dashboard-rules.yml"
     path.write_text(json.dumps(rules))  # JSON is YAML
-    out = subprocess.run([find_binary("promtool"), "check", "rules", str(path)], capture_output=True, text=True)
+    out = subprocess.run(
+        [find_binary("promtool"), "check", "rules", str(path)], capture_output=True, text=True
+    )
     assert out.returncode == 0, out.stdout + out.stderr
 
 

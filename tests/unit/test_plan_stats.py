@@ -5,13 +5,26 @@ from __future__ import annotations
 import json
 
 import pytest
-
 from bagpipe.cli import main
 
 
 def test_plan_stats_compares_replicated_lrpp_and_delayed_sync(capsys: pytest.CaptureFixture[str]) -> None:
-    main(["plan-stats", "--scale", "0.002", "--batch-size", "512", "--trainers", "4", "--lookahead", "6",
-          "--iterations", "12", "--json"])  # fmt: skip
+    main(
+        [
+            "plan-stats",
+            "--scale",
+            "0.002",
+            "--batch-size",
+            "512",
+            "--trainers",
+            "4",
+            "--lookahead",
+            "6",
+            "--iterations",
+            "12",
+            "--json",
+        ]
+    )
     r = json.loads(capsys.readouterr().out)
     rep, lrpp, delayed = (r["modes"][m] for m in ("replicated", "lrpp", "lrpp+delayed"))
     assert r["iterations"] == 12 and r["trainers"] == 4
@@ -27,8 +40,21 @@ def test_plan_stats_compares_replicated_lrpp_and_delayed_sync(capsys: pytest.Cap
 
 
 def test_plan_stats_table_names_every_design(capsys: pytest.CaptureFixture[str]) -> None:
-    main(["plan-stats", "--scale", "0.002", "--batch-size", "256", "--trainers", "2", "--lookahead", "3",
-          "--iterations", "4"])  # fmt: skip
+    main(
+        [
+            "plan-stats",
+            "--scale",
+            "0.002",
+            "--batch-size",
+            "256",
+            "--trainers",
+            "2",
+            "--lookahead",
+            "3",
+            "--iterations",
+            "4",
+        ]
+    )
     out = capsys.readouterr().out
     assert all(m in out for m in ("replicated", "lrpp", "lrpp+delayed", "critical rows"))
 

@@ -151,7 +151,7 @@ class Detector:
             self._mark.setdefault(m, (None, now))
 
     def retire(self, members: Iterable[str]) -> None:
-        """Stops watching ``members``: they went away on purpose (an embedding server drained by a scale-down)."""
+        """Stops watching ``members``: they left on purpose (an embedding server drained by a scale-down)."""
         for m in members:
             for table in (self._seen, self._mark, self._reachable):
                 table.pop(m, None)  # type: ignore[attr-defined]

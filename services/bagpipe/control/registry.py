@@ -21,19 +21,28 @@ from bagpipe.core.shard_map import ShardMap
 logger = logging.getLogger(__name__)
 
 
+def _text(value: str | bytes) -> str:
+    """The client decodes replies (``decode_responses=True``); the stubs also allow bytes."""
+    return value.decode() if isinstance(value, bytes) else value
+
+
 class Registry:
     """Thin, typed access to a job's coordination state in Redis."""
 
     def __init__(self, url: str, job: str) -> None:
         self.url = url
         self.job = job
-        # the password comes from the environment (a URL on a command line shows in /proc); one in the URL wins
+        # the password comes from the environment (a URL on a command line shows in /proc);
+        # one in the URL wins
         self._redis = redis.Redis.from_url(
             url, decode_responses=True, socket_timeout=10, password=security.redis_password()
         )
 
     def _key(self, *parts: str) -> str:
         return ":".join(("bagpipe", self.job, *parts))
+
+    def _hash(self, key: str) -> dict[str, str]:
+        return {_text(k): _text(v) for k, v in self._redis.hgetall(key).items()}
 
     def ping(self) -> bool:
         return bool(self._redis.ping())
@@ -46,7 +55,7 @@ class Registry:
         self._redis.hdel(self._key("members", service), member)
 
     def members(self, service: str) -> dict[str, str]:
-        return dict(self._redis.hgetall(self._key("members", service)))
+        return self._hash(self._key("members", service))
 
     def wait_for_members(self, service: str, count: int, timeout: float = 120.0) -> dict[str, str]:
         """Blocks until ``count`` members of ``service`` are registered; raises TimeoutError."""
@@ -60,7 +69,7 @@ class Registry:
             time.sleep(0.05)
 
     def register_metrics(self, service: str, member: str, address: str) -> None:
-        """Where ``service``'s ``member`` serves /metrics (the local Prometheus and the launcher scrape it)."""
+        """Where ``service``'s ``member`` serves /metrics (the local Prometheus and the launcher read it)."""
         self._redis.hset(self._key("metrics"), f"{service}/{member}", address)
 
     def unregister_metrics(self, service: str, member: str) -> None:
@@ -68,7 +77,7 @@ class Registry:
 
     def metrics_endpoints(self) -> dict[str, str]:
         """``service/member`` -> ``host:port`` of every registered /metrics endpoint."""
-        return dict(self._redis.hgetall(self._key("metrics")))
+        return self._hash(self._key("metrics"))
 
     # shard map
     def publish_shard_map(self, shard_map: ShardMap) -> ShardMap:
@@ -80,7 +89,7 @@ class Registry:
 
     def shard_map(self) -> ShardMap | None:
         text = self._redis.get(self._key("shard_map"))
-        return ShardMap.from_json(text) if text else None
+        return ShardMap.from_json(_text(text)) if text else None
 
     def replace_shard_map(self, new: ShardMap) -> None:
         """Makes ``new`` the map in force, if the one in force is the version before it (else ValueError)."""
@@ -88,7 +97,7 @@ class Registry:
         with self._redis.pipeline() as pipe:
             pipe.watch(key)
             text = pipe.get(key)
-            current = ShardMap.from_json(text).version if text else 0
+            current = ShardMap.from_json(_text(text)).version if text else 0
             if current != new.version - 1:
                 raise ValueError(f"shard map version {new.version} cannot follow version {current} in Redis")
             pipe.multi()
@@ -118,8 +127,10 @@ class Registry:
         """Releases lock ``name`` if ``owner`` still holds it."""
         self._redis.eval(
             "if redis.call('get', KEYS[1]) == ARGV[1] then return redis.call('del', KEYS[1]) end return 0",
-            1, self._key("lock", name), owner,
-        )  # fmt: skip
+            1,
+            self._key("lock", name),
+            owner,
+        )
 
     @contextmanager
     def locked(self, name: str, owner: str, ttl: float = 120.0, timeout: float = 300.0) -> Iterator[None]:

@@ -81,7 +81,9 @@ class EmbeddingCache:
         if rows <= self.capacity:
             return
         if self.fixed:
-            raise ValueError(f"cache: the plan needs {rows} rows, the cache holds {self.capacity} (--cache-rows)")
+            raise ValueError(
+                f"cache: the plan needs {rows} rows, the cache holds {self.capacity} (--cache-rows)"
+            )
         new_capacity = max(rows, 2 * self.capacity)
         with self.lock.exclusive():
             weights = torch.zeros((new_capacity, self.dim), dtype=torch.float32, device=self.device)

@@ -93,8 +93,10 @@ def table_rows(ckpt: dict[str, Any], table: int, dim: int, linear: bool) -> torc
     first = (ckpt.get("linear") or {}).get(str(table))
     if not isinstance(first, torch.Tensor) or tuple(first.shape) != (emb.shape[0], 1):
         got = tuple(first.shape) if isinstance(first, torch.Tensor) else None
-        raise ValueError(f"linear/{table}: expected a [{emb.shape[0]}, 1] tensor (the model has first-order "
-                         f"weights), got {got}")  # fmt: skip
+        raise ValueError(
+            f"linear/{table}: expected a [{emb.shape[0]}, 1] tensor (the model has first-order "
+            f"weights), got {got}"
+        )
     return torch.cat([emb.float(), first.float()], dim=1)
 
 

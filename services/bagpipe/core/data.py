@@ -1,7 +1,8 @@
 """Training samples: a synthetic Criteo-like generator, the schema of each source, and batch key extraction.
 
-Every source (this generator; the Criteo and Avazu files of core/files.py) produces :class:`Samples` (log-transformed dense features, per-table row indices, labels)
-and number global batches the same way: batch ``b`` is samples ``[b*B, (b+1)*B)`` of the stream.
+Every source (this generator; the Criteo and Avazu files of core/files.py) produces
+:class:`Samples` (log-transformed dense features, per-table row indices, labels) and number global
+batches the same way: batch ``b`` is samples ``[b*B, (b+1)*B)`` of the stream.
 :class:`SyntheticSource` is stateless, so any batch can be regenerated on its own (a restarted data
 processor needs nothing but the batch number); its accesses are skewed like real click logs and its
 labels depend on the rows and dense values, so a model has something to learn. :func:`build_batch`
@@ -14,7 +15,7 @@ from __future__ import annotations
 import logging
 import math
 import threading
-from collections.abc import Iterator, Sequence
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 import numpy as np
@@ -24,13 +25,40 @@ logger = logging.getLogger(__name__)
 NUM_DENSE: int = 13
 NUM_TABLES: int = 26
 KAGGLE_TABLE_ROWS: tuple[int, ...] = (
-    1460, 583, 10131227, 2202608, 305, 24, 12517, 633, 3, 93145, 5683, 8351593, 3194, 27, 14992,
-    5461306, 10, 5652, 2173, 4, 7046547, 18, 15, 286181, 105, 142572,
-)  # fmt: skip
+    1460,
+    583,
+    10131227,
+    2202608,
+    305,
+    24,
+    12517,
+    633,
+    3,
+    93145,
+    5683,
+    8351593,
+    3194,
+    27,
+    14992,
+    5461306,
+    10,
+    5652,
+    2173,
+    4,
+    7046547,
+    18,
+    15,
+    286181,
+    105,
+    142572,
+)
 
 
 def source_schema(data: str) -> tuple[int, int]:
-    """(dense features, tables) of a ``--data`` source: 'synthetic' and 'criteo:' 13 and 26, 'avazu:' 1 and 22."""
+    """(dense features, tables) of a ``--data`` source.
+
+    'synthetic' and 'criteo:' have 13 and 26, 'avazu:' 1 and 22.
+    """
     if data.startswith("avazu:"):
         return 1, 22
     return NUM_DENSE, NUM_TABLES
@@ -86,7 +114,9 @@ class Samples:
         if self.labels.ndim != 1 or self.labels.dtype != np.float32:
             raise ValueError(f"labels: must be float32 [n], got {self.labels.dtype} {self.labels.shape}")
         if self.dense.ndim != 2 or self.dense.shape[0] != n or self.dense.dtype != np.float32:
-            raise ValueError(f"dense: must be float32 [{n}, features], got {self.dense.dtype} {self.dense.shape}")
+            raise ValueError(
+                f"dense: must be float32 [{n}, features], got {self.dense.dtype} {self.dense.shape}"
+            )
         if self.sparse.ndim != 2 or self.sparse.shape[0] != n or self.sparse.dtype != np.int64:
             raise ValueError(
                 f"sparse: must be int64 [{n}, tables], got {self.sparse.dtype} {self.sparse.shape}"

@@ -7,6 +7,8 @@ initial value does not depend on which server holds it or how many servers there
 
 from __future__ import annotations
 
+from typing import Any
+
 import numpy as np
 
 _GOLDEN = np.uint64(0x9E3779B97F4A7C15)
@@ -14,7 +16,7 @@ _M1 = np.uint64(0xBF58476D1CE4E5B9)
 _M2 = np.uint64(0x94D049BB133111EB)
 
 
-def splitmix64(x: np.ndarray) -> np.ndarray:
+def splitmix64(x: Any) -> Any:
     """The splitmix64 finaliser, elementwise on uint64 (wrapping arithmetic)."""
     with np.errstate(over="ignore"):
         z = x + _GOLDEN

@@ -51,8 +51,29 @@ AVAZU_NUM_DENSE = 1
 # distinct values per categorical column in Avazu's train file (40.4 M samples, 9.4 M in all): the
 # default table sizes; a field's hash modulo its size collides as a real hashed table would
 AVAZU_TABLE_ROWS: tuple[int, ...] = (
-    240, 7, 7, 4737, 7745, 26, 8552, 559, 36, 2686408, 6729486, 8251, 5, 4, 2626, 8, 9, 435, 4, 68, 172, 60,
-)  # fmt: skip
+    240,
+    7,
+    7,
+    4737,
+    7745,
+    26,
+    8552,
+    559,
+    36,
+    2686408,
+    6729486,
+    8251,
+    5,
+    4,
+    2626,
+    8,
+    9,
+    435,
+    4,
+    68,
+    172,
+    60,
+)
 CRITEO_NUM_DENSE, CRITEO_NUM_TABLES = 13, 26
 
 _INT_DIGITS = 18  # a dense value must fit int64 (Criteo's are far smaller)
@@ -387,8 +408,13 @@ class FileSource:
                     if a > cursor:
                         yield cursor, a - cursor, None
                     i, j = a - position, b - position
-                    yield a, b - a, Samples(dense=samples.dense[i:j], sparse=samples.sparse[i:j],
-                                            labels=samples.labels[i:j])  # fmt: skip
+                    yield (
+                        a,
+                        b - a,
+                        Samples(
+                            dense=samples.dense[i:j], sparse=samples.sparse[i:j], labels=samples.labels[i:j]
+                        ),
+                    )
                     cursor = b
             else:
                 n = data.count(b"\n")

@@ -207,7 +207,9 @@ class SlotAllocator:
             self._unquarantine()
             self.early_reuses += 1
         if self._free.size + room < count:
-            raise CapacityError(f"batch {batch}: needs {count} new cache rows, only {self._free.size + room} are free")
+            raise CapacityError(
+                f"batch {batch}: needs {count} new cache rows, only {self._free.size + room} are free"
+            )
         reused = min(count, self._free.size)  # the longest-free slots first: the oldest dependency
         taken, released = self._free[:reused], self._free_at[:reused]
         self._free, self._free_at = self._free[reused:], self._free_at[reused:]
@@ -244,10 +246,22 @@ class _Entry:
 def _state_dtype(mask: np.dtype) -> np.dtype:
     """A key's record: 16 bytes (one gather's fast path) up to 16 trainers, wider above."""
     flags = np.dtype(np.uint16) if mask.itemsize <= 2 else mask
-    fields = [("latest", np.int32), ("slot", np.int32), ("pos", np.int32), ("holders", flags), ("handover_to", flags)]
+    fields = [
+        ("latest", np.int32),
+        ("slot", np.int32),
+        ("pos", np.int32),
+        ("holders", flags),
+        ("handover_to", flags),
+    ]
     size = 12 + 2 * flags.itemsize
-    return np.dtype({"names": [f for f, _ in fields], "formats": [t for _, t in fields],
-                     "offsets": [0, 4, 8, 12, 12 + flags.itemsize], "itemsize": size + (-size % 8 if size > 16 else 0)})  # fmt: skip
+    return np.dtype(
+        {
+            "names": [f for f, _ in fields],
+            "formats": [t for _, t in fields],
+            "offsets": [0, 4, 8, 12, 12 + flags.itemsize],
+            "itemsize": size + (-size % 8 if size > 16 else 0),
+        }
+    )
 
 
 class LookaheadPlanner:
@@ -288,7 +302,9 @@ class LookaheadPlanner:
         self._state = np.zeros(num_keys, dtype=self._dtype)
         self._state["latest"] = -1
         self._state["slot"] = -1
-        self._raw = self._state.view(np.dtype((np.void, self._dtype.itemsize)))  # gathers/scatters whole records
+        self._raw = self._state.view(
+            np.dtype((np.void, self._dtype.itemsize))
+        )  # gathers/scatters whole records
         self._handover_at = np.full(num_keys, -1, dtype=np.int32)
         self._slot_key = np.full(0, -1, dtype=np.int64)  # the key in each cache slot, or -1
         self._window: deque[_Entry] = deque()
@@ -296,7 +312,9 @@ class LookaheadPlanner:
         self._next_push: int | None = None
         self._ended = False
         self._blocked = False
-        self._live = np.zeros(0, dtype=np.int64)  # with a capacity, per batch in the window: rows cached while it runs
+        self._live = np.zeros(
+            0, dtype=np.int64
+        )  # with a capacity, per batch in the window: rows cached while it runs
         self.occupancy = 0
         self.peak_occupancy = 0
         self.min_window = lookahead
@@ -356,7 +374,8 @@ class LookaheadPlanner:
             live = np.append(self._live, 0) + np.cumsum(np.bincount(starts, minlength=here + 1))
             if not self._window and keys.size > self.capacity:
                 raise CapacityError(
-                    f"cache capacity of {self.capacity} rows is smaller than batch {batch}, which uses {keys.size} rows"
+                    f"cache capacity of {self.capacity} rows is smaller than batch {batch}, which uses "
+                    f"{keys.size} rows"
                 )
             if int(live.max()) > self.capacity:
                 self._blocked = True
@@ -379,7 +398,14 @@ class LookaheadPlanner:
         rec["pos"] = np.arange(keys.size, dtype=np.int32)
         self._raw[keys] = rec.view(self._raw.dtype)
         self._window.append(
-            _Entry(batch, keys, users, depends_on, np.zeros(keys.size, dtype=bool), np.zeros(keys.size, dtype=np.int32))
+            _Entry(
+                batch,
+                keys,
+                users,
+                depends_on,
+                np.zeros(keys.size, dtype=bool),
+                np.zeros(keys.size, dtype=np.int32),
+            )
         )
         self._next_push = batch + 1
         self._ended = last

@@ -267,8 +267,11 @@ class DeepCross(_Model):
 def build_model(config: ModelConfig, seed: int = 0) -> nn.Module:
     """The model ``config.name`` names, initialised from ``seed``."""
     kinds: dict[str, Callable[[ModelConfig, int], nn.Module]] = {
-        "dlrm": DLRM, "wdl": WideAndDeep, "deepfm": DeepFM, "dcn": DeepCross,
-    }  # fmt: skip
+        "dlrm": DLRM,
+        "wdl": WideAndDeep,
+        "deepfm": DeepFM,
+        "dcn": DeepCross,
+    }
     return kinds[config.name](config, seed)
 
 

@@ -68,7 +68,9 @@ def for_trainer(plan: BatchPlan, inverse: np.ndarray, rank: int, trainers: int) 
     )
 
 
-def _step(plan: BatchPlan, rows: np.ndarray, handed: np.ndarray, position: np.ndarray, bit: np.generic) -> SyncStep:
+def _step(
+    plan: BatchPlan, rows: np.ndarray, handed: np.ndarray, position: np.ndarray, bit: np.generic
+) -> SyncStep:
     index = np.flatnonzero(rows)
     h = plan.handovers
     chosen = np.flatnonzero(handed)

@@ -43,10 +43,14 @@ def check_values(
     non_neg = np.zeros(state.shape[1:], dtype=bool)
     non_neg[non_negative if non_negative is not None else slice(None)] = True
     for name, values, bad, why in (
-        ("rows", rows, ~np.isfinite(rows) | (np.abs(rows) > max_abs),
-         f"at most {max_abs:g} in absolute value (--max-abs-value)"),
+        (
+            "rows",
+            rows,
+            ~np.isfinite(rows) | (np.abs(rows) > max_abs),
+            f"at most {max_abs:g} in absolute value (--max-abs-value)",
+        ),
         ("state", state, ~np.isfinite(state) | ((state < 0) & non_neg), None),
-    ):  # fmt: skip
+    ):
         if bad.any():
             i, j = np.unravel_index(int(np.argmax(bad)), bad.shape)
             value = float(values[i, j])
@@ -108,8 +112,10 @@ class ShardStore:
                 raise ValueError(f"embeddings/{t}: expected {rows} rows of width {self.dim}, got {got}")
             saved = checkpoint.table_state(dict(ckpt), t, state_keys, linear) if self.state_width else None
             if saved is not None and tuple(saved[0].shape) != (rows, self.state_width):
-                raise ValueError(f"optimizer/embeddings/{t}: expected state [{rows}, {self.state_width}], "
-                                 f"got {tuple(saved[0].shape)}")  # fmt: skip
+                raise ValueError(
+                    f"optimizer/embeddings/{t}: expected state [{rows}, {self.state_width}], "
+                    f"got {tuple(saved[0].shape)}"
+                )
             loaded.append((t, table, saved))
         for t, table, saved in loaded:  # (all checked first: a bad checkpoint changes nothing)
             mine = np.flatnonzero((local_keys >= self.offsets[t]) & (local_keys < self.offsets[t + 1]))

@@ -20,7 +20,9 @@ async def serve(cfg: DataProcessorConfig, args: argparse.Namespace) -> None:
     registry = Registry(cfg.redis_url, cfg.job)
     # local runs number processors; in a Deployment each pod registers under its own name
     member = str(cfg.index) if cfg.index is not None else socket.gethostname()
-    http = serving.start_metrics(args.metrics_address, "data_processor", member, registry, None, args.advertise_host)
+    http = serving.start_metrics(
+        args.metrics_address, "data_processor", member, registry, None, args.advertise_host
+    )
     server, port, control, health = await create_server(cfg, cfg.address)
     control.address = serving.advertised(control.address, args.advertise_host)
     registry.register("data_processor", member, control.address)

@@ -5,7 +5,13 @@ from __future__ import annotations
 import argparse
 from dataclasses import dataclass
 
-from bagpipe.config_args import add_coordination_args, add_table_args, non_negative_int, positive_int, table_rows_of
+from bagpipe.config_args import (
+    add_coordination_args,
+    add_table_args,
+    non_negative_int,
+    positive_int,
+    table_rows_of,
+)
 from bagpipe.core.data import SyntheticConfig, SyntheticSource
 from bagpipe.core.files import (
     DEFAULT_SHUFFLE_BUFFER,
@@ -19,7 +25,10 @@ from bagpipe.core.files import (
 
 @dataclass(frozen=True)
 class SourceConfig:
-    """Which source to read and how: ``data`` is 'synthetic', 'criteo:PATH[,PATH...]' or 'avazu:PATH[,PATH...]'."""
+    """Which source to read and how.
+
+    ``data`` is 'synthetic', 'criteo:PATH[,PATH...]' or 'avazu:PATH[,PATH...]'.
+    """
 
     data: str
     table_rows: tuple[int, ...]
@@ -36,7 +45,9 @@ class SourceConfig:
         if self.data != "synthetic" and not (kind in ("criteo", "avazu") and paths):
             raise ValueError(f"data: expected 'synthetic', 'criteo:PATH' or 'avazu:PATH', got {self.data!r}")
         if self.shuffle_seed is not None and self.data == "synthetic":
-            raise ValueError("shuffle_seed: synthetic samples are drawn at random already; it applies to files")
+            raise ValueError(
+                "shuffle_seed: synthetic samples are drawn at random already; it applies to files"
+            )
 
     def open(self) -> SyntheticSource | FileSource:
         if self.data == "synthetic":
@@ -53,8 +64,15 @@ class SourceConfig:
         kind, _, listed = self.data.partition(":")
         paths = tuple(p for p in listed.split(",") if p)
         config, source = (AvazuConfig, AvazuCSVSource) if kind == "avazu" else (CriteoConfig, CriteoTSVSource)
-        return source(config(paths=paths, table_rows=self.table_rows, skip_bad_rows=self.skip_bad_rows,
-                             shuffle_seed=self.shuffle_seed, shuffle_buffer=self.shuffle_buffer))  # fmt: skip
+        return source(
+            config(
+                paths=paths,
+                table_rows=self.table_rows,
+                skip_bad_rows=self.skip_bad_rows,
+                shuffle_seed=self.shuffle_seed,
+                shuffle_buffer=self.shuffle_buffer,
+            )
+        )
 
 
 @dataclass(frozen=True)
@@ -80,11 +98,19 @@ def add_source_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--hot-fraction", type=float, default=None, help="synthetic: the top p of rows (0-1) ...")
     g.add_argument("--hot-share", type=float, default=None, help="... get this share (0-1) of the accesses")
     g.add_argument("--skip-bad-rows", action="store_true", help="files: count and skip malformed lines")
-    g.add_argument("--shuffle-seed", type=non_negative_int, default=None,
-                   help="files: shuffle samples within windows of --shuffle-buffer by this seed (default: file "
-                   "order); the batches do not depend on the number of processors, trainers or servers")  # fmt: skip
-    g.add_argument("--shuffle-buffer", type=positive_int, default=DEFAULT_SHUFFLE_BUFFER,
-                   help=f"samples permuted together (default {DEFAULT_SHUFFLE_BUFFER})")  # fmt: skip
+    g.add_argument(
+        "--shuffle-seed",
+        type=non_negative_int,
+        default=None,
+        help="files: shuffle samples within windows of --shuffle-buffer by this seed (default: file "
+        "order); the batches do not depend on the number of processors, trainers or servers",
+    )
+    g.add_argument(
+        "--shuffle-buffer",
+        type=positive_int,
+        default=DEFAULT_SHUFFLE_BUFFER,
+        help=f"samples permuted together (default {DEFAULT_SHUFFLE_BUFFER})",
+    )
 
 
 def source_of(a: argparse.Namespace) -> SourceConfig:
@@ -104,7 +130,10 @@ def source_of(a: argparse.Namespace) -> SourceConfig:
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="bagpipe-data-processor", description=DataProcessorConfig.__doc__)
     p.add_argument(
-        "--index", type=int, default=None, help="this processor's index, its Redis member name (default: the host name)"
+        "--index",
+        type=int,
+        default=None,
+        help="this processor's index, its Redis member name (default: the host name)",
     )
     p.add_argument("--batch-size", type=int, required=True, help="global batch size")
     p.add_argument("--seed", type=int, default=0, help="seed of the synthetic data")
@@ -117,6 +146,11 @@ def build_parser() -> argparse.ArgumentParser:
 def parse(argv: list[str] | None = None) -> tuple[DataProcessorConfig, argparse.Namespace]:
     a = build_parser().parse_args(argv)
     cfg = DataProcessorConfig(
-        source=source_of(a), batch_size=a.batch_size, index=a.index, address=a.address, redis_url=a.redis, job=a.job
+        source=source_of(a),
+        batch_size=a.batch_size,
+        index=a.index,
+        address=a.address,
+        redis_url=a.redis,
+        job=a.job,
     )
     return cfg, a

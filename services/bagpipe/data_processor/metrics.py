@@ -7,5 +7,6 @@ BATCHES = Counter("bagpipe_data_processor_batches_total", "Batches streamed")
 BAD_ROWS = Counter("bagpipe_data_processor_bad_rows_total", "Malformed input lines skipped")
 BUILD_SECONDS = Histogram("bagpipe_data_processor_batch_build_seconds", "Time to read and build one batch")
 MASK_SECONDS = Histogram(
-    "bagpipe_data_processor_trainer_mask_seconds", "Time to work out which trainers use each key of one batch (LRPP)"
+    "bagpipe_data_processor_trainer_mask_seconds",
+    "Time to work out which trainers use each key of one batch (LRPP)",
 )

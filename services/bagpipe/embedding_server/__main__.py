@@ -51,8 +51,13 @@ async def serve(cfg: EmbeddingServerConfig, args: argparse.Namespace) -> None:
     control.address = serving.advertised(control.address, args.advertise_host)
     registry.register("embedding_server", str(cfg.shard), control.address)
     http.ready.set()
-    logger.info("shard %d serving %d rows of shard map version %d on %s", cfg.shard, store.rows_held,
-                shard_map.version, control.address)  # fmt: skip
+    logger.info(
+        "shard %d serving %d rows of shard map version %d on %s",
+        cfg.shard,
+        store.rows_held,
+        shard_map.version,
+        control.address,
+    )
     coordinator = None
     fatal: list[BaseException] = []
     if cfg.shard == 0:  # the re-sharding coordinator (shard 0 is the last a StatefulSet removes)

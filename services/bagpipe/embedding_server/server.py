@@ -157,10 +157,7 @@ class EmbeddingServicer(pb_grpc.EmbeddingServerServicer):
         if missing:
             self.store.abort_migration()
             raise InvalidArgument("addresses", f"no address for shards {missing}")
-        self._peers = {
-            d: serving.aio_channel(request.addresses[d])
-            for d in m.leaving
-        }
+        self._peers = {d: serving.aio_channel(request.addresses[d]) for d in m.leaving}
         self._rows_per_second = request.rows_per_second
         self._ready = asyncio.Event()
         metrics.MIGRATION_TARGET.set(new_map.version)

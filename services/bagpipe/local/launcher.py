@@ -83,10 +83,25 @@ class RedisServer:
             conf.write_text(f"requirepass {password}\n")
             config = [str(conf)]
         self.proc = subprocess.Popen(
-            [find_redis_server(), *config, "--port", str(self.port), "--bind", *bind, "--protected-mode", "no",
-             "--save", "", "--appendonly", "no", "--dir", str(workdir)],
-            stdout=self.log, stderr=subprocess.STDOUT,
-        )  # fmt: skip
+            [
+                find_redis_server(),
+                *config,
+                "--port",
+                str(self.port),
+                "--bind",
+                *bind,
+                "--protected-mode",
+                "no",
+                "--save",
+                "",
+                "--appendonly",
+                "no",
+                "--dir",
+                str(workdir),
+            ],
+            stdout=self.log,
+            stderr=subprocess.STDOUT,
+        )
         deadline = time.monotonic() + 20
         while True:
             try:
@@ -127,8 +142,11 @@ class LocalJob:
         env = dict(os.environ, PYTHONUNBUFFERED="1", OMP_NUM_THREADS=os.environ.get("OMP_NUM_THREADS", "1"))
         command = [*(prefix or []), sys.executable, "-m", module, *argv]
         with open(log, "ab") as out:  # a restarted process goes on in the same log
-            out.write(f"---- {time.strftime('%Y-%m-%d %H:%M:%S')} {' '.join(command[-2:])} ----\n".encode()
-                      if out.tell() else b"")  # fmt: skip
+            out.write(
+                f"---- {time.strftime('%Y-%m-%d %H:%M:%S')} {' '.join(command[-2:])} ----\n".encode()
+                if out.tell()
+                else b""
+            )
             out.flush()
             proc = subprocess.Popen(command, stdout=out, stderr=subprocess.STDOUT, env=env)
         p = Process(name, proc, log)
@@ -204,7 +222,9 @@ def _shutdown_services(registry: Registry) -> None:
         for address in registry.members(service).values():
             try:
                 with serving.channel(address) as ch:
-                    control_pb2_grpc.ControlStub(ch).Shutdown(control_pb2.ShutdownRequest(reason="job done"), timeout=5)
+                    control_pb2_grpc.ControlStub(ch).Shutdown(
+                        control_pb2.ShutdownRequest(reason="job done"), timeout=5
+                    )
             except grpc.RpcError:
                 pass
 
@@ -283,12 +303,20 @@ def _run(args: argparse.Namespace, after_training: AfterTraining | None = None) 
     validate_run_args(args)  # before any process starts: one line naming the flag or file
     run_dir = Path(args.run_dir or f"runs/{time.strftime('%Y%m%d-%H%M%S')}-{uuid.uuid4().hex[:4]}")
     (run_dir / "logs").mkdir(parents=True, exist_ok=True)
-    checkpoints = Path(args.checkpoint_dir) if getattr(args, "checkpoint_dir", None) else run_dir / "checkpoints"
+    checkpoints = (
+        Path(args.checkpoint_dir) if getattr(args, "checkpoint_dir", None) else run_dir / "checkpoints"
+    )
     if not getattr(args, "resume", None):
         if checkpoint_every(args) and snapshots.complete(checkpoints):
-            raise SystemExit(f"--checkpoint-dir: {checkpoints} holds another run's checkpoints; resume it with "
-                             f"--resume {run_dir} or choose another directory")  # fmt: skip
-        saved = {k: v for k, v in vars(args).items() if isinstance(v, str | int | float | bool | list | tuple | None)}
+            raise SystemExit(
+                f"--checkpoint-dir: {checkpoints} holds another run's checkpoints; resume it with "
+                f"--resume {run_dir} or choose another directory"
+            )
+        saved = {
+            k: v
+            for k, v in vars(args).items()
+            if isinstance(v, str | int | float | bool | list | tuple | None)
+        }
         record = {**saved, "run_dir": str(run_dir), RECORD_KEY: run_record()}
         (run_dir / "config.json").write_text(json.dumps(record, indent=1))
     netns = getattr(args, "embedding_server_netns", None)
@@ -299,7 +327,9 @@ def _run(args: argparse.Namespace, after_training: AfterTraining | None = None) 
     detector: Detector | None = None
     generation: Generation | None = None
     failures: list[dict[str, Any]] = []
-    bar = tqdm(total=args.iterations or None, unit="it", desc="training", disable=args.quiet, dynamic_ncols=True)
+    bar = tqdm(
+        total=args.iterations or None, unit="it", desc="training", disable=args.quiet, dynamic_ncols=True
+    )
     scaler = Scaler(run_dir, args.embedding_servers)
     try:
         number = 0
@@ -309,25 +339,33 @@ def _run(args: argparse.Namespace, after_training: AfterTraining | None = None) 
             if checkpoint_every(args):
                 start = snapshots.latest(checkpoints) or 0
                 snapshots.discard_after(checkpoints, start)
-            generation = _start_generation(args, run_dir, redis_server, f"{base_name}-g{number}", number, start,
-                                           checkpoints)  # fmt: skip
+            generation = _start_generation(
+                args, run_dir, redis_server, f"{base_name}-g{number}", number, start, checkpoints
+            )
             try:
                 services = args.embedding_servers + args.data_processors + 1 + args.trainers
                 endpoints = _wait_for_endpoints(generation, redis_server, services)
                 if args.prometheus:
                     if prometheus is None:
-                        prometheus = PrometheusServer(run_dir / "prometheus", endpoints,
-                                                      args.prometheus_port or free_port())  # fmt: skip
-                        print(f"prometheus: {prometheus.url} (scraping {len(endpoints)} services)", file=sys.stderr)
+                        prometheus = PrometheusServer(
+                            run_dir / "prometheus", endpoints, args.prometheus_port or free_port()
+                        )
+                        print(
+                            f"prometheus: {prometheus.url} (scraping {len(endpoints)} services)",
+                            file=sys.stderr,
+                        )
                     else:
                         prometheus.retarget(endpoints)
                 if detector is not None:
                     detector.close()
                 source: ScrapeSource | PrometheusSource = (
-                    PrometheusSource(prometheus.url) if prometheus is not None
+                    PrometheusSource(prometheus.url)
+                    if prometheus is not None
                     else ScrapeSource(generation.registry.metrics_endpoints)
-                )  # fmt: skip
-                detector = Detector(source, args.failure_timeout)  # one per generation: new members, new ports
+                )
+                detector = Detector(
+                    source, args.failure_timeout
+                )  # one per generation: new members, new ports
                 detector.expect(endpoints)
                 if failures:
                     failures[-1]["restarted_seconds"] = time.time() - failures[-1]["detected_at"]
@@ -335,8 +373,11 @@ def _run(args: argparse.Namespace, after_training: AfterTraining | None = None) 
                 break
             except ComponentFailure as failure:
                 logger.warning("generation %d: %s", number, failure.detail)
-                print(f"failure: {failure.component} {failure.detail}; "
-                      f"{'giving up' if len(failures) + 1 > args.max_restarts else 'recovering'}", file=sys.stderr)  # fmt: skip
+                print(
+                    f"failure: {failure.component} {failure.detail}; "
+                    f"{'giving up' if len(failures) + 1 > args.max_restarts else 'recovering'}",
+                    file=sys.stderr,
+                )
                 generation.job.kill_all()
                 # (recorded once the generation is stopped: the others may have trained on, and even completed
                 # a checkpoint, between the detection and the kill)
@@ -351,8 +392,11 @@ def _run(args: argparse.Namespace, after_training: AfterTraining | None = None) 
                     redis_server = RedisServer(run_dir, extra_bind=extra_bind)
                 never_trained = number == 0 and not record["trained_batches"]
                 if never_trained or len(failures) > args.max_restarts:
-                    why = ("before training began (a setup error is not retried)" if never_trained
-                           else f"after {args.max_restarts} restarts (--max-restarts)")  # fmt: skip
+                    why = (
+                        "before training began (a setup error is not retried)"
+                        if never_trained
+                        else f"after {args.max_restarts} restarts (--max-restarts)"
+                    )
                     raise RuntimeError(f"{failure.component} failed {why}: {failure}") from None
                 number += 1
         bar.close()
@@ -369,8 +413,10 @@ def _run(args: argparse.Namespace, after_training: AfterTraining | None = None) 
         job.stop_all()
         stopped_badly = job.failed()  # a service that failed while stopping fails the run too
         if stopped_badly is not None:
-            raise RuntimeError(f"{stopped_badly.name} exited with {stopped_badly.proc.returncode} while stopping; "
-                               f"last lines of {stopped_badly.log}:\n{_tail(stopped_badly.log)}")  # fmt: skip
+            raise RuntimeError(
+                f"{stopped_badly.name} exited with {stopped_badly.proc.returncode} while stopping; "
+                f"last lines of {stopped_badly.log}:\n{_tail(stopped_badly.log)}"
+            )
         summary = summarize(stats, args, run_dir)
         summary["evaluations"] = read_evals(run_dir / "metrics" / "eval.csv")
         summary["recovery"] = recovery_summary(failures, stats, run_dir, checkpoint_every(args), checkpoints)
@@ -384,8 +430,11 @@ def _run(args: argparse.Namespace, after_training: AfterTraining | None = None) 
         (run_dir / "summary.json").write_text(json.dumps(summary, indent=2))
         write_report(run_dir, summary)
         if prometheus is not None and args.prometheus_linger > 0:
-            print(f"prometheus stays up at {prometheus.url} for {args.prometheus_linger:.0f} s (Ctrl-C ends it)",
-                  file=sys.stderr)  # fmt: skip
+            print(
+                f"prometheus stays up at {prometheus.url} for {args.prometheus_linger:.0f} s (Ctrl-C "
+                "ends it)",
+                file=sys.stderr,
+            )
             time.sleep(args.prometheus_linger)
         return summary
     finally:
@@ -413,7 +462,9 @@ def resumed_args(args: argparse.Namespace) -> argparse.Namespace:
     for name in ("table_rows", "bottom_mlp", "top_mlp", "deep_mlp"):
         if isinstance(getattr(merged, name, None), list):
             setattr(merged, name, tuple(getattr(merged, name)))
-    checkpoints = Path(merged.checkpoint_dir) if merged.checkpoint_dir else Path(merged.run_dir) / "checkpoints"
+    checkpoints = (
+        Path(merged.checkpoint_dir) if merged.checkpoint_dir else Path(merged.run_dir) / "checkpoints"
+    )
     if not snapshots.complete(checkpoints):
         print(f"--resume: no complete checkpoint in {checkpoints}: the run starts over", file=sys.stderr)
     return merged
@@ -447,14 +498,43 @@ def _start_generation(
     if getattr(args, "shuffle_seed", None) is not None:
         skew += ["--shuffle-seed", str(args.shuffle_seed), "--shuffle-buffer", str(args.shuffle_buffer)]
     for i in range(args.data_processors):
-        job.spawn(f"data-processor-{i}", "bagpipe.data_processor",
-                  ["--index", str(i), "--batch-size", str(args.batch_size), "--seed", str(args.seed),
-                   *tables, *skew, *coord])  # fmt: skip
-    job.spawn("oracle-cacher", "bagpipe.oracle_cacher",
-              ["--batch-size", str(args.batch_size), "--trainers", str(args.trainers),
-               "--data-processors", str(args.data_processors), "--iterations", str(args.iterations),
-               "--checkpoint-every", str(every), "--start-batch", str(start), *eval_every_args(args),
-               *cache_args(args), *tables, *coord])  # fmt: skip
+        job.spawn(
+            f"data-processor-{i}",
+            "bagpipe.data_processor",
+            [
+                "--index",
+                str(i),
+                "--batch-size",
+                str(args.batch_size),
+                "--seed",
+                str(args.seed),
+                *tables,
+                *skew,
+                *coord,
+            ],
+        )
+    job.spawn(
+        "oracle-cacher",
+        "bagpipe.oracle_cacher",
+        [
+            "--batch-size",
+            str(args.batch_size),
+            "--trainers",
+            str(args.trainers),
+            "--data-processors",
+            str(args.data_processors),
+            "--iterations",
+            str(args.iterations),
+            "--checkpoint-every",
+            str(every),
+            "--start-batch",
+            str(start),
+            *eval_every_args(args),
+            *cache_args(args),
+            *tables,
+            *coord,
+        ],
+    )
     dist_init = f"tcp://127.0.0.1:{free_port()}"
     trainers = []
     for r in range(args.trainers):
@@ -464,26 +544,59 @@ def _start_generation(
         if r == 0 and args.save_final:
             extra += ["--save-final", args.save_final]
         trainers.append(
-            job.spawn(f"trainer-{r}", "bagpipe.trainer",
-                      ["--rank", str(r), "--world-size", str(args.trainers), "--dist-init", dist_init,
-                       "--device", args.device, "--transfer-batches", str(args.transfer_batches),
-                       "--collective-timeout", repr(max(60.0, 6 * args.failure_timeout)),
-                       *dense_model_args(args), *tables, *model, *coord, *extra, *recovery,
-                       "--iteration-log", str(run_dir / "metrics" / f"trainer-{r}.csv"),
-                       *system_args(args, job_name), *eval_args(args),
-                       *(["--cache-rows", str(args.cache_rows)] if args.cache_rows else [])])  # fmt: skip
+            job.spawn(
+                f"trainer-{r}",
+                "bagpipe.trainer",
+                [
+                    "--rank",
+                    str(r),
+                    "--world-size",
+                    str(args.trainers),
+                    "--dist-init",
+                    dist_init,
+                    "--device",
+                    args.device,
+                    "--transfer-batches",
+                    str(args.transfer_batches),
+                    "--collective-timeout",
+                    repr(max(60.0, 6 * args.failure_timeout)),
+                    *dense_model_args(args),
+                    *tables,
+                    *model,
+                    *coord,
+                    *extra,
+                    *recovery,
+                    "--iteration-log",
+                    str(run_dir / "metrics" / f"trainer-{r}.csv"),
+                    *system_args(args, job_name),
+                    *eval_args(args),
+                    *(["--cache-rows", str(args.cache_rows)] if args.cache_rows else []),
+                ],
+            )
         )
     if number:
         logger.info("generation %d: resuming at batch %d", number, start)
     return Generation(number, start, job_name, registry, job, trainers, len(_iteration_log(run_dir)))
 
 
-def _common_args(args: argparse.Namespace, redis_url: str, job_name: str) -> tuple[list[str], list[str], list[str]]:
+def _common_args(
+    args: argparse.Namespace, redis_url: str, job_name: str
+) -> tuple[list[str], list[str], list[str]]:
     """The flags every service of a generation shares: coordination, tables, model."""
     coord = ["--redis", redis_url, "--job", job_name, "--log-level", args.log_level]
     tables = ["--data", args.data, "--table-rows", ",".join(map(str, table_rows_of(args)))]
-    model = ["--model", args.model, "--embedding-dim", str(args.embedding_dim), "--optimizer", args.optimizer,
-             "--lr", repr(args.lr), "--seed", str(args.seed)]  # fmt: skip
+    model = [
+        "--model",
+        args.model,
+        "--embedding-dim",
+        str(args.embedding_dim),
+        "--optimizer",
+        args.optimizer,
+        "--lr",
+        repr(args.lr),
+        "--seed",
+        str(args.seed),
+    ]
     if getattr(args, "eps", None) is not None:
         model += ["--eps", repr(args.eps)]
     model += ["--init-from", args.init_from] if args.init_from else []
@@ -500,8 +613,9 @@ def dense_model_args(args: argparse.Namespace) -> list[str]:
     return out + (["--cross-layers", str(args.cross_layers)] if args.model == "dcn" else [])
 
 
-def spawn_embedding_server(job: LocalJob, redis_server: RedisServer, job_name: str, shard: int,
-                           resume: int | None) -> Process:  # fmt: skip
+def spawn_embedding_server(
+    job: LocalJob, redis_server: RedisServer, job_name: str, shard: int, resume: int | None
+) -> Process:
     """Starts embedding server ``shard``: one of the generation's first (it creates the shard map for
     ``--embedding-servers`` of them, and with ``resume`` loads the checkpoint's rows), or one that joins a
     running job (``bagpipe scale``), empty until the coordinator moves its buckets to it."""
@@ -514,13 +628,33 @@ def spawn_embedding_server(job: LocalJob, redis_server: RedisServer, job_name: s
     netns = getattr(args, "embedding_server_netns", None)
     if netns:  # embedding servers in a network namespace, behind a (bandwidth-limited) veth link
         host_ip, netns_ip = args.netns_addresses.split(",")
-        where = ["--address", f"{netns_ip}:0", "--metrics-address", f"{netns_ip}:0",
-                 "--redis", redis_server.url.replace("127.0.0.1", host_ip)]  # fmt: skip
+        where = [
+            "--address",
+            f"{netns_ip}:0",
+            "--metrics-address",
+            f"{netns_ip}:0",
+            "--redis",
+            redis_server.url.replace("127.0.0.1", host_ip),
+        ]
     rate = getattr(args, "migration_rows_per_second", 0.0) or 0.0
-    return job.spawn(f"embedding-server-{shard}", "bagpipe.embedding_server",
-                     ["--shard", str(shard), "--initial-shards", str(args.embedding_servers),
-                      "--migration-rows-per-second", repr(rate), *tables, *model, *coord, *recovery, *where],
-                     prefix=["ip", "netns", "exec", netns] if netns else None)  # fmt: skip
+    return job.spawn(
+        f"embedding-server-{shard}",
+        "bagpipe.embedding_server",
+        [
+            "--shard",
+            str(shard),
+            "--initial-shards",
+            str(args.embedding_servers),
+            "--migration-rows-per-second",
+            repr(rate),
+            *tables,
+            *model,
+            *coord,
+            *recovery,
+            *where,
+        ],
+        prefix=["ip", "netns", "exec", netns] if netns else None,
+    )
 
 
 def _wait_for_endpoints(
@@ -556,8 +690,16 @@ def _save_scrapes(directory: Path, endpoints: dict[str, str]) -> None:
 def cache_args(args: argparse.Namespace) -> list[str]:
     """The oracle's cache flags, as ``bagpipe run`` got them (``--system no-cache``: L=1, critical sync)."""
     no_cache = getattr(args, "system", "bagpipe") == "no-cache"
-    out = ["--max-lookahead", str(args.max_lookahead), "--reuse-delay", str(args.reuse_delay),
-           "--cache-mode", args.cache_mode, "--sync", "critical" if no_cache else args.sync]  # fmt: skip
+    out = [
+        "--max-lookahead",
+        str(args.max_lookahead),
+        "--reuse-delay",
+        str(args.reuse_delay),
+        "--cache-mode",
+        args.cache_mode,
+        "--sync",
+        "critical" if no_cache else args.sync,
+    ]
     if no_cache:
         out += ["--lookahead", "1"]
     elif args.lookahead is not None:
@@ -569,14 +711,23 @@ def cache_args(args: argparse.Namespace) -> list[str]:
 
 def eval_every_args(args: argparse.Namespace) -> list[str]:
     """The oracle plans a flush (a checkpoint) at every evaluation point."""
-    return ["--eval-every", str(args.eval_every)] if getattr(args, "eval_data", None) and args.eval_every else []
+    return (
+        ["--eval-every", str(args.eval_every)] if getattr(args, "eval_data", None) and args.eval_every else []
+    )
 
 
 def eval_args(args: argparse.Namespace) -> list[str]:
     """The trainers' held-out evaluation flags."""
     if not getattr(args, "eval_data", None):
         return []
-    return ["--eval-data", args.eval_data, "--eval-every", str(args.eval_every), "--eval-samples", str(args.eval_samples)]
+    return [
+        "--eval-data",
+        args.eval_data,
+        "--eval-every",
+        str(args.eval_every),
+        "--eval-samples",
+        str(args.eval_samples),
+    ]
 
 
 def system_args(args: argparse.Namespace, job_name: str) -> list[str]:
@@ -591,7 +742,9 @@ def system_args(args: argparse.Namespace, job_name: str) -> list[str]:
 
 def _raise_if_failed(job: LocalJob, redis_server: RedisServer | None = None) -> None:
     if redis_server is not None and redis_server.proc.poll() is not None:
-        raise ComponentFailure("redis", "exited", f"exited with {redis_server.proc.returncode}", redis_server.log_path)
+        raise ComponentFailure(
+            "redis", "exited", f"exited with {redis_server.proc.returncode}", redis_server.log_path
+        )
     bad = job.failed()
     if bad is not None:
         raise ComponentFailure(bad.name, "exited", f"exited with {bad.proc.returncode}", bad.log)
@@ -643,7 +796,11 @@ def _watch(
         if prometheus is not None:
             prometheus.retarget(registry.metrics_endpoints())
 
-    cannot_scale = "--system ideal keeps the embeddings in shared memory" if getattr(job.args, "system", "") == "ideal" else None
+    cannot_scale = (
+        "--system ideal keeps the embeddings in shared memory"
+        if getattr(job.args, "system", "") == "ideal"
+        else None
+    )
     # a finished trainer stores its statistics and keeps serving /metrics until it is stopped
     while True:
         _raise_if_failed(job, redis_server)
@@ -656,7 +813,9 @@ def _watch(
             raise ComponentFailure("redis", "gone", f"does not answer: {e}") from None
         if evaluated and evaluated.get("batches") != shown_eval:
             shown_eval = evaluated.get("batches")
-            bar.set_postfix(auc=f"{evaluated['auc']:.4f}", logloss=f"{evaluated['logloss']:.4f}", refresh=False)
+            bar.set_postfix(
+                auc=f"{evaluated['auc']:.4f}", logloss=f"{evaluated['logloss']:.4f}", refresh=False
+            )
         if all(p.proc.poll() is not None for p in trainers):
             raise RuntimeError("the trainers exited without their statistics; see logs/trainer-*.log")
         if len(progress) == len(trainers):
@@ -690,8 +849,12 @@ def _watch(
                 what = "did not answer" if worst.kind == "gone" else "made no progress"
                 process = _member_process(worst.member)
                 log = next((p.log for p in job.processes if p.name == process), None)
-                raise ComponentFailure(process, worst.kind, f"{what} for {worst.silent_seconds:.1f} s "
-                                       f"(--failure-timeout {detector.timeout:g})", log)  # fmt: skip
+                raise ComponentFailure(
+                    process,
+                    worst.kind,
+                    f"{what} for {worst.silent_seconds:.1f} s (--failure-timeout {detector.timeout:g})",
+                    log,
+                )
         time.sleep(0.1)
     _raise_if_failed(job, redis_server)
     bar.update(max(0, (total or bar.n) - bar.n))
@@ -716,16 +879,22 @@ def _iteration_log(run_dir: Path) -> list[tuple[int, float]]:
     if not path.is_file():
         return []
     with open(path, newline="") as f:
-        return [(int(row["batch"]), float(row["loss"])) for row in csv.DictReader(f) if row.get("batch", "").isdigit()]
+        return [
+            (int(row["batch"]), float(row["loss"]))
+            for row in csv.DictReader(f)
+            if row.get("batch", "").isdigit()
+        ]
 
 
 def _run_losses(run_dir: Path) -> list[float]:
-    """The loss of every batch of the run, the replayed ones as trained last (they are the ones that count)."""
+    """The loss of every batch of the run, replayed ones as trained last (they are the ones that count)."""
     by_batch = dict(_iteration_log(run_dir))
     return [by_batch[b] for b in sorted(by_batch)]
 
 
-def _record_failure(failure: ComponentFailure, generation: Generation, run_dir: Path, bar: tqdm) -> dict[str, Any]:
+def _record_failure(
+    failure: ComponentFailure, generation: Generation, run_dir: Path, bar: tqdm
+) -> dict[str, Any]:
     in_generation = [b for b, _ in _iteration_log(run_dir)[generation.trained_before :]]
     return {
         "generation": generation.number,
@@ -841,8 +1010,10 @@ def summarize(stats: list[dict[str, Any]], args: argparse.Namespace, run_dir: Pa
         "rows_synced_critical_per_iteration": stats[0]["rows_synced_critical_per_iteration"],
         "rows_synced_background_per_iteration": stats[0]["rows_synced_background_per_iteration"],
         "rows_handed_over": stats[0]["rows_handed_over"],
-        "lookup_calls_per_iteration": sum(st.get("lookup_calls", 0) for st in stats) / max(1, stats[0]["iterations"]),
-        "write_back_calls_per_iteration": sum(st.get("write_back_calls", 0) for st in stats) / max(1, stats[0]["iterations"]),
+        "lookup_calls_per_iteration": sum(st.get("lookup_calls", 0) for st in stats)
+        / max(1, stats[0]["iterations"]),
+        "write_back_calls_per_iteration": sum(st.get("write_back_calls", 0) for st in stats)
+        / max(1, stats[0]["iterations"]),
         "rows_written_back_per_iteration": sum(st["rows_written_back_per_iteration"] for st in stats),
         "first_loss": losses[0] if losses else None,
         "final_loss": sum(losses[-10:]) / len(losses[-10:]) if losses else None,
@@ -851,14 +1022,19 @@ def summarize(stats: list[dict[str, Any]], args: argparse.Namespace, run_dir: Pa
 
 
 def format_summary(s: dict[str, Any]) -> str:
+    asked = s["lookahead"]["requested"]
+    requested = "automatic" if asked is None else f"at most {asked}"
     lines = [
         f"run directory        {s['run_dir']}  (report: {s.get('report', '-')})",
-        f"iterations           {s['iterations']}  ({s['trainers']} trainers, {s['embedding_servers']} embedding servers, "
+        f"iterations           {s['iterations']}  ({s['trainers']} trainers, {s['embedding_servers']} "
+        "embedding servers, "
         f"batch {s['batch_size']})",
-        f"lookahead L          {s['lookahead']['mean']:.1f} mean, {s['lookahead']['min']}..{s['lookahead']['max']} "
-        f"({'automatic' if s['lookahead']['requested'] is None else 'at most ' + str(s['lookahead']['requested'])})",
-        f"cache                {s['cache_mode']}, {s['sync']} sync; peak {s['cache_peak_occupancy_rows']:,} rows cached, "
-        f"{s['cache_capacity_rows']:,} allocated" + (f" (--cache-rows {s['cache_rows']:,})" if s["cache_rows"] else ""),
+        f"lookahead L          {s['lookahead']['mean']:.1f} mean, "
+        f"{s['lookahead']['min']}..{s['lookahead']['max']} ({requested})",
+        f"cache                {s['cache_mode']}, {s['sync']} sync; peak "
+        f"{s['cache_peak_occupancy_rows']:,} rows cached, "
+        f"{s['cache_capacity_rows']:,} allocated"
+        + (f" (--cache-rows {s['cache_rows']:,})" if s["cache_rows"] else ""),
         f"samples/s            {s['samples_per_second']:,.0f}",
         f"time per iteration   {1000 * s['seconds_per_iteration']:.1f} ms",
     ]
@@ -866,27 +1042,42 @@ def format_summary(s: dict[str, Any]) -> str:
         lines.append(f"  {stage:<18} {1000 * sec:8.2f} ms")
     lines += [
         f"cache hit rate       {100 * s['cache_hit_rate']:.1f}%",
-        f"rows per iteration   {s['rows_per_iteration']:,.0f} used, {s['rows_fetched_per_iteration']:,.0f} fetched, "
+        f"rows per iteration   {s['rows_per_iteration']:,.0f} used, "
+        f"{s['rows_fetched_per_iteration']:,.0f} fetched, "
         f"{s['rows_written_back_per_iteration']:,.0f} written back",
-        f"transfer calls       {s['lookup_calls_per_iteration']:.2f} fetches, {s['write_back_calls_per_iteration']:.2f} "
+        f"transfer calls       {s['lookup_calls_per_iteration']:.2f} fetches, "
+        f"{s['write_back_calls_per_iteration']:.2f} "
         "write-backs per iteration (all trainers; each goes to every shard that holds rows of it)",
         f"rows synchronised    {s['rows_synced_critical_per_iteration']:,.0f} critical, "
         f"{s['rows_synced_background_per_iteration']:,.0f} background, "
         f"{s['rows_private_per_iteration']:,.0f} updated by one trainer only (per iteration)",
     ]
     if s.get("cpu_seconds_per_iteration"):
-        lines.append("cpu per iteration    " + ", ".join(
-            f"{kind} {1000 * sec:.1f} ms" for kind, sec in sorted(s["cpu_seconds_per_iteration"].items())))  # fmt: skip
+        lines.append(
+            "cpu per iteration    "
+            + ", ".join(
+                f"{kind} {1000 * sec:.1f} ms" for kind, sec in sorted(s["cpu_seconds_per_iteration"].items())
+            )
+        )
     moved = (s.get("resharding") or {}).get("reshards") or []
     if moved:
         r = s["resharding"]
         slowdown = f", iterations meanwhile {r['slowdown']:.2f}x the others" if r.get("slowdown") else ""
-        lines.append(f"re-sharding          {len(moved)} time(s), {r['buckets_moved']} buckets, {r['rows_moved']:,} rows, "
-                     f"{r['bytes_moved'] / 2**20:.1f} MiB in {r['seconds']:.1f} s{slowdown}")  # fmt: skip
+        lines.append(
+            f"re-sharding          {len(moved)} time(s), {r['buckets_moved']} buckets, "
+            f"{r['rows_moved']:,} rows, "
+            f"{r['bytes_moved'] / 2**20:.1f} MiB in {r['seconds']:.1f} s{slowdown}"
+        )
     if s["first_loss"] is not None:
-        lines.append(f"loss                 {s['first_loss']:.4f} first, {s['final_loss']:.4f} last (mean of the last 10)")
+        lines.append(
+            f"loss                 {s['first_loss']:.4f} first, {s['final_loss']:.4f} last (mean of the "
+            "last 10)"
+        )
     if s.get("evaluations"):
         e = s["evaluations"][-1]
-        lines.append(f"held-out             logloss {e['logloss']:.4f}, AUC {e['auc']:.4f} after {e['batches']} batches "
-                     f"({e['samples']:,} samples; {len(s['evaluations'])} evaluation(s))")  # fmt: skip
+        lines.append(
+            f"held-out             logloss {e['logloss']:.4f}, AUC {e['auc']:.4f} after {e['batches']} "
+            "batches "
+            f"({e['samples']:,} samples; {len(s['evaluations'])} evaluation(s))"
+        )
     return "\n".join(lines)

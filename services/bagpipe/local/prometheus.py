@@ -40,10 +40,14 @@ def scrape_config(endpoints: dict[str, str], interval_s: int = 1) -> dict[str, A
     jobs: dict[str, list[dict[str, Any]]] = {}
     for name, address in sorted(endpoints.items()):
         service, member = name.split("/", 1)
-        jobs.setdefault(service, []).append({"targets": [address], "labels": {"service": service, "member": member}})
+        jobs.setdefault(service, []).append(
+            {"targets": [address], "labels": {"service": service, "member": member}}
+        )
     return {
         "global": {"scrape_interval": f"{interval_s}s", "evaluation_interval": f"{interval_s}s"},
-        "scrape_configs": [{"job_name": service, "static_configs": targets} for service, targets in jobs.items()],
+        "scrape_configs": [
+            {"job_name": service, "static_configs": targets} for service, targets in jobs.items()
+        ],
     }
 
 
@@ -58,10 +62,16 @@ class PrometheusServer:
         self.url = f"http://127.0.0.1:{port}"
         self._log = open(workdir / "prometheus.log", "w")  # noqa: SIM115 (closed in stop())
         self._proc = subprocess.Popen(
-            [find_binary("prometheus"), f"--config.file={config}", f"--storage.tsdb.path={workdir / 'data'}",
-             f"--web.listen-address=127.0.0.1:{port}", "--storage.tsdb.retention.time=7d"],
-            stdout=self._log, stderr=subprocess.STDOUT,
-        )  # fmt: skip
+            [
+                find_binary("prometheus"),
+                f"--config.file={config}",
+                f"--storage.tsdb.path={workdir / 'data'}",
+                f"--web.listen-address=127.0.0.1:{port}",
+                "--storage.tsdb.retention.time=7d",
+            ],
+            stdout=self._log,
+            stderr=subprocess.STDOUT,
+        )
         deadline = time.monotonic() + 30
         while True:
             try:

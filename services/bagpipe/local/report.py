@@ -58,8 +58,13 @@ def write_report(run_dir: Path, summary: dict[str, Any]) -> Path:
     for ax, (rank, cols) in zip(axes[:, 0], trainers.items(), strict=True):
         stacks = [[1000 * v for v in _smooth(cols[f"{s}_seconds"], window)] for s in STAGES]
         ax.stackplot(cols["batch"], stacks, labels=STAGES, colors=COLOURS, linewidth=0)
-        ax.plot(cols["batch"], [1000 * v for v in _smooth(cols["iteration_seconds"], window)], "k-", lw=0.8,
-                label="iteration")  # fmt: skip
+        ax.plot(
+            cols["batch"],
+            [1000 * v for v in _smooth(cols["iteration_seconds"], window)],
+            "k-",
+            lw=0.8,
+            label="iteration",
+        )
         ax.set_ylabel("ms per iteration")
         ax.set_title(f"trainer {rank}: iteration breakdown (moving mean over {window})", fontsize=10)
         ax.grid(alpha=0.3)
@@ -72,7 +77,9 @@ def write_report(run_dir: Path, summary: dict[str, Any]) -> Path:
     fig, ax = plt.subplots(figsize=(11, 3.5))
     cols = trainers[min(trainers)]
     ax.plot(cols["batch"], cols["loss"], color="#1f77b4", alpha=0.35, lw=0.8, label="global batch loss")
-    ax.plot(cols["batch"], _smooth(cols["loss"], window), color="#1f77b4", lw=1.6, label=f"moving mean ({window})")
+    ax.plot(
+        cols["batch"], _smooth(cols["loss"], window), color="#1f77b4", lw=1.6, label=f"moving mean ({window})"
+    )
     ax.set_xlabel("batch")
     ax.set_ylabel("BCE loss")
     ax.set_title("loss", fontsize=10)
@@ -90,9 +97,15 @@ def write_report(run_dir: Path, summary: dict[str, Any]) -> Path:
     ax1.set_title("cache hit rate and rows moved per iteration", fontsize=10)
     ax1.grid(alpha=0.3)
     ax1.legend(fontsize=8)
-    for key, label in (("rows_prefetched", "fetched"), ("rows_synced_critical", "synchronised, critical"),
-                       ("rows_synced_background", "synchronised, background"), ("rows_written_back", "written back")):  # fmt: skip
-        ax2.plot(cols["batch"], _smooth(cols[key], window), lw=1.2, label=f"{label} (trainer {min(trainers)})")
+    for key, label in (
+        ("rows_prefetched", "fetched"),
+        ("rows_synced_critical", "synchronised, critical"),
+        ("rows_synced_background", "synchronised, background"),
+        ("rows_written_back", "written back"),
+    ):
+        ax2.plot(
+            cols["batch"], _smooth(cols[key], window), lw=1.2, label=f"{label} (trainer {min(trainers)})"
+        )
     ax2.set_xlabel("batch")
     ax2.set_ylabel("rows")
     ax2.grid(alpha=0.3)
@@ -122,15 +135,20 @@ def write_report(run_dir: Path, summary: dict[str, Any]) -> Path:
         if k not in ("losses", "evaluations")
     )
     run_config = _run_config(run_dir)
+    eval_section = ""
+    if evals:
+        eval_section = '<h2>Held-out evaluation</h2><img src="eval.png" alt="held-out logloss and AUC">'
+        eval_section += _eval_table(evals)
     page = f"""<!doctype html>
 <html><head><meta charset="utf-8"><title>Bagpipe run {html.escape(run_dir.name)}</title>
-<style>body{{font-family:sans-serif;max-width:1200px;margin:2em auto}}th{{text-align:left;padding-right:1em}}
-td,th{{font-size:13px;vertical-align:top}}img{{max-width:100%;border:1px solid #ddd;margin:.5em 0}}</style></head>
+<style>body{{font-family:sans-serif;max-width:1200px;margin:2em auto}}
+th{{text-align:left;padding-right:1em}}td,th{{font-size:13px;vertical-align:top}}
+img{{max-width:100%;border:1px solid #ddd;margin:.5em 0}}</style></head>
 <body><h1>Bagpipe run {html.escape(run_dir.name)}</h1>
 {run_config}
 <h2>Iteration breakdown</h2><img src="iteration_breakdown.png" alt="iteration breakdown">
 <h2>Loss</h2><img src="loss.png" alt="loss">
-{'<h2>Held-out evaluation</h2><img src="eval.png" alt="held-out logloss and AUC">' + _eval_table(evals) if evals else ""}
+{eval_section}
 <h2>Cache</h2><img src="cache.png" alt="cache hit rate and rows moved">
 <h2>Summary</h2><table>{rows}</table>
 <p>Per-iteration data: <code>metrics/trainer-&lt;rank&gt;.csv</code>; final scrapes of every service:
@@ -160,28 +178,46 @@ def _run_config(run_dir: Path) -> str:
     config = json.loads(path.read_text())
     record = config.pop(RECORD_KEY, {}) or {}
     model = config.get("model", "dlrm")
-    sizes = (f"bottom {config.get('bottom_mlp') or 'default'}, top {config.get('top_mlp') or 'default'}"
-             if model == "dlrm" else f"deep {config.get('deep_mlp') or 'default'}")  # fmt: skip
+    sizes = (
+        f"bottom {config.get('bottom_mlp') or 'default'}, top {config.get('top_mlp') or 'default'}"
+        if model == "dlrm"
+        else f"deep {config.get('deep_mlp') or 'default'}"
+    )
     headline = [
         ("model", f"{model}, embedding dim {config.get('embedding_dim')}, {sizes}"),
         ("optimizer", f"{config.get('optimizer')}, lr {config.get('lr')}"),
-        ("data", f"{config.get('data')}, batch {config.get('batch_size')}, {config.get('iterations')} iterations"),
-        ("layout", f"{config.get('trainers')} trainers, {config.get('embedding_servers')} embedding servers, "
-                   f"{config.get('data_processors')} data processors"),
+        (
+            "data",
+            f"{config.get('data')}, batch {config.get('batch_size')}, {config.get('iterations')} iterations",
+        ),
+        (
+            "layout",
+            f"{config.get('trainers')} trainers, {config.get('embedding_servers')} embedding servers, "
+            f"{config.get('data_processors')} data processors",
+        ),
         ("held-out", config.get("eval_data") or "none"),
-        ("code", f"git {record.get('git_revision') or 'unknown'}" + (" (modified)" if record.get("git_dirty") else "")),
+        (
+            "code",
+            f"git {record.get('git_revision') or 'unknown'}"
+            + (" (modified)" if record.get("git_dirty") else ""),
+        ),
         ("packages", ", ".join(f"{k} {v}" for k, v in (record.get("packages") or {}).items() if v)),
-        ("machine", f"{record.get('host')}, {record.get('cpus')} CPUs, Python {record.get('python')}, "
-                    f"{record.get('platform')}"),
+        (
+            "machine",
+            f"{record.get('host')}, {record.get('cpus')} CPUs, Python {record.get('python')}, "
+            f"{record.get('platform')}",
+        ),
         ("started", f"{record.get('started')}: {record.get('command', '')}"),
-    ]  # fmt: skip
+    ]
     top = "".join(f"<tr><th>{html.escape(k)}</th><td>{html.escape(str(v))}</td></tr>" for k, v in headline)
     flags = "".join(
         f"<tr><th>--{html.escape(k.replace('_', '-'))}</th><td>{html.escape(_fmt(v))}</td></tr>"
         for k, v in sorted(config.items())
     )
-    return (f"<h2>Run</h2><table>{top}</table><details><summary>every flag (config.json)</summary>"
-            f"<table>{flags}</table></details>")  # fmt: skip
+    return (
+        f"<h2>Run</h2><table>{top}</table><details><summary>every flag (config.json)</summary>"
+        f"<table>{flags}</table></details>"
+    )
 
 
 def _fmt(value: Any) -> str:

@@ -84,9 +84,12 @@ def validate_run_args(args: argparse.Namespace) -> None:
         hot = args.hot_fraction is not None or args.hot_share is not None
         try:
             SyntheticConfig(
-                table_rows=table_rows, seed=args.seed, zipf_alpha=None if hot else args.zipf_alpha,
-                hot_fraction=args.hot_fraction, hot_share=args.hot_share,
-            )  # fmt: skip
+                table_rows=table_rows,
+                seed=args.seed,
+                zipf_alpha=None if hot else args.zipf_alpha,
+                hot_fraction=args.hot_fraction,
+                hot_share=args.hot_share,
+            )
         except ValueError as e:
             field, _, why = str(e).partition(": ")
             raise BadFlag("--" + field.replace("_", "-"), why) from None
@@ -103,7 +106,8 @@ def validate_run_args(args: argparse.Namespace) -> None:
             raise BadFlag(*str(e).split(": ", 1)) from None
     else:
         raise BadFlag(
-            "--data", f"expected 'synthetic', 'criteo:PATH[,PATH...]' or 'avazu:PATH[,PATH...]', got {args.data!r}"
+            "--data",
+            f"expected 'synthetic', 'criteo:PATH[,PATH...]' or 'avazu:PATH[,PATH...]', got {args.data!r}",
         )
     if getattr(args, "shuffle_seed", None) is not None and args.data == "synthetic":
         raise BadFlag("--shuffle-seed", "synthetic samples are drawn at random already; it applies to files")
@@ -114,9 +118,14 @@ def validate_run_args(args: argparse.Namespace) -> None:
         kind, _, paths = eval_data.partition(":")
         if eval_data != "synthetic":
             if kind not in ("criteo", "avazu") or not paths:
-                raise BadFlag("--eval-data", f"expected 'synthetic', 'criteo:PATH' or 'avazu:PATH', got {eval_data!r}")
+                raise BadFlag(
+                    "--eval-data", f"expected 'synthetic', 'criteo:PATH' or 'avazu:PATH', got {eval_data!r}"
+                )
             if kind != args.data.partition(":")[0]:
-                raise BadFlag("--eval-data", f"{kind}: data is not in the format of --data {args.data.partition(':')[0]}")
+                raise BadFlag(
+                    "--eval-data",
+                    f"{kind}: data is not in the format of --data {args.data.partition(':')[0]}",
+                )
             for path in (p for p in paths.split(",") if p):
                 _readable_file("--eval-data", path)
         elif args.data != "synthetic":

@@ -34,9 +34,14 @@ async def serve(cfg: OracleConfig, args: argparse.Namespace) -> None:
     registry.register("oracle_cacher", "0", control.address)
     http.ready.set()
     logger.info(
-        "oracle on %s: L %s (at most %d), %s cache, %d trainers, %d data processors", control.address,
-        cfg.lookahead or "automatic", cfg.window, cfg.cache_mode, cfg.trainers, len(addresses),
-    )  # fmt: skip
+        "oracle on %s: L %s (at most %d), %s cache, %d trainers, %d data processors",
+        control.address,
+        cfg.lookahead or "automatic",
+        cfg.window,
+        cfg.cache_mode,
+        cfg.trainers,
+        len(addresses),
+    )
     serving.stop_on_signals(control.stop)  # SIGTERM (a pod stopping) ends it like Control.Shutdown
     await control.stop.wait()
     for task in tasks:

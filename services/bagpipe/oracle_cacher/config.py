@@ -49,7 +49,10 @@ class OracleConfig:
         if self.trainers < 1:
             raise ValueError(f"trainers: must be >= 1, got {self.trainers}")
         if self.batch_size < 1 or self.batch_size % self.trainers:
-            raise ValueError(f"batch_size: must be a positive multiple of trainers ({self.trainers}), got {self.batch_size}")
+            raise ValueError(
+                f"batch_size: must be a positive multiple of trainers ({self.trainers}), got "
+                f"{self.batch_size}"
+            )
         if self.lookahead is not None and self.lookahead < 1:
             raise ValueError(f"lookahead: must be >= 1, got {self.lookahead}")
         if self.max_lookahead < 1:
@@ -71,13 +74,17 @@ class OracleConfig:
         if self.checkpoint_every < 0:
             raise ValueError(f"checkpoint_every: must be >= 0 (0: never), got {self.checkpoint_every}")
         if self.start_batch < 0 or (self.iterations and self.start_batch >= self.iterations):
-            raise ValueError(f"start_batch: must be in [0, {self.iterations or 'the end'}), got {self.start_batch}")
+            raise ValueError(
+                f"start_batch: must be in [0, {self.iterations or 'the end'}), got {self.start_batch}"
+            )
 
     def checkpoint_after(self, batch: int) -> bool:
         """A consistent checkpoint follows ``batch`` (never the last one: the final model covers it): every
         ``checkpoint_every`` batches, and every ``eval_every`` (an evaluation needs the same flush of the
         trainers' cached rows to the servers, so it is a checkpoint too)."""
-        return any(every > 0 and (batch + 1) % every == 0 for every in (self.checkpoint_every, self.eval_every))
+        return any(
+            every > 0 and (batch + 1) % every == 0 for every in (self.checkpoint_every, self.eval_every)
+        )
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -88,12 +95,24 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--data-processors", type=int, default=1, help="number of data processors to read from")
     p.add_argument("--iterations", type=int, default=0, help="batches to plan (0: until the data ends)")
     p.add_argument("--address", default="127.0.0.1:0", help="host:port to listen on (port 0: any)")
-    p.add_argument("--checkpoint-every", type=non_negative_int, default=0,
-                   help="a consistent checkpoint after every this many batches (default 0: none)")
-    p.add_argument("--eval-every", type=non_negative_int, default=0,
-                   help="the trainers evaluate after every this many batches: plan a checkpoint there too")
-    p.add_argument("--start-batch", type=non_negative_int, default=0,
-                   help="plan from this batch on (a run resumed from the checkpoint of that name)")
+    p.add_argument(
+        "--checkpoint-every",
+        type=non_negative_int,
+        default=0,
+        help="a consistent checkpoint after every this many batches (default 0: none)",
+    )
+    p.add_argument(
+        "--eval-every",
+        type=non_negative_int,
+        default=0,
+        help="the trainers evaluate after every this many batches: plan a checkpoint there too",
+    )
+    p.add_argument(
+        "--start-batch",
+        type=non_negative_int,
+        default=0,
+        help="plan from this batch on (a run resumed from the checkpoint of that name)",
+    )
     add_table_args(p)
     add_coordination_args(p)
     return p

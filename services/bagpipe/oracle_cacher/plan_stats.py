@@ -21,12 +21,12 @@ from typing import Any
 
 import numpy as np
 
+from bagpipe.core.batches import numbered_batches
 from bagpipe.core.data import table_offsets
 from bagpipe.core.lookahead import LookaheadPlanner, all_trainers, mask_dtype, trainer_users
 from bagpipe.core.optim import OptimizerConfig
 from bagpipe.core.plans import traffic
 from bagpipe.data_processor.config import source_of
-from bagpipe.data_processor.server import generate
 
 MODES = ("replicated", "lrpp", "lrpp+delayed")
 
@@ -54,7 +54,9 @@ def plan_stats(args: argparse.Namespace) -> dict[str, Any]:
     lookahead = args.lookahead or args.max_lookahead
     width = OptimizerConfig(args.optimizer).state_width(args.embedding_dim)
     planners = {
-        "replicated": LookaheadPlanner(num_keys, lookahead, args.trainers, args.cache_rows, args.reuse_delay, False),
+        "replicated": LookaheadPlanner(
+            num_keys, lookahead, args.trainers, args.cache_rows, args.reuse_delay, False
+        ),
         "lrpp": LookaheadPlanner(num_keys, lookahead, args.trainers, args.cache_rows, args.reuse_delay, True),
     }
     everyone = np.full(1, all_trainers(args.trainers), dtype=mask_dtype(args.trainers))
@@ -64,12 +66,16 @@ def plan_stats(args: argparse.Namespace) -> dict[str, Any]:
     measured = args.iterations
     plan_seconds = 0.0
     started = time.perf_counter()
-    for arrays, last in generate(source, args.batch_size, 0, 1, measured + lookahead - 1):
+    for arrays, last in numbered_batches(
+        source.open(), source.table_rows, args.batch_size, 0, 1, measured + lookahead - 1
+    ):
         users = trainer_users(arrays.inverse, arrays.keys.size, args.trainers)
         t0 = time.perf_counter()
         for name, planner in planners.items():
             replicated = name == "replicated"
-            waiting[name].append((arrays.number, arrays.keys, np.repeat(everyone, users.size) if replicated else users, last))
+            waiting[name].append(
+                (arrays.number, arrays.keys, np.repeat(everyone, users.size) if replicated else users, last)
+            )
             while True:
                 while waiting[name] and planner.wants_more():
                     number, keys, u, is_last = waiting[name][0]
@@ -84,7 +90,9 @@ def plan_stats(args: argparse.Namespace) -> dict[str, Any]:
                 windows[name].append(plan.window)
                 totals[name].add(traffic(plan, args.embedding_dim, width, delayed=False).as_dict())
                 if not replicated:
-                    totals["lrpp+delayed"].add(traffic(plan, args.embedding_dim, width, delayed=True).as_dict())
+                    totals["lrpp+delayed"].add(
+                        traffic(plan, args.embedding_dim, width, delayed=True).as_dict()
+                    )
         plan_seconds += time.perf_counter() - t0
     elapsed = time.perf_counter() - started
     result: dict[str, Any] = {
@@ -112,7 +120,9 @@ def plan_stats(args: argparse.Namespace) -> dict[str, Any]:
     base = result["modes"]["replicated"]
     for mode in MODES:
         m = result["modes"][mode]
-        m["critical_rows_vs_replicated"] = 1 - m["critical_rows"] / base["critical_rows"] if base["critical_rows"] else 0.0
+        m["critical_rows_vs_replicated"] = (
+            1 - m["critical_rows"] / base["critical_rows"] if base["critical_rows"] else 0.0
+        )
         m["critical_bytes_vs_replicated"] = (
             1 - m["critical_bytes"] / base["critical_bytes"] if base["critical_bytes"] else 0.0
         )
@@ -121,16 +131,19 @@ def plan_stats(args: argparse.Namespace) -> dict[str, Any]:
 
 def format_stats(r: dict[str, Any]) -> str:
     lines = [
-        f"plan statistics: {r['data']} (scale {r['scale']}, {r['total_rows']:,} rows), batch {r['batch_size']:,}, "
+        f"plan statistics: {r['data']} (scale {r['scale']}, {r['total_rows']:,} rows), batch "
+        f"{r['batch_size']:,}, "
         f"{r['trainers']} logical trainers, L={r['lookahead']}, {r['iterations']} iterations "
         f"({r['seconds']:.1f} s, planning {r['planning_seconds']:.1f} s)",
-        "per iteration            unique   prefetched  critical rows  background rows  critical MB  background MB  "
+        "per iteration            unique   prefetched  critical rows  background rows  critical MB  "
+        "background MB  "
         "critical rows saved",
     ]
     for mode, m in r["modes"].items():
         lines.append(
             f"  {mode:<20} {m['unique']:>9,.0f} {m['prefetched']:>12,.0f} {m['critical_rows']:>14,.0f} "
-            f"{m['background_rows']:>16,.0f} {m['critical_bytes'] / 1e6:>12.2f} {m['background_bytes'] / 1e6:>14.2f} "
+            f"{m['background_rows']:>16,.0f} {m['critical_bytes'] / 1e6:>12.2f} "
+            f"{m['background_bytes'] / 1e6:>14.2f} "
             f"{100 * m['critical_rows_vs_replicated']:>19.1f}%"
         )
     return "\n".join(lines)

@@ -9,6 +9,7 @@ when every trainer has reported the write-backs of batch x-L durable (DESIGN.md 
 from __future__ import annotations
 
 import asyncio
+import functools
 import hmac
 import logging
 import time
@@ -18,16 +19,15 @@ import grpc
 import numpy as np
 
 from bagpipe import security, serving
+from bagpipe.codec import WireBatch, decode_batch, encode_plans
 from bagpipe.core.data import table_offsets
 from bagpipe.core.lookahead import BatchPlan, LookaheadPlanner, all_trainers, mask_dtype, trainer_users
-from bagpipe.core.plans import SyncStep, for_trainer
 from bagpipe.errors import InvalidArgument, PermissionDenied
 from bagpipe.oracle_cacher import metrics
 from bagpipe.oracle_cacher.config import OracleConfig
 from bagpipe.v1 import data_processor_pb2, data_processor_pb2_grpc
 from bagpipe.v1 import oracle_cacher_pb2 as pb
 from bagpipe.v1 import oracle_cacher_pb2_grpc as pb_grpc
-from bagpipe.wire import from_tensor, to_tensor
 
 logger = logging.getLogger(__name__)
 
@@ -36,8 +36,7 @@ TRAINER_KEY = security.TRAINER_KEY
 
 @dataclass
 class _Received:
-    batch: data_processor_pb2.Batch
-    keys: np.ndarray
+    batch: WireBatch
     users: np.ndarray
 
 
@@ -46,66 +45,6 @@ class _Planned:
     plan: BatchPlan
     messages: list[pb.Plan]
     taken: set[int] = field(default_factory=set)
-
-
-def _sync_message(step: SyncStep) -> pb.Sync:
-    return pb.Sync(
-        slots=to_tensor(step.slots),
-        local=to_tensor(step.local),
-        handover_slots=to_tensor(step.handover_slots),
-        handover_send=to_tensor(step.handover_send),
-        handover_recv=to_tensor(step.handover_recv),
-    )
-
-
-def split_plan(
-    plan: BatchPlan,
-    batch: data_processor_pb2.Batch,
-    trainers: int,
-    checkpoint: tuple[np.ndarray, np.ndarray, np.ndarray] | None = None,
-) -> list[pb.Plan]:
-    """One message per trainer: its share of the plan (core/plans.py) and its slice of the samples;
-    with ``checkpoint`` (``LookaheadPlanner.cached()``), the cached rows each trainer writes out."""
-    size = int(batch.labels.shape[0])
-    dense = from_tensor(batch.dense, "dense", np.float32, ndim=2)
-    labels = from_tensor(batch.labels, "labels", np.float32, shape=(size,))
-    inverse = from_tensor(batch.inverse, "inverse", np.int32, ndim=2)
-    per = size // trainers
-    out = []
-    for rank in range(trainers):
-        share = for_trainer(plan, inverse, rank, trainers)
-        sl = slice(rank * per, (rank + 1) * per)
-        out.append(
-            pb.Plan(
-                batch=plan.batch,
-                slots=to_tensor(share.slots),
-                dense=to_tensor(dense[sl]),
-                labels=to_tensor(labels[sl]),
-                inverse=to_tensor(share.inverse),
-                prefetch_keys=to_tensor(share.prefetch_keys),
-                prefetch_slots=to_tensor(share.prefetch_slots),
-                private_rows=to_tensor(share.private_rows),
-                critical=_sync_message(share.critical),
-                background=_sync_message(share.background),
-                writeback_keys=to_tensor(share.writeback_keys),
-                writeback_slots=to_tensor(share.writeback_slots),
-                slot_high_water=plan.slot_high_water,
-                global_batch_size=size,
-                last=plan.last,
-                lookahead=plan.window,
-                depends_on=plan.depends_on,
-                occupancy=plan.occupancy,
-                unique_rows=plan.unique,
-            )
-        )
-    if checkpoint is not None:
-        keys, slots, writer = checkpoint
-        for rank, message in enumerate(out):
-            mine = writer == rank
-            message.checkpoint = True
-            message.checkpoint_keys.CopyFrom(to_tensor(keys[mine]))
-            message.checkpoint_slots.CopyFrom(to_tensor(slots[mine]))
-    return out
 
 
 class Oracle(pb_grpc.OracleCacherServicer):
@@ -153,35 +92,39 @@ class Oracle(pb_grpc.OracleCacherServicer):
             stub = data_processor_pb2_grpc.DataProcessorStub(ch)
             # with LRPP the processors also work out which trainers use each key (off the single oracle)
             trainers = self.config.trainers if self.config.cache_mode == "lrpp" else 0
-            request = data_processor_pb2.StreamBatchesRequest(start=offset, stride=stride, end=end, trainers=trainers)
-            async for batch in stub.StreamBatches(request):
-                keys = from_tensor(batch.keys, "keys", np.int64, ndim=1)
-                if keys.size and (keys[0] < 0 or keys[-1] >= self.num_keys):
-                    raise InvalidArgument("keys", f"batch {batch.number}: keys outside [0, {self.num_keys})")
-                if batch.labels.shape[0] != self.config.batch_size:
-                    raise InvalidArgument("labels", f"batch {batch.number}: {batch.labels.shape[0]} samples, expected {self.config.batch_size}")
-                users = self._users(batch, keys.size)
+            request = data_processor_pb2.StreamBatchesRequest(
+                start=offset, stride=stride, end=end, trainers=trainers
+            )
+            async for message in stub.StreamBatches(request):
+                batch = decode_batch(
+                    message,
+                    num_keys=self.num_keys,
+                    batch_size=self.config.batch_size,
+                    num_tables=len(self.config.table_rows),
+                    trainers=self.config.trainers,
+                )
+                users = self._users(batch)
                 async with self.cond:
                     cap = 2 * stride + 4  # batches read ahead of the window
-                    await self.cond.wait_for(lambda n=batch.number, c=cap: n < self.next_push + c or self.failure is not None)
-                    self.received[batch.number] = _Received(batch, keys, users)
+                    await self.cond.wait_for(functools.partial(self._room_for, batch.number, cap))
+                    self.received[batch.number] = _Received(batch, users)
                     metrics.BATCHES_RECEIVED.inc()
                     self.cond.notify_all()
 
-    def _users(self, batch: data_processor_pb2.Batch, unique: int) -> np.ndarray:
+    def _room_for(self, number: int, ahead: int) -> bool:
+        return number < self.next_push + ahead or self.failure is not None
+
+    def _ready_to_send(self, batch: int) -> bool:
+        return self.failure is not None or self._dispatchable(batch)
+
+    def _users(self, batch: WireBatch) -> np.ndarray:
         """Which trainers use each key (every trainer, for a replicated cache)."""
-        everyone = all_trainers(self.config.trainers)
+        unique = batch.arrays.keys.size
         if self.config.cache_mode == "replicated":
-            return np.full(unique, everyone, dtype=mask_dtype(self.config.trainers))
-        inverse = from_tensor(batch.inverse, "inverse", np.int32, ndim=2)
-        if inverse.size and (inverse.min() < 0 or inverse.max() >= unique):
-            raise InvalidArgument("inverse", f"batch {batch.number}: indices outside [0, {unique})")
-        if not batch.HasField("users"):  # a processor that was not asked (or predates the field)
-            return trainer_users(inverse, unique, self.config.trainers)
-        users = from_tensor(batch.users, "users", np.int64, shape=(unique,)).view(np.uint64)
-        if users.size and (users.min() < 1 or users.max() > everyone):
-            raise InvalidArgument("users", f"batch {batch.number}: masks outside [1, {int(everyone)}] for {self.config.trainers} trainers")
-        return users.astype(mask_dtype(self.config.trainers))
+            return np.full(unique, all_trainers(self.config.trainers), dtype=mask_dtype(self.config.trainers))
+        if batch.users is None:  # a processor that was not asked (or predates the field)
+            return trainer_users(batch.arrays.inverse, unique, self.config.trainers)
+        return batch.users.astype(mask_dtype(self.config.trainers))
 
     async def run_readers(self, addresses: list[str]) -> None:
         async def one(i: int, addr: str) -> None:
@@ -241,7 +184,9 @@ class Oracle(pb_grpc.OracleCacherServicer):
                     return
                 while self.planner.wants_more() and self.next_push in self.received:
                     item = self.received[self.next_push]
-                    if not self.planner.push(self.next_push, item.keys, last=item.batch.last, users=item.users):
+                    if not self.planner.push(
+                        self.next_push, item.batch.arrays.keys, last=item.batch.last, users=item.users
+                    ):
                         break  # the cache cannot hold it next to the window: plan the oldest first
                     self.next_push += 1
                 if self.planner.wants_more() and self.readers_done == self.config.data_processors:
@@ -255,8 +200,12 @@ class Oracle(pb_grpc.OracleCacherServicer):
                 t0 = time.perf_counter()
                 plan = self.planner.pop()
                 source = self.received.pop(plan.batch).batch
-                cached = self.planner.cached() if self.config.checkpoint_after(plan.batch) and not plan.last else None
-                messages = split_plan(plan, source, self.config.trainers, cached)
+                cached = (
+                    self.planner.cached()
+                    if self.config.checkpoint_after(plan.batch) and not plan.last
+                    else None
+                )
+                messages = encode_plans(plan, source.arrays, self.config.trainers, cached)
                 metrics.PLAN_SECONDS.observe(time.perf_counter() - t0)
                 metrics.BATCHES_PLANNED.inc()
                 metrics.OCCUPANCY.set(plan.occupancy)
@@ -277,9 +226,12 @@ class Oracle(pb_grpc.OracleCacherServicer):
                 if plan.last:
                     logger.info(
                         "planned the last batch %d; L %d..%d, peak occupancy %d rows, %d slots",
-                        plan.batch, self.planner.min_window, max(self.windows), self.planner.peak_occupancy,
+                        plan.batch,
+                        self.planner.min_window,
+                        max(self.windows),
+                        self.planner.peak_occupancy,
                         self.planner.slot_high_water,
-                    )  # fmt: skip
+                    )
                     return
 
     def _update_queue_metrics(self) -> None:
@@ -303,10 +255,12 @@ class Oracle(pb_grpc.OracleCacherServicer):
         self._bind(rank, context)
         batch = request.start
         if batch < self.config.start_batch:
-            raise InvalidArgument("start", f"this oracle plans from batch {self.config.start_batch}, asked for {batch}")
+            raise InvalidArgument(
+                "start", f"this oracle plans from batch {self.config.start_batch}, asked for {batch}"
+            )
         while True:
             async with self.cond:
-                await self.cond.wait_for(lambda b=batch: self.failure is not None or self._dispatchable(b))
+                await self.cond.wait_for(functools.partial(self._ready_to_send, batch))
                 if self.failure is not None:
                     await context.abort(grpc.StatusCode.ABORTED, self.failure)
                 entry = self._entry(batch)
@@ -323,18 +277,27 @@ class Oracle(pb_grpc.OracleCacherServicer):
                 return
             batch += 1
 
-    async def ReportProgress(self, request: pb.ProgressReport, context: grpc.aio.ServicerContext) -> pb.ProgressAck:  # noqa: N802
+    async def ReportProgress(
+        self, request: pb.ProgressReport, context: grpc.aio.ServicerContext
+    ) -> pb.ProgressAck:  # noqa: N802
         rank = request.rank
         if not 0 <= rank < self.config.trainers:
             raise InvalidArgument("rank", f"must be in [0, {self.config.trainers}), got {rank}")
         self._bind(rank, context)
-        for name, value, now in (("written_back", request.written_back, self.written_back[rank]),
-                                 ("trained", request.trained, self.trained[rank])):  # fmt: skip
+        for name, value, now in (
+            ("written_back", request.written_back, self.written_back[rank]),
+            ("trained", request.trained, self.trained[rank]),
+        ):
             if value > self.dispatched[rank]:
-                raise InvalidArgument(name, f"rank {rank} reports batch {value}, but was sent plans up to "
-                                      f"{self.dispatched[rank]} only")  # fmt: skip
+                raise InvalidArgument(
+                    name,
+                    f"rank {rank} reports batch {value}, but was sent plans up to "
+                    f"{self.dispatched[rank]} only",
+                )
             if value < now:
-                raise InvalidArgument(name, f"rank {rank} reports batch {value}, after {now}: progress only moves on")
+                raise InvalidArgument(
+                    name, f"rank {rank} reports batch {value}, after {now}: progress only moves on"
+                )
         async with self.cond:
             self.written_back[rank] = request.written_back
             self.trained[rank] = request.trained
@@ -364,5 +327,8 @@ class Oracle(pb_grpc.OracleCacherServicer):
 async def create_server(oracle: Oracle, address: str = "127.0.0.1:0"):
     """Starts the oracle's server; returns (server, port, control, health)."""
     return await serving.create_server(
-        address, "OracleCacher", lambda s: pb_grpc.add_OracleCacherServicer_to_server(oracle, s), oracle.counters
+        address,
+        "OracleCacher",
+        lambda s: pb_grpc.add_OracleCacherServicer_to_server(oracle, s),
+        oracle.counters,
     )

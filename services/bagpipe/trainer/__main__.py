@@ -21,9 +21,13 @@ def main(argv: list[str] | None = None) -> None:
     faulthandler.register(signal.SIGUSR1)  # `kill -USR1` prints every thread's stack to the log
     trainer = Trainer(cfg)
     http = serving.start_metrics(
-        args.metrics_address, "trainer", str(cfg.rank), trainer.registry,
-        lambda: repr(trainer.pipeline.error) if trainer.pipeline.error is not None else None, args.advertise_host,
-    )  # fmt: skip
+        args.metrics_address,
+        "trainer",
+        str(cfg.rank),
+        trainer.registry,
+        lambda: repr(trainer.pipeline.error) if trainer.pipeline.error is not None else None,
+        args.advertise_host,
+    )
     trainer.on_ready = http.ready.set
     # SIGTERM while training: stop, release everything and exit 0 (a stopped pod, or the launcher)
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(0))

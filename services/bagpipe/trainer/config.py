@@ -21,7 +21,6 @@ from bagpipe.config_args import (
 from bagpipe.core.model import ModelConfig
 from bagpipe.core.optim import OptimizerConfig
 
-
 DEFAULT_COLLECTIVE_TIMEOUT_S = 120.0
 
 
@@ -87,15 +86,19 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--save-final", default=None, help="rank 0 writes the final interchange checkpoint here")
     p.add_argument("--iteration-log", default=None, help="write one CSV row per iteration here")
     p.add_argument(
-        "--fetch", choices=["prefetch", "synchronous"], default="prefetch",
+        "--fetch",
+        choices=["prefetch", "synchronous"],
+        default="prefetch",
         help="prefetch: fetch ahead and write back in the background (Bagpipe); synchronous: fetch before "
         "and write back after each step, on the critical path (the no-cache baseline)",
-    )  # fmt: skip
+    )
     p.add_argument(
-        "--shared-table", default=None, metavar="PREFIX",
+        "--shared-table",
+        default=None,
+        metavar="PREFIX",
         help="benchmark 'ideal' system: fetch from and write back to a table in shared memory at PREFIX "
         "(e.g. /dev/shm/bagpipe-job) instead of the embedding servers",
-    )  # fmt: skip
+    )
     p.add_argument(
         "--exit-when-done",
         action="store_true",
@@ -105,15 +108,19 @@ def build_parser() -> argparse.ArgumentParser:
         "--cache-rows", type=positive_int, default=None, help="cache rows (default: grow as planned)"
     )
     p.add_argument(
-        "--transfer-batches", type=positive_int, default=DEFAULT_TRANSFER_BATCHES,
+        "--transfer-batches",
+        type=positive_int,
+        default=DEFAULT_TRANSFER_BATCHES,
         help=f"fetch and write back up to this many batches' rows in one call per shard (default "
         f"{DEFAULT_TRANSFER_BATCHES}; 1: one call per batch)",
-    )  # fmt: skip
+    )
     p.add_argument(
-        "--collective-timeout", type=float, default=DEFAULT_COLLECTIVE_TIMEOUT_S,
+        "--collective-timeout",
+        type=float,
+        default=DEFAULT_COLLECTIVE_TIMEOUT_S,
         help="seconds a collective (all-reduce, barrier) may wait for a peer before failing (default "
         f"{DEFAULT_COLLECTIVE_TIMEOUT_S:.0f}; the failure detector notices a lost peer well before)",
-    )  # fmt: skip
+    )
     add_table_args(p)
     add_model_args(p, dense=True)
     add_eval_args(p)

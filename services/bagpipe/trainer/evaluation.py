@@ -44,8 +44,13 @@ class EvalResult:
     seconds: float
 
     def as_dict(self) -> dict[str, float]:
-        return {"batches": self.batch, "samples": self.samples, "logloss": self.logloss, "auc": self.auc,
-                "seconds": self.seconds}  # fmt: skip
+        return {
+            "batches": self.batch,
+            "samples": self.samples,
+            "logloss": self.logloss,
+            "auc": self.auc,
+            "seconds": self.seconds,
+        }
 
 
 def append_eval(path: Path, result: EvalResult) -> None:
@@ -120,10 +125,19 @@ class HeldOut:
         else:
             all_logits, all_labels = logits, self.labels
         result = EvalResult(
-            batch=batch, samples=int(all_labels.size), logloss=logloss(all_logits, all_labels),
-            auc=roc_auc(all_logits, all_labels), seconds=time.perf_counter() - t0,
-        )  # fmt: skip
+            batch=batch,
+            samples=int(all_labels.size),
+            logloss=logloss(all_logits, all_labels),
+            auc=roc_auc(all_logits, all_labels),
+            seconds=time.perf_counter() - t0,
+        )
         self.results.append(result)
-        logger.info("evaluation after %d batches: logloss %.5f, AUC %.5f (%d samples, %.2f s)",
-                    batch, result.logloss, result.auc, result.samples, result.seconds)  # fmt: skip
+        logger.info(
+            "evaluation after %d batches: logloss %.5f, AUC %.5f (%d samples, %.2f s)",
+            batch,
+            result.logloss,
+            result.auc,
+            result.samples,
+            result.seconds,
+        )
         return result

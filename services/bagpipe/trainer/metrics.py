@@ -2,26 +2,44 @@
 
 from prometheus_client import Counter, Gauge, Histogram
 
-STAGES = ("data_wait", "prefetch_wait", "forward", "backward", "embedding_sync", "dense_sync", "optimizer", "write_back")
+STAGES = (
+    "data_wait",
+    "prefetch_wait",
+    "forward",
+    "backward",
+    "embedding_sync",
+    "dense_sync",
+    "optimizer",
+    "write_back",
+)
 
 ITERATIONS = Counter("bagpipe_trainer_iterations_total", "Training iterations completed")
 SAMPLES = Counter("bagpipe_trainer_samples_total", "Samples trained on by this trainer")
 STAGE_SECONDS = Histogram(
-    "bagpipe_trainer_stage_seconds", "Time of one stage of an iteration", ["stage"],
+    "bagpipe_trainer_stage_seconds",
+    "Time of one stage of an iteration",
+    ["stage"],
     buckets=(0.0001, 0.0005, 0.001, 0.002, 0.005, 0.01, 0.02, 0.05, 0.1, 0.2, 0.5, 1.0, 2.0, 5.0),
-)  # fmt: skip
+)
 CACHE_HITS = Counter("bagpipe_trainer_cache_hits_total", "Batch rows found in the cache")
 CACHE_MISSES = Counter("bagpipe_trainer_cache_misses_total", "Batch rows that had to be prefetched")
 ROWS_PREFETCHED = Counter("bagpipe_trainer_rows_prefetched_total", "Rows fetched from embedding servers")
-ROWS_WRITTEN_BACK = Counter("bagpipe_trainer_rows_written_back_total", "Rows written back to embedding servers")
+ROWS_WRITTEN_BACK = Counter(
+    "bagpipe_trainer_rows_written_back_total", "Rows written back to embedding servers"
+)
 LOSS = Gauge("bagpipe_trainer_loss", "Mean loss of the last global batch")
 ITERATION_SECONDS = Histogram(
-    "bagpipe_trainer_iteration_seconds", "Time of one whole iteration (the stages add up to it)",
+    "bagpipe_trainer_iteration_seconds",
+    "Time of one whole iteration (the stages add up to it)",
     buckets=(0.005, 0.01, 0.02, 0.05, 0.1, 0.2, 0.5, 1.0, 2.0, 5.0, 10.0),
 )
-CACHE_LOOKUPS = Counter("bagpipe_trainer_cache_lookups_total", "Rows this trainer's samples read (hits + misses)")
+CACHE_LOOKUPS = Counter(
+    "bagpipe_trainer_cache_lookups_total", "Rows this trainer's samples read (hits + misses)"
+)
 BYTES = Counter(
-    "bagpipe_trainer_embedding_bytes_total", "Embedding bytes exchanged with the embedding servers", ["direction"]
+    "bagpipe_trainer_embedding_bytes_total",
+    "Embedding bytes exchanged with the embedding servers",
+    ["direction"],
 )
 FINISHED = Gauge("bagpipe_trainer_finished", "1 once this trainer has trained its last batch")
 HEARTBEAT = Gauge("bagpipe_trainer_heartbeat_timestamp_seconds", "Unix time of the last finished iteration")
@@ -30,24 +48,32 @@ ROWS_SYNCED = Counter(
     "Cache rows synchronised with other trainers (all-reduced or handed over), by path",
     ["path"],
 )
-CACHE_OCCUPANCY = Gauge("bagpipe_trainer_cache_occupancy_rows", "Rows in the logical cache during the last batch")
+CACHE_OCCUPANCY = Gauge(
+    "bagpipe_trainer_cache_occupancy_rows", "Rows in the logical cache during the last batch"
+)
 CACHE_CAPACITY = Gauge("bagpipe_trainer_cache_capacity_rows", "Rows the trainer's cache tensors hold")
 LOOKAHEAD = Gauge("bagpipe_trainer_lookahead_batches", "Lookahead L the oracle used for the last batch")
 CHECKPOINT_SECONDS = Histogram(
-    "bagpipe_trainer_checkpoint_seconds", "Time training paused for one consistent checkpoint",
+    "bagpipe_trainer_checkpoint_seconds",
+    "Time training paused for one consistent checkpoint",
     buckets=(0.001, 0.005, 0.01, 0.02, 0.05, 0.1, 0.2, 0.5, 1.0, 2.0, 5.0, 10.0, 30.0),
-)  # fmt: skip
+)
 CHECKPOINTS = Counter("bagpipe_trainer_checkpoints_total", "Consistent checkpoints this trainer took part in")
 LAST_CHECKPOINT = Gauge("bagpipe_trainer_last_checkpoint_batch", "First batch after the newest checkpoint")
 FIRST_BATCH = Gauge("bagpipe_trainer_first_batch", "The batch this trainer process began at (> 0: resumed)")
-EVAL_LOGLOSS = Gauge("bagpipe_trainer_eval_logloss", "Logloss of the model on the held-out data, last evaluation")
+EVAL_LOGLOSS = Gauge(
+    "bagpipe_trainer_eval_logloss", "Logloss of the model on the held-out data, last evaluation"
+)
 EVAL_AUC = Gauge("bagpipe_trainer_eval_auc", "ROC AUC of the model on the held-out data, last evaluation")
 EVAL_BATCH = Gauge("bagpipe_trainer_eval_batches", "Batches trained before the last evaluation")
 EVAL_SECONDS = Histogram(
-    "bagpipe_trainer_eval_seconds", "Time training paused for one evaluation",
+    "bagpipe_trainer_eval_seconds",
+    "Time training paused for one evaluation",
     buckets=(0.01, 0.05, 0.1, 0.2, 0.5, 1.0, 2.0, 5.0, 10.0, 30.0, 60.0),
-)  # fmt: skip
-SHARD_MAP_VERSION = Gauge("bagpipe_trainer_shard_map_version", "Shard-map version this trainer's transfers use")
+)
+SHARD_MAP_VERSION = Gauge(
+    "bagpipe_trainer_shard_map_version", "Shard-map version this trainer's transfers use"
+)
 SHARD_MAP_REFUSALS = Counter(
     "bagpipe_trainer_shard_map_refusals_total",
     "Transfers a server refused for their shard-map version while re-sharding (routed again and retried)",

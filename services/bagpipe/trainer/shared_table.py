@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import os
 from pathlib import Path
+from typing import Literal
 
 import numpy as np
 
@@ -23,9 +24,11 @@ class SharedTable:
 
     def __init__(self, prefix: str, num_keys: int, dim: int, state_width: int, create: bool) -> None:
         self.paths = (Path(f"{prefix}-rows"), Path(f"{prefix}-state"))
-        mode = "w+" if create else "r+"
-        self.rows = np.memmap(self.paths[0], dtype=np.float32, mode=mode, shape=(num_keys, dim))
-        self.state = np.memmap(self.paths[1], dtype=np.float32, mode=mode, shape=(num_keys, max(state_width, 1)))
+        mode: Literal["w+", "r+"] = "w+" if create else "r+"
+        self.rows = np.memmap(str(self.paths[0]), dtype=np.float32, mode=mode, shape=(num_keys, dim))
+        self.state = np.memmap(
+            str(self.paths[1]), dtype=np.float32, mode=mode, shape=(num_keys, max(state_width, 1))
+        )
         self.state_width = state_width
         self.bytes_sent = 0
         self.bytes_received = 0

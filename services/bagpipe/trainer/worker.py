@@ -28,8 +28,8 @@ from __future__ import annotations
 import csv
 import functools
 import logging
-import secrets
 import queue
+import secrets
 import threading
 import time
 from collections import defaultdict
@@ -44,6 +44,7 @@ import torch
 import torch.distributed as dist
 
 from bagpipe import security, serving
+from bagpipe.codec import PlanArrays, decode_plan
 from bagpipe.control.registry import Registry
 from bagpipe.core import checkpoint, snapshots
 from bagpipe.core.cache import EmbeddingCache
@@ -58,99 +59,11 @@ from bagpipe.trainer.evaluation import HeldOut, append_eval, load_held_out
 from bagpipe.trainer.shared_table import SharedTable
 from bagpipe.v1 import oracle_cacher_pb2 as opb
 from bagpipe.v1 import oracle_cacher_pb2_grpc as opb_grpc
-from bagpipe.wire import from_tensor
 
 logger = logging.getLogger(__name__)
 
 # a plan stream is re-opened at the next batch after this long, so no call waits unboundedly
 PLAN_STREAM_WINDOW_S = 60.0
-
-
-def _tensor(msg: Any, name: str, dtype: Any, batch: int, **kw: Any) -> np.ndarray:
-    return from_tensor(getattr(msg, name), f"plan {batch}: {name}", dtype, **kw)
-
-
-def _check_index(values: np.ndarray, bound: int, what: str, allow_missing: bool = False) -> None:
-    low = -1 if allow_missing else 0
-    if values.size and (values.min() < low or values.max() >= bound):
-        raise ValueError(f"{what}: index outside [{low}, {bound})")
-
-
-def _decode_sync(msg: opb.Sync, rows: int, batch: int, name: str) -> SyncStep:
-    slots = _tensor(msg, "slots", np.int32, batch, ndim=1)
-    local = _tensor(msg, "local", np.int32, batch, shape=slots.shape)
-    handover = _tensor(msg, "handover_slots", np.int32, batch, ndim=1)
-    send = _tensor(msg, "handover_send", np.int32, batch, ndim=1)
-    recv = _tensor(msg, "handover_recv", np.int32, batch, ndim=1)
-    _check_index(local, rows, f"plan {batch}: {name}.local", allow_missing=True)
-    _check_index(send, handover.size, f"plan {batch}: {name}.handover_send")
-    _check_index(recv, handover.size, f"plan {batch}: {name}.handover_recv")
-    return SyncStep(slots, local, handover, send, recv)
-
-
-@dataclass(frozen=True)
-class PlanArrays:
-    """A decoded Plan: this trainer's share of one global batch (see core/plans.py)."""
-
-    share: TrainerPlan
-    dense: np.ndarray
-    labels: np.ndarray
-    slot_high_water: int
-    global_batch_size: int
-    last: bool
-    lookahead: int
-    occupancy: int
-    unique_rows: int
-    checkpoint: bool = False
-    checkpoint_keys: np.ndarray | None = None
-    checkpoint_slots: np.ndarray | None = None
-
-    @property
-    def batch(self) -> int:
-        return self.share.batch
-
-    @classmethod
-    def decode(cls, msg: opb.Plan, num_tables: int, num_dense: int) -> PlanArrays:
-        b = msg.batch
-        slots = _tensor(msg, "slots", np.int32, b, ndim=1)
-        labels = _tensor(msg, "labels", np.float32, b, ndim=1)
-        inverse = _tensor(msg, "inverse", np.int32, b, shape=(labels.size, num_tables))
-        _check_index(inverse, slots.size, f"plan {b}: inverse")
-        prefetch_keys = _tensor(msg, "prefetch_keys", np.int64, b, ndim=1)
-        private = _tensor(msg, "private_rows", np.int32, b, ndim=1)
-        _check_index(private, slots.size, f"plan {b}: private_rows")
-        writeback_keys = _tensor(msg, "writeback_keys", np.int64, b, ndim=1)
-        checkpoint_keys = checkpoint_slots = None
-        if msg.checkpoint:
-            checkpoint_keys = _tensor(msg, "checkpoint_keys", np.int64, b, ndim=1)
-            checkpoint_slots = _tensor(msg, "checkpoint_slots", np.int32, b, shape=checkpoint_keys.shape)
-            _check_index(checkpoint_slots, max(1, msg.slot_high_water), f"plan {b}: checkpoint_slots")
-        share = TrainerPlan(
-            batch=b,
-            slots=slots,
-            inverse=inverse,
-            prefetch_keys=prefetch_keys,
-            prefetch_slots=_tensor(msg, "prefetch_slots", np.int32, b, shape=prefetch_keys.shape),
-            private_rows=private,
-            critical=_decode_sync(msg.critical, slots.size, b, "critical"),
-            background=_decode_sync(msg.background, slots.size, b, "background"),
-            writeback_keys=writeback_keys,
-            writeback_slots=_tensor(msg, "writeback_slots", np.int32, b, shape=writeback_keys.shape),
-        )
-        return cls(
-            share=share,
-            dense=_tensor(msg, "dense", np.float32, b, shape=(labels.size, num_dense)),
-            labels=labels,
-            slot_high_water=msg.slot_high_water,
-            global_batch_size=msg.global_batch_size,
-            last=msg.last,
-            lookahead=msg.lookahead,
-            occupancy=msg.occupancy,
-            unique_rows=msg.unique_rows,
-            checkpoint=msg.checkpoint,
-            checkpoint_keys=checkpoint_keys,
-            checkpoint_slots=checkpoint_slots,
-        )
 
 
 @dataclass(frozen=True)
@@ -248,7 +161,9 @@ class Trainer:
         self.transfers = {"lookup_calls": 0, "write_back_calls": 0}
         k, world = config.transfer_batches, config.world_size
         self._prefetch_phase = (config.rank * k) // (2 * world)  # trainers' groups interleave, and ...
-        self._write_phase = self._prefetch_phase + k // 2  # ... each one's write-backs fall between its fetches
+        self._write_phase = (
+            self._prefetch_phase + k // 2
+        )  # ... each one's write-backs fall between its fetches
         self.background_group: Any = None
         self.start_batch = config.resume_batch
         self.step_base = 0  # optimizer steps before batch 0 (Adam's bias correction counts from there)
@@ -270,7 +185,9 @@ class Trainer:
         self.oracle: opb_grpc.OracleCacherStub | None = None
         self.checkpoints: list[dict[str, float]] = []
         self.held_out: HeldOut | None = None
-        self._token = [(security.TRAINER_KEY, secrets.token_hex(16))]  # the oracle binds this rank to this process
+        self._token = [
+            (security.TRAINER_KEY, secrets.token_hex(16))
+        ]  # the oracle binds this rank to this process
 
     # ---- setup
     def _connect(self) -> None:
@@ -288,12 +205,17 @@ class Trainer:
             if set(shard_map.owners) <= set(servers):
                 break
             if time.monotonic() > deadline:
-                raise TimeoutError(f"embedding servers {sorted(set(shard_map.owners) - set(servers))} not registered")
+                raise TimeoutError(
+                    f"embedding servers {sorted(set(shard_map.owners) - set(servers))} not registered"
+                )
             time.sleep(0.05)
         self.client = EmbeddingClient(
-            shard_map, servers, self.width, self.state_width,
+            shard_map,
+            servers,
+            self.width,
+            self.state_width,
             resolver=self.registry.embedding_servers,
-        )  # fmt: skip
+        )
         oracle_address = self.registry.wait_for_members("oracle_cacher", 1)["0"]
         self.oracle_channel = serving.channel(oracle_address)
         self.oracle = opb_grpc.OracleCacherStub(self.oracle_channel)
@@ -304,9 +226,12 @@ class Trainer:
             # bounded: a lost peer fails the collective instead of hanging it for gloo's default 30 minutes
             timeout = timedelta(seconds=self.config.collective_timeout)
             dist.init_process_group(
-                backend, init_method=self.config.dist_init, rank=self.rank, world_size=self.config.world_size,
+                backend,
+                init_method=self.config.dist_init,
+                rank=self.rank,
+                world_size=self.config.world_size,
                 timeout=timeout,
-            )  # fmt: skip
+            )
             # background synchronisation runs beside the critical one: its own group, its own order
             self.background_group = dist.new_group(backend=backend, timeout=timeout)
 
@@ -315,7 +240,9 @@ class Trainer:
         assert self.config.shared_table and isinstance(self.client, EmbeddingClient)
         num_keys, dim = int(self.offsets[-1]), self.width
         if self.rank == 0:
-            SharedTable(self.config.shared_table, num_keys, dim, self.state_width, create=True).fill_from(self.client)
+            SharedTable(self.config.shared_table, num_keys, dim, self.state_width, create=True).fill_from(
+                self.client
+            )
         if self.config.world_size > 1:
             dist.barrier()
         self.remote = self.client
@@ -333,8 +260,14 @@ class Trainer:
             self.model.load_state_dict({k: v.to(self.device) for k, v in ckpt["dense"].items()})
         except RuntimeError as e:  # names the missing / unexpected parameters and the shapes that differ
             source = self.config.init_from if not self.start_batch else f"checkpoint {self.start_batch}"
-            raise SystemExit(f"{source}: not a checkpoint of this --model {self.config.model.name}: {e}") from None
-        restore_state(self.dense_opt, dict(self.model.named_parameters()), (ckpt.get("optimizer") or {}).get("dense", {}))
+            raise SystemExit(
+                f"{source}: not a checkpoint of this --model {self.config.model.name}: {e}"
+            ) from None
+        restore_state(
+            self.dense_opt,
+            dict(self.model.named_parameters()),
+            (ckpt.get("optimizer") or {}).get("dense", {}),
+        )
         if self.config.optimizer.name == "adam":  # (Adam's dense step count is the global one)
             self.step_base = steps_taken(self.dense_opt) - self.start_batch
 
@@ -362,18 +295,28 @@ class Trainer:
                 **({"linear": {}} if model.linear else {}),
             },
             "meta": {
-                **model.describe(), "table_rows": list(self.config.table_rows), "embedding_dim": model.embedding_dim,
-                "num_dense": model.num_dense, "optimizer_steps": self.step_base + next_batch, **meta,
+                **model.describe(),
+                "table_rows": list(self.config.table_rows),
+                "embedding_dim": model.embedding_dim,
+                "num_dense": model.num_dense,
+                "optimizer_steps": self.step_base + next_batch,
+                **meta,
             },
-        }  # fmt: skip
+        }
         step = self.step_base + next_batch if opt.name == "adam" else None
         for t in range(self.offsets.size - 1):
             keys = np.arange(self.offsets[t], self.offsets[t + 1], dtype=np.int64)
             rows, state = self.client.lookup(keys)
             checkpoint.put_table(
-                out, t, torch.from_numpy(rows), torch.from_numpy(state), model.embedding_dim, opt.state_keys,
-                model.linear, step,
-            )  # fmt: skip
+                out,
+                t,
+                torch.from_numpy(rows),
+                torch.from_numpy(state),
+                model.embedding_dim,
+                opt.state_keys,
+                model.linear,
+                step,
+            )
         checkpoint.save(path, out)
         logger.info("wrote checkpoint %s", path)
 
@@ -385,8 +328,10 @@ class Trainer:
             while True:
                 request = opb.StreamPlansRequest(rank=self.rank, start=expected)
                 try:
-                    for msg in self.oracle.StreamPlans(request, timeout=PLAN_STREAM_WINDOW_S, metadata=self._token):
-                        plan = PlanArrays.decode(msg, self.config.model.num_tables, self.config.model.num_dense)
+                    for msg in self.oracle.StreamPlans(
+                        request, timeout=PLAN_STREAM_WINDOW_S, metadata=self._token
+                    ):
+                        plan = decode_plan(msg, self.config.model.num_tables, self.config.model.num_dense)
                         if plan.batch != expected:
                             raise ValueError(f"plan stream: expected batch {expected}, got {plan.batch}")
                         with self.pipeline.cond:
@@ -400,7 +345,9 @@ class Trainer:
                     if e.code() != grpc.StatusCode.DEADLINE_EXCEEDED:
                         raise
                     continue  # the stream's window ended: re-open it where it stopped
-                raise RuntimeError(f"the oracle ended the plan stream before its last plan (at batch {expected})")
+                raise RuntimeError(
+                    f"the oracle ended the plan stream before its last plan (at batch {expected})"
+                )
         except BaseException as e:
             self.pipeline.fail(e)
         finally:
@@ -500,7 +447,9 @@ class Trainer:
         batch = group[-1][0]
         report = opb.ProgressReport(rank=self.rank, trained=batch, written_back=batch)
         call_with_retry(
-            functools.partial(self.oracle.ReportProgress, report, timeout=serving.RPC_TIMEOUT_S, metadata=self._token),
+            functools.partial(
+                self.oracle.ReportProgress, report, timeout=serving.RPC_TIMEOUT_S, metadata=self._token
+            ),
             "progress",
         )
         with self.pipeline.cond:
@@ -520,7 +469,10 @@ class Trainer:
                     rows, state = self.cache.read(self._index(work.writeback_slots))
                 with self.pipeline.cond:  # (bounded: the writer keeps up with at most a few groups)
                     self.pipeline.cond.wait_for(
-                        lambda: self.pipeline.error is not None or len(self.writebacks) < 4 * self.config.transfer_batches
+                        lambda: (
+                            self.pipeline.error is not None
+                            or len(self.writebacks) < 4 * self.config.transfer_batches
+                        )
                     )
                     self.writebacks.append((work.batch, work.writeback_keys, rows, state))
                     self.synced = work.batch
@@ -543,7 +495,9 @@ class Trainer:
         mine = np.flatnonzero(local >= 0)
         if mine.size:
             index = torch.from_numpy(mine).to(grad.device)
-            out.index_copy_(0, index, grad.index_select(0, torch.from_numpy(local[mine].astype(np.int64)).to(grad.device)))
+            out.index_copy_(
+                0, index, grad.index_select(0, torch.from_numpy(local[mine].astype(np.int64)).to(grad.device))
+            )
         return out
 
     def _apply(self, step: SyncStep, grads: torch.Tensor, batch: int) -> None:
@@ -551,16 +505,22 @@ class Trainer:
         if step.slots.size:
             with self.cache.lock.shared():
                 apply_rows(
-                    self.config.optimizer, self.cache.weights, self.cache.state, self._index(step.slots), grads,
+                    self.config.optimizer,
+                    self.cache.weights,
+                    self.cache.state,
+                    self._index(step.slots),
+                    grads,
                     self._optimizer_step(batch),
-                )  # fmt: skip
+                )
 
     def _hand_over(self, step: SyncStep, group: Any) -> None:
         """Copies rows to their new holders: the sender contributes row and state, everyone else zeros,
         so the all-reduced sum is the sender's copy."""
         if not step.handover_slots.size or self.config.world_size == 1:
             return
-        buffer = torch.zeros((step.handover_slots.size, self.cache.dim + self.state_width), device=self.device)
+        buffer = torch.zeros(
+            (step.handover_slots.size, self.cache.dim + self.state_width), device=self.device
+        )
         if step.handover_send.size:
             with self.cache.lock.shared():
                 sent = self.cache.packed(self._index(step.handover_slots[step.handover_send]))
@@ -600,7 +560,9 @@ class Trainer:
         dev = self.device
         slots = self._index(share.slots)
         inverse = torch.from_numpy(share.inverse.astype(np.int64)).to(dev)
-        dense = torch.from_numpy(np.require(plan.dense, requirements="W")).to(dev)  # (wire buffers are read-only)
+        dense = torch.from_numpy(np.require(plan.dense, requirements="W")).to(
+            dev
+        )  # (wire buffers are read-only)
         labels = torch.from_numpy(np.require(plan.labels, requirements="W")).to(dev)
         with self.cache.lock.shared():
             rows = self.cache.weights.index_select(0, slots).requires_grad_()
@@ -632,9 +594,13 @@ class Trainer:
             private = self._index(share.private_rows)
             with self.cache.lock.shared():
                 apply_rows(
-                    self.config.optimizer, self.cache.weights, self.cache.state,
-                    slots.index_select(0, private), row_grad.index_select(0, private), self._optimizer_step(batch),
-                )  # fmt: skip
+                    self.config.optimizer,
+                    self.cache.weights,
+                    self.cache.state,
+                    slots.index_select(0, private),
+                    row_grad.index_select(0, private),
+                    self._optimizer_step(batch),
+                )
         self._apply(share.critical, critical, batch)
         t = self._timed("optimizer", t)
         self._hand_over(share.critical, None)
@@ -654,7 +620,11 @@ class Trainer:
         metrics.ITERATION_SECONDS.observe(iteration)
 
         used = int(share.slots.size)
-        missed = int(np.isin(share.slots, share.prefetch_slots, assume_unique=True).sum()) if share.prefetch_slots.size else 0
+        missed = (
+            int(np.isin(share.slots, share.prefetch_slots, assume_unique=True).sum())
+            if share.prefetch_slots.size
+            else 0
+        )
         fetched, written = int(share.prefetch_keys.size), int(share.writeback_keys.size)
         crit_rows = int(share.critical.slots.size + share.critical.handover_slots.size)
         bg_rows = int(share.background.slots.size + share.background.handover_slots.size)
@@ -669,7 +639,9 @@ class Trainer:
         self.counts["critical_rows"] += crit_rows
         self.counts["background_rows"] += bg_rows
         self.counts["private_rows"] += int(share.private_rows.size)
-        self.counts["handed_over"] += int(share.critical.handover_slots.size + share.background.handover_slots.size)
+        self.counts["handed_over"] += int(
+            share.critical.handover_slots.size + share.background.handover_slots.size
+        )
         self.lookaheads.append((batch, plan.lookahead))
         self.peak_occupancy = max(self.peak_occupancy, plan.occupancy)
         self.losses.append(float(flat[-1]))
@@ -698,15 +670,27 @@ class Trainer:
         now = time.time()
         metrics.HEARTBEAT.set(now)
         if self.iteration_log is not None:
-            self.iteration_log.write({
-                "batch": batch, "time": now, "iteration_seconds": iteration,
-                **{f"{stage}_seconds": sec for stage, sec in self.step_seconds.items()},
-                "loss": self.losses[-1], "samples": int(plan.labels.size), "rows_used": used, "rows_missed": missed,
-                "rows_prefetched": fetched, "rows_written_back": written, "rows_synced_critical": crit_rows,
-                "rows_synced_background": bg_rows, "rows_private": int(share.private_rows.size),
-                "lookahead": plan.lookahead, "cache_occupancy_rows": plan.occupancy,
-                "bytes_sent": sent, "bytes_received": received,
-            })  # fmt: skip
+            self.iteration_log.write(
+                {
+                    "batch": batch,
+                    "time": now,
+                    "iteration_seconds": iteration,
+                    **{f"{stage}_seconds": sec for stage, sec in self.step_seconds.items()},
+                    "loss": self.losses[-1],
+                    "samples": int(plan.labels.size),
+                    "rows_used": used,
+                    "rows_missed": missed,
+                    "rows_prefetched": fetched,
+                    "rows_written_back": written,
+                    "rows_synced_critical": crit_rows,
+                    "rows_synced_background": bg_rows,
+                    "rows_private": int(share.private_rows.size),
+                    "lookahead": plan.lookahead,
+                    "cache_occupancy_rows": plan.occupancy,
+                    "bytes_sent": sent,
+                    "bytes_received": received,
+                }
+            )
         return plan
 
     # ---- recovery checkpoints
@@ -721,7 +705,9 @@ class Trainer:
         out of the snapshot. The rows stay cached: training goes on as if nothing happened.
         """
         directory = self.config.checkpoint_dir  # (None: a flush for an evaluation only)
-        assert self.client is not None and plan.checkpoint_keys is not None and plan.checkpoint_slots is not None
+        assert (
+            self.client is not None and plan.checkpoint_keys is not None and plan.checkpoint_slots is not None
+        )
         t0 = time.perf_counter()
         batch = plan.batch
         self.pipeline.wait(lambda: self.synced >= batch)
@@ -756,20 +742,32 @@ class Trainer:
         # the map in force stays fixed while the servers write (a re-sharding switch waits for this lock)
         with self.registry.locked(RESHARD_LOCK, f"checkpoint-{self.config.job}-{next_batch}"):
             files = self.client.snapshot(directory, next_batch)
-        snapshots.write_dense(directory, next_batch, {
-            "dense": {k: v.detach().cpu().clone() for k, v in self.model.state_dict().items()},
-            "optimizer": {
-                **self._optimizer_header(),
-                "dense": saved_state(self.dense_opt, dict(self.model.named_parameters())),
+        snapshots.write_dense(
+            directory,
+            next_batch,
+            {
+                "dense": {k: v.detach().cpu().clone() for k, v in self.model.state_dict().items()},
+                "optimizer": {
+                    **self._optimizer_header(),
+                    "dense": saved_state(self.dense_opt, dict(self.model.named_parameters())),
+                },
+                "meta": {"next_batch": next_batch, "trainers": self.config.world_size},
             },
-            "meta": {"next_batch": next_batch, "trainers": self.config.world_size},
-        })  # fmt: skip
+        )
         rows = sum(f[1] for f in files)
         size = sum(f[2] for f in files)
-        snapshots.mark_complete(directory, next_batch, {
-            "row_files": [f[0] for f in files], "rows": rows, "bytes": size, "time": time.time(),
-            "embedding_servers": len(files), "trainers": self.config.world_size,
-        })  # fmt: skip
+        snapshots.mark_complete(
+            directory,
+            next_batch,
+            {
+                "row_files": [f[0] for f in files],
+                "rows": rows,
+                "bytes": size,
+                "time": time.time(),
+                "embedding_servers": len(files),
+                "trainers": self.config.world_size,
+            },
+        )
         logger.info("checkpoint %d complete: %d changed rows, %d bytes", next_batch, rows, size)
         return {"rows": float(rows), "bytes": float(size)}
 
@@ -791,8 +789,13 @@ class Trainer:
         """Trains to the end and returns this trainer's statistics."""
         self._connect()
         if self.config.eval_data:
-            samples = load_held_out(self.config.eval_data, self.config.table_rows, self.config.seed,
-                                    self.config.eval_samples, 4096)  # fmt: skip
+            samples = load_held_out(
+                self.config.eval_data,
+                self.config.table_rows,
+                self.config.seed,
+                self.config.eval_samples,
+                4096,
+            )
             self.held_out = HeldOut(samples, self.offsets, self.rank, self.config.world_size)
         self._init_dist()
         if self.config.shared_table:
@@ -826,7 +829,9 @@ class Trainer:
         metrics.HEARTBEAT.set(time.time())
         if self.config.world_size > 1:
             dist.barrier()  # every trainer's write-backs are durable
-        if self.held_out is not None and not (self.held_out.results and self.held_out.results[-1].batch == batch + 1):
+        if self.held_out is not None and not (
+            self.held_out.results and self.held_out.results[-1].batch == batch + 1
+        ):
             self._evaluate(batch + 1)
         if self.config.save_final and self.rank == 0:
             self.export_checkpoint(self.config.save_final, batch + 1, {"steps": batch + 1})

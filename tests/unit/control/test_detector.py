@@ -41,8 +41,11 @@ def test_a_member_that_stops_answering_is_gone_after_the_timeout() -> None:
 
 def test_a_trainer_without_progress_is_stuck_but_peers_of_a_silent_member_are_not_blamed() -> None:
     d, script, clock = detector(["trainer/0", "trainer/1", "embedding_server/0"])
-    script.now = {"trainer/0": Observation(True, 5.0), "trainer/1": Observation(True, 5.0),
-                  "embedding_server/0": Observation(True)}  # fmt: skip
+    script.now = {
+        "trainer/0": Observation(True, 5.0),
+        "trainer/1": Observation(True, 5.0),
+        "embedding_server/0": Observation(True),
+    }
     d.poll()
     script.now["embedding_server/0"] = Observation(False)  # frozen: the trainers wait for it
     clock[0] = 10.2

@@ -113,10 +113,16 @@ def test_shuffle_is_a_deterministic_permutation_within_windows(tmp_path: Path) -
     path = write(tmp_path / "d.tsv", lines)
     plain = np.concatenate([s.sparse for _, s in CriteoTSVSource(CriteoConfig((path,), ROWS)).batches(10)])
     shuffled = [
-        np.concatenate([s.sparse for _, s in CriteoTSVSource(CriteoConfig((path,), ROWS, shuffle_seed=seed,
-                                                                          shuffle_buffer=25)).batches(10)])
+        np.concatenate(
+            [
+                s.sparse
+                for _, s in CriteoTSVSource(
+                    CriteoConfig((path,), ROWS, shuffle_seed=seed, shuffle_buffer=25)
+                ).batches(10)
+            ]
+        )
         for seed in (7, 7, 8)
-    ]  # fmt: skip
+    ]
     assert np.array_equal(shuffled[0], shuffled[1]) and not np.array_equal(shuffled[0], shuffled[2])
     assert not np.array_equal(shuffled[0], plain)
     for lo in (0, 25, 50):  # each window keeps its own samples
@@ -128,9 +134,34 @@ def test_shuffle_is_a_deterministic_permutation_within_windows(tmp_path: Path) -
 
 
 def avazu_line(i: int, click: str = "0", hour: str = "14102100") -> str:
-    return ",".join([str(10**18 + i), click, hour, "1005", "0", f"{i % 7:08x}", "f3845767", "28905ebd",
-                     "ecad2386", "7801e8d9", "07d7df22", "a99f214a", f"{i:08x}", "711ee120", "1", "0",
-                     "15706", "320", "50", "1722", "0", "35", "-1", "79"])  # fmt: skip
+    return ",".join(
+        [
+            str(10**18 + i),
+            click,
+            hour,
+            "1005",
+            "0",
+            f"{i % 7:08x}",
+            "f3845767",
+            "28905ebd",
+            "ecad2386",
+            "7801e8d9",
+            "07d7df22",
+            "a99f214a",
+            f"{i:08x}",
+            "711ee120",
+            "1",
+            "0",
+            "15706",
+            "320",
+            "50",
+            "1722",
+            "0",
+            "35",
+            "-1",
+            "79",
+        ]
+    )
 
 
 def test_avazu_parse_hashes_every_field_and_takes_the_hour_of_day(tmp_path: Path) -> None:

@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import numpy as np
 import pytest
-
 from bagpipe.core.lookahead import LookaheadPlanner
 
 
@@ -65,15 +64,21 @@ def test_cached_rows_are_exactly_those_used_within_the_window(lookahead: int) ->
                 assert k not in cached, f"batch {x}: {k} prefetched while cached"
                 # no batch in [x-L+1, x-1] used it, so its newest value is on the servers
                 assert not any(k in used.get(b, ()) for b in range(x - lookahead + 1, x))
-                assert slot not in slot_owner, f"batch {x}: slot {slot} still holds key {slot_owner.get(slot)}"
+                assert slot not in slot_owner, (
+                    f"batch {x}: slot {slot} still holds key {slot_owner.get(slot)}"
+                )
                 if slot in slot_freed_at:
-                    assert slot_freed_at[slot] <= x - lookahead, "slot reused before its write-back is waited for"
+                    assert slot_freed_at[slot] <= x - lookahead, (
+                        "slot reused before its write-back is waited for"
+                    )
                 cached[k] = slot
                 slot_owner[slot] = k
             else:
                 assert cached.get(k) == slot, f"batch {x}: {k} expected in the cache at slot {slot}"
         for k in p.keys[p.evict].tolist():
-            assert not any(k in used.get(b, ()) for b in range(x + 1, x + lookahead)), f"{k} evicted too early"
+            assert not any(k in used.get(b, ()) for b in range(x + 1, x + lookahead)), (
+                f"{k} evicted too early"
+            )
             slot_freed_at[cached[k]] = x
             del slot_owner[cached.pop(k)]
         ttl = dict(zip(keys, p.ttl.tolist(), strict=True))

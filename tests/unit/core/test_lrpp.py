@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import numpy as np
 import pytest
-
 from bagpipe.core.lookahead import CapacityError, LookaheadPlanner, mask_dtype, trainer_users
 from bagpipe.core.plans import for_trainer, traffic
 
@@ -28,15 +27,21 @@ def make_stream(n: int, trainers: int, keys: int, per: int, seed: int) -> list[l
     return [[set(rng.choice(keys, size=per, p=weights).tolist()) for _ in range(trainers)] for _ in range(n)]
 
 
-def plan_stream(stream, trainers, lookahead, num_keys, capacity=None, delayed=True, reuse_delay=None, replicated=False):
-    planner = LookaheadPlanner(num_keys, lookahead, trainers, capacity=capacity, reuse_delay=reuse_delay, delayed_sync=delayed)
+def plan_stream(
+    stream, trainers, lookahead, num_keys, capacity=None, delayed=True, reuse_delay=None, replicated=False
+):
+    planner = LookaheadPlanner(
+        num_keys, lookahead, trainers, capacity=capacity, reuse_delay=reuse_delay, delayed_sync=delayed
+    )
     dt = mask_dtype(trainers)
     plans, nxt = [], 0
     while len(plans) < len(stream):
         while planner.wants_more() and nxt < len(stream):
             used = stream[nxt]
             keys = np.array(sorted(set().union(*used)), dtype=np.int64)
-            users = np.array([sum(1 << t for t in range(trainers) if k in used[t]) for k in keys.tolist()], dtype=dt)
+            users = np.array(
+                [sum(1 << t for t in range(trainers) if k in used[t]) for k in keys.tolist()], dtype=dt
+            )
             if replicated:
                 users[:] = (1 << trainers) - 1
             if not planner.push(nxt, keys, last=nxt == len(stream) - 1, users=users):
@@ -72,17 +77,25 @@ def replay(stream, plans, trainers, capacity=None, delayed=True) -> dict[str, in
             assert p.slot_high_water <= capacity and len(owner) <= capacity
         for t in range(trainers):  # every read is the newest value
             for k in stream[x][t]:
-                assert caches[t].get(slot_of[k]) == (k, newest.get(k, -1)), f"batch {x}: trainer {t} reads stale {k}"
+                assert caches[t].get(slot_of[k]) == (k, newest.get(k, -1)), (
+                    f"batch {x}: trainer {t} reads stale {k}"
+                )
         for i, k in enumerate(keys):
             holders = bits(p.holders[i], trainers)
             users = [t for t in range(trainers) if k in stream[x][t]]
             assert bits(p.users[i], trainers) == users or p.users[i] == (1 << trainers) - 1
             assert set(users) <= set(holders), f"batch {x}: {k} used by {users}, held by {holders}"
             for t in holders:
-                assert caches[t].get(slot_of[k]) == (k, newest.get(k, -1)), f"batch {x}: holder {t} of {k} is stale"
+                assert caches[t].get(slot_of[k]) == (k, newest.get(k, -1)), (
+                    f"batch {x}: holder {t} of {k} is stale"
+                )
             assert p.sync[i] == (len(holders) > 1)
-            if p.sync[i] and k in nxt and p.ttl[i] > x:  # (an evicted row is fetched again after its write-back)
-                assert p.critical[i], f"batch {x}: {k} is read by batch {x + 1} but synchronised in the background"
+            if (
+                p.sync[i] and k in nxt and p.ttl[i] > x
+            ):  # (an evicted row is fetched again after its write-back)
+                assert p.critical[i], (
+                    f"batch {x}: {k} is read by batch {x + 1} but synchronised in the background"
+                )
             if not delayed:
                 assert p.critical[i] == p.sync[i]
             seen["background"] += int(p.sync[i] and not p.critical[i])
@@ -91,10 +104,14 @@ def replay(stream, plans, trainers, capacity=None, delayed=True) -> dict[str, in
             for t in holders:  # the update reaches every holder (all-reduce) or the only one
                 caches[t][slot_of[k]] = (k, x)
         h = p.handovers
-        for k, s, src, dst, crit in zip(h.keys.tolist(), h.slots.tolist(), h.source, h.recipients, h.critical, strict=True):
+        for k, s, src, dst, crit in zip(
+            h.keys.tolist(), h.slots.tolist(), h.source, h.recipients, h.critical, strict=True
+        ):
             (sender,) = bits(src, trainers)
             assert caches[sender].get(s) == (k, newest[k]), f"batch {x}: hand-over of {k} from a stale copy"
-            assert crit or k not in nxt, f"batch {x}: hand-over of {k} in the background but batch {x + 1} reads it"
+            assert crit or k not in nxt, (
+                f"batch {x}: hand-over of {k} in the background but batch {x + 1} reads it"
+            )
             for t in bits(dst, trainers):
                 caches[t][s] = (k, newest[k])
             seen["handovers"] += 1
@@ -181,7 +198,9 @@ def test_trainer_users_for_up_to_64_trainers() -> None:
         inverse = rng.integers(0, 50, size=(trainers * 3, 4)).astype(np.int32)
         users = trainer_users(inverse, 50, trainers)
         assert users.dtype == mask_dtype(trainers)
-        expected = [sum(1 << t for t in range(trainers) if (inverse[3 * t : 3 * t + 3] == k).any()) for k in range(50)]
+        expected = [
+            sum(1 << t for t in range(trainers) if (inverse[3 * t : 3 * t + 3] == k).any()) for k in range(50)
+        ]
         assert [int(u) for u in users] == expected
 
 

@@ -1,0 +1,211 @@
+"""bagpipe.codec: every wire message survives encode -> bytes -> decode unchanged, and a bad one is
+refused with the batch and field named."""
+
+from __future__ import annotations
+
+import dataclasses
+
+import numpy as np
+import pytest
+from bagpipe.codec import decode_batch, decode_plan, encode_batch, encode_plans
+from bagpipe.core.batches import numbered_batches
+from bagpipe.core.data import SyntheticConfig, SyntheticSource, table_offsets
+from bagpipe.core.lookahead import LookaheadPlanner, trainer_users
+from bagpipe.core.plans import for_trainer
+from bagpipe.errors import InvalidArgument
+from bagpipe.v1 import data_processor_pb2 as dpb
+from bagpipe.v1 import oracle_cacher_pb2 as opb
+from bagpipe.wire import to_tensor
+
+TABLE_ROWS = (40, 7, 300, 5, 90, 3)
+BATCH = 24
+TRAINERS = 3
+
+
+def _batches(count: int):
+    source = SyntheticSource(SyntheticConfig(table_rows=TABLE_ROWS, seed=3))
+    return list(numbered_batches(source, TABLE_ROWS, BATCH, 0, 1, count))
+
+
+def _wire(message):
+    """Through bytes, as gRPC sends it."""
+    return type(message).FromString(message.SerializeToString())
+
+
+def _decode(message: dpb.Batch, trainers: int = TRAINERS):
+    num_keys = int(table_offsets(TABLE_ROWS)[-1])
+    return decode_batch(
+        _wire(message), num_keys=num_keys, batch_size=BATCH, num_tables=len(TABLE_ROWS), trainers=trainers
+    )
+
+
+def _same(a, b) -> None:
+    """Dataclasses of arrays (nested) and scalars are equal field by field, dtype included."""
+    assert type(a) is type(b)
+    for f in dataclasses.fields(a):
+        x, y = getattr(a, f.name), getattr(b, f.name)
+        if dataclasses.is_dataclass(x):
+            _same(x, y)
+        elif isinstance(x, np.ndarray):
+            assert x.dtype == y.dtype and x.shape == y.shape and np.array_equal(x, y), f.name
+        else:
+            assert x == y, f.name
+
+
+def test_batch_round_trip_with_and_without_trainer_masks() -> None:
+    for arrays, last in _batches(3):
+        users = trainer_users(arrays.inverse, arrays.keys.size, TRAINERS)
+        got = _decode(encode_batch(arrays, last, users))
+        _same(got.arrays, arrays)
+        assert got.last == last and got.number == arrays.number
+        assert got.users is not None and got.users.dtype == np.uint64
+        assert np.array_equal(got.users, users.astype(np.uint64))
+        plain = _decode(encode_batch(arrays, last))
+        assert plain.users is None
+        _same(plain.arrays, arrays)
+    assert [last for _, last in _batches(3)] == [False, False, True]
+
+
+def test_batch_masks_of_64_trainers_keep_the_top_bit() -> None:
+    arrays, _ = _batches(1)[0]
+    users = np.full(arrays.keys.size, np.uint64(1) << np.uint64(63), dtype=np.uint64)
+    got = _decode(encode_batch(arrays, False, users), trainers=64)
+    assert got.users is not None and np.array_equal(got.users, users)
+
+
+@pytest.mark.parametrize(
+    ("corrupt", "field"),
+    [
+        (lambda m: m.labels.CopyFrom(to_tensor(np.zeros(BATCH - 1, np.float32))), "batch 0: labels"),
+        (lambda m: m.dense.CopyFrom(to_tensor(np.zeros((BATCH, 2), np.int64))), "batch 0: dense"),
+        (lambda m: m.keys.CopyFrom(to_tensor(np.array([5, 3, 9], np.int64))), "batch 0: keys"),
+        (lambda m: m.keys.CopyFrom(to_tensor(np.array([0, 1], np.int64))), "batch 0: inverse"),
+        (lambda m: m.keys.CopyFrom(to_tensor(np.zeros((2, 2), np.int64))), "batch 0: keys"),
+        (lambda m: m.inverse.CopyFrom(to_tensor(np.zeros((BATCH, 2), np.int32))), "batch 0: inverse"),
+        (lambda m: m.users.CopyFrom(to_tensor(np.zeros(1, np.int64))), "batch 0: users"),
+    ],
+)
+def test_bad_batches_name_the_field(corrupt, field) -> None:
+    arrays, last = _batches(1)[0]
+    message = encode_batch(arrays, last)
+    corrupt(message)
+    with pytest.raises(InvalidArgument) as err:
+        _decode(message)
+    assert str(err.value).startswith(field), str(err.value)
+
+
+def test_bad_keys_and_masks_are_refused() -> None:
+    arrays, last = _batches(1)[0]
+    num_keys = int(table_offsets(TABLE_ROWS)[-1])
+    cases = {
+        "keys outside": np.concatenate([arrays.keys[:-1], [num_keys]]),
+        "sorted and unique": arrays.keys[::-1].copy(),
+    }
+    for reason, keys in cases.items():
+        message = encode_batch(arrays, last)
+        message.keys.CopyFrom(to_tensor(keys))
+        with pytest.raises(InvalidArgument, match=reason):
+            _decode(message)
+    users = trainer_users(arrays.inverse, arrays.keys.size, TRAINERS).astype(np.uint64)
+    users[0] = 1 << TRAINERS  # a trainer that does not exist
+    with pytest.raises(InvalidArgument, match=r"batch 0: users: masks outside \[1, 7\] for 3 trainers"):
+        _decode(encode_batch(arrays, last, users))
+
+
+def _plans(checkpoint_after: int | None = None):
+    """(batch arrays, global plan, per-trainer messages) of a few planned batches."""
+    num_keys = int(table_offsets(TABLE_ROWS)[-1])
+    planner = LookaheadPlanner(num_keys, 3, trainers=TRAINERS)
+    batches = _batches(6)
+    out = []
+
+    def pop() -> None:
+        plan = planner.pop()
+        arrays = batches[plan.batch][0]
+        cached = planner.cached() if plan.batch == checkpoint_after else None
+        out.append((arrays, plan, encode_plans(plan, arrays, TRAINERS, cached), cached))
+
+    for arrays, last in batches:
+        while not planner.wants_more():
+            pop()
+        users = trainer_users(arrays.inverse, arrays.keys.size, TRAINERS)
+        assert planner.push(arrays.number, arrays.keys, last=last, users=users)
+    planner.finish()
+    while planner.can_pop():
+        pop()
+    return out
+
+
+def test_plan_round_trip_is_each_trainers_share() -> None:
+    planned = _plans(checkpoint_after=2)
+    assert len(planned) == 6
+    for arrays, plan, messages, cached in planned:
+        assert len(messages) == TRAINERS
+        per = BATCH // TRAINERS
+        for rank, message in enumerate(messages):
+            got = decode_plan(_wire(message), len(TABLE_ROWS), arrays.dense.shape[1])
+            _same(got.share, for_trainer(plan, arrays.inverse, rank, TRAINERS))
+            assert np.array_equal(got.dense, arrays.dense[rank * per : (rank + 1) * per])
+            assert np.array_equal(got.labels, arrays.labels[rank * per : (rank + 1) * per])
+            assert (got.batch, got.last, got.global_batch_size) == (plan.batch, plan.last, BATCH)
+            assert (got.lookahead, got.occupancy, got.unique_rows) == (
+                plan.window,
+                plan.occupancy,
+                plan.unique,
+            )
+            assert got.slot_high_water == plan.slot_high_water
+            assert got.checkpoint == (cached is not None)
+            if cached is not None:
+                keys, slots, writer = cached
+                assert np.array_equal(got.checkpoint_keys, keys[writer == rank])
+                assert np.array_equal(got.checkpoint_slots, slots[writer == rank])
+    # the checkpoint's rows are split between the trainers, each written exactly once
+    _, _, messages, (keys, _, _) = planned[2]
+    written = np.concatenate([decode_plan(m, len(TABLE_ROWS), 13).checkpoint_keys for m in messages])
+    assert np.array_equal(np.sort(written), np.sort(keys))
+
+
+def test_bad_plans_name_the_batch_and_field() -> None:
+    arrays, _, messages, _ = _plans()[1]
+    dims = (len(TABLE_ROWS), arrays.dense.shape[1])
+    decode_plan(messages[0], *dims)
+
+    def corrupted(change) -> opb.Plan:
+        message = opb.Plan()
+        message.CopyFrom(messages[0])
+        change(message)
+        return message
+
+    slots = decode_plan(messages[0], *dims).share.slots.size
+    cases = [
+        (
+            lambda m: m.inverse.CopyFrom(to_tensor(np.full((BATCH // TRAINERS, 6), slots, np.int32))),
+            rf"plan 1: inverse: index {slots} outside \[0, {slots}\)",
+        ),
+        (
+            lambda m: m.private_rows.CopyFrom(to_tensor(np.array([-1], np.int32))),
+            r"plan 1: private_rows: index -1",
+        ),
+        (
+            lambda m: m.critical.local.CopyFrom(to_tensor(np.full(m.critical.slots.shape[0], -2, np.int32))),
+            r"plan 1: critical: local",
+        ),
+        (
+            lambda m: m.background.handover_send.CopyFrom(to_tensor(np.array([7], np.int32))),
+            r"plan 1: background: handover_send: index 7 outside \[0, ",
+        ),
+        (
+            lambda m: m.dense.CopyFrom(to_tensor(np.zeros((BATCH // TRAINERS, 2), np.float32))),
+            r"plan 1: dense",
+        ),
+        (
+            lambda m: m.prefetch_slots.CopyFrom(to_tensor(np.zeros(10**3, np.int32))),
+            r"plan 1: prefetch_slots",
+        ),
+    ]
+    for change, message in cases:
+        bad = corrupted(change)
+        if "critical" in message and not bad.critical.slots.shape[0]:
+            continue  # nothing critical in this batch to corrupt
+        with pytest.raises(InvalidArgument, match=message):
+            decode_plan(bad, *dims)
