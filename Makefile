@@ -10,10 +10,12 @@ RUN_ARGS ?=
 PROMTOOL := .tools/prometheus/usr/bin/promtool
 HELM := .tools/helm/helm
 IMAGE_TAG ?= 0.1.0
+IMAGE ?= bagpipe
+IMAGE_REGISTRY ?=
 # a container engine that actually answers (a docker CLI without a daemon does not count)
 ENGINE ?= $(shell for e in docker podman buildah; do command -v $$e >/dev/null && $$e info >/dev/null 2>&1 && { echo $$e; break; }; done)
 
-.PHONY: help venv tools protos check-protos run test lint lint-docker bench bench-full bench-torchrec-env images clean
+.PHONY: help venv tools protos check-protos run test lint lint-docker bench bench-full bench-torchrec-env images push clean
 
 help:  ## list the targets
 	@grep -E '^[a-z-]+:.*## ' $(MAKEFILE_LIST) | awk -F':.*## ' '{printf "  %-14s %s\n", $$1, $$2}'
@@ -77,20 +79,23 @@ bench-full: $(STAMP)  ## the full profile: the paper's model and batch size (hou
 	@$(MAKE) --no-print-directory bench-torchrec-env || echo "TorchRec could not be installed: the bench runs without its reference"
 	$(PY) bench/harness.py --profile full
 
-images:  ## build the container images (needs docker, podman or buildah; none on the dev machines: lint only)
+images:  ## build bagpipe:$(IMAGE_TAG) (CPU) and bagpipe:$(IMAGE_TAG)-cuda from docker/Dockerfile (needs docker, podman or buildah; none here: lint only)
 	@if [ -z "$(ENGINE)" ]; then \
-		echo "no working container engine (docker, podman or buildah) here: linting the Dockerfiles instead"; \
+		echo "no working container engine (docker, podman or buildah) here: linting the Dockerfile instead"; \
 		$(MAKE) --no-print-directory lint-docker; exit 0; fi; \
 	set -e; engine=$$(basename $(ENGINE)); build="$(ENGINE) build"; [ $$engine = buildah ] && build="$(ENGINE) bud"; \
-	$$build -f docker/base/Dockerfile --build-arg TORCH_VARIANT=cpu -t bagpipe-base:$(IMAGE_TAG)-cpu .; \
-	$$build -f docker/base/Dockerfile --build-arg TORCH_VARIANT=cu128 -t bagpipe-base:$(IMAGE_TAG)-cuda .; \
-	for c in data-processor oracle-cacher embedding-server trainer; do \
-		$$build -f docker/$$c/Dockerfile --build-arg BASE_IMAGE=bagpipe-base:$(IMAGE_TAG)-cpu -t bagpipe-$$c:$(IMAGE_TAG) docker/$$c; done; \
-	$$build -f docker/trainer/Dockerfile --build-arg BASE_IMAGE=bagpipe-base:$(IMAGE_TAG)-cuda \
-		-t bagpipe-trainer:$(IMAGE_TAG)-cuda docker/trainer
+	$$build -f docker/Dockerfile --build-arg TORCH_VARIANT=cpu -t $(IMAGE):$(IMAGE_TAG) .; \
+	$$build -f docker/Dockerfile --build-arg TORCH_VARIANT=cu128 -t $(IMAGE):$(IMAGE_TAG)-cuda .
+
+push:  ## push both images to $(IMAGE_REGISTRY) (IMAGE_REGISTRY=registry.example.com/team make images push)
+	@test -n "$(IMAGE_REGISTRY)" || { echo "push: set IMAGE_REGISTRY (e.g. IMAGE_REGISTRY=ghcr.io/you make images push)"; exit 1; }
+	@test -n "$(ENGINE)" || { echo "push: no working container engine (docker, podman or buildah) here"; exit 1; }
+	set -e; for t in $(IMAGE_TAG) $(IMAGE_TAG)-cuda; do \
+		$(ENGINE) tag $(IMAGE):$$t $(IMAGE_REGISTRY)/$(IMAGE):$$t; \
+		$(ENGINE) push $(IMAGE_REGISTRY)/$(IMAGE):$$t; done
 
 lint-docker: $(STAMP)  ## hadolint every Dockerfile
-	$(VENV)/bin/hadolint docker/*/Dockerfile
+	$(VENV)/bin/hadolint docker/Dockerfile
 
 clean:  ## remove the virtual environment and caches
 	rm -rf $(VENV) .tools .pytest_cache .mypy_cache .ruff_cache runs

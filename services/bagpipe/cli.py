@@ -32,7 +32,10 @@ DEFAULT_MIGRATION_RATE = 50_000.0
 
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(
-        prog="bagpipe", description="Bagpipe: lookahead-cached recommendation model training"
+        prog="bagpipe",
+        description="Bagpipe: lookahead-cached recommendation model training",
+        epilog="services (the container image's entry point; `bagpipe SERVICE --help` lists each one's "
+        "flags): " + ", ".join(SERVICES),
     )
     sub = p.add_subparsers(dest="command", required=True)
     r = sub.add_parser("run", help="train one job with every service as a local process")
@@ -209,7 +212,26 @@ def scale(args: argparse.Namespace) -> None:
         )
 
 
+# `bagpipe <service> [flags]`: the container image's one entry point (the chart picks the service); each
+# takes the flags its `python -m` module takes
+SERVICES = {
+    "data-processor": "bagpipe.data_processor.__main__",
+    "oracle-cacher": "bagpipe.oracle_cacher.__main__",
+    "embedding-server": "bagpipe.embedding_server.__main__",
+    "trainer": "bagpipe.trainer.__main__",
+    "drain": "bagpipe.embedding_server.drain",
+    "probe": "bagpipe.probe",
+    "check-model": "bagpipe.check_model",
+}
+
+
 def main(argv: list[str] | None = None) -> None:
+    argv = sys.argv[1:] if argv is None else argv
+    if argv and argv[0] in SERVICES:
+        import importlib
+
+        code = importlib.import_module(SERVICES[argv[0]]).main(argv[1:])
+        raise SystemExit(code or 0)
     args = build_parser().parse_args(argv)
     logging.basicConfig(level=logging.WARNING, format="%(levelname)s %(name)s: %(message)s")
     signal.signal(signal.SIGTERM, _terminate)

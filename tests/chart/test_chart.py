@@ -26,6 +26,7 @@ from unittest import mock
 from urllib.parse import urlparse
 
 import pytest
+import torch
 import yaml
 from bagpipe.local.launcher import find_redis_server
 from bagpipe.local.prometheus import find_binary
@@ -48,6 +49,7 @@ JOB_SECRET_ENV, REDIS_PASSWORD_ENV = "BAGPIPE_JOB_SECRET", "BAGPIPE_REDIS_PASSWO
 TLS_ENV = {"cert": "BAGPIPE_TLS_CERT", "key": "BAGPIPE_TLS_KEY", "ca": "BAGPIPE_TLS_CA"}
 TLS_SERVER_NAME_ENV = "BAGPIPE_TLS_SERVER_NAME"
 TLS_KEYS = {"cert": "tls.crt", "key": "tls.key", "ca": "ca.crt"}
+NOT_CLIENTS = {"redis", "check-model"}  # containers that call no Bagpipe service
 
 
 def helm() -> str:
@@ -126,17 +128,27 @@ def test_prometheus_rule_passes_promtool(tmp_path: Path) -> None:
     assert out.returncode == 0, out.stdout + out.stderr
 
 
-def test_dockerfiles_pass_hadolint() -> None:
-    files = sorted((REPO / "docker").glob("*/Dockerfile"))
-    assert {f.parent.name for f in files} == {"base", *PARSERS}
+def test_the_one_dockerfile_passes_hadolint() -> None:
+    files = sorted((REPO / "docker").rglob("Dockerfile*"))
+    assert files == [REPO / "docker" / "Dockerfile"], "one image for every service"
     out = run(str(BIN / "hadolint"), *map(str, files))
     assert out.returncode == 0, out.stdout + out.stderr
-    for f in files:
-        text = f.read_text()
-        assert "USER 10001" in text, f"{f}: must run as the non-root user"
-        if f.parent.name in PARSERS:
-            module = PARSERS[f.parent.name].rsplit(".", 1)[0]
-            assert f'ENTRYPOINT ["python", "-m", "{module}"]' in text
+    text = files[0].read_text()
+    assert "USER 10001" in text, "must run as the non-root user"
+    assert 'ENTRYPOINT ["bagpipe"]' in text, "the command picks the service: bagpipe <service>"
+
+
+def test_the_image_entry_point_runs_every_service_the_chart_names() -> None:
+    """`bagpipe <service> --help` reaches the service's own parser (what the chart's commands run)."""
+    from bagpipe.cli import SERVICES
+
+    for container in bagpipe_containers(render()).values():
+        command = container.get("command") or []
+        if command[:1] == ["bagpipe"]:
+            assert command[1] in SERVICES, command
+    for service in SERVICES:
+        out = run(str(BIN / "bagpipe"), service, "--help")
+        assert out.returncode == 0 and "usage:" in out.stdout, (service, out.stderr[-500:])
 
 
 def expand(arg: str, env: dict[str, str]) -> str:
@@ -186,7 +198,7 @@ def run_drain_hook(container: dict[str, Any], env: dict[str, str]) -> list[str]:
     assert not any("$(" in c for c in command), "hooks do not expand $(VAR); the shell must read the env"
     assert command[0] == "sh", "the image has sh on its PATH"
     with tempfile.TemporaryDirectory() as tmp:
-        python = Path(tmp) / "python"
+        python = Path(tmp) / "bagpipe"
         python.write_text('#!/bin/sh\nfor a in "$@"; do printf \'%s\\0\' "$a"; done\n')
         python.chmod(0o755)
         out = subprocess.run(
@@ -200,9 +212,9 @@ def run_drain_hook(container: dict[str, Any], env: dict[str, str]) -> list[str]:
 
 
 def parse_drain(argv: list[str]) -> SimpleNamespace:
-    """``python -m bagpipe.embedding_server.drain`` run on ``argv`` (its own parser), with Redis and the
-    drain itself stubbed: what it would connect to and drain."""
-    assert argv[:2] == ["-m", "bagpipe.embedding_server.drain"], argv
+    """``bagpipe drain`` run on ``argv`` (its own parser), with Redis and the drain itself stubbed: what it
+    would connect to and drain."""
+    assert argv[:1] == ["drain"], argv
     module = importlib.import_module("bagpipe.embedding_server.drain")
     seen = SimpleNamespace()
 
@@ -217,12 +229,17 @@ def parse_drain(argv: list[str]) -> SimpleNamespace:
         seen.shard, seen.timeout = shard, timeout
 
     with mock.patch.object(module, "Registry", Registry), mock.patch.object(module, "drain", drain):
-        module.main(argv[2:])
+        module.main(argv[1:])
     return seen
 
 
 def workloads(docs: list[dict[str, Any]]) -> dict[str, dict[str, Any]]:
-    return {**by_kind(docs, "StatefulSet"), **by_kind(docs, "Deployment")}
+    return {**by_kind(docs, "StatefulSet"), **by_kind(docs, "Deployment"), **by_kind(docs, "Job")}
+
+
+def replicas(load: dict[str, Any]) -> int:
+    """Pods of a workload: a Job's completions (one per trainer rank), else its replicas."""
+    return load["spec"]["completions"] if load["kind"] == "Job" else load["spec"]["replicas"]
 
 
 def container_ports(container: dict[str, Any]) -> dict[str, int]:
@@ -236,12 +253,13 @@ def pod_specs(docs: list[dict[str, Any]]) -> dict[str, dict[str, Any]]:
 
 
 def bagpipe_containers(docs: list[dict[str, Any]]) -> dict[str, dict[str, Any]]:
-    """Every container that runs Bagpipe code (all but Redis's), by owner name and container name."""
+    """Every container that runs Bagpipe code and talks to the job, by owner name and container name: all
+    but Redis's and the model check's (helm test's, which only reads the model file)."""
     return {
         f"{owner}/{c['name']}": c
         for owner, pod in pod_specs(docs).items()
         for c in [*pod.get("initContainers", []), *pod["containers"]]
-        if c["name"] != "redis"
+        if c["name"] not in NOT_CLIENTS
     }
 
 
@@ -322,6 +340,7 @@ def check_consistency(docs: list[dict[str, Any]]) -> dict[str, Any]:
         env_names = {e["name"]: e for e in container["env"]}
         assert env_names["POD_IP"]["valueFrom"]["fieldRef"]["fieldPath"] == "status.podIP"
         fake_env = {"POD_IP": "10.1.2.3"}
+        assert container["command"] == ["bagpipe", container["name"]], "the one image: bagpipe <service>"
         if load["kind"] == "StatefulSet":
             ref = env_names["POD_INDEX"]["valueFrom"]["fieldRef"]["fieldPath"]
             assert ref == "metadata.labels['apps.kubernetes.io/pod-index']", (
@@ -330,6 +349,14 @@ def check_consistency(docs: list[dict[str, Any]]) -> dict[str, Any]:
             fake_env["POD_INDEX"] = str(load["spec"]["replicas"] - 1)
             headless = services[load["spec"]["serviceName"]]
             assert headless["spec"]["clusterIP"] == "None"
+        if load["kind"] == "Job":  # the trainers: one pod per rank, DNS <job>-<rank>.<subdomain>
+            ref = env_names["POD_INDEX"]["valueFrom"]["fieldRef"]["fieldPath"]
+            assert ref == "metadata.annotations['batch.kubernetes.io/job-completion-index']"
+            spec = load["spec"]
+            assert spec["completionMode"] == "Indexed" and spec["parallelism"] == spec["completions"]
+            assert pod["spec"]["restartPolicy"] == "Never"
+            fake_env["POD_INDEX"] = str(spec["completions"] - 1)
+            assert services[pod["spec"]["subdomain"]]["spec"]["clusterIP"] == "None"
         env = kubelet_env(container, docs, **fake_env)
         cfg, args = parse_container(container, env)
         configs[container["name"]] = (cfg, args, load)
@@ -382,7 +409,7 @@ def check_consistency(docs: list[dict[str, Any]]) -> dict[str, Any]:
         f"{owner}/{c['name']}": (tls_files(pod, c), kubelet_env(c, docs).get(TLS_SERVER_NAME_ENV))
         for owner, pod in pod_specs(docs).items()
         for c in [*pod.get("initContainers", []), *pod["containers"]]
-        if c["name"] != "redis"
+        if c["name"] not in NOT_CLIENTS
     }
     assert len({json.dumps(v) for v in tls.values()}) == 1, tls
     if next(iter(tls.values()))[0]:
@@ -394,8 +421,8 @@ def check_consistency(docs: list[dict[str, Any]]) -> dict[str, Any]:
     oracle_cfg, _, _ = configs["oracle-cacher"]
     emb_cfg, _, emb_load = configs["embedding-server"]
     dp_cfg, _, dp_load = configs["data-processor"]
-    assert trainer_cfg.world_size == trainer_load["spec"]["replicas"] == oracle_cfg.trainers
-    assert trainer_cfg.rank == trainer_load["spec"]["replicas"] - 1
+    assert trainer_cfg.world_size == replicas(trainer_load) == oracle_cfg.trainers
+    assert trainer_cfg.rank == replicas(trainer_load) - 1
     assert emb_cfg.initial_shards == emb_load["spec"]["replicas"], "the first shard map: one shard per server"
     assert emb_cfg.shard == emb_load["spec"]["replicas"] - 1
     assert oracle_cfg.data_processors == dp_load["spec"]["replicas"]
@@ -408,11 +435,10 @@ def check_consistency(docs: list[dict[str, Any]]) -> dict[str, Any]:
     # an evaluation point is a flush the oracle plans
     assert oracle_cfg.eval_every == (trainer_cfg.eval_every if trainer_cfg.eval_data else 0)
     # torch.distributed rendezvous: trainer 0 through the trainers' headless Service
-    sts = trainer_load["metadata"]["name"]
+    job = trainer_load["metadata"]["name"]
+    subdomain = trainer_load["spec"]["template"]["spec"]["subdomain"]
     rendezvous = urlparse(trainer_cfg.dist_init)
-    assert (
-        rendezvous.hostname == f"{sts}-0.{trainer_load['spec']['serviceName']}.{NAMESPACE}.svc.cluster.local"
-    )
+    assert rendezvous.hostname == f"{job}-0.{subdomain}.{NAMESPACE}.svc.cluster.local"
     (trainer_container,) = trainer_load["spec"]["template"]["spec"]["containers"]
     assert rendezvous.port == container_ports(trainer_container)["rendezvous"]
     # ServiceMonitors select Services that have a metrics port
@@ -438,7 +464,7 @@ def test_scaling_renders_consistent_shards_and_ranks() -> None:
     docs = render("--set", "embeddingServer.replicaCount=6", "--set", "trainer.replicaCount=4")
     loads = workloads(docs)
     assert loads["bagpipe-embedding-server"]["spec"]["replicas"] == 6
-    assert loads["bagpipe-trainer"]["spec"]["replicas"] == 4
+    assert replicas(loads["bagpipe-trainer"]) == 4
     configs = check_consistency(docs)
     (emb,) = loads["bagpipe-embedding-server"]["spec"]["template"]["spec"]["containers"]
     (trn,) = loads["bagpipe-trainer"]["spec"]["template"]["spec"]["containers"]
@@ -505,9 +531,129 @@ def test_migration_rate_reaches_the_servers(rate: float | None, tmp_path: Path) 
 
 def test_gpu_values_ask_for_gpus_and_the_cuda_image() -> None:
     docs = render("-f", str(CHART / "ci" / "gpu-trainers.yaml"))
-    (trn,) = workloads(docs)["bagpipe-trainer"]["spec"]["template"]["spec"]["containers"]
-    assert trn["image"].endswith("-cuda") and trn["resources"]["limits"]["nvidia.com/gpu"] == 1
+    pod = workloads(docs)["bagpipe-trainer"]["spec"]["template"]["spec"]
+    (trn,) = pod["containers"]
+    assert trn["image"] == "bagpipe:0.1.0-cuda" and trn["resources"]["limits"]["nvidia.com/gpu"] == 1
     assert "auto" in trn["args"], "the trainer falls back to CPU where no GPU is present"
+    # NCCL's shared-memory transport: /dev/shm is a memory-backed volume, not the runtime's 64 MiB
+    (shm,) = [v for v in pod["volumes"] if v["name"] == "dshm"]
+    assert shm["emptyDir"] == {"medium": "Memory", "sizeLimit": "8Gi"}
+    assert {"name": "dshm", "mountPath": "/dev/shm"} in trn["volumeMounts"]
+    # the other tiers stay on the CPU image, and CPU trainers get no /dev/shm volume
+    for name, load in workloads(docs).items():
+        if name != "bagpipe-trainer" and not name.endswith("redis"):
+            assert load["spec"]["template"]["spec"]["containers"][0]["image"] == "bagpipe:0.1.0", name
+    cpu = workloads(render())["bagpipe-trainer"]["spec"]["template"]["spec"]
+    assert not [v for v in cpu["volumes"] if v["name"] == "dshm"]
+
+
+def test_one_image_from_the_registry_for_every_service() -> None:
+    docs = render("--set", "image.registry=registry.example.com/team/", "--set", "image.tag=1.2.3")
+    images = {c["image"] for c in bagpipe_containers(docs).values()}
+    assert images == {"registry.example.com/team/bagpipe:1.2.3"}
+    commands = {c["command"][1] for c in bagpipe_containers(docs).values()}
+    assert commands == {"data-processor", "oracle-cacher", "embedding-server", "trainer", "probe"}
+
+
+def test_the_trainers_are_a_job_that_completes_and_writes_the_model_to_the_run_volume() -> None:
+    docs = render("--set", "trainer.replicaCount=3", "--set", "training.batchSize=3072")
+    job = by_kind(docs, "Job")["bagpipe-trainer"]
+    assert job["spec"]["completions"] == job["spec"]["parallelism"] == 3
+    assert job["spec"]["backoffLimit"] == 0, "a failed trainer fails the run visibly"
+    assert not by_kind(docs, "StatefulSet").get("bagpipe-trainer")
+    pod = job["spec"]["template"]["spec"]
+    (trn,) = pod["containers"]
+    # the run's volume: a claim the chart makes (kept after uninstall), mounted in trainers and servers
+    (claim,) = by_kind(docs, "PersistentVolumeClaim").values()
+    assert claim["metadata"]["annotations"]["helm.sh/resource-policy"] == "keep"
+    assert claim["spec"]["accessModes"] == ["ReadWriteMany"]
+    assert claim["spec"]["resources"]["requests"]["storage"] == "20Gi"
+    emb_pod = workloads(docs)["bagpipe-embedding-server"]["spec"]["template"]["spec"]
+    for spec in (pod, emb_pod):
+        (run_volume,) = [v for v in spec["volumes"] if v["name"] == "run"]
+        assert run_volume["persistentVolumeClaim"]["claimName"] == claim["metadata"]["name"]
+        assert {"name": "run", "mountPath": "/bagpipe"} in spec["containers"][0]["volumeMounts"]
+    _, args = parse_container(trn, {"POD_IP": "10.0.0.1", "POD_INDEX": "0"})
+    assert args.save_final == "/bagpipe/model/final.pt"
+    # helm test: the model check reads that file from the same claim, with the run's expectations
+    test = by_kind(docs, "Pod")["bagpipe-test-model"]
+    (check,) = test["spec"]["containers"]
+    assert test["metadata"]["annotations"]["helm.sh/hook"] == "test"
+    assert check["command"] == ["bagpipe", "check-model"]
+    from bagpipe.check_model import build_parser
+
+    wanted = build_parser().parse_args(check["args"])
+    assert wanted.path == args.save_final and (wanted.model, wanted.tables) == ("dlrm", 26)
+    assert wanted.iterations == 1000 and wanted.embedding_dim == 16
+    (volume,) = [v for v in test["spec"]["volumes"] if v["name"] == "run"]
+    assert volume["persistentVolumeClaim"] == {"claimName": claim["metadata"]["name"], "readOnly": True}
+    # recovery checkpoints: trainers and servers write to one directory on the volume; the oracle plans them
+    docs = render("--set", "training.checkpointEvery=200", "--set", "persistence.existingClaim=mine")
+    assert not by_kind(docs, "PersistentVolumeClaim")
+    configs = check_consistency(docs)
+    assert configs["oracle-cacher"][0].checkpoint_every == 200
+    trainer_dir = configs["trainer"][1].checkpoint_dir
+    assert trainer_dir == configs["embedding-server"][1].checkpoint_dir == "/bagpipe/checkpoints/bagpipe"
+
+
+def test_the_model_check_passes_a_real_model_and_fails_a_wrong_one(tmp_path: Path) -> None:
+    """`bagpipe check-model` (the helm test's command) on a checkpoint written by a real trainer's code."""
+    from bagpipe.check_model import main as check_model
+    from bagpipe.core import checkpoint
+
+    rows = [4, 3]
+    ckpt = {
+        "dense": {"w": torch.ones(2, 2)},
+        "embeddings": {"0": torch.zeros(4, 8), "1": torch.zeros(3, 8)},
+        "meta": {"model": "dlrm", "table_rows": rows, "embedding_dim": 8, "optimizer_steps": 10},
+    }
+    path = tmp_path / "final.pt"
+    checkpoint.save(path, ckpt)
+    assert (
+        check_model(
+            [str(path), "--model", "dlrm", "--tables", "2", "--embedding-dim", "8", "--iterations", "10"]
+        )
+        == 0
+    )
+    assert check_model([str(path), "--iterations", "11"]) == 1
+    assert check_model([str(path), "--model", "dcn"]) == 1
+    assert check_model([str(tmp_path / "missing.pt")]) == 1
+    ckpt["dense"]["w"][0, 0] = float("nan")
+    checkpoint.save(path, ckpt)
+    assert check_model([str(path)]) == 1
+
+
+TWENTY_SIX_ROWS = "training.tableRows={" + ",".join(["9"] * 26) + "}"
+
+
+@pytest.mark.parametrize(
+    ("args", "message"),
+    [
+        (["training.batchSize=1001"], "training.batchSize=1001 does not split over trainer.replicaCount=2"),
+        (["training.embeddingDim=32"], "training.bottomMlp ends in 16 but training.embeddingDim is 32"),
+        (["training.topMlp={64,2}"], "training.topMlp ends in 2"),
+        (
+            [
+                "training.data=avazu:/data/train.csv",
+                "training.dataVolume.claimName=d",
+                TWENTY_SIX_ROWS,
+            ],
+            "training.tableRows has 26 entries: avazu data has 22 tables",
+        ),
+        (["trainer.replicaCount=65", "training.batchSize=6500"], "at most 64 trainers"),
+        (["training.iterations=0"], "synthetic data is endless"),
+        (["training.data=criteo:/data/day_0.tsv"], "set training.dataVolume.claimName"),
+        (["training.resumeBatch=100"], "training.resumeBatch needs training.checkpointEvery"),
+        (["persistence.enabled=false"], "training.saveFinal needs persistence.enabled"),
+        (
+            ["trainer.image.variant=cuda", "trainer.device=cpu"],
+            "trainer.image.variant=cuda with trainer.device=cpu",
+        ),
+    ],
+)
+def test_values_that_do_not_fit_together_fail_helm_template(args: list[str], message: str) -> None:
+    out = run(helm(), "template", "bagpipe", str(CHART), *[a for s in args for a in ("--set", s)])
+    assert out.returncode != 0 and message in out.stderr, out.stderr[-800:]
 
 
 @pytest.mark.parametrize(
@@ -580,7 +726,7 @@ def test_dashboard_configmap_carries_the_dashboard() -> None:
     assert json.loads(cm["data"]["bagpipe.json"]) == shipped
 
 
-def test_network_policies_and_rbac() -> None:
+def test_network_policies_and_no_rbac() -> None:
     docs = render()
     policies = by_kind(docs, "NetworkPolicy")
     assert set(policies) == {
@@ -598,15 +744,16 @@ def test_network_policies_and_rbac() -> None:
                 }
             }
         ]
-    (role,) = by_kind(docs, "Role").values()
-    assert role["metadata"]["namespace"] == NAMESPACE
-    assert role["rules"] == [
-        {"apiGroups": [""], "resources": ["pods"], "verbs": ["get", "list", "watch", "delete"]}
-    ]
-    # the pods get their credentials as env from the kubelet; their service account reads no Secret
-    assert not [r for r in role["rules"] if {"secrets", "*"} & set(r["resources"])]
-    assert not by_kind(docs, "ClusterRole") and not by_kind(docs, "ClusterRoleBinding")
-    assert {d["kind"] for d in docs} >= {"PodDisruptionBudget", "ServiceAccount", "RoleBinding", "Pod"}
+    # RBAC only for what the code calls: no Bagpipe process calls the Kubernetes API, so no rights at all
+    code = "\n".join(p.read_text() for p in (REPO / "services").rglob("*.py"))
+    assert "import kubernetes" not in code and "from kubernetes" not in code
+    for kind in ("Role", "RoleBinding", "ClusterRole", "ClusterRoleBinding"):
+        assert not by_kind(docs, kind), kind
+    (account,) = by_kind(docs, "ServiceAccount").values()
+    assert account["automountServiceAccountToken"] is False
+    for name, pod in pod_specs(docs).items():
+        assert not pod.get("automountServiceAccountToken"), name
+    assert {d["kind"] for d in docs} >= {"PodDisruptionBudget", "ServiceAccount", "Pod"}
 
 
 # The job's credentials: the secret every gRPC call carries and the bundled Redis's password (Secret -> env).

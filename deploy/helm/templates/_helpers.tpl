@@ -48,14 +48,77 @@ app.kubernetes.io/instance: {{ .Release.Name }}
 {{- end -}}
 {{- end -}}
 
-{{/* image: <registry>/<repository>:<tag>[-cuda] */}}
+{{/* The one image: <registry>/<repository>:<tag>, <tag>-cuda for trainers with image.variant cuda */}}
 {{- define "bagpipe.image" -}}
-{{- $tag := .values.image.tag | default .root.Values.image.tag | default .root.Chart.AppVersion -}}
-{{- if eq (.values.image.variant | default "cpu") "cuda" }}{{ $tag = printf "%s-cuda" $tag }}{{ end -}}
-{{- if .root.Values.image.registry -}}
-{{- printf "%s/%s:%s" .root.Values.image.registry .values.image.repository $tag -}}
+{{- $image := .root.Values.image -}}
+{{- $tag := $image.tag | default .root.Chart.AppVersion -}}
+{{- if and .values.image (eq (.values.image.variant | default "cpu") "cuda") }}{{ $tag = printf "%s-cuda" $tag }}{{ end -}}
+{{- if $image.registry -}}
+{{- printf "%s/%s:%s" (trimSuffix "/" $image.registry) $image.repository $tag -}}
 {{- else -}}
-{{- printf "%s:%s" .values.image.repository $tag -}}
+{{- printf "%s:%s" $image.repository $tag -}}
+{{- end -}}
+{{- end -}}
+
+{{/* The container's image and command: `bagpipe <service>` */}}
+{{- define "bagpipe.container" -}}
+image: {{ include "bagpipe.image" . | quote }}
+imagePullPolicy: {{ .root.Values.image.pullPolicy }}
+command: ["bagpipe", {{ .service | default .component | quote }}]
+{{- end -}}
+
+{{/* The run's volume (persistence): its claim name */}}
+{{- define "bagpipe.claimName" -}}
+{{- .Values.persistence.existingClaim | default (printf "%s-run" (include "bagpipe.fullname" .)) -}}
+{{- end -}}
+
+{{/* A path on the run's volume; fails when persistence is off (the value that needs it is named) */}}
+{{- define "bagpipe.runPath" -}}
+{{- $root := index . 0 -}}
+{{- if not $root.Values.persistence.enabled -}}
+{{- fail (printf "%s needs persistence.enabled (a volume the trainers and embedding servers share)" (index . 2)) -}}
+{{- end -}}
+{{- printf "%s/%s" $root.Values.persistence.mountPath (index . 1) -}}
+{{- end -}}
+
+{{/* Values that are each valid but do not fit together fail `helm template` here, before anything runs */}}
+{{- define "bagpipe.validate" -}}
+{{- $t := .Values.training -}}
+{{- $trainers := int .Values.trainer.replicaCount -}}
+{{- if gt $trainers 64 -}}
+{{- fail (printf "trainer.replicaCount=%d: at most 64 trainers (the oracle's per-key trainer masks are 64 bits)" $trainers) -}}
+{{- end -}}
+{{- if mod (int64 $t.batchSize) $trainers -}}
+{{- fail (printf "training.batchSize=%d does not split over trainer.replicaCount=%d trainers: use a multiple of %d" (int64 $t.batchSize) $trainers $trainers) -}}
+{{- end -}}
+{{- $tables := 26 -}}
+{{- if hasPrefix "avazu:" $t.data }}{{ $tables = 22 }}{{ end -}}
+{{- if and $t.tableRows (ne (len $t.tableRows) $tables) -}}
+{{- fail (printf "training.tableRows has %d entries: %s data has %d tables" (len $t.tableRows) (splitList ":" $t.data | first) $tables) -}}
+{{- end -}}
+{{- if eq $t.model "dlrm" -}}
+{{- $bottom := last $t.bottomMlp | int64 -}}
+{{- if ne $bottom (int64 $t.embeddingDim) -}}
+{{- fail (printf "training.bottomMlp ends in %d but training.embeddingDim is %d: DLRM's bottom MLP must end in the embedding width" $bottom (int64 $t.embeddingDim)) -}}
+{{- end -}}
+{{- if ne (last $t.topMlp | int64) 1 -}}
+{{- fail (printf "training.topMlp ends in %d: the top MLP must end in 1 (the click logit)" (last $t.topMlp | int64)) -}}
+{{- end -}}
+{{- end -}}
+{{- if and (eq $t.data "synthetic") (eq (int64 $t.iterations) 0) -}}
+{{- fail "training.iterations=0 reads the whole input, but synthetic data is endless: give a number of batches" -}}
+{{- end -}}
+{{- if and (ne $t.data "synthetic") (not $t.dataVolume.claimName) -}}
+{{- fail (printf "training.data=%s reads files: set training.dataVolume.claimName (mounted at /data)" $t.data) -}}
+{{- end -}}
+{{- if and $t.eval.data (ne $t.eval.data "synthetic") (not $t.dataVolume.claimName) -}}
+{{- fail (printf "training.eval.data=%s reads a file: set training.dataVolume.claimName (mounted at /data)" $t.eval.data) -}}
+{{- end -}}
+{{- if and $t.resumeBatch (not $t.checkpointEvery) -}}
+{{- fail "training.resumeBatch needs training.checkpointEvery (the checkpoints it resumes from)" -}}
+{{- end -}}
+{{- if and (eq (.Values.trainer.image.variant | default "cpu") "cuda") (eq .Values.trainer.device "cpu") -}}
+{{- fail "trainer.image.variant=cuda with trainer.device=cpu: use device auto or cuda (or the cpu image)" -}}
 {{- end -}}
 {{- end -}}
 
@@ -116,7 +179,33 @@ app.kubernetes.io/instance: {{ .Release.Name }}
 - {{ .Values.training.seed | int64 | quote }}
 {{- if .Values.training.initFrom }}
 - --init-from
-- {{ printf "%s/%s" .Values.trainer.checkpoints.mountPath .Values.training.initFrom | quote }}
+- {{ include "bagpipe.runPath" (list . .Values.training.initFrom "training.initFrom") | quote }}
+{{- end }}
+{{- end -}}
+
+{{/* Recovery checkpoints on the run's volume (trainers and embedding servers) */}}
+{{- define "bagpipe.checkpointArgs" -}}
+{{- if .Values.training.checkpointEvery }}
+- --checkpoint-dir
+- {{ include "bagpipe.runPath" (list . (printf "checkpoints/%s" .Release.Name) "training.checkpointEvery") | quote }}
+- --resume-batch
+- {{ .Values.training.resumeBatch | int64 | quote }}
+{{- end }}
+{{- end -}}
+
+{{/* The run's volume in trainers and embedding servers */}}
+{{- define "bagpipe.runVolumeMount" -}}
+{{- if .Values.persistence.enabled }}
+- name: run
+  mountPath: {{ .Values.persistence.mountPath }}
+{{- end }}
+{{- end -}}
+
+{{- define "bagpipe.runVolume" -}}
+{{- if .Values.persistence.enabled }}
+- name: run
+  persistentVolumeClaim:
+    claimName: {{ include "bagpipe.claimName" . }}
 {{- end }}
 {{- end -}}
 
@@ -234,7 +323,12 @@ key: {{ .key }}
   valueFrom:
     fieldRef:
       fieldPath: status.podIP
-{{- if .ordinal }}
+{{- if eq (toString .ordinal) "job" }}
+- name: POD_INDEX
+  valueFrom:
+    fieldRef:
+      fieldPath: metadata.annotations['batch.kubernetes.io/job-completion-index']
+{{- else if .ordinal }}
 - name: POD_INDEX
   valueFrom:
     fieldRef:
