@@ -12,7 +12,7 @@ from prometheus_client import REGISTRY
 DASHBOARD = Path(__file__).resolve().parents[1] / "deploy" / "helm" / "dashboards" / "bagpipe.json"
 METRIC_MODULES = ("trainer", "oracle_cacher", "embedding_server", "data_processor")
 # Grafana's variables, replaced by what they stand for when a query runs
-VARIABLES = {"$__rate_interval": "1m", "$trainer": ".*"}
+VARIABLES = {"$__rate_interval": "1m", "$namespace": ".*", "$release": ".*", "$rank": ".*"}
 
 
 def dashboard_exprs(rate_interval: str = "1m") -> list[str]:

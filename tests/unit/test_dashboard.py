@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import re
 import subprocess
 
 from bagpipe.local.prometheus import find_binary
@@ -48,9 +49,37 @@ def test_every_dashboard_expr_passes_promtool(tmp_path) -> None:
 def test_dashboard_has_the_iteration_breakdown_per_trainer() -> None:
     dash = json.loads(DASHBOARD.read_text())
     breakdown = [p for p in dash["panels"] if "Iteration breakdown" in p.get("title", "")]
-    assert len(breakdown) == 1 and breakdown[0]["repeat"] == "trainer"
+    assert len(breakdown) == 1 and breakdown[0]["repeat"] == "rank"
     assert breakdown[0]["fieldConfig"]["defaults"]["custom"]["stacking"]["mode"] == "normal"
-    assert {v["name"] for v in dash["templating"]["list"]} >= {"datasource", "trainer"}
+
+
+def test_dashboard_selects_a_namespace_release_and_rank_in_every_query() -> None:
+    """Concurrent runs do not mix: every query is scoped to the chosen namespace and release, trainer
+    queries also to the chosen ranks (labels the ServiceMonitors add; not IP:port)."""
+    dash = json.loads(DASHBOARD.read_text())
+    variables = {v["name"]: v for v in dash["templating"]["list"]}
+    assert {"datasource", "namespace", "release", "rank"} <= set(variables)
+    assert all(variables[v]["allValue"] == ".*" for v in ("namespace", "release", "rank"))
+    for panel in dash["panels"]:
+        for target in panel.get("targets", []):
+            for selector in re.findall(r"(bagpipe_[a-z_0-9]+)(\{[^}]*\})?", target["expr"]):
+                name, labels = selector
+                assert 'namespace=~"$namespace"' in labels and 'release=~"$release"' in labels, (
+                    name,
+                    panel["title"],
+                )
+            assert "instance" not in target["expr"] and "instance" not in target.get("legendFormat", "")
+    titles = {p["title"] for p in dash["panels"]}
+    assert {
+        "Progress",
+        "Time to finish",
+        "Stage share of the iteration (%)",
+        "Held-out logloss and AUC",
+    } <= titles
+    shares = next(p for p in dash["panels"] if p["title"] == "Stage share of the iteration (%)")
+    assert shares["fieldConfig"]["defaults"]["unit"] == "percent"
+    progress = next(p for p in dash["panels"] if p["title"] == "Progress")
+    assert "bagpipe_oracle_cacher_iterations_target" in progress["targets"][0]["expr"]
 
 
 def test_metric_names_follow_the_convention() -> None:

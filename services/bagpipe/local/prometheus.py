@@ -35,13 +35,27 @@ def find_binary(name: str) -> str:
     )
 
 
+def _scope(service: str, member: str) -> dict[str, str]:
+    """The labels the chart's ServiceMonitors add, which the dashboard's variables select: a trainer's
+    rank, an embedding server's shard (a local run has no namespace or release; the variables' "All"
+    matches the missing labels)."""
+    if service == "trainer":
+        return {"rank": member}
+    if service == "embedding-server":
+        return {"shard": member}
+    return {}
+
+
 def scrape_config(endpoints: dict[str, str], interval_s: int = 1) -> dict[str, Any]:
     """One job per service, one target per member, labelled like the Kubernetes deployment."""
     jobs: dict[str, list[dict[str, Any]]] = {}
     for name, address in sorted(endpoints.items()):
         service, member = name.split("/", 1)
         jobs.setdefault(service, []).append(
-            {"targets": [address], "labels": {"service": service, "member": member}}
+            {
+                "targets": [address],
+                "labels": {"service": service, "member": member, **_scope(service, member)},
+            }
         )
     return {
         "global": {"scrape_interval": f"{interval_s}s", "evaluation_interval": f"{interval_s}s"},

@@ -8,6 +8,9 @@ BATCHES_RECEIVED = Counter(
 BATCHES_PLANNED = Counter("bagpipe_oracle_cacher_batches_planned_total", "Batches planned")
 PLANS_DISPATCHED = Counter("bagpipe_oracle_cacher_plans_dispatched_total", "Plans sent to trainers")
 PLAN_SECONDS = Histogram("bagpipe_oracle_cacher_plan_seconds", "Time to plan one batch")
+ITERATIONS_TARGET = Gauge(
+    "bagpipe_oracle_cacher_iterations_target", "Batches this run trains (--iterations; 0: the whole input)"
+)
 LOOKAHEAD = Gauge("bagpipe_oracle_cacher_lookahead_batches", "Lookahead L in use")
 OCCUPANCY = Gauge("bagpipe_oracle_cacher_cache_occupancy_rows", "Rows resident in the (logical) cache")
 QUEUE_DEPTH = Gauge(

@@ -80,6 +80,7 @@ class Oracle(pb_grpc.OracleCacherServicer):
         self.windows: list[int] = []
         self.early_reuses = 0
         metrics.LOOKAHEAD.set(config.window)
+        metrics.ITERATIONS_TARGET.set(config.iterations)
 
     # ---- data processors -> oracle
     async def read_processor(self, address: str, offset: int, stride: int) -> None:
