@@ -712,7 +712,11 @@ def render_notes(tmp_path: Path, *args: str) -> str:
 def test_notes_tell_the_user_how_to_watch_the_run(tmp_path: Path) -> None:
     text = render_notes(tmp_path)
     assert "kubectl -n ml get pods -l app.kubernetes.io/instance=bagpipe -w" in text
-    assert "port-forward pod/bagpipe-trainer-0 9400" in text and "Bagpipe training" in text
+    rank0 = "-l job-name=bagpipe-trainer,batch.kubernetes.io/job-completion-index=0"
+    assert f"logs -f {rank0}" in text and "Bagpipe training" in text
+    assert f"port-forward $(kubectl -n ml get pod {rank0} -o name) 9400" in text
+    assert "wait --for=condition=complete job/bagpipe-trainer" in text
+    assert "the final model is /bagpipe/model/final.pt on PersistentVolumeClaim bagpipe-run" in text
     assert "kubectl -n ml scale statefulset bagpipe-embedding-server --replicas=N" in text
     assert "--set embeddingServer.replicaCount=N" in text and "restarts them" not in text
     assert "Secret bagpipe-auth, key jobSecret" in text
