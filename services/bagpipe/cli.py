@@ -238,8 +238,6 @@ def main(argv: list[str] | None = None) -> None:
     if args.command == "run":
         from bagpipe.local.launcher import format_summary, run
 
-        if args.data == "synthetic" and args.iterations == 0:
-            raise SystemExit("--iterations: synthetic data is endless; give a number of iterations")
         try:
             summary = run(args)
         except RuntimeError as e:

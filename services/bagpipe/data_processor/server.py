@@ -35,8 +35,6 @@ def generate(
 ) -> Iterator[tuple[BatchArrays, bool, np.ndarray | None]]:
     """The batches a StreamBatches call asked for, with per-key trainer masks when ``trainers`` > 0
     (timed as ``bagpipe_data_processor_trainer_mask_seconds``)."""
-    if end <= 0 and source.data == "synthetic":
-        raise InvalidArgument("end", "synthetic data is endless; give the number of batches")
     batches = numbered_batches(source.open(), source.table_rows, batch_size, start, stride, end, _observe)
     for arrays, last in batches:
         users = None
@@ -58,6 +56,8 @@ class DataProcessorServicer(pb_grpc.DataProcessorServicer):
             raise InvalidArgument("stride", f"must be >= 1, got {request.stride}")
         if not 0 <= request.trainers <= MAX_TRAINERS:
             raise InvalidArgument("trainers", f"must be in [0, {MAX_TRAINERS}], got {request.trainers}")
+        if request.end <= 0 and self.config.source.data == "synthetic":
+            raise InvalidArgument("end", "synthetic data is endless; give the number of batches")
         if request.trainers and self.config.batch_size % request.trainers:
             raise InvalidArgument(
                 "trainers",
