@@ -82,3 +82,28 @@ def run_job(tmp_path: Path):
         return run(build_parser().parse_args(argv), after_training=after_training), paths
 
     return _run
+
+
+def flags(**options: Any) -> list[str]:
+    """``bagpipe run`` flags from keywords: ``flags(trainers=2, batch_size=64)`` gives
+    ``["--trainers", "2", "--batch-size", "64"]`` (values as ``str()`` writes them)."""
+    argv: list[str] = []
+    for name, value in options.items():
+        argv += [f"--{name.replace('_', '-')}", str(value)]
+    return argv
+
+
+def exact_flags(iterations: int, batch: int, optimizer: str, trainers: int = 2, **extra: Any) -> list[str]:
+    """The layout the recovery and re-sharding tests train in: T trainers, 2 servers, LRPP with delayed
+    sync, L=8 (rows change hands), a checkpoint every 5 batches."""
+    return flags(
+        trainers=trainers,
+        embedding_servers=2,
+        lookahead=8,
+        iterations=iterations,
+        batch_size=batch,
+        optimizer=optimizer,
+        lr="0.05",
+        checkpoint_every=5,
+        **extra,
+    )

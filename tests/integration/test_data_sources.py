@@ -11,6 +11,7 @@ from bagpipe.core.model import ModelConfig
 from bagpipe.core.optim import OptimizerConfig
 from bagpipe.core.reference import train_reference
 
+from tests.integration.conftest import flags
 from tests.integration.test_equivalence import MODEL, assert_same_model
 from tests.integration.test_evaluation import ROWS, criteo_tsv
 
@@ -63,26 +64,18 @@ def test_avazu_run_with_two_processors_matches_synchronous_training(run_job, tmp
     avazu_csv(data, 12 * batch + 5)  # (a partial last batch is dropped)
     summary, paths = run_job(
         "avazu",
-        "--data",
-        f"avazu:{data}",
-        "--table-rows",
-        ",".join(map(str, AVAZU_ROWS)),
-        "--iterations",
-        "0",
-        "--trainers",
-        "2",
-        "--embedding-servers",
-        "2",
-        "--data-processors",
-        "2",
-        "--lookahead",
-        "4",
-        "--batch-size",
-        str(batch),
-        "--optimizer",
-        "adam",
-        "--lr",
-        "0.01",
+        *flags(
+            data=f"avazu:{data}",
+            table_rows=",".join(map(str, AVAZU_ROWS)),
+            iterations=0,
+            trainers=2,
+            embedding_servers=2,
+            data_processors=2,
+            lookahead=4,
+            batch_size=batch,
+            optimizer="adam",
+            lr="0.01",
+        ),
     )
     assert summary["iterations"] == 12
     initial = checkpoint.load(paths["initial"])
@@ -97,30 +90,20 @@ def test_a_shuffled_run_with_two_processors_matches_synchronous_training(run_job
     criteo_tsv(data, 10 * batch, salt=3)
     summary, paths = run_job(
         "shuffled",
-        "--data",
-        f"criteo:{data}",
-        "--table-rows",
-        ",".join(map(str, ROWS)),
-        "--iterations",
-        "0",
-        "--trainers",
-        "2",
-        "--embedding-servers",
-        "1",
-        "--data-processors",
-        "2",
-        "--lookahead",
-        "4",
-        "--batch-size",
-        str(batch),
-        "--optimizer",
-        "adagrad",
-        "--lr",
-        "0.1",
-        "--shuffle-seed",
-        "11",
-        "--shuffle-buffer",
-        "100",
+        *flags(
+            data=f"criteo:{data}",
+            table_rows=",".join(map(str, ROWS)),
+            iterations=0,
+            trainers=2,
+            embedding_servers=1,
+            data_processors=2,
+            lookahead=4,
+            batch_size=batch,
+            optimizer="adagrad",
+            lr="0.1",
+            shuffle_seed=11,
+            shuffle_buffer=100,
+        ),
     )
     assert summary["iterations"] == 10
     config = CriteoConfig((str(data),), ROWS, shuffle_seed=11, shuffle_buffer=100)

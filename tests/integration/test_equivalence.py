@@ -17,6 +17,8 @@ from bagpipe.core.model import ModelConfig
 from bagpipe.core.optim import OptimizerConfig
 from bagpipe.core.reference import train_reference
 
+from tests.integration.conftest import flags
+
 TOLERANCE = 1e-4
 MODEL = ModelConfig(embedding_dim=8, bottom_mlp=(16, 8), top_mlp=(16, 1))
 
@@ -65,20 +67,15 @@ def test_trainers_match_synchronous_training(run_job, trainers: int, lookahead: 
     iterations, batch = 12 + 2 * lookahead, 32 * trainers
     summary, paths = run_job(
         f"t{trainers}-{optimizer}",
-        "--trainers",
-        str(trainers),
-        "--embedding-servers",
-        "2",
-        "--lookahead",
-        str(lookahead),
-        "--iterations",
-        str(iterations),
-        "--batch-size",
-        str(batch),
-        "--optimizer",
-        optimizer,
-        "--lr",
-        "0.05",
+        *flags(
+            trainers=trainers,
+            embedding_servers=2,
+            lookahead=lookahead,
+            iterations=iterations,
+            batch_size=batch,
+            optimizer=optimizer,
+            lr="0.05",
+        ),
     )
     assert summary["iterations"] == iterations
     assert 0 < summary["cache_hit_rate"] < 1, "rows must be both reused from the cache and prefetched"
@@ -96,22 +93,16 @@ def test_replicated_cache_with_critical_sync_matches_synchronous_training(run_jo
     iterations = 10
     summary, paths = run_job(
         "replicated",
-        "--trainers",
-        "2",
-        "--lookahead",
-        "4",
-        "--iterations",
-        str(iterations),
-        "--cache-mode",
-        "replicated",
-        "--sync",
-        "critical",
-        "--optimizer",
-        "adagrad",
-        "--lr",
-        "0.05",
-        "--transfer-batches",
-        "1",
+        *flags(
+            trainers=2,
+            lookahead=4,
+            iterations=iterations,
+            cache_mode="replicated",
+            sync="critical",
+            optimizer="adagrad",
+            lr="0.05",
+            transfer_batches=1,
+        ),
     )
     assert summary["rows_private_per_iteration"] == 0 and summary["rows_synced_background_per_iteration"] == 0
     assert (
@@ -125,18 +116,14 @@ def test_a_cache_smaller_than_the_window_shrinks_lookahead_and_stays_exact(run_j
     iterations, cache_rows = 24, 450
     summary, paths = run_job(
         "small-cache",
-        "--trainers",
-        "2",
-        "--cache-rows",
-        str(cache_rows),
-        "--max-lookahead",
-        "8",
-        "--iterations",
-        str(iterations),
-        "--optimizer",
-        "adagrad",
-        "--lr",
-        "0.05",
+        *flags(
+            trainers=2,
+            cache_rows=cache_rows,
+            max_lookahead=8,
+            iterations=iterations,
+            optimizer="adagrad",
+            lr="0.05",
+        ),
     )
     assert summary["iterations"] == iterations
     assert summary["lookahead"]["requested"] is None and 1 <= summary["lookahead"]["min"] < 8
@@ -168,24 +155,17 @@ def test_second_trainer_trains_on_the_first_trainers_update(run_job, tmp_path: P
     handover_tsv(data, 12, batch)
     summary, paths = run_job(
         f"handover-{optimizer}",
-        "--data",
-        f"criteo:{data}",
-        "--table-rows",
-        ",".join(map(str, rows)),
-        "--iterations",
-        "0",
-        "--trainers",
-        "2",
-        "--embedding-servers",
-        "2",
-        "--lookahead",
-        "4",
-        "--batch-size",
-        str(batch),
-        "--optimizer",
-        optimizer,
-        "--lr",
-        "0.1",
+        *flags(
+            data=f"criteo:{data}",
+            table_rows=",".join(map(str, rows)),
+            iterations=0,
+            trainers=2,
+            embedding_servers=2,
+            lookahead=4,
+            batch_size=batch,
+            optimizer=optimizer,
+            lr="0.1",
+        ),
     )
     assert summary["rows_handed_over"] >= 2
     source = CriteoTSVSource(CriteoConfig(paths=(str(data),), table_rows=tuple(rows)))
@@ -222,42 +202,30 @@ def test_criteo_tsv_run_starting_from_a_checkpoint_matches_reference(run_job, tm
     table_rows = ",".join(map(str, rows))
     _, first = run_job(
         "criteo-a",
-        "--data",
-        f"criteo:{data}",
-        "--table-rows",
-        table_rows,
-        "--iterations",
-        "2",
-        "--trainers",
-        "1",
-        "--embedding-servers",
-        "1",
-        "--optimizer",
-        "adagrad",
-        "--batch-size",
-        "32",
+        *flags(
+            data=f"criteo:{data}",
+            table_rows=table_rows,
+            iterations=2,
+            trainers=1,
+            embedding_servers=1,
+            optimizer="adagrad",
+            batch_size=32,
+        ),
     )
     # continue from the first run's checkpoint with a different layout; the reference continues too
     _, second = run_job(
         "criteo-b",
-        "--data",
-        f"criteo:{data}",
-        "--table-rows",
-        table_rows,
-        "--iterations",
-        "0",
-        "--trainers",
-        "2",
-        "--embedding-servers",
-        "2",
-        "--lookahead",
-        "3",
-        "--optimizer",
-        "adagrad",
-        "--batch-size",
-        "32",
-        "--init-from",
-        str(first["final"]),
+        *flags(
+            data=f"criteo:{data}",
+            table_rows=table_rows,
+            iterations=0,
+            trainers=2,
+            embedding_servers=2,
+            lookahead=3,
+            optimizer="adagrad",
+            batch_size=32,
+            init_from=str(first["final"]),
+        ),
     )
     source = CriteoTSVSource(CriteoConfig(paths=(str(data),), table_rows=tuple(rows)))
     batches = [s for _, s in source.batches(32)]
@@ -275,16 +243,7 @@ def test_benchmark_baselines_also_match_synchronous_training(run_job, system: st
     iterations = 10
     summary, paths = run_job(
         system,
-        "--trainers",
-        "2",
-        "--iterations",
-        str(iterations),
-        "--system",
-        system,
-        "--optimizer",
-        "adagrad",
-        "--lr",
-        "0.05",
+        *flags(trainers=2, iterations=iterations, system=system, optimizer="adagrad", lr="0.05"),
     )
     if system == "no-cache":
         assert summary["lookahead"]["max"] == 1 and summary["cache_hit_rate"] == 0.0

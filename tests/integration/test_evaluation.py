@@ -15,6 +15,7 @@ from bagpipe.core.model import build_model
 from bagpipe.core.optim import OptimizerConfig
 from bagpipe.core.reference import train_reference
 
+from tests.integration.conftest import flags
 from tests.integration.test_equivalence import MODEL
 
 ROWS = [5, 7, 50, 40, 3, 4, 30, 6, 3, 20, 9, 45, 8, 4, 11, 35, 4, 6, 5, 4, 33, 4, 4, 12, 4, 9]
@@ -58,28 +59,19 @@ def test_held_out_logloss_and_auc_equal_a_direct_computation(run_job, tmp_path: 
     criteo_tsv(held_out, 157, salt=5)  # not a multiple of anything: every sample counts
     summary, paths = run_job(
         "eval",
-        "--data",
-        f"criteo:{train}",
-        "--table-rows",
-        ",".join(map(str, ROWS)),
-        "--iterations",
-        "0",
-        "--trainers",
-        "2",
-        "--embedding-servers",
-        "2",
-        "--lookahead",
-        "4",
-        "--batch-size",
-        str(batch),
-        "--optimizer",
-        "adagrad",
-        "--lr",
-        "0.1",
-        "--eval-data",
-        f"criteo:{held_out}",
-        "--eval-every",
-        "4",
+        *flags(
+            data=f"criteo:{train}",
+            table_rows=",".join(map(str, ROWS)),
+            iterations=0,
+            trainers=2,
+            embedding_servers=2,
+            lookahead=4,
+            batch_size=batch,
+            optimizer="adagrad",
+            lr="0.1",
+            eval_data=f"criteo:{held_out}",
+            eval_every=4,
+        ),
     )
     evals = summary["evaluations"]
     assert [e["batches"] for e in evals] == [4, 8, 10] and all(e["samples"] == 157 for e in evals)

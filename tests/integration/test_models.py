@@ -24,6 +24,7 @@ from bagpipe.core.model import ModelConfig
 from bagpipe.core.optim import OptimizerConfig
 from bagpipe.core.reference import train_reference
 
+from tests.integration.conftest import flags
 from tests.integration.test_equivalence import TOLERANCE, synthetic_batches
 
 SIZES = {
@@ -57,22 +58,16 @@ def test_model_and_optimizer_match_synchronous_training(
     iterations, batch = 20, 32 * trainers
     summary, paths = run_job(
         f"{model}-{optimizer}-t{trainers}",
-        "--model",
-        model,
-        "--optimizer",
-        optimizer,
-        "--lr",
-        str(LR[optimizer]),
-        "--trainers",
-        str(trainers),
-        "--embedding-servers",
-        str(servers),
-        "--lookahead",
-        "8",
-        "--iterations",
-        str(iterations),
-        "--batch-size",
-        str(batch),
+        *flags(
+            model=model,
+            optimizer=optimizer,
+            lr=LR[optimizer],
+            trainers=trainers,
+            embedding_servers=servers,
+            lookahead=8,
+            iterations=iterations,
+            batch_size=batch,
+        ),
     )
     assert summary["iterations"] == iterations
     assert summary["rows_private_per_iteration"] > 0 and summary["rows_synced_background_per_iteration"] > 0

@@ -19,7 +19,7 @@ import pytest
 from bagpipe.core import checkpoint
 from bagpipe.local.launcher import children_matching
 
-from tests.integration.conftest import BackgroundRun
+from tests.integration.conftest import BackgroundRun, exact_flags, flags
 from tests.integration.test_equivalence import assert_same_model, assert_synchronous
 
 
@@ -77,24 +77,7 @@ def test_a_failed_service_is_recovered_and_the_model_is_exact(
         target,
         sig,
         at,
-        "--trainers",
-        str(trainers),
-        "--embedding-servers",
-        "2",
-        "--lookahead",
-        "8",
-        "--iterations",
-        str(iterations),
-        "--batch-size",
-        str(batch),
-        "--optimizer",
-        optimizer,
-        "--lr",
-        "0.05",
-        "--checkpoint-every",
-        "5",
-        "--failure-timeout",
-        "3",
+        *exact_flags(iterations, batch, optimizer, trainers=trainers, failure_timeout=3),
     )
     recovery = summary["recovery"]
     assert recovery["failures_detected"] == 1, recovery
@@ -116,12 +99,7 @@ def test_a_run_that_keeps_failing_gives_up_naming_the_component(run_job, tmp_pat
             "bagpipe.trainer --rank 1",
             signal.SIGKILL,
             8,
-            "--iterations",
-            "40",
-            "--checkpoint-every",
-            "5",
-            "--max-restarts",
-            "0",
+            *flags(iterations=40, checkpoint_every=5, max_restarts=0),
         )
 
 

@@ -22,7 +22,7 @@ from bagpipe.embedding_server.resharder import drain
 from bagpipe.local.launcher import RedisServer, children_matching
 from bagpipe.local.scaling import request_scale, wait_scaled
 
-from tests.integration.conftest import BackgroundRun
+from tests.integration.conftest import BackgroundRun, exact_flags, flags
 from tests.integration.test_equivalence import assert_same_model, assert_synchronous
 from tests.integration.test_recovery import _trained
 
@@ -46,26 +46,18 @@ class Servers:
                 sys.executable,
                 "-m",
                 "bagpipe.embedding_server",
-                "--shard",
-                str(shard),
-                "--initial-shards",
-                str(initial),
-                "--table-rows",
-                ",".join(map(str, TABLES)),
-                "--embedding-dim",
-                str(DIM),
-                "--optimizer",
-                "adagrad",
-                "--seed",
-                str(SEED),
-                "--redis",
-                self.redis_url,
-                "--job",
-                self.job,
-                "--log-level",
-                "INFO",
-                "--migration-rows-per-second",
-                repr(self.rate),
+                *flags(
+                    shard=shard,
+                    initial_shards=initial,
+                    table_rows=",".join(map(str, TABLES)),
+                    embedding_dim=DIM,
+                    optimizer="adagrad",
+                    seed=SEED,
+                    redis=self.redis_url,
+                    job=self.job,
+                    log_level="INFO",
+                    migration_rows_per_second=repr(self.rate),
+                ),
             ],
             stdout=log,
             stderr=subprocess.STDOUT,
@@ -210,29 +202,6 @@ def _when_trained(run_dir: Path, batches: int, job: BackgroundRun) -> None:
     assert job.alive(), "the run ended too early"
 
 
-def _flags(iterations: int, batch: int, optimizer: str, *extra: str) -> tuple[str, ...]:
-    """T=2, S=2, LRPP and delayed sync, L=8 (rows change hands), a checkpoint every 5 batches."""
-    return (
-        "--trainers",
-        "2",
-        "--embedding-servers",
-        "2",
-        "--lookahead",
-        "8",
-        "--iterations",
-        str(iterations),
-        "--batch-size",
-        str(batch),
-        "--optimizer",
-        optimizer,
-        "--lr",
-        "0.05",
-        "--checkpoint-every",
-        "5",
-        *extra,
-    )
-
-
 @pytest.mark.parametrize("optimizer", ["sgd", "adagrad"])
 def test_scaling_up_and_down_mid_training_keeps_the_model_exact(
     run_job, tmp_path: Path, optimizer: str
@@ -240,9 +209,9 @@ def test_scaling_up_and_down_mid_training_keeps_the_model_exact(
     """S=2 -> 3 -> 1 while training ends with the final checkpoint of a run at a fixed S=2, and that is the
     synchronous model."""
     iterations, batch = 600, 64  # (both re-shardings must end well before training does)
-    _, fixed = run_job("fixed", *_flags(iterations, batch, optimizer))
+    _, fixed = run_job("fixed", *exact_flags(iterations, batch, optimizer))
     job = BackgroundRun(
-        run_job, "scaled", *_flags(iterations, batch, optimizer, "--migration-rows-per-second", "10000")
+        run_job, "scaled", *exact_flags(iterations, batch, optimizer, migration_rows_per_second=10000)
     )
     run_dir = tmp_path / "scaled"
     try:
@@ -270,7 +239,7 @@ def test_a_server_failing_mid_migration_rolls_back_and_stays_exact(run_job, tmp_
     the three servers asked for, and ends with the synchronous model."""
     iterations, batch = 400, 64
     extra = ("--migration-rows-per-second", "2000", "--failure-timeout", "3", "--log-level", "INFO")
-    job = BackgroundRun(run_job, "interrupted", *_flags(iterations, batch, "adagrad", *extra))
+    job = BackgroundRun(run_job, "interrupted", *exact_flags(iterations, batch, "adagrad"), *extra)
     run_dir = tmp_path / "interrupted"
     log = run_dir / "logs" / "embedding-server-2.log"
     try:
