@@ -31,6 +31,8 @@ import yaml
 from bagpipe.local.launcher import find_redis_server
 from bagpipe.local.prometheus import find_binary
 
+from tests.certificates import certificates
+
 REPO = Path(__file__).resolve().parents[2]
 CHART = REPO / "deploy" / "helm"
 CI_VALUES = sorted((CHART / "ci").glob("*.yaml"))
@@ -1070,61 +1072,9 @@ def test_notes_say_when_grpc_is_mutual_tls(tmp_path: Path) -> None:
     assert "gRPC is mutual TLS: Secret x (tls.crt, tls.key, ca.crt)" in text and "DNS:bagpipe." in text
 
 
-def openssl(*args: str, cwd: Path) -> None:
-    subprocess.run(["openssl", *args], cwd=cwd, check=True, capture_output=True)
-
-
 def cert_manager_secret(directory: Path, name: str) -> Path:
     """What cert-manager's CA issuer writes into a Secret: a certificate for DNS ``name``, its key, the CA."""
-    directory.mkdir(parents=True)
-    openssl(
-        "req",
-        "-x509",
-        "-newkey",
-        "rsa:2048",
-        "-nodes",
-        "-days",
-        "2",
-        "-subj",
-        "/CN=ca",
-        "-keyout",
-        "ca.key",
-        "-out",
-        "ca.crt",
-        cwd=directory,
-    )
-    openssl(
-        "req",
-        "-newkey",
-        "rsa:2048",
-        "-nodes",
-        "-subj",
-        f"/CN={name}",
-        "-keyout",
-        "tls.key",
-        "-out",
-        "tls.csr",
-        cwd=directory,
-    )
-    (directory / "ext.cnf").write_text(f"subjectAltName=DNS:{name}\n")
-    openssl(
-        "x509",
-        "-req",
-        "-in",
-        "tls.csr",
-        "-CA",
-        "ca.crt",
-        "-CAkey",
-        "ca.key",
-        "-CAcreateserial",
-        "-days",
-        "2",
-        "-extfile",
-        "ext.cnf",
-        "-out",
-        "tls.crt",
-        cwd=directory,
-    )
+    certificates(directory, name, TLS_KEYS)
     return directory
 
 

@@ -41,6 +41,8 @@ from bagpipe.v1 import oracle_cacher_pb2_grpc as opb_grpc
 from bagpipe.wire import to_tensor
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
+from tests.certificates import certificates
+
 SECRET = "test-secret-0123456789"
 DIM = 4
 
@@ -409,68 +411,6 @@ def test_a_dense_value_too_large_names_file_line_and_field(tmp_path: Path) -> No
 # ---- mutual TLS
 
 
-def _openssl(*args: str, cwd: Path) -> None:
-    subprocess.run(["openssl", *args], cwd=cwd, check=True, capture_output=True)
-
-
-def _certificates(directory: Path, name: str) -> dict[str, str]:
-    """A CA and one certificate it signed for ``name`` (what every service of a job shares), with openssl."""
-    directory.mkdir(parents=True)
-    _openssl(
-        "req",
-        "-x509",
-        "-newkey",
-        "rsa:2048",
-        "-nodes",
-        "-days",
-        "2",
-        "-subj",
-        f"/CN={name}-ca",
-        "-keyout",
-        "ca.key",
-        "-out",
-        "ca.pem",
-        cwd=directory,
-    )
-    _openssl(
-        "req",
-        "-newkey",
-        "rsa:2048",
-        "-nodes",
-        "-subj",
-        f"/CN={name}",
-        "-keyout",
-        "key.pem",
-        "-out",
-        "req.csr",
-        cwd=directory,
-    )
-    (directory / "ext.cnf").write_text(f"subjectAltName=DNS:{name}\n")
-    _openssl(
-        "x509",
-        "-req",
-        "-in",
-        "req.csr",
-        "-CA",
-        "ca.pem",
-        "-CAkey",
-        "ca.key",
-        "-CAcreateserial",
-        "-days",
-        "2",
-        "-extfile",
-        "ext.cnf",
-        "-out",
-        "cert.pem",
-        cwd=directory,
-    )
-    return {
-        "cert": str(directory / "cert.pem"),
-        "key": str(directory / "key.pem"),
-        "ca": str(directory / "ca.pem"),
-    }
-
-
 def _use_tls(monkeypatch, files: dict[str, str]) -> None:
     for kind, path in files.items():
         monkeypatch.setenv(security.TLS_ENV[kind], path)
@@ -497,9 +437,9 @@ async def _tls_server(store: ShardStore, files: dict[str, str], stranger: dict[s
 
 
 @pytest.mark.skipif(shutil.which("openssl") is None, reason="needs the openssl binary to make certificates")
-def test_mutual_tls_serves_only_the_jobs_certificates(tmp_path: Path, monkeypatch) -> None:
-    files = _certificates(tmp_path / "job", "bagpipe")
-    stranger = _certificates(tmp_path / "other", "bagpipe")
+def test_mutual_tls_serves_only_the_jobscertificates(tmp_path: Path, monkeypatch) -> None:
+    files = certificates(tmp_path / "job", "bagpipe")
+    stranger = certificates(tmp_path / "other", "bagpipe")
     _use_tls(monkeypatch, files)
     asyncio.run(_tls_server(_store(), files, stranger))
 
@@ -512,7 +452,7 @@ def test_a_whole_run_over_mutual_tls_matches_the_plaintext_one(run_job, tmp_path
 
     flags = ("--iterations", "12", "--checkpoint-every", "4", "--optimizer", "adagrad", "--lr", "0.05")
     _, plain = run_job("plain", *flags)
-    _use_tls(monkeypatch, _certificates(tmp_path / "certs", "bagpipe"))
+    _use_tls(monkeypatch, certificates(tmp_path / "certs", "bagpipe"))
     _, tls = run_job("tls", *flags)
     assert_same_model(tls["final"], checkpoint.load(plain["final"]), tolerance=0.0)
 
