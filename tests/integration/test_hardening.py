@@ -359,6 +359,7 @@ def test_sigterm_stops_a_service_gracefully_with_exit_0(tmp_path: Path) -> None:
     ("flags", "message"),
     [
         (["--trainers", "0"], "--trainers: must be >= 1, got 0"),
+        (["--iterations", "0"], "--iterations: synthetic data is endless; give a number of iterations"),
         (["--embedding-servers", "0"], "--embedding-servers: must be >= 1, got 0"),
         (["--hot-fraction", "0.1"], "--hot-fraction/hot-share: set both or neither"),
         (["--device", "tpu"], "--device: expected auto, cpu or cuda, got 'tpu'"),
