@@ -32,8 +32,14 @@ def criteo_tsv(path: Path, samples: int, salt: int) -> None:
     path.write_text("\n".join(lines) + "\n")
 
 
-def direct_metrics(model_ckpt: dict, held_out: Path) -> tuple[float, float]:
-    """Logloss (torch's BCE) and AUC (the pairwise definition) of a checkpoint on every held-out sample."""
+# logits computed in other batch shapes (each trainer scores its share in chunks) may differ in the last
+# float32 bits; a positive/negative pair closer than this may rank either way (equal samples tie exactly)
+LOGIT_TOLERANCE = 1e-5
+
+
+def direct_metrics(model_ckpt: dict, held_out: Path) -> tuple[float, tuple[float, float]]:
+    """Logloss (torch's BCE) of a checkpoint on every held-out sample, and the bounds of its AUC (the
+    pairwise definition, ties half) when pairs within ``LOGIT_TOLERANCE`` may rank either way."""
     samples = [
         s for _, s in CriteoTSVSource(CriteoConfig(paths=(str(held_out),), table_rows=tuple(ROWS))).batches(1)
     ]
@@ -49,8 +55,12 @@ def direct_metrics(model_ckpt: dict, held_out: Path) -> tuple[float, float]:
         logits = model(dense, rows).double()
     loss = torch.nn.functional.binary_cross_entropy_with_logits(logits, torch.from_numpy(labels).double())
     pos, neg = logits[labels == 1], logits[labels == 0]
-    wins = int((pos[:, None] > neg[None, :]).sum()) + 0.5 * int((pos[:, None] == neg[None, :]).sum())
-    return float(loss), wins / (pos.numel() * neg.numel())
+    gap = pos[:, None] - neg[None, :]
+    sure = int((gap > LOGIT_TOLERANCE).sum())
+    close = int((gap.abs() <= LOGIT_TOLERANCE).sum())
+    pairs = pos.numel() * neg.numel()
+    assert close < 0.02 * pairs, "too many near ties for the AUC to be a check"
+    return float(loss), (sure / pairs, (sure + close) / pairs)
 
 
 def test_held_out_logloss_and_auc_equal_a_direct_computation(run_job, tmp_path: Path) -> None:
@@ -84,14 +94,13 @@ def test_held_out_logloss_and_auc_equal_a_direct_computation(run_job, tmp_path: 
     initial = checkpoint.load(paths["initial"])
     for e in evals:
         at = train_reference(initial, batches[: e["batches"]], MODEL, OptimizerConfig("adagrad", 0.1))
-        loss, auc = direct_metrics(at, held_out)
+        loss, (low, high) = direct_metrics(at, held_out)
         assert e["logloss"] == pytest.approx(loss, abs=1e-5), e
-        assert e["auc"] == pytest.approx(auc, abs=1e-9), e
+        assert low - 1e-12 <= e["auc"] <= high + 1e-12, (e, low, high)
     assert evals[-1]["auc"] != evals[0]["auc"], "the model changed between evaluations"
     # the final one is the final model's
-    assert (evals[-1]["logloss"], evals[-1]["auc"]) == pytest.approx(
-        direct_metrics(checkpoint.load(paths["final"]), held_out)
-    )
+    loss, (low, high) = direct_metrics(checkpoint.load(paths["final"]), held_out)
+    assert evals[-1]["logloss"] == pytest.approx(loss) and low - 1e-12 <= evals[-1]["auc"] <= high + 1e-12
     run_dir = Path(summary["run_dir"])
     assert (run_dir / "eval.png").exists() and "Held-out evaluation" in (run_dir / "report.html").read_text()
     scrape = (run_dir / "metrics" / "trainer-0.prom").read_text()
