@@ -14,6 +14,7 @@ import threading
 from collections.abc import Iterator
 from contextlib import contextmanager
 
+import numpy as np
 import torch
 
 logger = logging.getLogger(__name__)
@@ -92,6 +93,10 @@ class EmbeddingCache:
             state[: self.capacity] = self.state
             self.weights, self.state = weights, state
         logger.debug("cache grown to %d rows", new_capacity)
+
+    def index(self, values: np.ndarray) -> torch.Tensor:
+        """Slots (or any positions) from a plan, as an int64 index on the cache's device."""
+        return torch.from_numpy(values.astype(np.int64)).to(self.device)
 
     def insert(self, slots: torch.Tensor, rows: torch.Tensor, state: torch.Tensor) -> None:
         """Stores rows (and their optimizer state) in ``slots``."""

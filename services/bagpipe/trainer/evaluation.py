@@ -26,6 +26,7 @@ import torch.distributed as dist
 
 from bagpipe.core.data import Samples
 from bagpipe.core.evaluation import logloss, roc_auc
+from bagpipe.core.row_store import RowStore
 
 logger = logging.getLogger(__name__)
 
@@ -103,7 +104,9 @@ class HeldOut:
         self.world_size = world_size
         self.results: list[EvalResult] = []
 
-    def evaluate(self, model: torch.nn.Module, client: Any, device: torch.device, batch: int) -> EvalResult:
+    def evaluate(
+        self, model: torch.nn.Module, store: RowStore, device: torch.device, batch: int
+    ) -> EvalResult:
         """Scores this share with ``model`` and the servers' rows; every trainer must call it together."""
         t0 = time.perf_counter()
         logits = np.empty(self.labels.size, dtype=np.float32)
@@ -111,7 +114,7 @@ class HeldOut:
             for lo in range(0, self.labels.size, SCORE_CHUNK):
                 keys = self.keys[lo : lo + SCORE_CHUNK]
                 unique, inverse = np.unique(keys, return_inverse=True)
-                rows, _ = client.lookup(unique)
+                rows, _ = store.lookup(unique)
                 rows_t = torch.from_numpy(rows).to(device)[
                     torch.from_numpy(inverse.reshape(keys.shape)).to(device)
                 ]

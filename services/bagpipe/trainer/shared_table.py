@@ -16,7 +16,7 @@ from typing import Literal
 
 import numpy as np
 
-from bagpipe.embedding_server.client import EmbeddingClient
+from bagpipe.core.row_store import RowStore
 
 
 class SharedTable:
@@ -33,11 +33,11 @@ class SharedTable:
         self.bytes_sent = 0
         self.bytes_received = 0
 
-    def fill_from(self, client: EmbeddingClient, chunk: int = 1 << 18) -> None:
-        """Copies every row (and its state) from the embedding servers."""
+    def fill_from(self, store: RowStore, chunk: int = 1 << 18) -> None:
+        """Copies every row (and its state) from ``store`` (the embedding servers)."""
         for start in range(0, self.rows.shape[0], chunk):
             keys = np.arange(start, min(start + chunk, self.rows.shape[0]), dtype=np.int64)
-            rows, state = client.lookup(keys)
+            rows, state = store.lookup(keys)
             self.rows[keys] = rows
             if self.state_width:
                 self.state[keys] = state

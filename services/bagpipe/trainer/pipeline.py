@@ -1,0 +1,301 @@
+"""The trainer's transfers: plans in, rows prefetched ahead of compute, evicted rows written back.
+
+Three threads, started by :meth:`Pipeline.start`:
+
+* receiver — reads the oracle's plan stream (plans arrive only once their prefetch is safe);
+* prefetcher — fetches the rows this trainer holds (LRPP) into the cache, in batch order, ahead of compute,
+  for up to ``--transfer-batches`` plans in one call per shard, once the first of them is that many
+  batches away;
+* writer — writes evicted rows back and then reports the batch's write-backs durable to the oracle; it
+  gathers up to ``--transfer-batches`` batches into one call per shard, and writes at once whenever the
+  training thread waits for a plan (which may depend on these write-backs) or for the write-back itself.
+
+Grouping only ever delays a fetch or a write-back, never advances one, so the oracle's rules still
+hold: a plan arrives only once the write-backs it depends on are durable, and its rows cannot change on
+the store before this trainer has trained the batch (they are written back only after eviction).
+A Python gRPC call costs about a millisecond of CPU on each side, so fewer, larger calls leave more of
+the cores to training where the services share them.
+
+The pipeline's condition variable is also the one the synchroniser (sync.py) and the training step
+wait on: every thread's progress and the first error any thread hit live here.
+"""
+
+from __future__ import annotations
+
+import functools
+import queue
+import threading
+from collections.abc import Callable
+from typing import Any
+
+import grpc
+import numpy as np
+import torch
+
+from bagpipe import serving
+from bagpipe.codec import PlanArrays, decode_plan
+from bagpipe.control.registry import Registry
+from bagpipe.core.cache import EmbeddingCache
+from bagpipe.core.plans import TrainerPlan
+from bagpipe.core.row_store import RowStore
+from bagpipe.embedding_server.client import call_with_retry
+from bagpipe.trainer.config import TrainerConfig
+from bagpipe.v1 import oracle_cacher_pb2 as opb
+from bagpipe.v1 import oracle_cacher_pb2_grpc as opb_grpc
+
+# a plan stream is re-opened at the next batch after this long, so no call waits unboundedly
+PLAN_STREAM_WINDOW_S = 60.0
+
+# (batch, evicted keys, their rows, their state) queued for the writer
+WriteBack = tuple[int, np.ndarray, torch.Tensor, torch.Tensor]
+
+
+class Pipeline:
+    """Per-batch readiness shared by the trainer's threads, the transfer threads, and the first error."""
+
+    def __init__(
+        self,
+        config: TrainerConfig,
+        cache: EmbeddingCache,
+        registry: Registry,
+        token: list[tuple[str, str]],
+        start_batch: int,
+    ) -> None:
+        self.config = config
+        self.cache = cache
+        self.registry = registry
+        self.token = token  # the oracle binds this rank to this process
+        self.store: RowStore | None = None
+        self.oracle: opb_grpc.OracleCacherStub | None = None
+        self.cond = threading.Condition()
+        self.received: dict[int, PlanArrays] = {}
+        self.ready: set[int] = set()
+        self.error: BaseException | None = None
+        self.current = start_batch - 1  # the batch the training thread is on
+        self.starving = False  # the training thread waits for a plan or a write-back: write back now
+        self.start_batch = start_batch
+        self.written_back = start_batch - 1  # last batch whose write-backs are durable
+        self.transfers = {"lookup_calls": 0, "write_back_calls": 0}
+        self._prefetch_queue: queue.Queue[PlanArrays | None] = queue.Queue()
+        self._writebacks: list[WriteBack] = []  # under cond
+        self._writes_closed = False
+        k, world = config.transfer_batches, config.world_size
+        # trainers' groups interleave, and each one's write-backs fall between its fetches
+        self._prefetch_phase = (config.rank * k) // (2 * world)
+        self._write_phase = self._prefetch_phase + k // 2
+        self._threads: list[threading.Thread] = []
+
+    def connect(self, store: RowStore, oracle: opb_grpc.OracleCacherStub) -> None:
+        self.store, self.oracle = store, oracle
+
+    # ---- shared state
+    def fail(self, error: BaseException) -> None:
+        with self.cond:
+            if self.error is None:
+                self.error = error
+            self.cond.notify_all()
+
+    def wait(self, predicate: Callable[[], bool], starving: bool = False) -> None:
+        """Waits for ``predicate``; with ``starving``, flags the wait so the writer flushes its group."""
+        with self.cond:
+            flagged = starving and not predicate()
+            if flagged:
+                self.starving = True
+                self.cond.notify_all()
+            try:
+                self.cond.wait_for(lambda: self.error is not None or predicate())
+            finally:
+                if flagged:  # (only the waiter that raised the flag lowers it: another thread's wait ending
+                    self.starving = False  # must not cancel the flush this one asked for)
+            if self.error is not None:
+                raise RuntimeError("a trainer thread failed") from self.error
+
+    def raise_error(self) -> None:
+        if self.error is not None:
+            raise RuntimeError("a trainer thread failed") from self.error
+
+    # ---- the training thread's side
+    def start(self) -> None:
+        self._threads = [
+            threading.Thread(target=self._guarded(self._receive), name="receiver", daemon=True),
+            threading.Thread(target=self._guarded(self._prefetch), name="prefetcher", daemon=True),
+            threading.Thread(target=self._guarded(self._write_back), name="writer", daemon=True),
+        ]
+        for thread in self._threads:
+            thread.start()
+
+    def next_plan(self, batch: int, timer: Any) -> PlanArrays:
+        """The plan of ``batch`` once it has arrived (``data_wait``) and its rows are cached
+        (``prefetch_wait``; the no-cache baseline fetches them here)."""
+        with self.cond:
+            self.current = batch
+            self.cond.notify_all()
+        self.wait(lambda: batch in self.received, starving=True)
+        timer.mark("data_wait")
+        self.wait(lambda: batch in self.ready)
+        with self.cond:
+            plan = self.received.pop(batch)
+            self.ready.discard(batch)
+        if self.config.fetch == "synchronous":  # the no-cache baseline: fetch on the critical path
+            self.fetch(plan.share)
+        timer.mark("prefetch_wait")
+        return plan
+
+    def queue_write_back(self, batch: int, keys: np.ndarray, rows: torch.Tensor, state: torch.Tensor) -> None:
+        """Hands ``batch``'s evicted rows to the writer (bounded: it keeps up with a few groups)."""
+        with self.cond:
+            self.cond.wait_for(
+                lambda: self.error is not None or len(self._writebacks) < 4 * self.config.transfer_batches
+            )
+            self._writebacks.append((batch, keys, rows, state))
+            self.cond.notify_all()
+
+    def close_writes(self) -> None:
+        """No more write-backs: the writer drains what is queued and ends."""
+        with self.cond:
+            self._writes_closed = True
+            self.cond.notify_all()
+
+    def wait_written(self, batch: int) -> None:
+        """Until ``batch``'s write-backs are durable (and reported to the oracle)."""
+        self.wait(lambda: self.written_back >= batch, starving=True)
+
+    def join_writer(self) -> None:
+        self._threads[2].join()
+
+    # ---- the threads
+    def _guarded(self, body: Callable[[], None]) -> Callable[[], None]:
+        def run() -> None:
+            try:
+                body()
+            except BaseException as e:
+                self.fail(e)
+
+        return run
+
+    def _receive(self) -> None:
+        try:
+            assert self.oracle is not None
+            expected = self.start_batch
+            model = self.config.model
+            while True:
+                request = opb.StreamPlansRequest(rank=self.config.rank, start=expected)
+                try:
+                    for msg in self.oracle.StreamPlans(
+                        request, timeout=PLAN_STREAM_WINDOW_S, metadata=self.token
+                    ):
+                        plan = decode_plan(msg, model.num_tables, model.num_dense)
+                        if plan.batch != expected:
+                            raise ValueError(f"plan stream: expected batch {expected}, got {plan.batch}")
+                        with self.cond:
+                            self.received[plan.batch] = plan
+                            self.cond.notify_all()
+                        self._prefetch_queue.put(plan)
+                        if plan.last:
+                            return
+                        expected += 1
+                except grpc.RpcError as e:
+                    if e.code() != grpc.StatusCode.DEADLINE_EXCEEDED:
+                        raise
+                    continue  # the stream's window ended: re-open it where it stopped
+                raise RuntimeError(
+                    f"the oracle ended the plan stream before its last plan (at batch {expected})"
+                )
+        finally:
+            self._prefetch_queue.put(None)
+
+    def _prefetch(self) -> None:
+        group_size = self.config.transfer_batches
+        pending: list[PlanArrays] = []
+        ended = False
+        while pending or not ended:
+            if not pending:
+                plan = self._prefetch_queue.get()
+                if plan is None:
+                    break
+                pending.append(plan)
+            first = pending[0].batch
+            self.wait(lambda f=first: self.current >= f - group_size)  # type: ignore[misc]
+            end = self._group_end(first, self._prefetch_phase)
+            while not ended and pending[-1].batch < end:  # and whatever else has arrived
+                try:
+                    more = self._prefetch_queue.get_nowait()
+                except queue.Empty:
+                    break
+                if more is None:
+                    ended = True
+                else:
+                    pending.append(more)
+            cut = next((i for i, plan in enumerate(pending) if plan.batch > end), len(pending))
+            group, pending = pending[:cut], pending[cut:]
+            for plan in group:
+                self.cache.ensure_capacity(plan.slot_high_water)
+            if self.config.fetch == "prefetch":
+                self.fetch(*(plan.share for plan in group))
+            with self.cond:
+                self.ready.update(plan.batch for plan in group)
+                self.cond.notify_all()
+
+    def fetch(self, *shares: TrainerPlan) -> None:
+        """Fetches the rows of ``shares`` (consecutive batches: their keys and slots are distinct, since a
+        key or slot comes back only after a write-back that follows training the earlier batch)."""
+        assert self.store is not None
+        keys = np.concatenate([share.prefetch_keys for share in shares])
+        if keys.size:
+            slots = np.concatenate([share.prefetch_slots for share in shares])
+            rows, state = self.store.lookup(keys)
+            self.cache.insert(self.cache.index(slots), torch.from_numpy(rows), torch.from_numpy(state))
+            self.transfers["lookup_calls"] += 1
+
+    def _write_back(self) -> None:
+        while True:
+            with self.cond:
+                self.cond.wait_for(self._write_due)
+                if self.error is not None:
+                    return
+                group, self._writebacks, closed = self._writebacks, [], self._writes_closed
+                self.cond.notify_all()
+            if group:
+                self._write_group(group)
+            if closed:
+                return
+
+    def _write_due(self) -> bool:
+        """(Under the lock.) The queued write-backs reach the end of their group (they are consecutive
+        batches, so at most ``--transfer-batches`` of them), or training waits, or the end."""
+        if self.error is not None or self._writes_closed:
+            return True
+        if not self._writebacks:
+            return False
+        newest = self._writebacks[-1][0]
+        return self.starving or newest == self._group_end(newest, self._write_phase)
+
+    def _group_end(self, batch: int, phase: int) -> int:
+        """The last batch of the transfer group holding ``batch``: groups are runs of ``--transfer-batches``
+        batches shifted by ``phase``, so that the fetches and write-backs of the trainers fall on
+        different iterations and their CPU is spread out rather than spent in bursts."""
+        k = self.config.transfer_batches
+        return batch + (k - 1 - (batch + phase) % k)
+
+    def _write_group(self, group: list[WriteBack]) -> None:
+        """Writes the evicted rows of consecutive batches back in one call per shard (an evicted key is
+        not used again before its write-back, so no key appears twice), then reports them durable."""
+        assert self.store is not None and self.oracle is not None
+        keys = np.concatenate([keys for _, keys, _, _ in group])
+        if keys.size:
+            rows = torch.cat([rows for _, _, rows, _ in group]).numpy()
+            state = torch.cat([state for _, _, _, state in group]).numpy()
+            self.store.write_back(keys, rows, state)
+            self.transfers["write_back_calls"] += 1
+        batch = group[-1][0]
+        report = opb.ProgressReport(rank=self.config.rank, trained=batch, written_back=batch)
+        call_with_retry(
+            functools.partial(
+                self.oracle.ReportProgress, report, timeout=serving.RPC_TIMEOUT_S, metadata=self.token
+            ),
+            "progress",
+        )
+        with self.cond:
+            self.written_back = batch
+            self.cond.notify_all()
+        self.registry.set_progress(self.config.rank, batch)
