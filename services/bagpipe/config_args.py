@@ -3,12 +3,13 @@
 from __future__ import annotations
 
 import argparse
+from dataclasses import dataclass
 from typing import Any
 
 from bagpipe import security
 from bagpipe.core.data import KAGGLE_TABLE_ROWS, scaled_table_rows, source_schema
 from bagpipe.core.model import DEFAULT_CROSS_LAYERS, DEFAULT_DEEP_MLP, LINEAR_MODELS, MODELS, ModelConfig
-from bagpipe.core.optim import OPTIMIZERS, OptimizerConfig
+from bagpipe.core.optim import DEFAULT_EPS, OPTIMIZERS, OptimizerConfig
 
 DEFAULT_SCALE = 0.01
 DEFAULT_MAX_LOOKAHEAD = 200
@@ -54,6 +55,11 @@ def add_table_args(p: argparse.ArgumentParser) -> None:
         default=DEFAULT_SCALE,
         help=f"synthetic data: Kaggle cardinalities times this factor (default {DEFAULT_SCALE})",
     )
+
+
+def table_argv(data: str, table_rows: tuple[int, ...]) -> list[str]:
+    """The flags ``add_table_args`` parses back to ``data`` and ``table_rows``."""
+    return ["--data", data, "--table-rows", ",".join(map(str, table_rows))]
 
 
 def table_rows_of(args: argparse.Namespace) -> tuple[int, ...]:
@@ -168,6 +174,32 @@ def optimizer_config_of(args: argparse.Namespace) -> OptimizerConfig:
     )
 
 
+def model_argv(model: ModelConfig) -> list[str]:
+    """The flags ``add_model_args(dense=True)`` parses back to ``model`` (with ``table_argv`` for its
+    tables and dense features)."""
+    out = ["--model", model.name, "--embedding-dim", str(model.embedding_dim)]
+    out += ["--bottom-mlp", _ints(model.bottom_mlp), "--top-mlp", _ints(model.top_mlp)]  # (dlrm's)
+    out += ["--deep-mlp", _ints(model.deep_mlp)] if model.deep_mlp else []  # (the others')
+    return out + ["--cross-layers", str(model.cross_layers)]
+
+
+def optimizer_argv(optimizer: OptimizerConfig, seed: int, init_from: str | None) -> list[str]:
+    """The flags ``add_model_args`` parses back to ``optimizer``, ``seed`` and ``init_from``."""
+    out = ["--optimizer", optimizer.name, "--lr", repr(optimizer.lr), "--seed", str(seed)]
+    if optimizer.eps != DEFAULT_EPS[optimizer.name]:
+        out += ["--eps", repr(optimizer.eps)]
+    return out + (["--init-from", init_from] if init_from else [])
+
+
+def recovery_argv(checkpoint_dir: str | None, resume_batch: int) -> list[str]:
+    out = ["--checkpoint-dir", checkpoint_dir] if checkpoint_dir else []
+    return out + (["--resume-batch", str(resume_batch)] if resume_batch else [])
+
+
+def _ints(values: tuple[int, ...]) -> str:
+    return ",".join(map(str, values))
+
+
 def row_width_of(args: argparse.Namespace) -> int:
     """Floats per stored embedding row: the embedding, plus the first-order weight for wdl/deepfm."""
     return args.embedding_dim + int(args.model in LINEAR_MODELS)
@@ -195,6 +227,26 @@ def add_eval_args(p: argparse.ArgumentParser) -> None:
         default=0,
         help="held-out samples to use (default 0: the whole file; 16384 for synthetic)",
     )
+
+
+@dataclass(frozen=True)
+class Coordination:
+    """What every service process shares: where Redis is, the job, logging and how it is reached."""
+
+    redis_url: str = "redis://127.0.0.1:6379/0"
+    job: str = "bagpipe"
+    log_level: str = "INFO"
+    advertise_host: str | None = None
+    metrics_address: str = "127.0.0.1:0"
+
+    def argv(self) -> list[str]:
+        out = ["--redis", self.redis_url, "--job", self.job, "--log-level", self.log_level]
+        out += ["--metrics-address", self.metrics_address]
+        return out + (["--advertise-host", self.advertise_host] if self.advertise_host else [])
+
+
+def coordination_of(a: argparse.Namespace) -> Coordination:
+    return Coordination(a.redis, a.job, a.log_level, a.advertise_host, a.metrics_address)
 
 
 def add_coordination_args(p: argparse.ArgumentParser) -> None:

@@ -244,11 +244,11 @@ async def _fuzz(count: int) -> None:
     store = _store()
     before = (store.weights.tobytes(), store.state.tobytes(), store.shard_map.to_json())
     server, port, _, _ = await create_embedding_server(store)
-    oracle = Oracle(OracleConfig(tuple([10] * 26), 16, 2, 2, 1, 6, "", "", ""))
+    oracle = Oracle(OracleConfig(tuple([10] * 26), 16, 2, 2, 1, 6))
     oracle_server, oracle_port, _, _ = await create_oracle(oracle)
     oracle_before = (list(oracle.written_back), list(oracle.trained), dict(oracle.owners))
     processor_server, processor_port, _, _ = await create_data_processor(
-        DataProcessorConfig(SourceConfig("synthetic", tuple([10] * 26)), 12, 0, "", "", "")
+        DataProcessorConfig(SourceConfig("synthetic", tuple([10] * 26)), 12, 0)
     )
     defined = {grpc.StatusCode.INVALID_ARGUMENT, grpc.StatusCode.FAILED_PRECONDITION}
     seen: dict[grpc.StatusCode, int] = {}

@@ -95,7 +95,7 @@ async def _malformed_tsv(tmp_path: Path) -> None:
     good = "\t".join(["1"] + ["5"] * 13 + ["a1"] * 26)
     bad = "\t".join(["0"] + ["5"] * 13 + ["a1", "b2", "zz"] + ["a1"] * 23)
     path.write_text("\n".join([good, good, bad, good]) + "\n")
-    cfg = DataProcessorConfig(SourceConfig(f"criteo:{path}", tuple([100] * 26)), 2, 0, "", "", "")
+    cfg = DataProcessorConfig(SourceConfig(f"criteo:{path}", tuple([100] * 26)), 2, 0)
     server, port, _, _ = await create_data_processor(cfg)
     async with grpc.aio.insecure_channel(f"127.0.0.1:{port}") as ch:
         stub = data_processor_pb2_grpc.DataProcessorStub(ch)
@@ -117,7 +117,7 @@ def test_malformed_tsv_line_fails_with_file_line_and_field(tmp_path: Path) -> No
 
 async def _processor_trainer_masks() -> None:
     rows = tuple(scaled_table_rows(0.0005))
-    cfg = DataProcessorConfig(SourceConfig("synthetic", rows), 12, 0, "", "", "")
+    cfg = DataProcessorConfig(SourceConfig("synthetic", rows), 12, 0)
     server, port, _, _ = await create_data_processor(cfg)
     async with grpc.aio.insecure_channel(f"127.0.0.1:{port}") as ch:
         stub = data_processor_pb2_grpc.DataProcessorStub(ch)
@@ -153,7 +153,7 @@ def test_data_processor_works_out_which_trainers_use_each_key() -> None:
 
 def test_oracle_rejects_trainer_masks_that_name_no_trainer_or_an_unknown_one() -> None:
     rows = tuple(scaled_table_rows(0.0005))
-    oracle = Oracle(OracleConfig(rows, 16, 2, 2, 1, 6, "", "", ""))
+    oracle = Oracle(OracleConfig(rows, 16, 2, 2, 1, 6))
     arrays = build_batch(
         0, SyntheticSource(SyntheticConfig(table_rows=rows)).batch(0, 16), table_offsets(rows)
     )
@@ -178,7 +178,7 @@ async def _oracle_gates_plans() -> None:
     rows = tuple(scaled_table_rows(0.0005))
     offsets = table_offsets(rows)
     lookahead = 2
-    oracle = Oracle(OracleConfig(rows, 16, 1, lookahead, 1, 6, "", "", ""))
+    oracle = Oracle(OracleConfig(rows, 16, 1, lookahead, 1, 6))
     source = SyntheticSource(SyntheticConfig(table_rows=rows))
     for b in range(6):
         arrays = build_batch(b, source.batch(b, 16), offsets)

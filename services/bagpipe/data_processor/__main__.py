@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import argparse
 import asyncio
 import logging
 import socket
@@ -16,15 +15,20 @@ from bagpipe.data_processor.server import create_server
 logger = logging.getLogger("bagpipe.data_processor")
 
 
-async def serve(cfg: DataProcessorConfig, args: argparse.Namespace) -> None:
-    registry = Registry(cfg.redis_url, cfg.job)
+async def serve(cfg: DataProcessorConfig) -> None:
+    registry = Registry(cfg.coordination.redis_url, cfg.coordination.job)
     # local runs number processors; in a Deployment each pod registers under its own name
     member = str(cfg.index) if cfg.index is not None else socket.gethostname()
     http = serving.start_metrics(
-        args.metrics_address, "data_processor", member, registry, None, args.advertise_host
+        cfg.coordination.metrics_address,
+        "data_processor",
+        member,
+        registry,
+        None,
+        cfg.coordination.advertise_host,
     )
     server, port, control, health = await create_server(cfg, cfg.address)
-    control.address = serving.advertised(control.address, args.advertise_host)
+    control.address = serving.advertised(control.address, cfg.coordination.advertise_host)
     registry.register("data_processor", member, control.address)
     http.ready.set()
     logger.info("data processor %s serving %s on %s", member, cfg.source.data, control.address)
@@ -38,9 +42,9 @@ async def serve(cfg: DataProcessorConfig, args: argparse.Namespace) -> None:
 
 
 def main(argv: list[str] | None = None) -> None:
-    cfg, args = parse(argv)
-    serving.configure_logging(args.log_level)
-    serving.run_service(lambda: asyncio.run(serve(cfg, args)), "bagpipe.data_processor")
+    cfg = parse(argv)
+    serving.configure_logging(cfg.coordination.log_level)
+    serving.run_service(lambda: asyncio.run(serve(cfg)), "bagpipe.data_processor")
 
 
 if __name__ == "__main__":

@@ -6,10 +6,13 @@ import argparse
 from dataclasses import dataclass
 
 from bagpipe.config_args import (
+    Coordination,
     add_coordination_args,
     add_table_args,
+    coordination_of,
     non_negative_int,
     positive_int,
+    table_argv,
     table_rows_of,
 )
 from bagpipe.core.data import SyntheticConfig, SyntheticSource
@@ -82,9 +85,8 @@ class DataProcessorConfig:
     source: SourceConfig
     batch_size: int
     index: int | None
-    address: str
-    redis_url: str
-    job: str
+    address: str = "127.0.0.1:0"
+    coordination: Coordination = Coordination()
 
     def __post_init__(self) -> None:
         if self.batch_size < 1:
@@ -111,6 +113,20 @@ def add_source_args(p: argparse.ArgumentParser) -> None:
         default=DEFAULT_SHUFFLE_BUFFER,
         help=f"samples permuted together (default {DEFAULT_SHUFFLE_BUFFER})",
     )
+
+
+def source_argv(s: SourceConfig) -> list[str]:
+    """The flags ``add_source_args`` (and ``--seed``) parse back to ``s``."""
+    out = table_argv(s.data, s.table_rows) + ["--seed", str(s.seed)]
+    for flag, value in (
+        ("--zipf-alpha", s.zipf_alpha),
+        ("--hot-fraction", s.hot_fraction),
+        ("--hot-share", s.hot_share),
+        ("--shuffle-seed", s.shuffle_seed),
+    ):
+        out += [flag, repr(value)] if value is not None else []
+    out += ["--shuffle-buffer", str(s.shuffle_buffer)]
+    return out + (["--skip-bad-rows"] if s.skip_bad_rows else [])
 
 
 def source_of(a: argparse.Namespace) -> SourceConfig:
@@ -143,14 +159,24 @@ def build_parser() -> argparse.ArgumentParser:
     return p
 
 
-def parse(argv: list[str] | None = None) -> tuple[DataProcessorConfig, argparse.Namespace]:
-    a = build_parser().parse_args(argv)
-    cfg = DataProcessorConfig(
-        source=source_of(a),
-        batch_size=a.batch_size,
-        index=a.index,
-        address=a.address,
-        redis_url=a.redis,
-        job=a.job,
-    )
-    return cfg, a
+def parse(argv: list[str] | None = None) -> DataProcessorConfig:
+    p = build_parser()
+    a = p.parse_args(argv)
+    try:
+        return DataProcessorConfig(
+            source=source_of(a),
+            batch_size=a.batch_size,
+            index=a.index,
+            address=a.address,
+            coordination=coordination_of(a),
+        )
+    except ValueError as e:
+        field, _, why = str(e).partition(": ")
+        p.error(f"--{field.replace('_', '-')}: {why}")
+
+
+def argv(c: DataProcessorConfig) -> list[str]:
+    """The command line ``parse`` reads back to ``c`` (the launcher starts data processors with it)."""
+    out = ["--batch-size", str(c.batch_size), "--address", c.address]
+    out += ["--index", str(c.index)] if c.index is not None else []
+    return out + source_argv(c.source) + c.coordination.argv()

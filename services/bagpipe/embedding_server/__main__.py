@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import argparse
 import asyncio
 import logging
 import sys
@@ -13,17 +12,22 @@ from bagpipe.core import checkpoint, snapshots
 from bagpipe.core.data import table_offsets
 from bagpipe.core.shard_map import ShardMap
 from bagpipe.core.shard_store import ShardStore
-from bagpipe.embedding_server.config import EmbeddingServerConfig, build_parser, parse
+from bagpipe.embedding_server.config import EmbeddingServerConfig, parse
 from bagpipe.embedding_server.resharder import Resharder
 from bagpipe.embedding_server.server import create_server
 
 logger = logging.getLogger("bagpipe.embedding_server")
 
 
-async def serve(cfg: EmbeddingServerConfig, args: argparse.Namespace) -> None:
-    registry = Registry(cfg.redis_url, cfg.job)
+async def serve(cfg: EmbeddingServerConfig) -> None:
+    registry = Registry(cfg.coordination.redis_url, cfg.coordination.job)
     http = serving.start_metrics(
-        args.metrics_address, "embedding_server", str(cfg.shard), registry, None, args.advertise_host
+        cfg.coordination.metrics_address,
+        "embedding_server",
+        str(cfg.shard),
+        registry,
+        None,
+        cfg.coordination.advertise_host,
     )
     offsets = table_offsets(cfg.table_rows)
     registry.set_leaving(cfg.shard, False)  # a server that (re)joins is wanted
@@ -48,7 +52,7 @@ async def serve(cfg: EmbeddingServerConfig, args: argparse.Namespace) -> None:
         logger.info("shard %d: restored %d rows of checkpoint %d", cfg.shard, restored, cfg.resume_batch)
     store.max_abs = cfg.max_abs_value
     server, port, control, health = await create_server(store, cfg.address, cfg.max_rows_per_request)
-    control.address = serving.advertised(control.address, args.advertise_host)
+    control.address = serving.advertised(control.address, cfg.coordination.advertise_host)
     registry.register("embedding_server", str(cfg.shard), control.address)
     http.ready.set()
     logger.info(
@@ -86,9 +90,8 @@ async def serve(cfg: EmbeddingServerConfig, args: argparse.Namespace) -> None:
 
 def main(argv: list[str] | None = None) -> None:
     cfg = parse(argv)
-    args = build_parser().parse_args(argv)
-    serving.configure_logging(args.log_level)
-    serving.run_service(lambda: asyncio.run(serve(cfg, args)), "bagpipe.embedding_server")
+    serving.configure_logging(cfg.coordination.log_level)
+    serving.run_service(lambda: asyncio.run(serve(cfg)), "bagpipe.embedding_server")
 
 
 if __name__ == "__main__":

@@ -6,15 +6,20 @@ import argparse
 from dataclasses import dataclass
 
 from bagpipe.config_args import (
+    Coordination,
     add_coordination_args,
     add_model_args,
     add_recovery_args,
     add_table_args,
     check_resume,
+    coordination_of,
     non_negative_float,
+    optimizer_argv,
     optimizer_config_of,
     positive_float,
     positive_int,
+    recovery_argv,
+    table_argv,
     table_rows_of,
 )
 from bagpipe.core.model import LINEAR_MODELS
@@ -35,8 +40,8 @@ class EmbeddingServerConfig:
     seed: int
     init_from: str | None
     address: str
-    redis_url: str
-    job: str
+    coordination: Coordination = Coordination()
+    data: str = "synthetic"  # the training data's source (its schema: how many tables)
     checkpoint_dir: str | None = None
     resume_batch: int = 0
     migration_rows_per_second: float = 0.0
@@ -123,8 +128,8 @@ def _config(a: argparse.Namespace) -> EmbeddingServerConfig:
         seed=a.seed,
         init_from=a.init_from,
         address=a.address,
-        redis_url=a.redis,
-        job=a.job,
+        coordination=coordination_of(a),
+        data=a.data,
         checkpoint_dir=a.checkpoint_dir,
         resume_batch=a.resume_batch,
         migration_rows_per_second=a.migration_rows_per_second,
@@ -132,3 +137,13 @@ def _config(a: argparse.Namespace) -> EmbeddingServerConfig:
         max_abs_value=a.max_abs_value,
         model=a.model,
     )
+
+
+def argv(c: EmbeddingServerConfig) -> list[str]:
+    """The command line ``parse`` reads back to ``c`` (the launcher starts servers with it)."""
+    out = ["--shard", str(c.shard), "--initial-shards", str(c.initial_shards), "--address", c.address]
+    out += ["--model", c.model, "--embedding-dim", str(c.embedding_dim)]
+    out += ["--migration-rows-per-second", repr(c.migration_rows_per_second)]
+    out += ["--max-rows-per-request", str(c.max_rows_per_request), "--max-abs-value", repr(c.max_abs_value)]
+    out += table_argv(c.data, c.table_rows) + optimizer_argv(c.optimizer, c.seed, c.init_from)
+    return out + c.coordination.argv() + recovery_argv(c.checkpoint_dir, c.resume_batch)

@@ -29,15 +29,19 @@ import redis
 from tqdm import tqdm
 
 from bagpipe import security, serving
-from bagpipe.config_args import table_rows_of
 from bagpipe.control.detector import Detector, PrometheusSource, ScrapeSource
 from bagpipe.control.registry import Registry
 from bagpipe.core import snapshots
+from bagpipe.data_processor import config as data_processor_config
+from bagpipe.embedding_server import config as embedding_server_config
+from bagpipe.local import configs
 from bagpipe.local.prometheus import PrometheusServer
 from bagpipe.local.record import RECORD_KEY, flags_of, read_evals, run_record
 from bagpipe.local.report import write_report
 from bagpipe.local.scaling import Scaler
 from bagpipe.local.validate import validate_run_args
+from bagpipe.oracle_cacher import config as oracle_config
+from bagpipe.trainer import config as trainer_config
 from bagpipe.trainer.metrics import STAGES
 from bagpipe.v1 import control_pb2, control_pb2_grpc
 
@@ -136,6 +140,7 @@ class LocalJob:
     run_dir: Path
     processes: list[Process] = field(default_factory=list)
     checkpoints: Path | None = None  # where recovery checkpoints go
+    spec: configs.GenerationSpec | None = None  # what the generation's processes share
 
     def spawn(self, name: str, module: str, argv: list[str], prefix: list[str] | None = None) -> Process:
         log = self.run_dir / "logs" / f"{name}.log"
@@ -482,177 +487,49 @@ def _start_generation(
     """Spawns every process of the job, resuming at ``start`` (a complete checkpoint, or 0)."""
     registry = Registry(redis_server.url, job_name)
     job = LocalJob(args, run_dir)
-    coord, tables, model = _common_args(args, redis_server.url, job_name)
     job.checkpoints = checkpoints
-    every = checkpoint_every(args)
-    recovery = ["--checkpoint-dir", str(checkpoints), "--resume-batch", str(start)] if every else []
+    job.spec = configs.GenerationSpec(
+        redis_server.url, job_name, start, checkpoint_every(args), checkpoints, run_dir
+    )
     for s in range(args.embedding_servers):
-        spawn_embedding_server(job, redis_server, job_name, s, resume=start if every else None)
-    skew = ["--zipf-alpha", repr(args.zipf_alpha)]
-    if args.hot_fraction is not None:
-        skew += ["--hot-fraction", repr(args.hot_fraction)]
-    if args.hot_share is not None:
-        skew += ["--hot-share", repr(args.hot_share)]
-    if args.skip_bad_rows:
-        skew.append("--skip-bad-rows")
-    if getattr(args, "shuffle_seed", None) is not None:
-        skew += ["--shuffle-seed", str(args.shuffle_seed), "--shuffle-buffer", str(args.shuffle_buffer)]
+        spawn_embedding_server(job, s, resume=True)
     for i in range(args.data_processors):
         job.spawn(
             f"data-processor-{i}",
             "bagpipe.data_processor",
-            [
-                "--index",
-                str(i),
-                "--batch-size",
-                str(args.batch_size),
-                "--seed",
-                str(args.seed),
-                *tables,
-                *skew,
-                *coord,
-            ],
+            data_processor_config.argv(configs.data_processor(args, job.spec, i)),
         )
-    job.spawn(
-        "oracle-cacher",
-        "bagpipe.oracle_cacher",
-        [
-            "--batch-size",
-            str(args.batch_size),
-            "--trainers",
-            str(args.trainers),
-            "--data-processors",
-            str(args.data_processors),
-            "--iterations",
-            str(args.iterations),
-            "--checkpoint-every",
-            str(every),
-            "--start-batch",
-            str(start),
-            *eval_every_args(args),
-            *cache_args(args),
-            *tables,
-            *coord,
-        ],
-    )
-    dist_init = f"tcp://127.0.0.1:{free_port()}"
-    trainers = []
-    for r in range(args.trainers):
-        extra = []
-        if r == 0 and args.save_initial and start == 0:
-            extra += ["--save-initial", args.save_initial]
-        if r == 0 and args.save_final:
-            extra += ["--save-final", args.save_final]
-        trainers.append(
-            job.spawn(
-                f"trainer-{r}",
-                "bagpipe.trainer",
-                [
-                    "--rank",
-                    str(r),
-                    "--world-size",
-                    str(args.trainers),
-                    "--dist-init",
-                    dist_init,
-                    "--device",
-                    args.device,
-                    "--transfer-batches",
-                    str(args.transfer_batches),
-                    "--collective-timeout",
-                    repr(max(60.0, 6 * args.failure_timeout)),
-                    *dense_model_args(args),
-                    *tables,
-                    *model,
-                    *coord,
-                    *extra,
-                    *recovery,
-                    "--iteration-log",
-                    str(run_dir / "metrics" / f"trainer-{r}.csv"),
-                    *system_args(args, job_name),
-                    *eval_args(args),
-                    *(["--cache-rows", str(args.cache_rows)] if args.cache_rows else []),
-                ],
-            )
+    job.spawn("oracle-cacher", "bagpipe.oracle_cacher", oracle_config.argv(configs.oracle(args, job.spec)))
+    # a file store, not a TCP port: a port picked free here may be taken by another service's listener
+    # before rank 0 binds it (every generation gets a new file: a store file is never reused)
+    rendezvous = run_dir / "rendezvous"
+    rendezvous.mkdir(parents=True, exist_ok=True)
+    dist_init = f"file://{rendezvous / f'generation-{number}-{uuid.uuid4().hex[:8]}'}"
+    trainers = [
+        job.spawn(
+            f"trainer-{r}",
+            "bagpipe.trainer",
+            trainer_config.argv(configs.trainer(args, job.spec, r, dist_init)),
         )
+        for r in range(args.trainers)
+    ]
     if number:
         logger.info("generation %d: resuming at batch %d", number, start)
     return Generation(number, start, job_name, registry, job, trainers, len(_iteration_log(run_dir)))
 
 
-def _common_args(
-    args: argparse.Namespace, redis_url: str, job_name: str
-) -> tuple[list[str], list[str], list[str]]:
-    """The flags every service of a generation shares: coordination, tables, model."""
-    coord = ["--redis", redis_url, "--job", job_name, "--log-level", args.log_level]
-    tables = ["--data", args.data, "--table-rows", ",".join(map(str, table_rows_of(args)))]
-    model = [
-        "--model",
-        args.model,
-        "--embedding-dim",
-        str(args.embedding_dim),
-        "--optimizer",
-        args.optimizer,
-        "--lr",
-        repr(args.lr),
-        "--seed",
-        str(args.seed),
-    ]
-    if getattr(args, "eps", None) is not None:
-        model += ["--eps", repr(args.eps)]
-    model += ["--init-from", args.init_from] if args.init_from else []
-    return coord, tables, model
-
-
-def dense_model_args(args: argparse.Namespace) -> list[str]:
-    """The trainers' flags for the dense part of ``--model``."""
-    sizes = {"dlrm": ("bottom_mlp", "top_mlp")}.get(args.model, ("deep_mlp",))
-    out: list[str] = []
-    for name in sizes:
-        if getattr(args, name, None):
-            out += ["--" + name.replace("_", "-"), ",".join(map(str, getattr(args, name)))]
-    return out + (["--cross-layers", str(args.cross_layers)] if args.model == "dcn" else [])
-
-
-def spawn_embedding_server(
-    job: LocalJob, redis_server: RedisServer, job_name: str, shard: int, resume: int | None
-) -> Process:
+def spawn_embedding_server(job: LocalJob, shard: int, resume: bool) -> Process:
     """Starts embedding server ``shard``: one of the generation's first (it creates the shard map for
     ``--embedding-servers`` of them, and with ``resume`` loads the checkpoint's rows), or one that joins a
     running job (``bagpipe scale``), empty until the coordinator moves its buckets to it."""
-    args = job.args
-    coord, tables, model = _common_args(args, redis_server.url, job_name)
-    recovery = []
-    if resume is not None:
-        recovery = ["--checkpoint-dir", str(job.checkpoints), "--resume-batch", str(resume)]
-    where: list[str] = []
-    netns = getattr(args, "embedding_server_netns", None)
-    if netns:  # embedding servers in a network namespace, behind a (bandwidth-limited) veth link
-        host_ip, netns_ip = args.netns_addresses.split(",")
-        where = [
-            "--address",
-            f"{netns_ip}:0",
-            "--metrics-address",
-            f"{netns_ip}:0",
-            "--redis",
-            redis_server.url.replace("127.0.0.1", host_ip),
-        ]
-    rate = getattr(args, "migration_rows_per_second", 0.0) or 0.0
+    assert job.spec is not None
+    netns = getattr(job.args, "embedding_server_netns", None)
+    addresses = job.args.netns_addresses if netns else None
+    cfg = configs.embedding_server(job.args, job.spec, shard, resume, addresses)
     return job.spawn(
         f"embedding-server-{shard}",
         "bagpipe.embedding_server",
-        [
-            "--shard",
-            str(shard),
-            "--initial-shards",
-            str(args.embedding_servers),
-            "--migration-rows-per-second",
-            repr(rate),
-            *tables,
-            *model,
-            *coord,
-            *recovery,
-            *where,
-        ],
+        embedding_server_config.argv(cfg),
         prefix=["ip", "netns", "exec", netns] if netns else None,
     )
 
@@ -685,59 +562,6 @@ def _save_scrapes(directory: Path, endpoints: dict[str, str]) -> None:
                 (directory / f"{service}-{member}.prom").write_bytes(r.read())
         except OSError as e:
             logger.warning("could not scrape %s at %s: %s", name, address, e)
-
-
-def cache_args(args: argparse.Namespace) -> list[str]:
-    """The oracle's cache flags, as ``bagpipe run`` got them (``--system no-cache``: L=1, critical sync)."""
-    no_cache = getattr(args, "system", "bagpipe") == "no-cache"
-    out = [
-        "--max-lookahead",
-        str(args.max_lookahead),
-        "--reuse-delay",
-        str(args.reuse_delay),
-        "--cache-mode",
-        args.cache_mode,
-        "--sync",
-        "critical" if no_cache else args.sync,
-    ]
-    if no_cache:
-        out += ["--lookahead", "1"]
-    elif args.lookahead is not None:
-        out += ["--lookahead", str(args.lookahead)]
-    if args.cache_rows is not None:
-        out += ["--cache-rows", str(args.cache_rows)]
-    return out
-
-
-def eval_every_args(args: argparse.Namespace) -> list[str]:
-    """The oracle plans a flush (a checkpoint) at every evaluation point."""
-    return (
-        ["--eval-every", str(args.eval_every)] if getattr(args, "eval_data", None) and args.eval_every else []
-    )
-
-
-def eval_args(args: argparse.Namespace) -> list[str]:
-    """The trainers' held-out evaluation flags."""
-    if not getattr(args, "eval_data", None):
-        return []
-    return [
-        "--eval-data",
-        args.eval_data,
-        "--eval-every",
-        str(args.eval_every),
-        "--eval-samples",
-        str(args.eval_samples),
-    ]
-
-
-def system_args(args: argparse.Namespace, job_name: str) -> list[str]:
-    """Trainer flags of ``--system``: no-cache fetches synchronously, ideal uses a shared-memory table."""
-    system = getattr(args, "system", "bagpipe")
-    if system == "no-cache":
-        return ["--fetch", "synchronous"]
-    if system == "ideal":
-        return ["--shared-table", f"/dev/shm/bagpipe-{job_name}"]
-    return []
 
 
 def _raise_if_failed(job: LocalJob, redis_server: RedisServer | None = None) -> None:
@@ -779,7 +603,7 @@ def _watch(
     shown_eval = None  # the batch count of the evaluation the bar shows
 
     def spawn(shard: int) -> None:
-        spawn_embedding_server(job, redis_server, generation.job_name, shard, resume=None)
+        spawn_embedding_server(job, shard, resume=False)
 
     def retire(shard: int) -> None:
         for p in [p for p in job.processes if p.name == f"embedding-server-{shard}"]:

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import argparse
 import asyncio
 import logging
 import sys
@@ -20,14 +19,19 @@ def _member_order(name: str) -> tuple[int, str]:
     return (int(name), "") if name.isdigit() else (1 << 30, name)
 
 
-async def serve(cfg: OracleConfig, args: argparse.Namespace) -> None:
+async def serve(cfg: OracleConfig) -> None:
     oracle = Oracle(cfg)
-    registry = Registry(cfg.redis_url, cfg.job)
+    registry = Registry(cfg.coordination.redis_url, cfg.coordination.job)
     http = serving.start_metrics(
-        args.metrics_address, "oracle_cacher", "0", registry, lambda: oracle.failure, args.advertise_host
+        cfg.coordination.metrics_address,
+        "oracle_cacher",
+        "0",
+        registry,
+        lambda: oracle.failure,
+        cfg.coordination.advertise_host,
     )
     server, port, control, health = await create_server(oracle, cfg.address)
-    control.address = serving.advertised(control.address, args.advertise_host)
+    control.address = serving.advertised(control.address, cfg.coordination.advertise_host)
     members = await asyncio.to_thread(registry.wait_for_members, "data_processor", cfg.data_processors)
     addresses = [members[k] for k in sorted(members, key=_member_order)][: cfg.data_processors]
     tasks = oracle.start(addresses)
@@ -54,9 +58,9 @@ async def serve(cfg: OracleConfig, args: argparse.Namespace) -> None:
 
 
 def main(argv: list[str] | None = None) -> None:
-    cfg, args = parse(argv)
-    serving.configure_logging(args.log_level)
-    serving.run_service(lambda: asyncio.run(serve(cfg, args)), "bagpipe.oracle_cacher")
+    cfg = parse(argv)
+    serving.configure_logging(cfg.coordination.log_level)
+    serving.run_service(lambda: asyncio.run(serve(cfg)), "bagpipe.oracle_cacher")
 
 
 if __name__ == "__main__":

@@ -9,10 +9,13 @@ from bagpipe.config_args import (
     CACHE_MODES,
     DEFAULT_MAX_LOOKAHEAD,
     DEFAULT_REUSE_DELAY,
+    Coordination,
     add_cache_args,
     add_coordination_args,
     add_table_args,
+    coordination_of,
     non_negative_int,
+    table_argv,
     table_rows_of,
 )
 from bagpipe.core.lookahead import MAX_TRAINERS
@@ -28,9 +31,9 @@ class OracleConfig:
     lookahead: int | None
     data_processors: int
     iterations: int
-    address: str
-    redis_url: str
-    job: str
+    address: str = "127.0.0.1:0"
+    coordination: Coordination = Coordination()
+    data: str = "synthetic"  # the training data's source (its schema: how many tables)
     cache_rows: int | None = None
     max_lookahead: int = DEFAULT_MAX_LOOKAHEAD
     reuse_delay: int = DEFAULT_REUSE_DELAY
@@ -118,25 +121,42 @@ def build_parser() -> argparse.ArgumentParser:
     return p
 
 
-def parse(argv: list[str] | None = None) -> tuple[OracleConfig, argparse.Namespace]:
-    a = build_parser().parse_args(argv)
-    cfg = OracleConfig(
-        table_rows=table_rows_of(a),
-        batch_size=a.batch_size,
-        trainers=a.trainers,
-        lookahead=a.lookahead,
-        cache_rows=a.cache_rows,
-        max_lookahead=a.max_lookahead,
-        reuse_delay=a.reuse_delay,
-        cache_mode=a.cache_mode,
-        delayed_sync=a.sync == "delayed",
-        data_processors=a.data_processors,
-        iterations=a.iterations,
-        address=a.address,
-        redis_url=a.redis,
-        job=a.job,
-        checkpoint_every=a.checkpoint_every,
-        eval_every=a.eval_every,
-        start_batch=a.start_batch,
-    )
-    return cfg, a
+def parse(argv: list[str] | None = None) -> OracleConfig:
+    p = build_parser()
+    a = p.parse_args(argv)
+    try:
+        return OracleConfig(
+            table_rows=table_rows_of(a),
+            batch_size=a.batch_size,
+            trainers=a.trainers,
+            lookahead=a.lookahead,
+            cache_rows=a.cache_rows,
+            max_lookahead=a.max_lookahead,
+            reuse_delay=a.reuse_delay,
+            cache_mode=a.cache_mode,
+            delayed_sync=a.sync == "delayed",
+            data_processors=a.data_processors,
+            iterations=a.iterations,
+            address=a.address,
+            coordination=coordination_of(a),
+            data=a.data,
+            checkpoint_every=a.checkpoint_every,
+            eval_every=a.eval_every,
+            start_batch=a.start_batch,
+        )
+    except ValueError as e:
+        field, _, why = str(e).partition(": ")
+        p.error(f"--{field.replace('_', '-')}: {why}")
+
+
+def argv(c: OracleConfig) -> list[str]:
+    """The command line ``parse`` reads back to ``c`` (the launcher starts the oracle with it)."""
+    out = ["--batch-size", str(c.batch_size), "--trainers", str(c.trainers)]
+    out += ["--data-processors", str(c.data_processors), "--iterations", str(c.iterations)]
+    out += ["--address", c.address, "--checkpoint-every", str(c.checkpoint_every)]
+    out += ["--eval-every", str(c.eval_every), "--start-batch", str(c.start_batch)]
+    out += ["--max-lookahead", str(c.max_lookahead), "--reuse-delay", str(c.reuse_delay)]
+    out += ["--cache-mode", c.cache_mode, "--sync", "delayed" if c.delayed_sync else "critical"]
+    out += ["--lookahead", str(c.lookahead)] if c.lookahead is not None else []
+    out += ["--cache-rows", str(c.cache_rows)] if c.cache_rows is not None else []
+    return out + table_argv(c.data, c.table_rows) + c.coordination.argv()

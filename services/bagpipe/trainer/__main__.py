@@ -16,17 +16,17 @@ logger = logging.getLogger("bagpipe.trainer")
 
 
 def main(argv: list[str] | None = None) -> None:
-    cfg, args = parse(argv)
-    serving.configure_logging(args.log_level)
+    cfg = parse(argv)
+    serving.configure_logging(cfg.coordination.log_level)
     faulthandler.register(signal.SIGUSR1)  # `kill -USR1` prints every thread's stack to the log
     trainer = Trainer(cfg)
     http = serving.start_metrics(
-        args.metrics_address,
+        cfg.coordination.metrics_address,
         "trainer",
         str(cfg.rank),
         trainer.registry,
         lambda: repr(trainer.pipeline.error) if trainer.pipeline.error is not None else None,
-        args.advertise_host,
+        cfg.coordination.advertise_host,
     )
     trainer.on_ready = http.ready.set
     # SIGTERM while training: stop, release everything and exit 0 (a stopped pod, or the launcher)
@@ -48,7 +48,7 @@ def main(argv: list[str] | None = None) -> None:
             raise SystemExit(f"trainer {cfg.rank}: {lost}") from None
         raise
     trainer.close()
-    if not args.exit_when_done:
+    if not cfg.exit_when_done:
         # keep /metrics and /healthz up (Prometheus' last scrape, a StatefulSet that must not restart)
         done = threading.Event()
         signal.signal(signal.SIGTERM, lambda *_: done.set())

@@ -7,15 +7,21 @@ from dataclasses import dataclass
 
 from bagpipe.config_args import (
     DEFAULT_TRANSFER_BATCHES,
+    Coordination,
     add_coordination_args,
     add_eval_args,
     add_model_args,
     add_recovery_args,
     add_table_args,
     check_resume,
+    coordination_of,
+    model_argv,
     model_config_of,
+    optimizer_argv,
     optimizer_config_of,
     positive_int,
+    recovery_argv,
+    table_argv,
     table_rows_of,
 )
 from bagpipe.core.model import ModelConfig
@@ -39,8 +45,8 @@ class TrainerConfig:
     save_initial: str | None
     save_final: str | None
     device: str
-    redis_url: str
-    job: str
+    coordination: Coordination = Coordination()
+    data: str = "synthetic"  # the training data's source: its schema sizes the model's dense input
     cache_rows: int | None = None
     iteration_log: str | None = None
     fetch: str = "prefetch"
@@ -52,6 +58,7 @@ class TrainerConfig:
     eval_data: str | None = None
     eval_every: int = 0
     eval_samples: int = 0
+    exit_when_done: bool = False
 
     def __post_init__(self) -> None:
         if self.transfer_batches < 1:
@@ -129,12 +136,12 @@ def build_parser() -> argparse.ArgumentParser:
     return p
 
 
-def parse(argv: list[str] | None = None) -> tuple[TrainerConfig, argparse.Namespace]:
+def parse(argv: list[str] | None = None) -> TrainerConfig:
     p = build_parser()
     a = p.parse_args(argv)
     check_resume(a)
     try:
-        return _config(a), a
+        return _config(a)
     except ValueError as e:
         field, _, why = str(e).partition(": ")
         p.error(f"--{field.replace('_', '-')}: {why}")
@@ -154,8 +161,8 @@ def _config(a: argparse.Namespace) -> TrainerConfig:
         save_initial=a.save_initial,
         save_final=a.save_final,
         device=a.device,
-        redis_url=a.redis,
-        job=a.job,
+        coordination=coordination_of(a),
+        data=a.data,
         cache_rows=a.cache_rows,
         iteration_log=a.iteration_log,
         fetch=a.fetch,
@@ -167,4 +174,27 @@ def _config(a: argparse.Namespace) -> TrainerConfig:
         eval_data=a.eval_data,
         eval_every=a.eval_every,
         eval_samples=a.eval_samples,
+        exit_when_done=a.exit_when_done,
     )
+
+
+def argv(c: TrainerConfig) -> list[str]:
+    """The command line ``parse`` reads back to ``c`` (the launcher starts trainers with it)."""
+    out = ["--rank", str(c.rank), "--world-size", str(c.world_size), "--dist-init", c.dist_init]
+    out += ["--device", c.device, "--fetch", c.fetch, "--transfer-batches", str(c.transfer_batches)]
+    out += ["--collective-timeout", repr(c.collective_timeout)]
+    out += table_argv(c.data, c.table_rows) + model_argv(c.model)
+    out += optimizer_argv(c.optimizer, c.seed, c.init_from) + c.coordination.argv()
+    out += recovery_argv(c.checkpoint_dir, c.resume_batch)
+    for flag, value in (
+        ("--save-initial", c.save_initial),
+        ("--save-final", c.save_final),
+        ("--iteration-log", c.iteration_log),
+        ("--shared-table", c.shared_table),
+        ("--cache-rows", c.cache_rows),
+        ("--eval-data", c.eval_data),
+    ):
+        out += [flag, str(value)] if value is not None else []
+    out += ["--eval-every", str(c.eval_every)] if c.eval_every else []
+    out += ["--eval-samples", str(c.eval_samples)] if c.eval_samples else []
+    return out + (["--exit-when-done"] if c.exit_when_done else [])

@@ -53,7 +53,7 @@ class Trainer:
         self.rank = config.rank
         use_cuda = config.device == "cuda" or (config.device == "auto" and torch.cuda.is_available())
         self.device = torch.device("cuda", torch.cuda.current_device()) if use_cuda else torch.device("cpu")
-        self.registry = Registry(config.redis_url, config.job)
+        self.registry = Registry(config.coordination.redis_url, config.coordination.job)
         self.offsets = table_offsets(config.table_rows)
         self.width = config.model.row_width  # floats per stored row (embedding, first-order weight)
         self.state_width = config.optimizer.state_width(self.width)
@@ -281,7 +281,7 @@ class Trainer:
         # recovery checkpoints are the servers' files (the shared-memory ideal system writes none)
         assert self.servers is not None and self.store is self.servers
         # the map in force stays fixed while the servers write (a re-sharding switch waits for this lock)
-        with self.registry.locked(RESHARD_LOCK, f"checkpoint-{self.config.job}-{next_batch}"):
+        with self.registry.locked(RESHARD_LOCK, f"checkpoint-{self.config.coordination.job}-{next_batch}"):
             files = self.servers.snapshot(directory, next_batch)
         snapshots.write_dense(
             directory,

@@ -1,0 +1,156 @@
+"""Each service's configuration for one generation of a local job, from ``bagpipe run``'s flags.
+
+The launcher builds the services' own config objects here and starts each process with the command line
+its ``parse`` reads back to the same object (``argv`` in each service's config module; the tests check
+the round trip), so a flag is spelled in one place: the service's parser.
+"""
+
+from __future__ import annotations
+
+import argparse
+from dataclasses import dataclass
+from pathlib import Path
+
+from bagpipe.config_args import Coordination, model_config_of, optimizer_config_of, table_rows_of
+from bagpipe.data_processor.config import DataProcessorConfig, SourceConfig
+from bagpipe.embedding_server.config import EmbeddingServerConfig
+from bagpipe.oracle_cacher.config import OracleConfig
+from bagpipe.trainer.config import TrainerConfig
+
+
+@dataclass(frozen=True)
+class GenerationSpec:
+    """What the processes of one generation share: Redis, the job's name, where it resumes."""
+
+    redis_url: str
+    job: str
+    start: int  # the batch it resumes at (0: the start)
+    checkpoint_every: int  # 0: no recovery checkpoints
+    checkpoints: Path | None  # where they go
+    run_dir: Path
+
+    def coordination(self, args: argparse.Namespace, **where: str) -> Coordination:
+        """Redis and the job as the generation's, ``where`` (e.g. ``metrics_address``) as given."""
+        return Coordination(
+            **{"redis_url": self.redis_url, "job": self.job, "log_level": args.log_level, **where}
+        )
+
+    @property
+    def checkpoint_dir(self) -> str | None:
+        return str(self.checkpoints) if self.checkpoint_every and self.checkpoints else None
+
+
+def system(args: argparse.Namespace) -> str:
+    return getattr(args, "system", "bagpipe")
+
+
+def embedding_server(
+    args: argparse.Namespace,
+    gen: GenerationSpec,
+    shard: int,
+    resume: bool,
+    netns_addresses: str | None = None,
+) -> EmbeddingServerConfig:
+    """Server ``shard``: one of the generation's first (``resume``: from its checkpoint, when there is
+    one), or one joining a running job (``bagpipe scale``), empty until rows move to it. With
+    ``netns_addresses`` ("HOST_IP,NETNS_IP") it listens inside a network namespace and reaches Redis
+    over its link."""
+    coordination = gen.coordination(args)
+    address = "127.0.0.1:0"
+    if netns_addresses:
+        host_ip, netns_ip = netns_addresses.split(",")
+        address = f"{netns_ip}:0"
+        coordination = gen.coordination(
+            args, metrics_address=address, redis_url=gen.redis_url.replace("127.0.0.1", host_ip)
+        )
+    return EmbeddingServerConfig(
+        shard=shard,
+        initial_shards=args.embedding_servers,
+        table_rows=table_rows_of(args),
+        embedding_dim=args.embedding_dim,
+        optimizer=optimizer_config_of(args),
+        seed=args.seed,
+        init_from=args.init_from,
+        address=address,
+        coordination=coordination,
+        data=args.data,
+        checkpoint_dir=gen.checkpoint_dir if resume else None,
+        resume_batch=gen.start if resume and gen.checkpoint_dir else 0,
+        migration_rows_per_second=getattr(args, "migration_rows_per_second", 0.0) or 0.0,
+        model=args.model,
+    )
+
+
+def data_processor(args: argparse.Namespace, gen: GenerationSpec, index: int) -> DataProcessorConfig:
+    source = SourceConfig(
+        data=args.data,
+        table_rows=table_rows_of(args),
+        seed=args.seed,
+        zipf_alpha=args.zipf_alpha,
+        hot_fraction=args.hot_fraction,
+        hot_share=args.hot_share,
+        skip_bad_rows=args.skip_bad_rows,
+        **(
+            {"shuffle_seed": args.shuffle_seed, "shuffle_buffer": args.shuffle_buffer}
+            if getattr(args, "shuffle_seed", None) is not None
+            else {}
+        ),
+    )
+    return DataProcessorConfig(
+        source=source, batch_size=args.batch_size, index=index, coordination=gen.coordination(args)
+    )
+
+
+def oracle(args: argparse.Namespace, gen: GenerationSpec) -> OracleConfig:
+    """The oracle's plan, as ``bagpipe run`` asked (``--system no-cache``: L=1, critical sync); it plans a
+    flush (a checkpoint) at every evaluation point too."""
+    no_cache = system(args) == "no-cache"
+    return OracleConfig(
+        table_rows=table_rows_of(args),
+        batch_size=args.batch_size,
+        trainers=args.trainers,
+        lookahead=1 if no_cache else args.lookahead,
+        data_processors=args.data_processors,
+        iterations=args.iterations,
+        coordination=gen.coordination(args),
+        data=args.data,
+        cache_rows=args.cache_rows,
+        max_lookahead=args.max_lookahead,
+        reuse_delay=args.reuse_delay,
+        cache_mode=args.cache_mode,
+        delayed_sync=not no_cache and args.sync == "delayed",
+        checkpoint_every=gen.checkpoint_every,
+        eval_every=args.eval_every if getattr(args, "eval_data", None) else 0,
+        start_batch=gen.start,
+    )
+
+
+def trainer(args: argparse.Namespace, gen: GenerationSpec, rank: int, dist_init: str) -> TrainerConfig:
+    """Trainer ``rank``; ``--system``: no-cache fetches synchronously, ideal uses a shared-memory table."""
+    table_rows = table_rows_of(args)
+    return TrainerConfig(
+        rank=rank,
+        world_size=args.trainers,
+        dist_init=dist_init,
+        model=model_config_of(args, len(table_rows)),
+        optimizer=optimizer_config_of(args),
+        table_rows=table_rows,
+        seed=args.seed,
+        init_from=args.init_from,
+        save_initial=args.save_initial if rank == 0 and gen.start == 0 else None,
+        save_final=args.save_final if rank == 0 else None,
+        device=args.device,
+        coordination=gen.coordination(args),
+        data=args.data,
+        cache_rows=args.cache_rows,
+        iteration_log=str(gen.run_dir / "metrics" / f"trainer-{rank}.csv"),
+        fetch="synchronous" if system(args) == "no-cache" else "prefetch",
+        shared_table=f"/dev/shm/bagpipe-{gen.job}" if system(args) == "ideal" else None,
+        transfer_batches=args.transfer_batches,
+        checkpoint_dir=gen.checkpoint_dir,
+        resume_batch=gen.start if gen.checkpoint_dir else 0,
+        collective_timeout=max(60.0, 6 * args.failure_timeout),
+        eval_data=getattr(args, "eval_data", None),
+        eval_every=args.eval_every if getattr(args, "eval_data", None) else 0,
+        eval_samples=args.eval_samples if getattr(args, "eval_data", None) else 0,
+    )
