@@ -317,7 +317,23 @@ def section_oracle(profile: dict[str, Any], out: Path) -> dict[str, Any]:
     for p in points:
         log(
             f"oracle {p['sweep']}: batch {p['batch_size']}, {p['tables']} tables, L={p['lookahead']}: "
-            f"{p['samples_per_second'] / 1e6:.2f} M samples/s"
+            f"{p['samples_per_second'] / 1e6:.2f} M samples/s planning, "
+            f"{p['end_to_end_samples_per_second'] / 1e6:.2f} M end to end (plan, split, serialise)"
+        )
+    target = next(
+        (
+            p
+            for p in points
+            if (p["batch_size"], p["tables"], p["lookahead"], p["trainers"]) == (16384, 26, 200, 8)
+        ),
+        None,
+    )
+    if target is not None:
+        ratio = target["end_to_end_ratio_to_target"]
+        log(
+            f"oracle end to end at batch 16384, 26 tables, L=200, 8 trainers: "
+            f"{target['end_to_end_samples_per_second'] / 1e6:.2f} M samples/s, target 5.00 M: ratio "
+            f"{ratio:.2f} ({'met' if ratio >= 1 else 'NOT met'})"
         )
     return {"points": points, "paper_samples_per_second": 3.27e6}
 

@@ -8,6 +8,9 @@ key is the data processors' work (``StreamBatchesRequest.trainers``), done on th
 reaches the oracle; it is timed separately and reported as the data processor's cost per batch, with
 the figure both would reach on one core. Runs on one core (numpy is single-threaded here). The window
 is filled before timing starts, so every timed batch is planned against a full window of L batches.
+The oracle's end-to-end figure adds what it does next with each plan: cut it into the trainers' shares
+with their sample slices (``codec.encode_plans``) and serialise every message, as StreamPlans sends them;
+issue 17's target is 5 M samples/s for all of it on one core.
 
     .venv/bin/python bench/oracle_throughput.py [--batch-size 16384 --lookahead 200 --timed 200]
 """
@@ -26,10 +29,12 @@ from typing import Any
 os.environ.setdefault("OMP_NUM_THREADS", "1")
 
 import numpy as np  # noqa: E402
+from bagpipe.codec import encode_plans  # noqa: E402
 from bagpipe.core.data import KAGGLE_TABLE_ROWS, SyntheticConfig, SyntheticSource, build_batch, table_offsets  # noqa: E402
 from bagpipe.core.lookahead import LookaheadPlanner, trainer_users  # noqa: E402
 
 PAPER_SAMPLES_PER_SECOND = 3.27e6
+TARGET_END_TO_END = 5e6  # planning, splitting and serialising, one core (issue 17)
 
 
 def measure(
@@ -52,18 +57,24 @@ def measure(
     planner = LookaheadPlanner(int(offsets[-1]), lookahead, trainers=trainers)
     for b in range(lookahead):
         planner.push(b, keys[b], users=trainer_users(batches[b].inverse, keys[b].size, trainers))
-    per_batch, users_seconds = [], []
+    per_batch, users_seconds, split_seconds, plan_bytes = [], [], [], 0
     for b in range(lookahead, total):
         start = time.perf_counter()  # which trainers use each key (the data processors' part)
         users = trainer_users(batches[b].inverse, keys[b].size, trainers)
         mid = time.perf_counter()  # the plan: Algorithm 1 with LRPP and delayed sync
         plan = planner.pop()
         planner.push(b, keys[b], last=b == total - 1, users=users)
-        per_batch.append(time.perf_counter() - mid)
+        planned = time.perf_counter()  # the trainers' messages, as StreamPlans sends them
+        plan_bytes += sum(
+            len(m.SerializeToString()) for m in encode_plans(plan, batches[plan.batch], trainers)
+        )
+        split_seconds.append(time.perf_counter() - planned)
+        per_batch.append(planned - mid)
         users_seconds.append(mid - start)
         assert plan.batch == b - lookahead
     seconds = sum(per_batch)
     sps = timed * batch_size / seconds
+    end_to_end = timed * batch_size / (seconds + sum(split_seconds))
     return {
         "benchmark": "oracle_throughput",
         "batch_size": batch_size,
@@ -79,6 +90,11 @@ def measure(
         "samples_per_second": sps,
         "median_ms_per_batch_trainer_masks": 1000 * statistics.median(users_seconds),
         "samples_per_second_with_trainer_masks": timed * batch_size / (seconds + sum(users_seconds)),
+        "median_ms_per_batch_split_serialize": 1000 * statistics.median(split_seconds),
+        "plan_bytes_per_batch": plan_bytes / timed,
+        "end_to_end_samples_per_second": end_to_end,
+        "end_to_end_target": TARGET_END_TO_END,
+        "end_to_end_ratio_to_target": end_to_end / TARGET_END_TO_END,
         "paper_samples_per_second": PAPER_SAMPLES_PER_SECOND,
         "ratio_to_paper": sps / PAPER_SAMPLES_PER_SECOND,
         "peak_occupancy_rows": planner.peak_occupancy,
@@ -111,6 +127,13 @@ def main() -> None:
         f"{result['median_ms_per_batch_trainer_masks']:.2f} ms/batch "
         f"(oracle and masks on one core: {result['samples_per_second_with_trainer_masks'] / 1e6:.2f} M "
         "samples/s)"
+    )
+    print(
+        f"oracle end to end (plan, split into {a.trainers} trainers' messages, serialise): "
+        f"{result['end_to_end_samples_per_second'] / 1e6:.2f} M samples/s "
+        f"(split + serialise median {result['median_ms_per_batch_split_serialize']:.2f} ms/batch, "
+        f"{result['plan_bytes_per_batch'] / 1e6:.1f} MB/batch); target 5.00 M -> ratio "
+        f"{result['end_to_end_ratio_to_target']:.2f}"
     )
 
 

@@ -1,0 +1,141 @@
+"""The trainer's parts on their own: the row stores, the synchroniser's updates, the pipeline's transfer
+groups and errors, the stats' stage timer (no processes, no network: world size 1)."""
+
+from __future__ import annotations
+
+import threading
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+from bagpipe.config_args import Coordination
+from bagpipe.core.cache import EmbeddingCache
+from bagpipe.core.model import ModelConfig
+from bagpipe.core.optim import OptimizerConfig, apply_rows
+from bagpipe.core.plans import SyncStep, TrainerPlan
+from bagpipe.core.row_store import RowStore
+from bagpipe.embedding_server.client import EmbeddingClient
+from bagpipe.trainer import metrics
+from bagpipe.trainer.config import TrainerConfig
+from bagpipe.trainer.pipeline import Pipeline
+from bagpipe.trainer.shared_table import SharedTable
+from bagpipe.trainer.stats import StageTimer
+from bagpipe.trainer.sync import Synchronizer, gather_rows
+
+CPU = torch.device("cpu")
+
+
+def _ints(*values: int) -> np.ndarray:
+    return np.array(values, dtype=np.int32)
+
+
+def _step(slots: np.ndarray, local: np.ndarray) -> SyncStep:
+    empty = _ints()
+    return SyncStep(slots, local, empty, empty, empty)
+
+
+def _config(rank: int = 0, world: int = 1, k: int = 4) -> TrainerConfig:
+    return TrainerConfig(
+        rank,
+        world,
+        "env://",
+        ModelConfig(),
+        OptimizerConfig(),
+        tuple([5] * 26),
+        0,
+        None,
+        None,
+        None,
+        "cpu",
+        Coordination(),
+        transfer_batches=k,
+    )
+
+
+def test_both_row_stores_are_row_stores(tmp_path: Path) -> None:
+    table = SharedTable(str(tmp_path / "t"), 10, 3, 3, create=True)
+    stores: list[RowStore] = [table]
+    keys = np.array([7, 2], dtype=np.int64)
+    stores[0].write_back(keys, np.ones((2, 3), np.float32) * [[1], [2]], np.full((2, 3), 5, np.float32))
+    rows, state = SharedTable(str(tmp_path / "t"), 10, 3, 3, create=False).lookup(keys)
+    assert rows.tolist() == [[1] * 3, [2] * 3] and (state == 5).all()
+    for name in ("lookup", "write_back", "close"):
+        assert callable(getattr(EmbeddingClient, name)) and callable(getattr(SharedTable, name))
+    table.unlink()
+
+
+def test_gather_rows_puts_this_trainers_gradients_in_sync_order() -> None:
+    grad = torch.arange(12, dtype=torch.float32).view(4, 3)
+    out = gather_rows(grad, _ints(2, -1, 0))
+    assert out.tolist() == [[6, 7, 8], [0, 0, 0], [0, 1, 2]]
+
+
+@pytest.mark.parametrize("optimizer", ["sgd", "adagrad", "adam"])
+def test_update_applies_private_and_critical_rows_like_the_optimizer(optimizer: str) -> None:
+    opt = OptimizerConfig(optimizer, 0.1)
+    cache = EmbeddingCache(2, opt.state_width(2), CPU, capacity=8)
+    cache.insert(cache.index(_ints(*range(8))), torch.randn(8, 2), torch.rand(8, opt.state_width(2)))
+    weights, state = cache.weights.clone(), cache.state.clone()
+    sync = Synchronizer(cache, opt, 1, Pipeline(_config(), cache, None, [], 0), lambda batch: batch + 1)  # type: ignore[arg-type]
+    # the batch uses slots 5, 1, 6: 5 and 6 are private (rows 0 and 2), 1 is critical (row 1)
+    share = TrainerPlan(
+        3,
+        _ints(5, 1, 6),
+        _ints(),
+        np.array([], np.int64),
+        _ints(),
+        _ints(0, 2),
+        _step(_ints(1), _ints(1)),
+        _step(_ints(), _ints()),
+        np.array([], np.int64),
+        _ints(),
+    )
+    row_grad = torch.randn(3, 2)
+    sync.synced = 2  # (batch 2's background synchronisation is done: batch 3's critical one may start)
+    critical = sync.critical(3, share, row_grad)  # (world size 1: nothing to reduce)
+    sync.update(3, share, cache.index(share.slots), row_grad, critical)
+    apply_rows(opt, weights, state, torch.tensor([5, 6]), row_grad[[0, 2]], 4)
+    apply_rows(opt, weights, state, torch.tensor([1]), row_grad[[1]], 4)
+    assert torch.equal(cache.weights, weights) and torch.equal(cache.state, state)
+
+
+def test_transfer_groups_cover_every_batch_and_interleave_across_trainers() -> None:
+    k = 4
+    for world in (1, 2, 4):
+        ends = []
+        for rank in range(world):
+            p = Pipeline(_config(rank, world, k), EmbeddingCache(2, 0, CPU), None, [], 0)  # type: ignore[arg-type]
+            for phase in (p._prefetch_phase, p._write_phase):
+                group_ends = [p._group_end(b, phase) for b in range(40)]
+                assert all(b <= e < b + k for b, e in enumerate(group_ends))
+                assert all(group_ends[e] == e for e in group_ends if e < 40)  # an end ends its own group
+            ends.append(p._group_end(0, p._prefetch_phase))
+        assert world == 1 or len(set(ends)) > 1  # the trainers' groups do not all end together
+
+
+def test_a_failed_thread_wakes_every_waiter_with_its_error() -> None:
+    p = Pipeline(_config(), EmbeddingCache(2, 0, CPU), None, [], 0)  # type: ignore[arg-type]
+    caught: list[BaseException] = []
+
+    def wait() -> None:
+        try:
+            p.wait(lambda: False, starving=True)
+        except RuntimeError as e:
+            caught.append(e)
+
+    waiter = threading.Thread(target=wait)
+    waiter.start()
+    p.fail(ValueError("plan 4: slots"))
+    waiter.join(10)
+    assert not waiter.is_alive() and isinstance(caught[0].__cause__, ValueError)
+    assert not p.starving
+
+
+def test_stage_timer_adds_up_to_the_iteration() -> None:
+    timer = StageTimer()
+    for stage in metrics.STAGES:
+        timer.mark(stage)
+    timer.mark("embedding_sync")  # a stage may run twice in one iteration
+    assert set(timer.seconds) == set(metrics.STAGES)
+    assert sum(timer.seconds.values()) == pytest.approx(timer.total())
