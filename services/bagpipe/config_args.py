@@ -3,13 +3,16 @@
 from __future__ import annotations
 
 import argparse
+from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, TypeVar
 
 from bagpipe import security
 from bagpipe.core.data import KAGGLE_TABLE_ROWS, scaled_table_rows, source_schema
 from bagpipe.core.model import DEFAULT_CROSS_LAYERS, DEFAULT_DEEP_MLP, LINEAR_MODELS, MODELS, ModelConfig
 from bagpipe.core.optim import DEFAULT_EPS, OPTIMIZERS, OptimizerConfig
+
+C = TypeVar("C")
 
 DEFAULT_SCALE = 0.01
 DEFAULT_MAX_LOOKAHEAD = 200
@@ -356,6 +359,24 @@ def add_recovery_args(p: argparse.ArgumentParser) -> None:
         help="begin at this batch from the complete checkpoint of that name in --checkpoint-dir "
         "(0: from the start)",
     )
+
+
+def parse_config(
+    parser: argparse.ArgumentParser,
+    argv: list[str] | None,
+    build: Callable[[argparse.Namespace], C],
+    resume: bool = False,
+) -> C:
+    """A service's ``parse``: its flags, then its config; a value the config refuses exits like a bad flag,
+    naming it (``--batch-size: must be ...``). ``resume``: the service takes ``add_recovery_args``."""
+    args = parser.parse_args(argv)
+    if resume:
+        check_resume(args)
+    try:
+        return build(args)
+    except ValueError as e:
+        field, _, why = str(e).partition(": ")
+        parser.error(f"--{field.replace('_', '-')}: {why}")
 
 
 def check_resume(args: argparse.Namespace) -> None:

@@ -11,6 +11,7 @@ from bagpipe.config_args import (
     add_table_args,
     coordination_of,
     non_negative_int,
+    parse_config,
     positive_int,
     table_argv,
     table_rows_of,
@@ -160,19 +161,17 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def parse(argv: list[str] | None = None) -> DataProcessorConfig:
-    p = build_parser()
-    a = p.parse_args(argv)
-    try:
-        return DataProcessorConfig(
-            source=source_of(a),
-            batch_size=a.batch_size,
-            index=a.index,
-            address=a.address,
-            coordination=coordination_of(a),
-        )
-    except ValueError as e:
-        field, _, why = str(e).partition(": ")
-        p.error(f"--{field.replace('_', '-')}: {why}")
+    return parse_config(build_parser(), argv, _config)
+
+
+def _config(a: argparse.Namespace) -> DataProcessorConfig:
+    return DataProcessorConfig(
+        source=source_of(a),
+        batch_size=a.batch_size,
+        index=a.index,
+        address=a.address,
+        coordination=coordination_of(a),
+    )
 
 
 def argv(c: DataProcessorConfig) -> list[str]:

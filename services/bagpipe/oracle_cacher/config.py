@@ -15,6 +15,7 @@ from bagpipe.config_args import (
     add_table_args,
     coordination_of,
     non_negative_int,
+    parse_config,
     table_argv,
     table_rows_of,
 )
@@ -122,31 +123,29 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def parse(argv: list[str] | None = None) -> OracleConfig:
-    p = build_parser()
-    a = p.parse_args(argv)
-    try:
-        return OracleConfig(
-            table_rows=table_rows_of(a),
-            batch_size=a.batch_size,
-            trainers=a.trainers,
-            lookahead=a.lookahead,
-            cache_rows=a.cache_rows,
-            max_lookahead=a.max_lookahead,
-            reuse_delay=a.reuse_delay,
-            cache_mode=a.cache_mode,
-            delayed_sync=a.sync == "delayed",
-            data_processors=a.data_processors,
-            iterations=a.iterations,
-            address=a.address,
-            coordination=coordination_of(a),
-            data=a.data,
-            checkpoint_every=a.checkpoint_every,
-            eval_every=a.eval_every,
-            start_batch=a.start_batch,
-        )
-    except ValueError as e:
-        field, _, why = str(e).partition(": ")
-        p.error(f"--{field.replace('_', '-')}: {why}")
+    return parse_config(build_parser(), argv, _config)
+
+
+def _config(a: argparse.Namespace) -> OracleConfig:
+    return OracleConfig(
+        table_rows=table_rows_of(a),
+        batch_size=a.batch_size,
+        trainers=a.trainers,
+        lookahead=a.lookahead,
+        cache_rows=a.cache_rows,
+        max_lookahead=a.max_lookahead,
+        reuse_delay=a.reuse_delay,
+        cache_mode=a.cache_mode,
+        delayed_sync=a.sync == "delayed",
+        data_processors=a.data_processors,
+        iterations=a.iterations,
+        address=a.address,
+        coordination=coordination_of(a),
+        data=a.data,
+        checkpoint_every=a.checkpoint_every,
+        eval_every=a.eval_every,
+        start_batch=a.start_batch,
+    )
 
 
 def argv(c: OracleConfig) -> list[str]:

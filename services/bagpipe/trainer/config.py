@@ -13,12 +13,12 @@ from bagpipe.config_args import (
     add_model_args,
     add_recovery_args,
     add_table_args,
-    check_resume,
     coordination_of,
     model_argv,
     model_config_of,
     optimizer_argv,
     optimizer_config_of,
+    parse_config,
     positive_int,
     recovery_argv,
     table_argv,
@@ -137,14 +137,7 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def parse(argv: list[str] | None = None) -> TrainerConfig:
-    p = build_parser()
-    a = p.parse_args(argv)
-    check_resume(a)
-    try:
-        return _config(a)
-    except ValueError as e:
-        field, _, why = str(e).partition(": ")
-        p.error(f"--{field.replace('_', '-')}: {why}")
+    return parse_config(build_parser(), argv, _config, resume=True)
 
 
 def _config(a: argparse.Namespace) -> TrainerConfig:
