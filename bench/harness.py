@@ -50,6 +50,7 @@ sys.path.insert(0, str(REPO / "bench"))
 
 from bagpipe.cli import build_parser  # noqa: E402
 from bagpipe.local.launcher import run as run_job  # noqa: E402
+from embedding_server import measure as server_measure  # noqa: E402
 from oracle_throughput import measure as oracle_measure  # noqa: E402
 
 PROFILES: dict[str, dict[str, Any]] = {
@@ -80,6 +81,8 @@ PROFILES: dict[str, dict[str, Any]] = {
             "timed": 40,
         },
         "rates": ["10gbit", "1gbit"],
+        # one server with every Kaggle row (33.8 M, dim 16, Adagrad: 4.3 GB), 16 k keys per lookup
+        "embedding_server": {"scale": 1.0, "keys": 16384, "concurrency": 4, "seconds": 20},
     },
     # the paper's DLRM (Table 2) and batch; hours on 2 cores
     "full": {
@@ -115,6 +118,7 @@ PROFILES: dict[str, dict[str, Any]] = {
         },
         "rates": ["10gbit", "1gbit", "100mbit"],
         "skew_iterations": 200,
+        "embedding_server": {"scale": 1.0, "keys": 16384, "concurrency": 4, "seconds": 60},
     },
 }
 NETNS, HOST_IF, NS_IF = "bagpipe-bench", "bpb-host", "bpb-ns"
@@ -338,6 +342,18 @@ def section_oracle(profile: dict[str, Any], out: Path) -> dict[str, Any]:
     return {"points": points, "paper_samples_per_second": 3.27e6}
 
 
+def section_embedding_server(profile: dict[str, Any], out: Path) -> dict[str, Any]:
+    e = profile["embedding_server"]
+    r = server_measure(e["scale"], e["keys"], e["concurrency"], e["seconds"])
+    log(
+        f"embedding server ({r['rows']:,} rows): {r['rows_per_second'] / 1e6:.2f} M rows/s at "
+        f"{r['keys_per_call']:,} keys per lookup, target 5.00 M: ratio {r['ratio_to_target']:.2f} "
+        f"({'met' if r['ratio_to_target'] >= 1 else 'NOT met'}); memory {r['memory_ratio']:.3f}x the rows "
+        f"and state, target <= 1.1x ({'met' if r['memory_ratio'] <= 1.1 else 'NOT met'})"
+    )
+    return r
+
+
 def section_lookahead(profile: dict[str, Any], out: Path) -> dict[str, Any]:
     runs = []
     for lookahead in profile["lookaheads"]:
@@ -438,6 +454,7 @@ SECTIONS = {
     "torchrec": section_torchrec,
     "network": section_network,
     "oracle": section_oracle,
+    "embedding_server": section_embedding_server,
     "lookahead": section_lookahead,
     "skew": section_skew,
 }

@@ -1,6 +1,18 @@
-"""Numpy arrays to and from ``bagpipe.v1.Tensor``: raw little-endian bytes with dtype and shape."""
+"""Numpy arrays to and from ``bagpipe.v1.Tensor``: raw little-endian bytes with dtype and shape.
+
+:func:`to_tensor` builds a ``Tensor`` message. On the hottest paths (an embedding server's lookup reply, a
+trainer's write-back) :func:`encode_message` writes a whole message's bytes instead, as protobuf would
+serialise it, so each array's bytes are copied once into the result rather than once per protobuf layer
+(the array's bytes, the field, the parent message, the serialised string); gRPC then sends those bytes
+as they are (:func:`serialized`). The receiver parses them with the generated classes as usual.
+"""
 
 from __future__ import annotations
+
+from collections.abc import Iterator, Sequence
+from dataclasses import dataclass
+from types import SimpleNamespace
+from typing import Any
 
 import numpy as np
 
@@ -22,7 +34,8 @@ def to_tensor(array: np.ndarray) -> tensor_pb2.Tensor:
     dtype = array.dtype.newbyteorder("<") if array.dtype.byteorder == ">" else array.dtype
     if dtype not in _TO_PROTO:
         raise TypeError(f"unsupported dtype {array.dtype}")
-    data = np.ascontiguousarray(array, dtype=dtype).tobytes()
+    # tobytes() writes C order from any strides: one copy, even for a column slice of a packed table
+    data = array.astype(dtype, copy=False).tobytes()
     return tensor_pb2.Tensor(dtype=_TO_PROTO[dtype], shape=list(array.shape), data=data)
 
 
@@ -59,3 +72,142 @@ def from_tensor(
             field, f"{len(tensor.data)} bytes do not hold shape {list(dims)} of {want.name}"
         )
     return np.frombuffer(tensor.data, dtype=want).reshape(dims)
+
+
+def _varint(value: int) -> bytes:
+    value &= (1 << 64) - 1  # negative int64: ten bytes of two's complement, as protobuf writes it
+    out = bytearray()
+    while value > 0x7F:
+        out.append((value & 0x7F) | 0x80)
+        value >>= 7
+    out.append(value)
+    return bytes(out)
+
+
+def _tensor_parts(number: int, array: np.ndarray) -> list[Any]:
+    """Field ``number`` holding ``array`` as a ``Tensor`` (dtype = 1, shape = 2 packed, data = 3)."""
+    dtype = array.dtype.newbyteorder("<") if array.dtype.byteorder == ">" else array.dtype
+    if dtype not in _TO_PROTO:
+        raise TypeError(f"unsupported dtype {array.dtype}")
+    data = np.ascontiguousarray(array, dtype=dtype)
+    head = bytearray(b"\x08" + _varint(_TO_PROTO[dtype]))
+    if array.ndim:
+        dims = b"".join(_varint(int(d)) for d in array.shape)
+        head += b"\x12" + _varint(len(dims)) + dims
+    if data.nbytes:
+        head += b"\x1a" + _varint(data.nbytes)
+    parts: list[Any] = [_varint(number << 3 | 2) + _varint(len(head) + data.nbytes), bytes(head)]
+    if data.nbytes:
+        parts.append(data)  # (a C-contiguous array is a buffer: join copies it once)
+    return parts
+
+
+def encode_message(fields: Sequence[tuple[int, Any]]) -> bytes:
+    """The serialised bytes of a message whose fields are int64 scalars and ``Tensor`` messages, given as
+    (field number, int or array) in field order: the bytes ``SerializeToString`` gives for the same message
+    (a scalar 0 is left out, as proto3 does). Each array's data is copied once, into the result."""
+    parts: list[Any] = []
+    for number, value in fields:
+        if isinstance(value, int | np.integer):
+            if value:
+                parts += [_varint(number << 3), _varint(int(value))]
+        else:  # an array (or anything np.asarray takes, such as a CPU tensor)
+            parts += _tensor_parts(number, np.asarray(value))
+    return b"".join(parts)
+
+
+def serialized(message: Any) -> bytes:
+    """gRPC serializer for methods whose messages may arrive already serialised (``encode_message``)."""
+    return message if isinstance(message, bytes) else message.SerializeToString()
+
+
+@dataclass(frozen=True)
+class RawTensor:
+    """A ``Tensor`` read by :func:`decode_message`: ``data`` is a view of the message bytes (no copy);
+    :func:`from_tensor` reads it like a ``Tensor`` message."""
+
+    dtype: int = 0
+    shape: tuple[int, ...] = ()
+    data: memoryview = memoryview(b"")
+
+
+def _read_varint(buf: memoryview, at: int, end: int, field: str) -> tuple[int, int]:
+    value = shift = 0
+    while True:
+        if at >= end or shift > 63:
+            raise InvalidArgument(field, "malformed message: a varint runs past its end")
+        byte = buf[at]
+        value |= (byte & 0x7F) << shift
+        at += 1
+        shift += 7
+        if byte < 0x80:
+            return value, at
+
+
+def _int64(value: int) -> int:
+    return value - (1 << 64) if value >= 1 << 63 else value
+
+
+def _read_fields(buf: memoryview, at: int, end: int, field: str) -> Iterator[tuple[int, int, Any]]:
+    """(number, wire type, value) of each field in ``buf[at:end]``: an int, or (start, end) of its bytes."""
+    while at < end:
+        tag, at = _read_varint(buf, at, end, field)
+        number, kind = tag >> 3, tag & 7
+        if kind == 0:
+            value, at = _read_varint(buf, at, end, field)
+            yield number, kind, value
+        elif kind == 2:
+            size, at = _read_varint(buf, at, end, field)
+            if at + size > end:
+                raise InvalidArgument(field, f"malformed message: field {number} runs past the end")
+            yield number, kind, (at, at + size)
+            at += size
+        elif kind in (1, 5):
+            at += 8 if kind == 1 else 4
+        else:
+            raise InvalidArgument(field, f"malformed message: wire type {kind} of field {number}")
+    if at != end:
+        raise InvalidArgument(field, "malformed message: truncated")
+
+
+def _read_tensor(buf: memoryview, start: int, end: int, field: str) -> RawTensor:
+    dtype, shape, data = 0, [], buf[start:start]
+    for number, kind, value in _read_fields(buf, start, end, field):
+        if number == 1 and kind == 0:
+            dtype = value
+        elif number == 2 and kind == 2:  # packed dims
+            at, stop = value
+            while at < stop:
+                dim, at = _read_varint(buf, at, stop, field)
+                shape.append(_int64(dim))
+        elif number == 2 and kind == 0:  # an unpacked dim (parsers must accept both)
+            shape.append(_int64(value))
+        elif number == 3 and kind == 2:
+            data = buf[value[0] : value[1]]
+    return RawTensor(dtype, tuple(shape), data)
+
+
+def decode_message(data: bytes, descriptor: Any) -> SimpleNamespace:
+    """Reads a serialised message of type ``descriptor`` whose fields are int64 scalars and ``Tensor``
+    messages (what :func:`encode_message` writes, or protobuf), without copying the tensors' bytes: each
+    ``Tensor`` field becomes a :class:`RawTensor` viewing ``data``. Fields absent take their defaults;
+    unknown fields are skipped, as protobuf does. Malformed bytes raise InvalidArgument."""
+    where = descriptor.name
+    out: dict[str, Any] = {}
+    kinds = {}
+    for f in descriptor.fields:
+        tensor = f.message_type is not None and f.message_type.full_name == "bagpipe.v1.Tensor"
+        kinds[f.number] = (f.name, tensor)
+        out[f.name] = RawTensor() if tensor else 0
+    buf = memoryview(data)
+    for number, kind, value in _read_fields(buf, 0, len(buf), where):
+        name, tensor = kinds.get(number, (None, False))
+        if name is None:
+            continue
+        if tensor and kind == 2:
+            out[name] = _read_tensor(buf, value[0], value[1], f"{where}.{name}")
+        elif not tensor and kind == 0:
+            out[name] = _int64(value)
+        else:
+            raise InvalidArgument(f"{where}.{name}", f"malformed message: wire type {kind}")
+    return SimpleNamespace(**out)

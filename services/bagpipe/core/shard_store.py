@@ -1,7 +1,9 @@
 """One embedding-server shard: the rows of its buckets of every table, with optimizer state.
 
-Storage is two dense float32 arrays, ``[local_rows, dim]`` and ``[local_rows, state_width]``; a
-key's local row is arithmetic on the shard map, so the only per-row cost is the row itself.
+Storage is one dense float32 array ``[local_rows, dim + state_width]``, each row followed by its
+optimizer state (``weights`` and ``state`` are views of its two column ranges): a lookup gathers one
+contiguous run of bytes per key, not two. A key's local row, and a local row's key, are arithmetic on
+the shard map, so the only per-row cost is the row itself (plus a changed flag).
 
 Re-sharding (``Migration``) builds the arrays of the next shard-map version beside the current ones
 while the current ones go on serving: the rows that stay are copied over locally and the incoming ones
@@ -30,6 +32,14 @@ from bagpipe.errors import InvalidArgument
 logger = logging.getLogger(__name__)
 
 _INIT_CHUNK = 1 << 18
+
+
+def packed_rows(rows: int, dim: int, state_width: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """Zeros ``[rows, dim + state_width]``, with views of its row and state columns."""
+    table = np.zeros((rows, dim + state_width), dtype=np.float32)
+    return table, table[:, :dim], table[:, dim:]
+
+
 # no trained embedding value comes near this; a write beyond it is a bug or an attack
 DEFAULT_MAX_ABS = 1e6
 
@@ -83,15 +93,14 @@ class ShardStore:
         self.dim = dim
         self.state_width = state_width
         self._position, local_rows = shard_map.local_layout(shard)
-        self.weights = np.zeros((local_rows, dim), dtype=np.float32)
-        self.state = np.zeros((local_rows, state_width), dtype=np.float32)
+        self._owned = shard_map.buckets_of(shard)  # the bucket at each local position
+        self.table, self.weights, self.state = packed_rows(local_rows, dim, state_width)
         local_keys = shard_map.local_keys(shard)
         for start in range(0, local_rows, _INIT_CHUNK):
             keys = local_keys[start : start + _INIT_CHUNK]
             valid = keys >= 0
             self.weights[start : start + keys.size][valid] = init_rows(keys[valid], offsets, dim, seed)
         self.rows_held = int((local_keys >= 0).sum())
-        self._local_keys = local_keys
         self._changed = np.zeros(local_rows, dtype=bool)  # written since the last snapshot
         self.migration: Migration | None = None
         self.max_abs = DEFAULT_MAX_ABS  # a written value beyond this is refused (--max-abs-value)
@@ -142,9 +151,17 @@ class ShardStore:
             )
         return position * self.shard_map.rows_per_bucket + keys // self.shard_map.num_buckets
 
+    def keys_of(self, index: np.ndarray) -> np.ndarray:
+        """Global keys of local rows ``index`` (-1 for padding past the last key)."""
+        per = self.shard_map.rows_per_bucket
+        keys = self._owned[index // per] + self.shard_map.num_buckets * (index % per)
+        keys[keys >= self.shard_map.num_keys] = -1
+        return keys.astype(np.int64, copy=False)
+
     def lookup(self, keys: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
-        index = self.local_index(keys)
-        return self.weights[index], self.state[index]
+        """Copies of the rows and state of ``keys`` (views of one gathered ``[n, dim + state]`` block)."""
+        packed = self.table.take(self.local_index(keys), axis=0)
+        return packed[:, : self.dim], packed[:, self.dim :]
 
     def write(self, keys: np.ndarray, rows: np.ndarray, state: np.ndarray) -> None:
         """Validates everything first, then stores: a bad request changes nothing."""
@@ -164,7 +181,7 @@ class ShardStore:
         the next snapshot holds only what changes after this one."""
         index = np.flatnonzero(self._changed)
         self._changed[index] = False
-        return self._local_keys[index], self.weights[index], self.state[index]
+        return self.keys_of(index), self.weights[index], self.state[index]
 
     def keep_changes(self, keys: np.ndarray) -> None:
         """Marks ``keys`` changed again (a snapshot of them could not be written)."""
@@ -201,6 +218,7 @@ class ShardStore:
             )
         self.shard_map = shard_map
         self._position = shard_map.local_layout(self.shard)[0]
+        self._owned = shard_map.buckets_of(self.shard)
 
     def begin_migration(self, new_map: ShardMap) -> Migration:
         """Starts building this shard's arrays for ``new_map`` (the next version)."""
@@ -229,7 +247,7 @@ class ShardStore:
         m = self.migration
         assert m is not None
         m.dirty[index] = False
-        return self._local_keys[index], self.weights[index], self.state[index]
+        return self.keys_of(index), self.weights[index], self.state[index]
 
     def finish_migration(self) -> None:
         """Switches to the new arrays once sealed and every incoming shard's last rows are in."""
@@ -237,14 +255,9 @@ class ShardStore:
         assert m is not None and m.ready
         self.shard_map = m.new_map
         if m.changes_layout:
-            self._position = m.position
-            self.weights, self.state, self._changed, self._local_keys = (
-                m.weights,
-                m.state,
-                m.changed,
-                m.local_keys,
-            )
-            self.rows_held = int((m.local_keys >= 0).sum())
+            self._position, self._owned = m.position, m.new_map.buckets_of(self.shard)
+            self.table, self.weights, self.state, self._changed = m.table, m.weights, m.state, m.changed
+            self.rows_held = int((m.new_map.local_keys(self.shard) >= 0).sum())
         self.migration = None
 
 
@@ -256,8 +269,8 @@ class Migration:
         self.store = store
         self.new_map = new_map
         self.dirty = np.zeros(store.weights.shape[0], dtype=bool)
-        here = store._local_keys
-        valid = here >= 0
+        here = store.keys_of(np.arange(store.table.shape[0]))  # (transient: the migration's own arrays
+        valid = here >= 0  # are the shard's size again anyway)
         goes_to = new_map.shard_of(np.where(valid, here, 0))
         # local rows that stay here, and those that leave, per new owner
         self.staying = np.flatnonzero(valid & (goes_to == store.shard))
@@ -272,9 +285,7 @@ class Migration:
         self.position, rows = new_map.local_layout(store.shard)
         if not self.changes_layout:  # the same buckets here: the arrays stay, only the version changes
             rows = 0
-        self.local_keys = new_map.local_keys(store.shard) if rows else store._local_keys
-        self.weights = np.zeros((rows, store.dim), dtype=np.float32)
-        self.state = np.zeros((rows, store.state_width), dtype=np.float32)
+        self.table, self.weights, self.state = packed_rows(rows, store.dim, store.state_width)
         self.changed = np.zeros(rows, dtype=bool)
         self.sealed = False
         self.finals: set[int] = set()  # sources whose last rows have arrived
@@ -340,12 +351,12 @@ class Migration:
         self.sealed = True
         dirty = self.staying[self.dirty[self.staying]]
         self.copy_staying(dirty)
-        keys = store._local_keys[self.staying]
+        keys = store.keys_of(self.staying)
         self.changed[self.new_index(keys)] = store._changed[self.staying]
         out = {}
         for dst, rows in self.leaving.items():
             again = rows[self.dirty[rows]]
             k, w, st = store.read_rows(again)
-            out[dst] = (k, w, st, store._local_keys[rows[store._changed[rows]]])
+            out[dst] = (k, w, st, store.keys_of(rows[store._changed[rows]]))
             store._changed[rows] = False
         return out

@@ -7,7 +7,7 @@ import logging
 import socket
 import sys
 
-from bagpipe import serving
+from bagpipe import allocator, serving
 from bagpipe.control.registry import Registry
 from bagpipe.data_processor.config import DataProcessorConfig, parse
 from bagpipe.data_processor.server import create_server
@@ -44,6 +44,7 @@ async def serve(cfg: DataProcessorConfig) -> None:
 def main(argv: list[str] | None = None) -> None:
     cfg = parse(argv)
     serving.configure_logging(cfg.coordination.log_level)
+    allocator.keep_freed_buffers()
     serving.run_service(lambda: asyncio.run(serve(cfg)), "bagpipe.data_processor")
 
 

@@ -6,7 +6,7 @@ import asyncio
 import logging
 import sys
 
-from bagpipe import serving
+from bagpipe import allocator, serving
 from bagpipe.control.registry import Registry
 from bagpipe.core import checkpoint, snapshots
 from bagpipe.core.data import table_offsets
@@ -91,6 +91,7 @@ async def serve(cfg: EmbeddingServerConfig) -> None:
 def main(argv: list[str] | None = None) -> None:
     cfg = parse(argv)
     serving.configure_logging(cfg.coordination.log_level)
+    allocator.keep_freed_buffers()
     serving.run_service(lambda: asyncio.run(serve(cfg)), "bagpipe.embedding_server")
 
 

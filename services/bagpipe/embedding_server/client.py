@@ -18,7 +18,7 @@ from bagpipe import serving
 from bagpipe.core.shard_map import ShardMap
 from bagpipe.v1 import embedding_server_pb2 as pb
 from bagpipe.v1 import embedding_server_pb2_grpc as pb_grpc
-from bagpipe.wire import from_tensor, to_tensor
+from bagpipe.wire import decode_message, encode_message, from_tensor, serialized
 
 logger = logging.getLogger(__name__)
 
@@ -61,7 +61,23 @@ class _Route:
     """One shard-map version and a stub for each shard that holds buckets in it."""
 
     shard_map: ShardMap
-    stubs: dict[int, pb_grpc.EmbeddingServerStub]
+    stubs: dict[int, _Stub]
+
+
+class _Stub(pb_grpc.EmbeddingServerStub):
+    """The generated stub, but ``Lookup`` and ``WriteBack`` take requests already serialised
+    (``wire.encode_message``), so the rows a trainer writes back are copied into the request once."""
+
+    def __init__(self, channel: grpc.Channel) -> None:
+        super().__init__(channel)
+        service = pb.DESCRIPTOR.services_by_name["EmbeddingServer"].full_name
+        # a lookup's reply stays bytes: read by wire.decode_message, the rows are copied once, into place
+        self.Lookup = channel.unary_unary(f"/{service}/Lookup", request_serializer=serialized)
+        self.WriteBack = channel.unary_unary(
+            f"/{service}/WriteBack",
+            request_serializer=serialized,
+            response_deserializer=pb.WriteBackResponse.FromString,
+        )
 
 
 Resolver = Callable[[], tuple["ShardMap | None", dict[int, str]]]
@@ -111,7 +127,7 @@ class EmbeddingClient:
                 self._channels[addresses[s]] = serving.channel(addresses[s])
         return _Route(
             shard_map,
-            {s: pb_grpc.EmbeddingServerStub(self._channels[addresses[s]]) for s in shard_map.owners},
+            {s: _Stub(self._channels[addresses[s]]) for s in shard_map.owners},
         )
 
     def refresh(self, newer_than: int | None = None) -> bool:
@@ -197,12 +213,13 @@ class EmbeddingClient:
         state = np.empty((keys.size, self.state_width), dtype=np.float32)
 
         def one(route: _Route, stub: Any, part: np.ndarray) -> None:
-            request = pb.LookupRequest(shard_map_version=route.shard_map.version, keys=to_tensor(keys[part]))
-            reply = stub.Lookup(request, timeout=serving.RPC_TIMEOUT_S)
+            request = encode_message([(1, route.shard_map.version), (2, keys[part])])
+            data = stub.Lookup(request, timeout=serving.RPC_TIMEOUT_S)
+            reply = decode_message(data, pb.LookupResponse.DESCRIPTOR)
             rows[part] = from_tensor(reply.rows, "rows", np.float32, shape=(part.size, self.dim))
             state[part] = from_tensor(reply.state, "state", np.float32, shape=(part.size, self.state_width))
-            self.bytes_sent += request.ByteSize()
-            self.bytes_received += reply.ByteSize()
+            self.bytes_sent += len(request)
+            self.bytes_received += len(data)
 
         self._each_shard(keys, lambda r, s, p: self._send(r, s, p, "lookup", functools.partial(one, r)))
         return rows, state
@@ -211,14 +228,10 @@ class EmbeddingClient:
         """Stores rows and state; returns once every shard has acknowledged (durable in memory)."""
 
         def one(route: _Route, stub: Any, part: np.ndarray) -> None:
-            request = pb.WriteBackRequest(
-                shard_map_version=route.shard_map.version,
-                keys=to_tensor(keys[part]),
-                rows=to_tensor(rows[part]),
-                state=to_tensor(state[part]),
-            )
+            version = route.shard_map.version
+            request = encode_message([(1, version), (2, keys[part]), (3, rows[part]), (4, state[part])])
             stub.WriteBack(request, timeout=serving.RPC_TIMEOUT_S)
-            self.bytes_sent += request.ByteSize()
+            self.bytes_sent += len(request)
 
         self._each_shard(keys, lambda r, s, p: self._send(r, s, p, "write-back", functools.partial(one, r)))
 

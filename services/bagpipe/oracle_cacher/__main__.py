@@ -6,7 +6,7 @@ import asyncio
 import logging
 import sys
 
-from bagpipe import serving
+from bagpipe import allocator, serving
 from bagpipe.control.registry import Registry
 from bagpipe.oracle_cacher.config import OracleConfig, parse
 from bagpipe.oracle_cacher.server import Oracle, create_server
@@ -60,6 +60,7 @@ async def serve(cfg: OracleConfig) -> None:
 def main(argv: list[str] | None = None) -> None:
     cfg = parse(argv)
     serving.configure_logging(cfg.coordination.log_level)
+    allocator.keep_freed_buffers()
     serving.run_service(lambda: asyncio.run(serve(cfg)), "bagpipe.oracle_cacher")
 
 

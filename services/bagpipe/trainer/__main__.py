@@ -8,7 +8,7 @@ import signal
 import sys
 import threading
 
-from bagpipe import serving
+from bagpipe import allocator, serving
 from bagpipe.trainer.config import parse
 from bagpipe.trainer.worker import Trainer
 
@@ -18,6 +18,7 @@ logger = logging.getLogger("bagpipe.trainer")
 def main(argv: list[str] | None = None) -> None:
     cfg = parse(argv)
     serving.configure_logging(cfg.coordination.log_level)
+    allocator.keep_freed_buffers()
     faulthandler.register(signal.SIGUSR1)  # `kill -USR1` prints every thread's stack to the log
     trainer = Trainer(cfg)
     http = serving.start_metrics(
