@@ -29,6 +29,7 @@ from typing import Any
 os.environ.setdefault("OMP_NUM_THREADS", "1")
 
 import numpy as np  # noqa: E402
+from bagpipe import allocator  # noqa: E402
 from bagpipe.codec import encode_plans  # noqa: E402
 from bagpipe.core.data import KAGGLE_TABLE_ROWS, SyntheticConfig, SyntheticSource, build_batch, table_offsets  # noqa: E402
 from bagpipe.core.lookahead import LookaheadPlanner, trainer_users  # noqa: E402
@@ -46,6 +47,7 @@ def measure(
     zipf_alpha: float = 1.1,
 ) -> dict[str, Any]:
     """Plans ``timed`` batches against a full window; the first ``tables`` Kaggle tables."""
+    allocator.keep_freed_buffers()  # as the oracle service does
     rows = KAGGLE_TABLE_ROWS[:tables]
     offsets = table_offsets(rows)
     source = SyntheticSource(SyntheticConfig(table_rows=rows, zipf_alpha=zipf_alpha))

@@ -12,6 +12,7 @@ Tensors themselves are raw little-endian bytes (``bagpipe.wire``).
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
@@ -19,7 +20,7 @@ import numpy as np
 
 from bagpipe.core.data import BatchArrays
 from bagpipe.core.lookahead import BatchPlan, all_trainers
-from bagpipe.core.plans import SyncStep, TrainerPlan, for_trainer
+from bagpipe.core.plans import Splitter, SyncStep, TrainerPlan
 from bagpipe.errors import InvalidArgument
 from bagpipe.v1 import data_processor_pb2 as dpb
 from bagpipe.v1 import oracle_cacher_pb2 as opb
@@ -124,11 +125,12 @@ class PlanArrays:
         return self.share.batch
 
 
-def _encode_sync(step: SyncStep) -> opb.Sync:
+def _encode_sync(step: SyncStep, common: Callable[[np.ndarray], Any] = to_tensor) -> opb.Sync:
+    """``common`` encodes the arrays every trainer's step shares (encoded once per plan)."""
     return opb.Sync(
-        slots=to_tensor(step.slots),
+        slots=common(step.slots),
         local=to_tensor(step.local),
-        handover_slots=to_tensor(step.handover_slots),
+        handover_slots=common(step.handover_slots),
         handover_send=to_tensor(step.handover_send),
         handover_recv=to_tensor(step.handover_recv),
     )
@@ -157,9 +159,17 @@ def encode_plans(
     rows each trainer writes out."""
     size = int(batch.labels.shape[0])
     per = size // trainers
+    splitter = Splitter(plan, batch.inverse, trainers)
+    encoded: dict[int, Any] = {}  # the shared arrays' Tensors, by array (alive for the whole call)
+
+    def common(array: np.ndarray) -> Any:
+        if id(array) not in encoded:
+            encoded[id(array)] = to_tensor(array)
+        return encoded[id(array)]
+
     out = []
     for rank in range(trainers):
-        share = for_trainer(plan, batch.inverse, rank, trainers)
+        share = splitter.share(rank)
         sl = slice(rank * per, (rank + 1) * per)
         out.append(
             opb.Plan(
@@ -171,8 +181,8 @@ def encode_plans(
                 prefetch_keys=to_tensor(share.prefetch_keys),
                 prefetch_slots=to_tensor(share.prefetch_slots),
                 private_rows=to_tensor(share.private_rows),
-                critical=_encode_sync(share.critical),
-                background=_encode_sync(share.background),
+                critical=_encode_sync(share.critical, common),
+                background=_encode_sync(share.background, common),
                 writeback_keys=to_tensor(share.writeback_keys),
                 writeback_slots=to_tensor(share.writeback_slots),
                 slot_high_water=plan.slot_high_water,

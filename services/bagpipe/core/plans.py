@@ -14,7 +14,7 @@ import numpy as np
 
 from bagpipe.core.lookahead import BatchPlan
 
-__all__ = ["SyncStep", "TrainerPlan", "Traffic", "for_trainer", "traffic"]
+__all__ = ["Splitter", "SyncStep", "TrainerPlan", "Traffic", "for_trainer", "traffic"]
 
 
 @dataclass(frozen=True)
@@ -44,43 +44,64 @@ class TrainerPlan:
     writeback_slots: np.ndarray  # int32 [W]
 
 
+class Splitter:
+    """Cuts one plan into every trainer's share. What all trainers share (which rows synchronise, in which
+    step, the hand-overs of each step) is worked out once per plan, not once per trainer; per trainer
+    only its own rows, its position map and its masks are computed."""
+
+    def __init__(self, plan: BatchPlan, inverse: np.ndarray, trainers: int) -> None:
+        self.plan, self.inverse, self.trainers = plan, inverse, trainers
+        self.per = inverse.shape[0] // trainers
+        h = plan.handovers
+        steps = []
+        for rows, handed in (
+            (plan.sync & plan.critical, h.critical),
+            (plan.sync & ~plan.critical, ~h.critical),
+        ):
+            index = np.flatnonzero(rows)
+            chosen = np.flatnonzero(handed)
+            steps.append((index, plan.slots[index], h.slots[chosen], h.source[chosen], h.recipients[chosen]))
+        self._steps = steps
+        self._unsynced = ~plan.sync
+        self._prefetch_holders = plan.holders[plan.prefetch]
+
+    def share(self, rank: int) -> TrainerPlan:
+        """Trainer ``rank``'s share."""
+        plan = self.plan
+        bit = plan.users.dtype.type(1 << rank)
+        local = np.flatnonzero((plan.users & bit) != 0)
+        position = np.full(plan.unique, -1, dtype=np.int32)
+        position[local] = np.arange(local.size, dtype=np.int32)
+        fetch = plan.prefetch[(self._prefetch_holders & bit) != 0]
+        written = plan.evict[plan.writer == rank]
+        critical, background = (
+            SyncStep(
+                slots=slots,
+                local=position[index],
+                handover_slots=handover_slots,
+                handover_send=np.flatnonzero((source & bit) != 0).astype(np.int32),
+                handover_recv=np.flatnonzero((recipients & bit) != 0).astype(np.int32),
+            )
+            for index, slots, handover_slots, source, recipients in self._steps
+        )
+        return TrainerPlan(
+            batch=plan.batch,
+            slots=plan.slots[local],
+            inverse=position[self.inverse[rank * self.per : (rank + 1) * self.per]],
+            prefetch_keys=plan.keys[fetch],
+            prefetch_slots=plan.slots[fetch],
+            private_rows=np.flatnonzero(self._unsynced[local]).astype(np.int32),
+            critical=critical,
+            background=background,
+            writeback_keys=plan.keys[written],
+            writeback_slots=plan.slots[written],
+        )
+
+
 def for_trainer(plan: BatchPlan, inverse: np.ndarray, rank: int, trainers: int) -> TrainerPlan:
-    """Trainer ``rank``'s share of ``plan``; ``inverse`` is the global batch's [B, tables] index."""
-    bit = plan.users.dtype.type(1 << rank)
-    per = inverse.shape[0] // trainers
-    mine = (plan.users & bit) != 0
-    local = np.flatnonzero(mine)
-    position = np.full(plan.unique, -1, dtype=np.int32)
-    position[local] = np.arange(local.size, dtype=np.int32)
-    fetch = plan.prefetch[(plan.holders[plan.prefetch] & bit) != 0]
-    written = plan.evict[plan.writer == rank]
-    return TrainerPlan(
-        batch=plan.batch,
-        slots=plan.slots[local],
-        inverse=position[inverse[rank * per : (rank + 1) * per]],
-        prefetch_keys=plan.keys[fetch],
-        prefetch_slots=plan.slots[fetch],
-        private_rows=np.flatnonzero(~plan.sync[local]).astype(np.int32),
-        critical=_step(plan, plan.sync & plan.critical, plan.handovers.critical, position, bit),
-        background=_step(plan, plan.sync & ~plan.critical, ~plan.handovers.critical, position, bit),
-        writeback_keys=plan.keys[written],
-        writeback_slots=plan.slots[written],
-    )
-
-
-def _step(
-    plan: BatchPlan, rows: np.ndarray, handed: np.ndarray, position: np.ndarray, bit: np.generic
-) -> SyncStep:
-    index = np.flatnonzero(rows)
-    h = plan.handovers
-    chosen = np.flatnonzero(handed)
-    return SyncStep(
-        slots=plan.slots[index],
-        local=position[index],
-        handover_slots=h.slots[chosen],
-        handover_send=np.flatnonzero((h.source[chosen] & bit) != 0).astype(np.int32),
-        handover_recv=np.flatnonzero((h.recipients[chosen] & bit) != 0).astype(np.int32),
-    )
+    """Trainer ``rank``'s share of ``plan``; ``inverse`` is the global batch's [B, tables] index. (To cut
+    a plan for every trainer, one ``Splitter`` shares the common work.)"""
+    return Splitter(plan, inverse, trainers).share(rank)
 
 
 @dataclass(frozen=True)
