@@ -656,6 +656,46 @@ def table(results: dict[str, Any]) -> str:
     return "\n".join(lines)
 
 
+def targets(results: dict[str, Any]) -> list[str]:
+    """Issue 17's targets against the figures at hand (sections not run this time: their last figures)."""
+    rows: list[tuple[str, float, str, bool]] = []
+    net = results.get("network", {})
+    for rate in ("10gbit", "1gbit"):
+        if rate in net:
+            r = net[rate]["bagpipe_over_ideal"]
+            rows.append((f"bagpipe/ideal at {rate} (median)", r, "<= 1.05", r <= 1.05))
+    if "1gbit" in net:
+        r = net["1gbit"]["no_cache_over_bagpipe"]
+        rows.append(("no-cache/bagpipe at 1gbit (median)", r, ">= 2.5", r >= 2.5))
+    if "bagpipe_over_ideal_spread" in results.get("skew", {}):
+        r = results["skew"]["bagpipe_over_ideal_spread"]
+        rows.append(("bagpipe/ideal spread across the skew sweep", r, "<= 0.10", r <= 0.10))
+    oracle = [
+        p
+        for p in results.get("oracle", {}).get("points", [])
+        if p.get("lookahead") == 200 and "end_to_end_samples_per_second" in p
+    ]
+    if oracle:
+        r = oracle[-1]["end_to_end_samples_per_second"] / 1e6
+        rows.append(("oracle end to end, M samples/s (L=200)", r, ">= 5.0", r >= 5.0))
+    server = results.get("embedding_server", {})
+    if "rows_per_second" in server:
+        r = server["rows_per_second"] / 1e6
+        rows.append(("embedding server lookups, M rows/s", r, ">= 5.0", r >= 5.0))
+        rows.append(
+            (
+                "embedding server memory / rows+state",
+                server["memory_ratio"],
+                "<= 1.1",
+                server["memory_ratio"] <= 1.1,
+            )
+        )
+    return [
+        f"{name:48s} {value:7.3f}  target {want:8s} {'met' if ok else 'NOT met'}"
+        for name, value, want, ok in rows
+    ]
+
+
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--profile", choices=sorted(PROFILES), default="quick")
@@ -690,6 +730,7 @@ def main() -> None:
     )
     shutil.rmtree(out / "runs", ignore_errors=True)
     print(text)
+    print("\nissue 17's targets:\n" + "\n".join(targets(results)))
     print(
         f"\nwrote {out}/bench-{a.profile}.json, bench-{a.profile}.md, {', '.join(made)} in "
         f"{meta['seconds']:.0f} s"
