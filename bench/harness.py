@@ -11,10 +11,15 @@ logs, warm-up excluded) and their ratios, with Bagpipe's iteration-stage breakdo
 * ``network``   the same with the embedding servers in a network namespace behind a veth link limited
                 by ``tc tbf`` to 10 Gbit/s and 1 Gbit/s (skipped, saying why, where namespaces are not
                 permitted);
-* ``oracle``    oracle planning throughput versus batch size, number of tables and L (paper Figure 17);
+* ``oracle``    oracle planning throughput versus batch size, number of tables and L (paper Figure 17),
+                and end to end (planning, splitting, serialising the trainers' plans);
+* ``embedding_server`` one server with every Kaggle row: lookups per second at 16 k keys per call, and
+                its resident memory against its rows and optimizer state;
 * ``lookahead`` L in {5, 10, 50, 100, 200, 300}: peak cache rows and time per iteration (paper Table 3);
 * ``skew``      top-1% share of accesses 90% .. 1% and Zipf alpha 1 .. 5: bagpipe and no-cache
                 (paper Figures 18 and 19).
+
+After the tables it prints issue 17's targets against the figures at hand.
 
 ``--profile quick`` (``make bench``) fits in about ten minutes on 2 cores; ``--profile full`` uses the
 paper's DLRM (Table 2) and batch 16,384 where this machine can hold them, and takes hours here.

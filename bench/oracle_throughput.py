@@ -67,9 +67,7 @@ def measure(
         plan = planner.pop()
         planner.push(b, keys[b], last=b == total - 1, users=users)
         planned = time.perf_counter()  # the trainers' messages, as StreamPlans sends them
-        plan_bytes += sum(
-            len(m.SerializeToString()) for m in encode_plans(plan, batches[plan.batch], trainers)
-        )
+        plan_bytes += sum(len(m) for m in encode_plans(plan, batches[plan.batch], trainers))
         split_seconds.append(time.perf_counter() - planned)
         per_batch.append(planned - mid)
         users_seconds.append(mid - start)

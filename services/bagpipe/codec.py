@@ -12,7 +12,6 @@ Tensors themselves are raw little-endian bytes (``bagpipe.wire``).
 
 from __future__ import annotations
 
-from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
@@ -24,7 +23,7 @@ from bagpipe.core.plans import Splitter, SyncStep, TrainerPlan
 from bagpipe.errors import InvalidArgument
 from bagpipe.v1 import data_processor_pb2 as dpb
 from bagpipe.v1 import oracle_cacher_pb2 as opb
-from bagpipe.wire import from_tensor, to_tensor
+from bagpipe.wire import encode_message, from_tensor, to_tensor
 
 
 def _tensor(msg: Any, name: str, dtype: Any, where: str, **kw: Any) -> np.ndarray:
@@ -125,15 +124,15 @@ class PlanArrays:
         return self.share.batch
 
 
-def _encode_sync(step: SyncStep, common: Callable[[np.ndarray], Any] = to_tensor) -> opb.Sync:
-    """``common`` encodes the arrays every trainer's step shares (encoded once per plan)."""
-    return opb.Sync(
-        slots=common(step.slots),
-        local=to_tensor(step.local),
-        handover_slots=common(step.handover_slots),
-        handover_send=to_tensor(step.handover_send),
-        handover_recv=to_tensor(step.handover_recv),
-    )
+def _sync_fields(step: SyncStep) -> list[tuple[int, Any]]:
+    """``Sync``'s fields (``oracle_cacher.proto``) for ``wire.encode_message``."""
+    return [
+        (1, step.slots),
+        (2, step.local),
+        (3, step.handover_slots),
+        (4, step.handover_send),
+        (5, step.handover_recv),
+    ]
 
 
 def _decode_sync(msg: opb.Sync, rows: int, where: str) -> SyncStep:
@@ -153,54 +152,45 @@ def encode_plans(
     batch: BatchArrays,
     trainers: int,
     checkpoint: tuple[np.ndarray, np.ndarray, np.ndarray] | None = None,
-) -> list[opb.Plan]:
-    """One message per trainer: its share of ``plan`` (core/plans.py) and its contiguous slice of the
-    samples; with ``checkpoint`` (``LookaheadPlanner.cached()``: keys, slots, writer rank), the cached
-    rows each trainer writes out."""
+) -> list[bytes]:
+    """One serialised ``Plan`` per trainer: its share of ``plan`` (core/plans.py) and its contiguous slice
+    of the samples; with ``checkpoint`` (``LookaheadPlanner.cached()``: keys, slots, writer rank), the
+    cached rows each trainer writes out. The bytes are what ``Plan.SerializeToString`` would give
+    (``wire.encode_message``: each array copied once, straight into the message); StreamPlans sends them
+    as they are and a trainer reads them with :func:`decode_plan`."""
     size = int(batch.labels.shape[0])
     per = size // trainers
     splitter = Splitter(plan, batch.inverse, trainers)
-    encoded: dict[int, Any] = {}  # the shared arrays' Tensors, by array (alive for the whole call)
-
-    def common(array: np.ndarray) -> Any:
-        if id(array) not in encoded:
-            encoded[id(array)] = to_tensor(array)
-        return encoded[id(array)]
-
     out = []
     for rank in range(trainers):
         share = splitter.share(rank)
         sl = slice(rank * per, (rank + 1) * per)
-        out.append(
-            opb.Plan(
-                batch=plan.batch,
-                slots=to_tensor(share.slots),
-                dense=to_tensor(batch.dense[sl]),
-                labels=to_tensor(batch.labels[sl]),
-                inverse=to_tensor(share.inverse),
-                prefetch_keys=to_tensor(share.prefetch_keys),
-                prefetch_slots=to_tensor(share.prefetch_slots),
-                private_rows=to_tensor(share.private_rows),
-                critical=_encode_sync(share.critical, common),
-                background=_encode_sync(share.background, common),
-                writeback_keys=to_tensor(share.writeback_keys),
-                writeback_slots=to_tensor(share.writeback_slots),
-                slot_high_water=plan.slot_high_water,
-                global_batch_size=size,
-                last=plan.last,
-                lookahead=plan.window,
-                depends_on=plan.depends_on,
-                occupancy=plan.occupancy,
-                unique_rows=plan.unique,
-            )
-        )
-    if checkpoint is not None:
-        keys, slots, writer = checkpoint
-        for rank, message in enumerate(out):
-            mine = writer == rank
-            message.checkpoint = True
-            message.checkpoint_keys.CopyFrom(to_tensor(keys[mine]))
-            message.checkpoint_slots.CopyFrom(to_tensor(slots[mine]))
+        mine = None if checkpoint is None else checkpoint[2] == rank
+        # Plan's fields in field order (oracle_cacher.proto)
+        fields: list[tuple[int, Any]] = [
+            (1, plan.batch),
+            (2, share.slots),
+            (3, batch.dense[sl]),
+            (4, batch.labels[sl]),
+            (5, share.inverse),
+            (6, share.prefetch_keys),
+            (7, share.prefetch_slots),
+            (8, share.private_rows),
+            (9, _sync_fields(share.critical)),
+            (10, _sync_fields(share.background)),
+            (11, share.writeback_keys),
+            (12, share.writeback_slots),
+            (13, plan.slot_high_water),
+            (14, size),
+            (15, plan.last),
+            (16, plan.window),
+            (17, plan.depends_on),
+            (18, plan.occupancy),
+            (19, plan.unique),
+        ]
+        if checkpoint is not None and mine is not None:
+            fields += [(20, True), (21, checkpoint[0][mine]), (22, checkpoint[1][mine])]
+        out.append(encode_message(fields))
     return out
 
 

@@ -3,9 +3,11 @@
 from __future__ import annotations
 
 import asyncio
+import functools
 import logging
 import signal
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
+from typing import Any
 
 import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
@@ -14,6 +16,7 @@ from bagpipe import security
 from bagpipe.control.registry import Registry
 from bagpipe.metrics_http import Health, MetricsServer
 from bagpipe.v1 import control_pb2, control_pb2_grpc
+from bagpipe.wire import decode_message, serialized
 
 logger = logging.getLogger(__name__)
 
@@ -48,6 +51,33 @@ class ControlServicer(control_pb2_grpc.ControlServicer):
         logger.info("%s: shutdown requested (%s)", self.service, request.reason or "no reason given")
         self.stop.set()
         return control_pb2.ShutdownResponse()
+
+
+def add_servicer(
+    servicer: Any, server: grpc.aio.Server, module: Any, service: str, raw_requests: Sequence[str] = ()
+) -> None:
+    """What the generated ``add_<Service>Servicer_to_server`` does, with two differences for the hot
+    messages: replies may be bytes already serialised (``wire.encode_message``), which go out as they
+    are, and the requests of the methods named in ``raw_requests`` are read by ``wire.decode_message``
+    (tensors as views of the received bytes). ``module`` is the service's generated ``*_pb2``."""
+    descriptor = module.DESCRIPTOR.services_by_name[service]
+    handlers = {}
+    for m in descriptor.methods:
+        decode = (
+            functools.partial(decode_message, descriptor=m.input_type)
+            if m.name in raw_requests
+            else getattr(module, m.input_type.name).FromString
+        )
+        make = (
+            grpc.unary_stream_rpc_method_handler
+            if m.server_streaming
+            else grpc.unary_unary_rpc_method_handler
+        )
+        handlers[m.name] = make(
+            getattr(servicer, m.name), request_deserializer=decode, response_serializer=serialized
+        )
+    server.add_generic_rpc_handlers((grpc.method_handlers_generic_handler(descriptor.full_name, handlers),))
+    server.add_registered_method_handlers(descriptor.full_name, handlers)
 
 
 async def create_server(

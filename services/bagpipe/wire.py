@@ -103,17 +103,28 @@ def _tensor_parts(number: int, array: np.ndarray) -> list[Any]:
 
 
 def encode_message(fields: Sequence[tuple[int, Any]]) -> bytes:
-    """The serialised bytes of a message whose fields are int64 scalars and ``Tensor`` messages, given as
-    (field number, int or array) in field order: the bytes ``SerializeToString`` gives for the same message
-    (a scalar 0 is left out, as proto3 does). Each array's data is copied once, into the result."""
+    """The serialised bytes of a message given as (field number, value) in field order, as
+    ``SerializeToString`` writes the same message: an int or bool is a varint field (0 and False are left
+    out, as proto3 does), a list of (number, value) is an embedded message, None is an unset field, and
+    anything else is an array written as a ``Tensor``. Each array's data is copied once, into the result."""
+    return b"".join(_message_parts(fields))
+
+
+def _message_parts(fields: Sequence[tuple[int, Any]]) -> list[Any]:
     parts: list[Any] = []
     for number, value in fields:
+        if value is None:
+            continue
         if isinstance(value, int | np.integer):
             if value:
                 parts += [_varint(number << 3), _varint(int(value))]
+        elif isinstance(value, list):
+            inner = _message_parts(value)
+            size = sum(p.nbytes if isinstance(p, np.ndarray) else len(p) for p in inner)
+            parts += [_varint(number << 3 | 2), _varint(size), *inner]
         else:  # an array (or anything np.asarray takes, such as a CPU tensor)
             parts += _tensor_parts(number, np.asarray(value))
-    return b"".join(parts)
+    return parts
 
 
 def serialized(message: Any) -> bytes:

@@ -123,7 +123,11 @@ def _plans(checkpoint_after: int | None = None):
         plan = planner.pop()
         arrays = batches[plan.batch][0]
         cached = planner.cached() if plan.batch == checkpoint_after else None
-        out.append((arrays, plan, encode_plans(plan, arrays, TRAINERS, cached), cached))
+        encoded = encode_plans(plan, arrays, TRAINERS, cached)
+        # the hand-written bytes are protobuf's own encoding of the same message
+        messages = [opb.Plan.FromString(data) for data in encoded]
+        assert [m.SerializeToString() for m in messages] == encoded
+        out.append((arrays, plan, messages, cached))
 
     for arrays, last in batches:
         while not planner.wants_more():

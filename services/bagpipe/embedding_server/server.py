@@ -9,7 +9,6 @@ message): see ``core/shard_store.py`` for why no write is lost or applied twice.
 from __future__ import annotations
 
 import asyncio
-import functools
 import logging
 import time
 from typing import Any
@@ -26,13 +25,16 @@ from bagpipe.embedding_server.client import MAX_ROWS_PER_RPC
 from bagpipe.errors import FailedPrecondition, InvalidArgument
 from bagpipe.v1 import embedding_server_pb2 as pb
 from bagpipe.v1 import embedding_server_pb2_grpc as pb_grpc
-from bagpipe.wire import decode_message, encode_message, from_tensor, serialized, to_tensor
+from bagpipe.wire import encode_message, from_tensor, to_tensor
 
 logger = logging.getLogger(__name__)
 
 
 # rows per migration message: small enough that lookups and write-backs interleave with the copy
 MIGRATION_CHUNK_ROWS = 1 << 13
+# requests read as views of their bytes (wire.decode_message): a write-back's rows are copied once, into
+# the store
+RAW_REQUESTS = ("Lookup", "WriteBack")
 
 
 class EmbeddingServicer(pb_grpc.EmbeddingServerServicer):
@@ -326,32 +328,6 @@ class EmbeddingServicer(pb_grpc.EmbeddingServerServicer):
         metrics.MIGRATION_TARGET.set(0)
 
 
-# requests read without copying their tensors' bytes (wire.decode_message): the rows of a write-back are
-# copied once, into the store
-_RAW_REQUESTS = ("Lookup", "WriteBack")
-
-
-def add_servicer(servicer: EmbeddingServicer, server: grpc.aio.Server) -> None:
-    """What ``add_EmbeddingServerServicer_to_server`` does, except on the hot path: ``Lookup`` and
-    ``WriteBack`` requests are read by ``wire.decode_message``, and replies already serialised
-    (``Lookup``'s) go out as they are."""
-    service = pb.DESCRIPTOR.services_by_name["EmbeddingServer"]
-    handlers = {
-        m.name: grpc.unary_unary_rpc_method_handler(
-            getattr(servicer, m.name),
-            request_deserializer=(
-                functools.partial(decode_message, descriptor=m.input_type)
-                if m.name in _RAW_REQUESTS
-                else getattr(pb, m.input_type.name).FromString
-            ),
-            response_serializer=serialized,
-        )
-        for m in service.methods
-    }
-    server.add_generic_rpc_handlers((grpc.method_handlers_generic_handler(service.full_name, handlers),))
-    server.add_registered_method_handlers(service.full_name, handlers)
-
-
 async def create_server(
     store: ShardStore, address: str = "127.0.0.1:0", max_rows: int = MAX_ROWS_PER_RPC
 ) -> tuple[grpc.aio.Server, int, serving.ControlServicer, object]:
@@ -364,7 +340,10 @@ async def create_server(
     server, port, control, health = await serving.create_server(
         address,
         "EmbeddingServer",
-        lambda s: add_servicer(servicer, s),
+        # Lookup's reply is written as wire bytes; Lookup and WriteBack requests are read as views
+        lambda s: serving.add_servicer(
+            servicer, s, pb, "EmbeddingServer", raw_requests=("Lookup", "WriteBack")
+        ),
         counters,
     )
     metrics.ROWS_HELD.set(store.rows_held)

@@ -43,7 +43,7 @@ class _Received:
 @dataclass
 class _Planned:
     plan: BatchPlan
-    messages: list[pb.Plan]
+    messages: list[bytes]  # serialised Plans, one per trainer (codec.encode_plans)
     taken: set[int] = field(default_factory=set)
 
 
@@ -330,6 +330,6 @@ async def create_server(oracle: Oracle, address: str = "127.0.0.1:0"):
     return await serving.create_server(
         address,
         "OracleCacher",
-        lambda s: pb_grpc.add_OracleCacherServicer_to_server(oracle, s),
+        lambda s: serving.add_servicer(oracle, s, pb, "OracleCacher"),  # plans go out as encoded
         oracle.counters,
     )
