@@ -48,6 +48,17 @@ from bagpipe.v1 import control_pb2, control_pb2_grpc
 logger = logging.getLogger(__name__)
 
 
+def rendezvous_url(run_dir: Path, generation: int) -> str:
+    """The trainers' ``init_process_group`` URL for ``generation``: a file store, not a TCP port (a port
+    picked free here may be taken by another service's listener before rank 0 binds it), a new file per
+    generation (a store file is never reused). The path is absolute: in ``file://runs/x`` a relative
+    run directory would be read as a host name, and the trainers would wait on a file nobody writes."""
+    rendezvous = run_dir.resolve() / "rendezvous"
+    rendezvous.mkdir(parents=True, exist_ok=True)
+    # (not Path.as_uri(): torch reads the path without undoing percent-encoding)
+    return f"file://{rendezvous / f'generation-{generation}-{uuid.uuid4().hex[:8]}'}"
+
+
 def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
@@ -500,11 +511,7 @@ def _start_generation(
             data_processor_config.argv(configs.data_processor(args, job.spec, i)),
         )
     job.spawn("oracle-cacher", "bagpipe.oracle_cacher", oracle_config.argv(configs.oracle(args, job.spec)))
-    # a file store, not a TCP port: a port picked free here may be taken by another service's listener
-    # before rank 0 binds it (every generation gets a new file: a store file is never reused)
-    rendezvous = run_dir / "rendezvous"
-    rendezvous.mkdir(parents=True, exist_ok=True)
-    dist_init = f"file://{rendezvous / f'generation-{number}-{uuid.uuid4().hex[:8]}'}"
+    dist_init = rendezvous_url(run_dir, number)
     trainers = [
         job.spawn(
             f"trainer-{r}",
