@@ -165,7 +165,6 @@ def encode_plans(
     for rank in range(trainers):
         share = splitter.share(rank)
         sl = slice(rank * per, (rank + 1) * per)
-        mine = None if checkpoint is None else checkpoint[2] == rank
         # Plan's fields in field order (oracle_cacher.proto)
         fields: list[tuple[int, Any]] = [
             (1, plan.batch),
@@ -188,8 +187,10 @@ def encode_plans(
             (18, plan.occupancy),
             (19, plan.unique),
         ]
-        if checkpoint is not None and mine is not None:
-            fields += [(20, True), (21, checkpoint[0][mine]), (22, checkpoint[1][mine])]
+        if checkpoint is not None:
+            keys, slots, writer = checkpoint
+            mine = writer == rank
+            fields += [(20, True), (21, keys[mine]), (22, slots[mine])]
         out.append(encode_message(fields))
     return out
 

@@ -4,7 +4,8 @@
 trainer's write-back) :func:`encode_message` writes a whole message's bytes instead, as protobuf would
 serialise it, so each array's bytes are copied once into the result rather than once per protobuf layer
 (the array's bytes, the field, the parent message, the serialised string); gRPC then sends those bytes
-as they are (:func:`serialized`). The receiver parses them with the generated classes as usual.
+as they are (:func:`serialized`). :func:`decode_message` reads such a message back with its tensors as
+views of the received bytes; the generated classes parse the same bytes too.
 """
 
 from __future__ import annotations
@@ -29,11 +30,17 @@ _FROM_PROTO = {v: k for k, v in _TO_PROTO.items()}
 _NAMES = {v: k.name for k, v in _TO_PROTO.items()}
 
 
-def to_tensor(array: np.ndarray) -> tensor_pb2.Tensor:
-    """Encodes ``array`` (float32, int64, int32 or bool) without an intermediate Python list."""
+def _wire_dtype(array: np.ndarray) -> np.dtype:
+    """The little-endian dtype ``array`` travels as; TypeError for one the wire has no name for."""
     dtype = array.dtype.newbyteorder("<") if array.dtype.byteorder == ">" else array.dtype
     if dtype not in _TO_PROTO:
         raise TypeError(f"unsupported dtype {array.dtype}")
+    return dtype
+
+
+def to_tensor(array: np.ndarray) -> tensor_pb2.Tensor:
+    """Encodes ``array`` (float32, int64, int32 or bool) without an intermediate Python list."""
+    dtype = _wire_dtype(array)
     # tobytes() writes C order from any strides: one copy, even for a column slice of a packed table
     data = array.astype(dtype, copy=False).tobytes()
     return tensor_pb2.Tensor(dtype=_TO_PROTO[dtype], shape=list(array.shape), data=data)
@@ -86,9 +93,7 @@ def _varint(value: int) -> bytes:
 
 def _tensor_parts(number: int, array: np.ndarray) -> list[Any]:
     """Field ``number`` holding ``array`` as a ``Tensor`` (dtype = 1, shape = 2 packed, data = 3)."""
-    dtype = array.dtype.newbyteorder("<") if array.dtype.byteorder == ">" else array.dtype
-    if dtype not in _TO_PROTO:
-        raise TypeError(f"unsupported dtype {array.dtype}")
+    dtype = _wire_dtype(array)
     data = np.ascontiguousarray(array, dtype=dtype)
     head = bytearray(b"\x08" + _varint(_TO_PROTO[dtype]))
     if array.ndim:

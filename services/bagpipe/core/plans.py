@@ -50,7 +50,7 @@ class Splitter:
     only its own rows, its position map and its masks are computed."""
 
     def __init__(self, plan: BatchPlan, inverse: np.ndarray, trainers: int) -> None:
-        self.plan, self.inverse, self.trainers = plan, inverse, trainers
+        self.plan, self.inverse = plan, inverse
         self.per = inverse.shape[0] // trainers
         h = plan.handovers
         steps = []

@@ -340,10 +340,7 @@ async def create_server(
     server, port, control, health = await serving.create_server(
         address,
         "EmbeddingServer",
-        # Lookup's reply is written as wire bytes; Lookup and WriteBack requests are read as views
-        lambda s: serving.add_servicer(
-            servicer, s, pb, "EmbeddingServer", raw_requests=("Lookup", "WriteBack")
-        ),
+        lambda s: serving.add_servicer(servicer, s, pb, "EmbeddingServer", raw_requests=RAW_REQUESTS),
         counters,
     )
     metrics.ROWS_HELD.set(store.rows_held)
