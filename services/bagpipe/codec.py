@@ -1,8 +1,9 @@
 """The wire messages of the training path, built and read in one place.
 
 * ``Batch`` (data processor -> oracle): :func:`encode_batch` / :func:`decode_batch`.
-* ``Plan`` (oracle -> one trainer): :func:`encode_plans` splits a global plan into one message per
-  trainer; :func:`decode_plan` reads one back into :class:`PlanArrays`.
+* ``Plan`` (oracle -> one trainer): :func:`encode_plans` writes one message per trainer (its sample
+  slice plus the batch's rows, serialised once); :func:`decode_plan` reads one back and cuts the trainer's
+  share out of it, into :class:`PlanArrays`.
 
 Decoding validates everything the receiver indexes with (dtypes, shapes, index ranges, trainer masks)
 and raises :class:`~bagpipe.errors.InvalidArgument` naming the batch and the field, so a bad message is
@@ -18,8 +19,8 @@ from typing import Any
 import numpy as np
 
 from bagpipe.core.data import BatchArrays
-from bagpipe.core.lookahead import BatchPlan, all_trainers
-from bagpipe.core.plans import Splitter, SyncStep, TrainerPlan
+from bagpipe.core.lookahead import BatchPlan, all_trainers, mask_dtype
+from bagpipe.core.plans import BACKGROUND, SharedPlan, TrainerPlan, share, shared_plan
 from bagpipe.errors import InvalidArgument
 from bagpipe.v1 import data_processor_pb2 as dpb
 from bagpipe.v1 import oracle_cacher_pb2 as opb
@@ -30,11 +31,10 @@ def _tensor(msg: Any, name: str, dtype: Any, where: str, **kw: Any) -> np.ndarra
     return from_tensor(getattr(msg, name), f"{where}: {name}", dtype, **kw)
 
 
-def _check_index(values: np.ndarray, bound: int, field: str, allow_missing: bool = False) -> None:
-    low = -1 if allow_missing else 0
-    if values.size and (values.min() < low or values.max() >= bound):
-        bad = values[(values < low) | (values >= bound)][0]
-        raise InvalidArgument(field, f"index {int(bad)} outside [{low}, {bound})")
+def _check_index(values: np.ndarray, bound: int, field: str) -> None:
+    if values.size and (values.min() < 0 or values.max() >= bound):
+        bad = values[(values < 0) | (values >= bound)][0]
+        raise InvalidArgument(field, f"index {int(bad)} outside [0, {bound})")
 
 
 # ---- Batch: data processor -> oracle
@@ -124,27 +124,29 @@ class PlanArrays:
         return self.share.batch
 
 
-def _sync_fields(step: SyncStep) -> list[tuple[int, Any]]:
-    """``Sync``'s fields (``oracle_cacher.proto``) for ``wire.encode_message``."""
+def _mask_bytes(masks: np.ndarray) -> np.ndarray:
+    """Trainer masks as uint8 [N, W]: each mask's W little-endian bytes (a view if already little-endian)."""
+    little = np.ascontiguousarray(masks, dtype=masks.dtype.newbyteorder("<"))
+    return little.view(np.uint8).reshape(masks.size, masks.dtype.itemsize)
+
+
+def _rows_fields(rows: SharedPlan) -> list[tuple[int, Any]]:
+    """``PlanRows``' fields (``oracle_cacher.proto``) for ``wire.encode_message``."""
     return [
-        (1, step.slots),
-        (2, step.local),
-        (3, step.handover_slots),
-        (4, step.handover_send),
-        (5, step.handover_recv),
+        (1, rows.slots),
+        (2, _mask_bytes(rows.users)),
+        (3, rows.sync),
+        (4, rows.prefetch),
+        (5, rows.prefetch_keys),
+        (6, _mask_bytes(rows.prefetch_holders)),
+        (7, rows.evict),
+        (8, rows.evict_keys),
+        (9, rows.evict_writer),
+        (10, rows.handover_slots),
+        (11, _mask_bytes(rows.handover_source)),
+        (12, _mask_bytes(rows.handover_recipients)),
+        (13, rows.handover_critical),
     ]
-
-
-def _decode_sync(msg: opb.Sync, rows: int, where: str) -> SyncStep:
-    slots = _tensor(msg, "slots", np.int32, where, ndim=1)
-    local = _tensor(msg, "local", np.int32, where, shape=slots.shape)
-    handover = _tensor(msg, "handover_slots", np.int32, where, ndim=1)
-    send = _tensor(msg, "handover_send", np.int32, where, ndim=1)
-    recv = _tensor(msg, "handover_recv", np.int32, where, ndim=1)
-    _check_index(local, rows, f"{where}: local", allow_missing=True)
-    _check_index(send, handover.size, f"{where}: handover_send")
-    _check_index(recv, handover.size, f"{where}: handover_recv")
-    return SyncStep(slots, local, handover, send, recv)
 
 
 def encode_plans(
@@ -153,80 +155,115 @@ def encode_plans(
     trainers: int,
     checkpoint: tuple[np.ndarray, np.ndarray, np.ndarray] | None = None,
 ) -> list[bytes]:
-    """One serialised ``Plan`` per trainer: its share of ``plan`` (core/plans.py) and its contiguous slice
-    of the samples; with ``checkpoint`` (``LookaheadPlanner.cached()``: keys, slots, writer rank), the
-    cached rows each trainer writes out. The bytes are what ``Plan.SerializeToString`` would give
-    (``wire.encode_message``: each array copied once, straight into the message); StreamPlans sends them
-    as they are and a trainer reads them with :func:`decode_plan`."""
+    """One serialised ``Plan`` per trainer: the batch's rows (``PlanRows``, serialised once and shared by
+    every message) and the trainer's contiguous slice of the samples; with ``checkpoint``
+    (``LookaheadPlanner.cached()``: keys, slots, writer rank), the cached rows each trainer writes out.
+    The bytes are what ``Plan.SerializeToString`` would give (``wire.encode_message``; ``rows`` is the
+    last field, so appending its bytes keeps field order); StreamPlans sends them as they are and a
+    trainer reads its share with :func:`decode_plan`."""
     size = int(batch.labels.shape[0])
     per = size // trainers
-    splitter = Splitter(plan, batch.inverse, trainers)
+    rows = encode_message([(14, _rows_fields(shared_plan(plan)))])
     out = []
     for rank in range(trainers):
-        share = splitter.share(rank)
         sl = slice(rank * per, (rank + 1) * per)
         # Plan's fields in field order (oracle_cacher.proto)
         fields: list[tuple[int, Any]] = [
             (1, plan.batch),
-            (2, share.slots),
-            (3, batch.dense[sl]),
-            (4, batch.labels[sl]),
-            (5, share.inverse),
-            (6, share.prefetch_keys),
-            (7, share.prefetch_slots),
-            (8, share.private_rows),
-            (9, _sync_fields(share.critical)),
-            (10, _sync_fields(share.background)),
-            (11, share.writeback_keys),
-            (12, share.writeback_slots),
-            (13, plan.slot_high_water),
-            (14, size),
-            (15, plan.last),
-            (16, plan.window),
-            (17, plan.depends_on),
-            (18, plan.occupancy),
-            (19, plan.unique),
+            (2, batch.dense[sl]),
+            (3, batch.labels[sl]),
+            (4, batch.inverse[sl]),
+            (5, plan.slot_high_water),
+            (6, size),
+            (7, plan.last),
+            (8, plan.window),
+            (9, plan.depends_on),
+            (10, plan.occupancy),
         ]
         if checkpoint is not None:
             keys, slots, writer = checkpoint
             mine = writer == rank
-            fields += [(20, True), (21, keys[mine]), (22, slots[mine])]
-        out.append(encode_message(fields))
+            fields += [(11, True), (12, keys[mine]), (13, slots[mine])]
+        out.append(encode_message(fields, tail=rows))
     return out
 
 
-def decode_plan(msg: opb.Plan, num_tables: int, num_dense: int) -> PlanArrays:
-    """Reads and checks one trainer's ``Plan`` for a model with ``num_tables`` tables and
-    ``num_dense`` dense features: every slot index stays inside the arrays it indexes."""
+def _masks(
+    msg: Any, name: str, where: str, count: int, trainers: int, *, empty: bool = False, one: bool = False
+) -> np.ndarray:
+    """A mask array (uint8 [count, W] on the wire) as ``mask_dtype(trainers)``; each mask names only
+    trainers ``0..trainers-1``, at least one of them unless ``empty``, exactly one when ``one``."""
+    dtype = mask_dtype(trainers)
+    raw = _tensor(msg, name, np.uint8, where, shape=(count, dtype.itemsize))
+    masks = raw.view(dtype.newbyteorder("<")).reshape(count).astype(dtype, copy=False)
+    if masks.size:
+        everyone = int(all_trainers(trainers))
+        low = 0 if empty else 1
+        if int(masks.min()) < low or int(masks.max()) > everyone:
+            raise InvalidArgument(
+                f"{where}: {name}", f"masks outside [{low}, {everyone}] for {trainers} trainers"
+            )
+        if one and (np.bitwise_count(masks) != 1).any():
+            raise InvalidArgument(f"{where}: {name}", "each mask must name exactly one trainer")
+    return masks
+
+
+def _decode_rows(
+    msg: opb.PlanRows, batch: int, trainers: int, slot_high_water: int, where: str
+) -> SharedPlan:
+    slots = _tensor(msg, "slots", np.int32, where, ndim=1)
+    _check_index(slots, slot_high_water, f"{where}: slots")
+    count = slots.size
+    sync = _tensor(msg, "sync", np.uint8, where, shape=(count,))
+    if sync.size and int(sync.max()) > BACKGROUND:
+        raise InvalidArgument(f"{where}: sync", f"values must be in [0, {BACKGROUND}], got {int(sync.max())}")
+    prefetch = _tensor(msg, "prefetch", np.int32, where, ndim=1)
+    _check_index(prefetch, count, f"{where}: prefetch")
+    evict = _tensor(msg, "evict", np.int32, where, ndim=1)
+    _check_index(evict, count, f"{where}: evict")
+    writer = _tensor(msg, "evict_writer", np.int32, where, shape=evict.shape)
+    _check_index(writer, trainers, f"{where}: evict_writer")
+    handover_slots = _tensor(msg, "handover_slots", np.int32, where, ndim=1)
+    _check_index(handover_slots, slot_high_water, f"{where}: handover_slots")
+    handed = handover_slots.size
+    return SharedPlan(
+        batch=batch,
+        slots=slots,
+        users=_masks(msg, "users", where, count, trainers),
+        sync=sync,
+        prefetch=prefetch,
+        prefetch_keys=_tensor(msg, "prefetch_keys", np.int64, where, shape=prefetch.shape),
+        prefetch_holders=_masks(msg, "prefetch_holders", where, prefetch.size, trainers),
+        evict=evict,
+        evict_keys=_tensor(msg, "evict_keys", np.int64, where, shape=evict.shape),
+        evict_writer=writer,
+        handover_slots=handover_slots,
+        handover_source=_masks(msg, "handover_source", where, handed, trainers, one=True),
+        handover_recipients=_masks(msg, "handover_recipients", where, handed, trainers),
+        handover_critical=_tensor(msg, "handover_critical", np.bool_, where, shape=(handed,)),
+    )
+
+
+def decode_plan(msg: opb.Plan, num_tables: int, num_dense: int, rank: int, trainers: int) -> PlanArrays:
+    """Reads and checks one ``Plan`` for trainer ``rank`` of ``trainers``, with a model of ``num_tables``
+    tables and ``num_dense`` dense features (every index stays inside the arrays it indexes), and cuts the
+    trainer's share out of the batch's rows (``core/plans.share``)."""
     b = msg.batch
     where = f"plan {b}"
-    slots = _tensor(msg, "slots", np.int32, where, ndim=1)
+    if not 0 <= rank < trainers:
+        raise ValueError(f"rank: must be in [0, {trainers}), got {rank}")
+    slot_high_water = max(1, msg.slot_high_water)
+    rows = _decode_rows(msg.rows, b, trainers, slot_high_water, f"{where}: rows")
     labels = _tensor(msg, "labels", np.float32, where, ndim=1)
     inverse = _tensor(msg, "inverse", np.int32, where, shape=(labels.size, num_tables))
-    _check_index(inverse, slots.size, f"{where}: inverse")
-    prefetch_keys = _tensor(msg, "prefetch_keys", np.int64, where, ndim=1)
-    private = _tensor(msg, "private_rows", np.int32, where, ndim=1)
-    _check_index(private, slots.size, f"{where}: private_rows")
-    writeback_keys = _tensor(msg, "writeback_keys", np.int64, where, ndim=1)
+    _check_index(inverse, rows.unique, f"{where}: inverse")
     checkpoint_keys = checkpoint_slots = None
     if msg.checkpoint:
         checkpoint_keys = _tensor(msg, "checkpoint_keys", np.int64, where, ndim=1)
         checkpoint_slots = _tensor(msg, "checkpoint_slots", np.int32, where, shape=checkpoint_keys.shape)
-        _check_index(checkpoint_slots, max(1, msg.slot_high_water), f"{where}: checkpoint_slots")
-    share = TrainerPlan(
-        batch=b,
-        slots=slots,
-        inverse=inverse,
-        prefetch_keys=prefetch_keys,
-        prefetch_slots=_tensor(msg, "prefetch_slots", np.int32, where, shape=prefetch_keys.shape),
-        private_rows=private,
-        critical=_decode_sync(msg.critical, slots.size, f"{where}: critical"),
-        background=_decode_sync(msg.background, slots.size, f"{where}: background"),
-        writeback_keys=writeback_keys,
-        writeback_slots=_tensor(msg, "writeback_slots", np.int32, where, shape=writeback_keys.shape),
-    )
+        _check_index(checkpoint_slots, slot_high_water, f"{where}: checkpoint_slots")
     return PlanArrays(
-        share=share,
+        share=share(rows, inverse, rank),
         dense=_tensor(msg, "dense", np.float32, where, shape=(labels.size, num_dense)),
         labels=labels,
         slot_high_water=msg.slot_high_water,
@@ -234,7 +271,7 @@ def decode_plan(msg: opb.Plan, num_tables: int, num_dense: int) -> PlanArrays:
         last=msg.last,
         lookahead=msg.lookahead,
         occupancy=msg.occupancy,
-        unique_rows=msg.unique_rows,
+        unique_rows=rows.unique,
         checkpoint=msg.checkpoint,
         checkpoint_keys=checkpoint_keys,
         checkpoint_slots=checkpoint_slots,

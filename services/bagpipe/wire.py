@@ -25,6 +25,7 @@ _TO_PROTO: dict[np.dtype, tensor_pb2.DType] = {
     np.dtype("<i8"): tensor_pb2.DTYPE_INT64,
     np.dtype("<i4"): tensor_pb2.DTYPE_INT32,
     np.dtype("bool"): tensor_pb2.DTYPE_BOOL,
+    np.dtype("uint8"): tensor_pb2.DTYPE_UINT8,
 }
 _FROM_PROTO = {v: k for k, v in _TO_PROTO.items()}
 _NAMES = {v: k.name for k, v in _TO_PROTO.items()}
@@ -39,7 +40,7 @@ def _wire_dtype(array: np.ndarray) -> np.dtype:
 
 
 def to_tensor(array: np.ndarray) -> tensor_pb2.Tensor:
-    """Encodes ``array`` (float32, int64, int32 or bool) without an intermediate Python list."""
+    """Encodes ``array`` (float32, int64, int32, bool or uint8) without an intermediate Python list."""
     dtype = _wire_dtype(array)
     # tobytes() writes C order from any strides: one copy, even for a column slice of a packed table
     data = array.astype(dtype, copy=False).tobytes()
@@ -107,12 +108,14 @@ def _tensor_parts(number: int, array: np.ndarray) -> list[Any]:
     return parts
 
 
-def encode_message(fields: Sequence[tuple[int, Any]]) -> bytes:
+def encode_message(fields: Sequence[tuple[int, Any]], tail: bytes = b"") -> bytes:
     """The serialised bytes of a message given as (field number, value) in field order, as
     ``SerializeToString`` writes the same message: an int or bool is a varint field (0 and False are left
     out, as proto3 does), a list of (number, value) is an embedded message, None is an unset field, and
-    anything else is an array written as a ``Tensor``. Each array's data is copied once, into the result."""
-    return b"".join(_message_parts(fields))
+    anything else is an array written as a ``Tensor``. ``tail`` is already-serialised fields that follow
+    (with higher numbers, so field order holds): bytes shared by several messages are encoded once. Each
+    array's data, and the tail, is copied once, into the result."""
+    return b"".join([*_message_parts(fields), tail])
 
 
 def _message_parts(fields: Sequence[tuple[int, Any]]) -> list[Any]:

@@ -147,7 +147,7 @@ def test_plan_round_trip_is_each_trainers_share() -> None:
         assert len(messages) == TRAINERS
         per = BATCH // TRAINERS
         for rank, message in enumerate(messages):
-            got = decode_plan(_wire(message), len(TABLE_ROWS), arrays.dense.shape[1])
+            got = decode_plan(_wire(message), len(TABLE_ROWS), arrays.dense.shape[1], rank, TRAINERS)
             _same(got.share, for_trainer(plan, arrays.inverse, rank, TRAINERS))
             assert np.array_equal(got.dense, arrays.dense[rank * per : (rank + 1) * per])
             assert np.array_equal(got.labels, arrays.labels[rank * per : (rank + 1) * per])
@@ -165,13 +165,45 @@ def test_plan_round_trip_is_each_trainers_share() -> None:
                 assert np.array_equal(got.checkpoint_slots, slots[writer == rank])
     # the checkpoint's rows are split between the trainers, each written exactly once
     _, _, messages, (keys, _, _) = planned[2]
-    written = np.concatenate([decode_plan(m, len(TABLE_ROWS), 13).checkpoint_keys for m in messages])
+    written = np.concatenate(
+        [decode_plan(m, len(TABLE_ROWS), 13, r, TRAINERS).checkpoint_keys for r, m in enumerate(messages)]
+    )
     assert np.array_equal(np.sort(written), np.sort(keys))
+
+
+def test_every_trainer_gets_the_same_rows_bytes() -> None:
+    for _, _, messages, _ in _plans():
+        rows = {m.rows.SerializeToString() for m in messages}
+        assert len(rows) == 1
+
+
+def test_masks_of_up_to_64_trainers_cross_the_wire() -> None:
+    inverse = np.arange(64 * 2, dtype=np.int32).reshape(64, 2) % 40
+    arrays = _batches(1)[0][0]
+    arrays = dataclasses.replace(
+        arrays,
+        dense=np.zeros((64, arrays.dense.shape[1]), np.float32),
+        labels=np.zeros(64, np.float32),
+        keys=np.arange(40, dtype=np.int64),
+        inverse=inverse,
+    )
+    for trainers in (8, 16, 64):  # one-, two- and eight-byte masks
+        planner = LookaheadPlanner(40, 2, trainers=trainers)
+        planner.push(0, arrays.keys, last=True, users=trainer_users(inverse, 40, trainers))
+        plan = planner.pop()
+        for rank, data in enumerate(encode_plans(plan, arrays, trainers)):
+            got = decode_plan(opb.Plan.FromString(data), 2, arrays.dense.shape[1], rank, trainers)
+            _same(got.share, for_trainer(plan, inverse, rank, trainers))
+            assert got.share.slots.size == (
+                2
+                if trainers == 64
+                else len(set(inverse[rank * (64 // trainers) : (rank + 1) * (64 // trainers)].ravel()))
+            )
 
 
 def test_bad_plans_name_the_batch_and_field() -> None:
     arrays, _, messages, _ = _plans()[1]
-    dims = (len(TABLE_ROWS), arrays.dense.shape[1])
+    dims = (len(TABLE_ROWS), arrays.dense.shape[1], 0, TRAINERS)
     decode_plan(messages[0], *dims)
 
     def corrupted(change) -> opb.Plan:
@@ -180,36 +212,66 @@ def test_bad_plans_name_the_batch_and_field() -> None:
         change(message)
         return message
 
-    slots = decode_plan(messages[0], *dims).share.slots.size
+    unique = decode_plan(messages[0], *dims).unique_rows
+    high = messages[0].slot_high_water
+    one_row = np.ones((1, 1), np.uint8)
+
+    def handover(source: int):
+        def change(m: opb.Plan) -> None:
+            m.rows.handover_slots.CopyFrom(to_tensor(np.zeros(1, np.int32)))
+            m.rows.handover_source.CopyFrom(to_tensor(one_row * source))
+            m.rows.handover_recipients.CopyFrom(to_tensor(one_row * 4))
+            m.rows.handover_critical.CopyFrom(to_tensor(np.ones(1, bool)))
+
+        return change
+
+    decode_plan(corrupted(handover(2)), *dims)  # a well-formed hand-over passes
     cases = [
         (
-            lambda m: m.inverse.CopyFrom(to_tensor(np.full((BATCH // TRAINERS, 6), slots, np.int32))),
-            rf"plan 1: inverse: index {slots} outside \[0, {slots}\)",
+            lambda m: m.inverse.CopyFrom(to_tensor(np.full((BATCH // TRAINERS, 6), unique, np.int32))),
+            rf"plan 1: inverse: index {unique} outside \[0, {unique}\)",
         ),
         (
-            lambda m: m.private_rows.CopyFrom(to_tensor(np.array([-1], np.int32))),
-            r"plan 1: private_rows: index -1",
+            lambda m: m.rows.slots.CopyFrom(to_tensor(np.full(unique, high, np.int32))),
+            rf"plan 1: rows: slots: index {high} outside \[0, {high}\)",
         ),
         (
-            lambda m: m.critical.local.CopyFrom(to_tensor(np.full(m.critical.slots.shape[0], -2, np.int32))),
-            r"plan 1: critical: local",
+            lambda m: m.rows.users.CopyFrom(to_tensor(np.zeros((unique, 1), np.uint8))),
+            r"plan 1: rows: users: masks outside \[1, 7\] for 3 trainers",
         ),
         (
-            lambda m: m.background.handover_send.CopyFrom(to_tensor(np.array([7], np.int32))),
-            r"plan 1: background: handover_send: index 7 outside \[0, ",
+            lambda m: m.rows.users.CopyFrom(to_tensor(np.ones((unique, 2), np.uint8))),
+            r"plan 1: rows: users: shape must be",
+        ),
+        (
+            lambda m: m.rows.sync.CopyFrom(to_tensor(np.full(unique, 3, np.uint8))),
+            r"plan 1: rows: sync: values must be in \[0, 2\], got 3",
+        ),
+        (
+            lambda m: m.rows.prefetch.CopyFrom(to_tensor(np.array([-1], np.int32))),
+            r"plan 1: rows: prefetch: index -1",
+        ),
+        (
+            lambda m: m.rows.prefetch_keys.CopyFrom(to_tensor(np.zeros(10**3, np.int64))),
+            r"plan 1: rows: prefetch_keys: shape must be",
+        ),
+        (
+            lambda m: m.rows.evict_writer.CopyFrom(to_tensor(np.full(m.rows.evict.shape[0], 3, np.int32))),
+            r"plan 1: rows: evict_writer: index 3 outside \[0, 3\)",
+        ),
+        (handover(3), r"plan 1: rows: handover_source: each mask must name exactly one trainer"),
+        (
+            lambda m: m.rows.handover_critical.CopyFrom(to_tensor(np.ones(7, bool))),
+            r"plan 1: rows: handover_critical: shape must be",
         ),
         (
             lambda m: m.dense.CopyFrom(to_tensor(np.zeros((BATCH // TRAINERS, 2), np.float32))),
             r"plan 1: dense",
         ),
-        (
-            lambda m: m.prefetch_slots.CopyFrom(to_tensor(np.zeros(10**3, np.int32))),
-            r"plan 1: prefetch_slots",
-        ),
     ]
     for change, message in cases:
         bad = corrupted(change)
-        if "critical" in message and not bad.critical.slots.shape[0]:
-            continue  # nothing critical in this batch to corrupt
+        if "evict_writer" in message and not bad.rows.evict.shape[0]:
+            continue  # nothing evicted in this batch to corrupt
         with pytest.raises(InvalidArgument, match=message):
             decode_plan(bad, *dims)

@@ -1,9 +1,13 @@
 """From one logical plan (``BatchPlan``) to what each trainer does, and what it costs in traffic.
 
-``for_trainer`` cuts a plan into one trainer's share: the rows its samples use (with a local inverse
+The oracle reduces a plan to :class:`SharedPlan`, the part every trainer is told: the batch's rows with
+their slots, users and synchronisation class, the prefetches, evictions and hand-overs. It is the same for
+all trainers, so the oracle builds and serialises it once per batch. Each trainer then cuts its own share
+out of it with :func:`share` (a :class:`TrainerPlan`): the rows its samples use (with a local inverse
 index), what it prefetches, which of its rows it updates alone, the synchronisation steps (identical on
-every trainer, so the all-reduces line up) and what it writes back. ``traffic`` counts rows and bytes
-per iteration across all trainers; ``bagpipe plan-stats`` and the oracle's metrics use it.
+every trainer, so the all-reduces line up) and what it writes back. That work runs on the trainers, in
+parallel, rather than T times on the oracle's one core. ``traffic`` counts rows and bytes per iteration
+across all trainers; ``bagpipe plan-stats`` and the oracle's metrics use it.
 """
 
 from __future__ import annotations
@@ -14,7 +18,22 @@ import numpy as np
 
 from bagpipe.core.lookahead import BatchPlan
 
-__all__ = ["Splitter", "SyncStep", "TrainerPlan", "Traffic", "for_trainer", "traffic"]
+__all__ = [
+    "BACKGROUND",
+    "CRITICAL",
+    "PRIVATE",
+    "SharedPlan",
+    "SyncStep",
+    "TrainerPlan",
+    "Traffic",
+    "for_trainer",
+    "share",
+    "shared_plan",
+    "traffic",
+]
+
+# SharedPlan.sync: how a row's update reaches the other holders
+PRIVATE, CRITICAL, BACKGROUND = 0, 1, 2
 
 
 @dataclass(frozen=True)
@@ -44,64 +63,95 @@ class TrainerPlan:
     writeback_slots: np.ndarray  # int32 [W]
 
 
-class Splitter:
-    """Cuts one plan into every trainer's share. What all trainers share (which rows synchronise, in which
-    step, the hand-overs of each step) is worked out once per plan, not once per trainer; per trainer
-    only its own rows, its position map and its masks are computed."""
+@dataclass(frozen=True)
+class SharedPlan:
+    """What every trainer is told about one global batch (``PlanRows`` on the wire). Masks have one bit
+    per trainer (``lookahead.mask_dtype``); indices point into ``slots``, the batch's rows in key order."""
 
-    def __init__(self, plan: BatchPlan, inverse: np.ndarray, trainers: int) -> None:
-        self.plan, self.inverse = plan, inverse
-        self.per = inverse.shape[0] // trainers
-        h = plan.handovers
-        steps = []
-        for rows, handed in (
-            (plan.sync & plan.critical, h.critical),
-            (plan.sync & ~plan.critical, ~h.critical),
-        ):
-            index = np.flatnonzero(rows)
-            chosen = np.flatnonzero(handed)
-            steps.append((index, plan.slots[index], h.slots[chosen], h.source[chosen], h.recipients[chosen]))
-        self._steps = steps
-        self._unsynced = ~plan.sync
-        self._prefetch_holders = plan.holders[plan.prefetch]
+    batch: int
+    slots: np.ndarray  # int32 [U]
+    users: np.ndarray  # mask [U]
+    sync: np.ndarray  # uint8 [U]: PRIVATE, CRITICAL or BACKGROUND
+    prefetch: np.ndarray  # int32 [P]
+    prefetch_keys: np.ndarray  # int64 [P]
+    prefetch_holders: np.ndarray  # mask [P]
+    evict: np.ndarray  # int32 [E]
+    evict_keys: np.ndarray  # int64 [E]
+    evict_writer: np.ndarray  # int32 [E]
+    handover_slots: np.ndarray  # int32 [H]
+    handover_source: np.ndarray  # mask [H]: one bit
+    handover_recipients: np.ndarray  # mask [H]
+    handover_critical: np.ndarray  # bool [H]
 
-    def share(self, rank: int) -> TrainerPlan:
-        """Trainer ``rank``'s share."""
-        plan = self.plan
-        bit = plan.users.dtype.type(1 << rank)
-        local = np.flatnonzero((plan.users & bit) != 0)
-        position = np.full(plan.unique, -1, dtype=np.int32)
-        position[local] = np.arange(local.size, dtype=np.int32)
-        fetch = plan.prefetch[(self._prefetch_holders & bit) != 0]
-        written = plan.evict[plan.writer == rank]
-        critical, background = (
+    @property
+    def unique(self) -> int:
+        return int(self.slots.size)
+
+
+def shared_plan(plan: BatchPlan) -> SharedPlan:
+    """The part of ``plan`` that all trainers share: three passes over the batch's rows, the rest over the
+    (few) prefetched, evicted and handed-over rows."""
+    sync = plan.sync.view(np.uint8) + (plan.sync & ~plan.critical).view(np.uint8)  # 0, 1 or 2
+    h = plan.handovers
+    return SharedPlan(
+        batch=plan.batch,
+        slots=plan.slots,
+        users=plan.users,
+        sync=sync,
+        prefetch=plan.prefetch,
+        prefetch_keys=plan.keys[plan.prefetch],
+        prefetch_holders=plan.holders[plan.prefetch],
+        evict=plan.evict,
+        evict_keys=plan.keys[plan.evict],
+        evict_writer=plan.writer,
+        handover_slots=h.slots,
+        handover_source=h.source,
+        handover_recipients=h.recipients,
+        handover_critical=h.critical,
+    )
+
+
+def share(plan: SharedPlan, inverse: np.ndarray, rank: int) -> TrainerPlan:
+    """Trainer ``rank``'s share of ``plan``; ``inverse`` is the trainer's own slice of the samples, an
+    int32 ``[b, tables]`` index into the batch's rows."""
+    bit = plan.users.dtype.type(1 << rank)
+    local = np.flatnonzero(plan.users & bit)
+    position = np.full(plan.unique, -1, dtype=np.int32)
+    position[local] = np.arange(local.size, dtype=np.int32)
+    fetching = (plan.prefetch_holders & bit) != 0
+    fetch = plan.prefetch[fetching]
+    written = np.flatnonzero(plan.evict_writer == rank)
+    steps = []
+    for kind, in_step in ((CRITICAL, plan.handover_critical), (BACKGROUND, ~plan.handover_critical)):
+        rows = np.flatnonzero(plan.sync == kind)
+        handed = np.flatnonzero(in_step)
+        steps.append(
             SyncStep(
-                slots=slots,
-                local=position[index],
-                handover_slots=handover_slots,
-                handover_send=np.flatnonzero((source & bit) != 0).astype(np.int32),
-                handover_recv=np.flatnonzero((recipients & bit) != 0).astype(np.int32),
+                slots=plan.slots[rows],
+                local=position[rows],
+                handover_slots=plan.handover_slots[handed],
+                handover_send=np.flatnonzero(plan.handover_source[handed] & bit).astype(np.int32),
+                handover_recv=np.flatnonzero(plan.handover_recipients[handed] & bit).astype(np.int32),
             )
-            for index, slots, handover_slots, source, recipients in self._steps
         )
-        return TrainerPlan(
-            batch=plan.batch,
-            slots=plan.slots[local],
-            inverse=position[self.inverse[rank * self.per : (rank + 1) * self.per]],
-            prefetch_keys=plan.keys[fetch],
-            prefetch_slots=plan.slots[fetch],
-            private_rows=np.flatnonzero(self._unsynced[local]).astype(np.int32),
-            critical=critical,
-            background=background,
-            writeback_keys=plan.keys[written],
-            writeback_slots=plan.slots[written],
-        )
+    return TrainerPlan(
+        batch=plan.batch,
+        slots=plan.slots[local],
+        inverse=position[inverse],
+        prefetch_keys=plan.prefetch_keys[fetching],
+        prefetch_slots=plan.slots[fetch],
+        private_rows=np.flatnonzero(plan.sync[local] == PRIVATE).astype(np.int32),
+        critical=steps[0],
+        background=steps[1],
+        writeback_keys=plan.evict_keys[written],
+        writeback_slots=plan.slots[plan.evict[written]],
+    )
 
 
 def for_trainer(plan: BatchPlan, inverse: np.ndarray, rank: int, trainers: int) -> TrainerPlan:
-    """Trainer ``rank``'s share of ``plan``; ``inverse`` is the global batch's [B, tables] index. (To cut
-    a plan for every trainer, one ``Splitter`` shares the common work.)"""
-    return Splitter(plan, inverse, trainers).share(rank)
+    """Trainer ``rank``'s share of ``plan``; ``inverse`` is the global batch's [B, tables] index."""
+    per = inverse.shape[0] // trainers
+    return share(shared_plan(plan), inverse[rank * per : (rank + 1) * per], rank)
 
 
 @dataclass(frozen=True)

@@ -184,7 +184,9 @@ class Pipeline:
                     for msg in self.oracle.StreamPlans(
                         request, timeout=PLAN_STREAM_WINDOW_S, metadata=self.token
                     ):
-                        plan = decode_plan(msg, model.num_tables, model.num_dense)
+                        plan = decode_plan(
+                            msg, model.num_tables, model.num_dense, self.config.rank, self.config.world_size
+                        )
                         if plan.batch != expected:
                             raise ValueError(f"plan stream: expected batch {expected}, got {plan.batch}")
                         with self.cond:

@@ -14,11 +14,13 @@ class DType(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
     DTYPE_INT64: _ClassVar[DType]
     DTYPE_INT32: _ClassVar[DType]
     DTYPE_BOOL: _ClassVar[DType]
+    DTYPE_UINT8: _ClassVar[DType]
 DTYPE_UNSPECIFIED: DType
 DTYPE_FLOAT32: DType
 DTYPE_INT64: DType
 DTYPE_INT32: DType
 DTYPE_BOOL: DType
+DTYPE_UINT8: DType
 
 class Tensor(_message.Message):
     __slots__ = ("dtype", "shape", "data")

@@ -1,0 +1,72 @@
+"""core/plans: each trainer's share, cut from the plan's shared part, is what the logical plan says that
+trainer does, row by row (a plain-Python reading of ``BatchPlan``'s fields, independent of ``share``)."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+from bagpipe.core.lookahead import BatchPlan, LookaheadPlanner, trainer_users
+from bagpipe.core.plans import BACKGROUND, CRITICAL, PRIVATE, for_trainer, shared_plan
+
+
+def _plans(trainers: int, seed: int) -> list[tuple[BatchPlan, np.ndarray]]:
+    """(plan, the global batch's inverse) for a skewed stream, small enough to check row by row."""
+    rng = np.random.default_rng(seed)
+    weights = 1.0 / np.arange(1, 61) ** 1.2
+    weights /= weights.sum()
+    planner = LookaheadPlanner(60, 3, trainers=trainers)
+    inverses, plans = {}, []
+    for b in range(8):
+        ids = rng.choice(60, size=(trainers * 4, 3), p=weights)
+        keys, inverse = np.unique(ids, return_inverse=True)
+        inverses[b] = inverse.reshape(ids.shape).astype(np.int32)
+        if not planner.wants_more():
+            plans.append(planner.pop())
+        users = trainer_users(inverses[b], keys.size, trainers)
+        assert planner.push(b, keys.astype(np.int64), last=b == 7, users=users)
+    while planner.can_pop():
+        plans.append(planner.pop())
+    return [(plan, inverses[plan.batch]) for plan in plans]
+
+
+def _has(mask, rank: int) -> bool:
+    return bool(int(mask) >> rank & 1)
+
+
+@pytest.mark.parametrize("trainers", [2, 3, 9])
+def test_each_share_is_the_plan_read_row_by_row(trainers: int) -> None:
+    for plan, inverse in _plans(trainers, seed=trainers):
+        per = inverse.shape[0] // trainers
+        h = plan.handovers
+        for rank in range(trainers):
+            got = for_trainer(plan, inverse, rank, trainers)
+            mine = [i for i in range(plan.unique) if _has(plan.users[i], rank)]
+            assert got.slots.tolist() == [int(plan.slots[i]) for i in mine]
+            assert [int(plan.slots[mine[j]]) for j in got.inverse.ravel()] == [
+                int(plan.slots[i]) for i in inverse[rank * per : (rank + 1) * per].ravel()
+            ]
+            fetched = [int(i) for i in plan.prefetch if _has(plan.holders[i], rank)]
+            assert got.prefetch_keys.tolist() == [int(plan.keys[i]) for i in fetched]
+            assert got.prefetch_slots.tolist() == [int(plan.slots[i]) for i in fetched]
+            assert got.private_rows.tolist() == [j for j, i in enumerate(mine) if not plan.sync[i]]
+            for step, critical in ((got.critical, True), (got.background, False)):
+                rows = [i for i in range(plan.unique) if plan.sync[i] and plan.critical[i] == critical]
+                assert step.slots.tolist() == [int(plan.slots[i]) for i in rows]
+                assert step.local.tolist() == [mine.index(i) if i in mine else -1 for i in rows]
+                handed = [j for j in range(h.slots.size) if h.critical[j] == critical]
+                assert step.handover_slots.tolist() == [int(h.slots[j]) for j in handed]
+                sends = [n for n, j in enumerate(handed) if _has(h.source[j], rank)]
+                receives = [n for n, j in enumerate(handed) if _has(h.recipients[j], rank)]
+                assert (step.handover_send.tolist(), step.handover_recv.tolist()) == (sends, receives)
+            written = [int(i) for e, i in enumerate(plan.evict) if plan.writer[e] == rank]
+            assert got.writeback_keys.tolist() == [int(plan.keys[i]) for i in written]
+            assert got.writeback_slots.tolist() == [int(plan.slots[i]) for i in written]
+
+
+def test_shared_part_classes_every_row_once() -> None:
+    for plan, _ in _plans(3, seed=1):
+        sync = shared_plan(plan).sync
+        assert sync.dtype == np.uint8 and sync.shape == (plan.unique,)
+        assert np.array_equal(sync == PRIVATE, ~plan.sync)
+        assert np.array_equal(sync == CRITICAL, plan.sync & plan.critical)
+        assert np.array_equal(sync == BACKGROUND, plan.sync & ~plan.critical)
