@@ -45,33 +45,43 @@ def measure(
     timed: int = 200,
     trainers: int = 8,
     zipf_alpha: float = 1.1,
+    warmup: int | None = None,
 ) -> dict[str, Any]:
-    """Plans ``timed`` batches against a full window; the first ``tables`` Kaggle tables."""
+    """Plans ``timed`` batches against a full window, after ``warmup`` batches (default: ``lookahead``)
+    planned untimed; the first ``tables`` Kaggle tables."""
     allocator.keep_freed_buffers()  # as the oracle service does
+    warmup = lookahead if warmup is None else warmup
     rows = KAGGLE_TABLE_ROWS[:tables]
     offsets = table_offsets(rows)
     source = SyntheticSource(SyntheticConfig(table_rows=rows, zipf_alpha=zipf_alpha))
-    total = lookahead + timed
-    t0 = time.perf_counter()
-    batches = [build_batch(b, source.batch(b, batch_size), offsets) for b in range(total)]
-    keys = [arrays.keys for arrays in batches]
+    total = lookahead + warmup + timed
+    t0 = time.perf_counter()  # generated and deduplicated first, as the data processors would
+    batches = {b: build_batch(b, source.batch(b, batch_size), offsets) for b in range(total)}
     gen_s = time.perf_counter() - t0
     planner = LookaheadPlanner(int(offsets[-1]), lookahead, trainers=trainers)
+    unique = []
     for b in range(lookahead):
-        planner.push(b, keys[b], users=trainer_users(batches[b].inverse, keys[b].size, trainers))
+        arrays = batches[b]
+        planner.push(b, arrays.keys, users=trainer_users(arrays.inverse, arrays.keys.size, trainers))
     per_batch, users_seconds, split_seconds, plan_bytes = [], [], [], 0
     for b in range(lookahead, total):
+        arrays = batches[b]
         start = time.perf_counter()  # which trainers use each key (the data processors' part)
-        users = trainer_users(batches[b].inverse, keys[b].size, trainers)
+        users = trainer_users(arrays.inverse, arrays.keys.size, trainers)
         mid = time.perf_counter()  # the plan: Algorithm 1 with LRPP and delayed sync
         plan = planner.pop()
-        planner.push(b, keys[b], last=b == total - 1, users=users)
+        planner.push(b, arrays.keys, last=b == total - 1, users=users)
         planned = time.perf_counter()  # the trainers' messages, as StreamPlans sends them
-        plan_bytes += sum(len(m) for m in encode_plans(plan, batches[plan.batch], trainers))
-        split_seconds.append(time.perf_counter() - planned)
+        messages = encode_plans(plan, batches.pop(plan.batch), trainers)
+        done = time.perf_counter()
+        assert plan.batch == b - lookahead
+        if plan.batch < warmup:
+            continue
+        split_seconds.append(done - planned)
         per_batch.append(planned - mid)
         users_seconds.append(mid - start)
-        assert plan.batch == b - lookahead
+        plan_bytes += sum(len(m) for m in messages)
+        unique.append(plan.unique)
     seconds = sum(per_batch)
     sps = timed * batch_size / seconds
     end_to_end = timed * batch_size / (seconds + sum(split_seconds))
@@ -84,7 +94,8 @@ def measure(
         "trainers": trainers,
         "timed_batches": timed,
         "zipf_alpha": zipf_alpha,
-        "unique_keys_per_batch": float(np.mean([k.size for k in keys])),
+        "warmup_batches": warmup,
+        "unique_keys_per_batch": float(np.mean(unique)),
         "median_ms_per_batch": 1000 * statistics.median(per_batch),
         "p90_ms_per_batch": 1000 * sorted(per_batch)[int(0.9 * len(per_batch))],
         "samples_per_second": sps,
@@ -109,11 +120,14 @@ def main() -> None:
     p.add_argument("--tables", type=int, default=26, help="the first N Kaggle tables")
     p.add_argument("--lookahead", type=int, default=200)
     p.add_argument("--timed", type=int, default=200, help="batches timed after the window is full")
+    p.add_argument(
+        "--warmup", type=int, default=None, help="batches planned untimed first (default: the lookahead)"
+    )
     p.add_argument("--zipf-alpha", type=float, default=1.1)
     p.add_argument("--trainers", type=int, default=8, help="trainers the LRPP plan is made for (timed)")
     p.add_argument("--out", default="bench/results/oracle_throughput.json")
     a = p.parse_args()
-    result = measure(a.batch_size, a.tables, a.lookahead, a.timed, a.trainers, a.zipf_alpha)
+    result = measure(a.batch_size, a.tables, a.lookahead, a.timed, a.trainers, a.zipf_alpha, a.warmup)
     Path(a.out).parent.mkdir(parents=True, exist_ok=True)
     Path(a.out).write_text(json.dumps(result, indent=2))
     print(

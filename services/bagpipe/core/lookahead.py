@@ -1,4 +1,4 @@
-"""The oracle's lookahead algorithm (paper Algorithm 1) with an LRPP cache, vectorised.
+"""The oracle's lookahead algorithm (paper Algorithm 1) with an LRPP cache.
 
 Batches enter a window of up to ``L`` batches (the current one included, as in the paper's Figure 6).
 When the oldest batch leaves the window it gets a plan:
@@ -42,11 +42,17 @@ reflects it.
 per-key state for tens of millions of keys. So a key's state is one 16-byte record (``_state``): its
 latest use (int32; after eviction, the eviction batch), its slot (int32), its position in the keys of
 its latest batch (int32), its holders and its pending hand-over recipients (16-bit trainer masks;
-wider records above 16 trainers). ``push`` and ``pop`` each gather the batch's records once, work on
-the copy, and scatter it back once; only keys with a pending hand-over touch a second array (the batch
-after which it is due). Whether the next batch reads a key (critical synchronisation) is recorded
-while the next batch is pushed, through the stored positions, so no search is needed. No Python loop
-runs over ids.
+wider records above 16 trainers). ``push`` and ``pop`` each visit the batch's records once, in a loop
+over its keys compiled with numba (``_push_records``, ``_pop_records``: the lines of Algorithm 1 per
+key); the rest (slot allocation, hand-over lists) works on whole arrays. Compiled loops, not numpy
+passes: a vectorised pass gathers the records, then makes a dozen passes over the copies, then
+scatters them back, and at 63 k keys per batch those passes cost more than the gathers (4.1 ms per
+batch against 3.3 ms, bench/README.md). Only keys with a pending hand-over touch a second array (the
+batch after which it is due). Whether the next batch reads a key (critical synchronisation) is
+recorded while the next batch is pushed, through the stored positions, so no search is needed. Keys
+no batch before them in the window uses when they are pushed are exactly the batch's prefetches (a key
+used earlier in the window is cached by the time its batch is planned, and nothing in between evicts
+it), so ``pop`` takes them from the push.
 """
 
 from __future__ import annotations
@@ -56,6 +62,7 @@ from collections import deque
 from dataclasses import dataclass
 
 import numpy as np
+from numba import njit
 
 logger = logging.getLogger(__name__)
 
@@ -241,6 +248,7 @@ class _Entry:
     depends_on: int  # last eviction of keys first seen with this batch
     next_used: np.ndarray  # bool [U]: the next batch uses the key (filled when the next batch is pushed)
     next_pos: np.ndarray  # int32 [U]: ... at this position of its keys
+    fresh: np.ndarray  # int32: positions of keys no batch before it in the window uses: its prefetches
 
 
 def _state_dtype(mask: np.dtype) -> np.dtype:
@@ -262,6 +270,128 @@ def _state_dtype(mask: np.dtype) -> np.dtype:
             "itemsize": size + (-size % 8 if size > 16 else 0),
         }
     )
+
+
+@njit(cache=True, nogil=True)
+def _push_records(state, handover_at, keys, users, batch, oldest, linked, before_used, before_pos, fresh):  # type: ignore[no-untyped-def]
+    """Lines 5-11 of Algorithm 1 for one batch, one pass over its keys' records (see ``push``). Returns
+    the newest eviction among its fresh keys (-1: none) and how many of ``fresh`` it filled."""
+    depends_on = -1
+    fresh_count = 0
+    for i in range(keys.size):
+        k = keys[i]
+        rec = state[k]
+        prev = rec.latest
+        mine = np.uint64(users[i])
+        if prev < oldest:  # not used by any batch in the window: not cached either; prefetched at pop
+            depends_on = max(depends_on, prev)
+            fresh[fresh_count] = i
+            fresh_count += 1
+            rec.holders = mine
+        else:
+            if linked and prev == batch - 1:  # the previous batch learns that this one reads the key
+                at = rec.pos
+                before_used[at] = True
+                before_pos[at] = i
+            old = np.uint64(rec.holders)
+            joiners = mine & ~old
+            if joiners != 0 and rec.slot >= 0:  # cached, used by someone new: a hand-over after ``prev``
+                pending = np.uint64(rec.handover_to)
+                if pending != 0:  # rides along with the pending one (holds early: costs sync, not exactness)
+                    rec.handover_to = pending | joiners
+                else:
+                    rec.handover_to = joiners
+                    handover_at[k] = prev
+            rec.holders = old | mine
+        rec.latest = batch
+        rec.pos = i
+    return depends_on, fresh_count
+
+
+@njit(cache=True)
+def _writer(owners: np.uint64, key: int) -> int:
+    """The trainer that writes an evicted key back: the ``key % holders``-th of its holders (so that
+    write-backs spread over the trainers)."""
+    one = np.uint64(1)
+    count, rest = 0, owners
+    while rest:
+        rest &= rest - one
+        count += 1
+    for _ in range(key % count):  # drop the lowest set bits, then take the lowest one left
+        owners &= owners - one
+    bit = 0
+    while not (owners >> np.uint64(bit)) & one:
+        bit += 1
+    return bit
+
+
+@njit(cache=True, nogil=True)
+def _pop_records(  # type: ignore[no-untyped-def]
+    state,
+    handover_at,
+    slot_key,
+    keys,
+    next_used,
+    assigned,
+    x,
+    delayed,
+    ttl,
+    slots,
+    holders,
+    pending,
+    sync,
+    critical,
+    evict,
+    writer,
+    due,
+):
+    """Lines 12-25 of Algorithm 1 for batch ``x`` (see ``pop``): ``assigned`` holds the new slot of each
+    prefetched key, -1 elsewhere. Returns how many of ``evict`` / ``writer`` and of ``due`` it filled.
+    The records are gathered first, in a loop that does nothing else (so that many loads are in flight
+    at once; measured faster than one pass that works as it goes), then worked on, and only the changed
+    ones are written back."""
+    copy = np.empty(keys.size, dtype=state.dtype)
+    for i in range(keys.size):
+        copy[i] = state[keys[i]]
+    evicted = 0
+    handed = 0
+    for i in range(keys.size):
+        rec = copy[i]
+        k = keys[i]
+        latest = rec.latest
+        new_slot = assigned[i]
+        slot = rec.slot if new_slot < 0 else new_slot
+        owners = np.uint64(rec.holders)
+        to = np.uint64(rec.handover_to)
+        changed = new_slot >= 0
+        if changed:
+            slot_key[slot] = k + 1
+        if to != 0:  # those still waiting for a hand-over do not have the newest value yet
+            owners &= ~to
+            if handover_at[k] == x:
+                rec.handover_to = 0
+                due[handed] = i
+                handed += 1
+                changed = True
+        ttl[i] = latest
+        slots[i] = slot
+        pending[i] = to
+        holders[i] = owners
+        shared = owners & (owners - np.uint64(1)) != 0  # more than one holder
+        sync[i] = shared
+        critical[i] = shared & (next_used[i] | (not delayed))
+        gone = latest == x  # its last use in the window: evicted, written back by one of its holders
+        if gone:
+            slot_key[slot] = 0
+            writer[evicted] = _writer(owners, k)
+            evict[evicted] = i
+            evicted += 1
+        if changed or gone:
+            out = state[k]
+            out.slot = -1 if gone else slot
+            out.holders = np.uint64(0) if gone else np.uint64(rec.holders)  # (0 alone would unify to float)
+            out.handover_to = rec.handover_to
+    return evicted, handed
 
 
 class LookaheadPlanner:
@@ -302,11 +432,10 @@ class LookaheadPlanner:
         self._state = np.zeros(num_keys, dtype=self._dtype)
         self._state["latest"] = -1
         self._state["slot"] = -1
-        self._raw = self._state.view(
-            np.dtype((np.void, self._dtype.itemsize))
-        )  # gathers/scatters whole records
         self._handover_at = np.full(num_keys, -1, dtype=np.int32)
-        self._slot_key = np.full(0, -1, dtype=np.int64)  # the key in each cache slot, or -1
+        # key + 1 in each cache slot (0: empty); zeroed pages are mapped lazily, so the slots never used
+        # cost no memory, and the array rarely has to grow
+        self._slot_key = np.zeros(num_keys, dtype=np.int64)
         self._window: deque[_Entry] = deque()
         self._allocator = SlotAllocator(delay=min(lookahead, reuse_delay or lookahead), capacity=capacity)
         self._next_push: int | None = None
@@ -364,13 +493,11 @@ class LookaheadPlanner:
         elif users.dtype != self.mask or users.shape != keys.shape:
             raise ValueError(f"users: expected {self.mask} {keys.shape}, got {users.dtype} {users.shape}")
         oldest = self._window[0].batch if self._window else batch
-        rec = self._raw[keys].view(self._dtype)  # a copy: written back at the end
-        prev = rec["latest"]
-        fresh = prev < oldest  # not used by any batch in the window: not cached either
-        if self.capacity is not None:
+        if self.capacity is not None:  # a read-only pass first: the batch may not fit
+            prev = self._state["latest"][keys]
             here = len(self._window)
             # a fresh key is live at this batch only; another one from the batch after its last use on
-            starts = np.where(fresh, here, prev - oldest + 1)
+            starts = np.where(prev < oldest, here, prev - oldest + 1)
             live = np.append(self._live, 0) + np.cumsum(np.bincount(starts, minlength=here + 1))
             if not self._window and keys.size > self.capacity:
                 raise CapacityError(
@@ -381,49 +508,28 @@ class LookaheadPlanner:
                 self._blocked = True
                 return False
             self._live = live
-        depends_on = int(prev[fresh].max()) if fresh.any() else -1
-        if self._window:  # the previous batch learns which of its keys this one reads, and where
-            again = np.flatnonzero(prev == batch - 1)
-            before = self._window[-1]
-            at = rec["pos"][again]
-            before.next_used[at] = True
-            before.next_pos[at] = again.astype(np.int32)
-        old = rec["holders"].astype(self.mask)
-        joiners = users & ~old
-        spread = np.flatnonzero(~fresh & (joiners != 0) & (rec["slot"] >= 0))  # cached, used by someone new
-        if spread.size:
-            self._schedule_handovers(keys, rec, spread, prev[spread], joiners[spread])
-        rec["holders"] = np.where(fresh, users, old | users)
-        rec["latest"] = batch
-        rec["pos"] = np.arange(keys.size, dtype=np.int32)
-        self._raw[keys] = rec.view(self._raw.dtype)
+        before = self._window[-1] if self._window else None
+        next_used = np.zeros(keys.size, dtype=bool)
+        next_pos = np.zeros(keys.size, dtype=np.int32)
+        fresh = np.empty(keys.size, dtype=np.int32)
+        depends_on, fresh_count = _push_records(
+            self._state,
+            self._handover_at,
+            keys,
+            users,
+            batch,
+            oldest,
+            before is not None,
+            before.next_used if before is not None else next_used,
+            before.next_pos if before is not None else next_pos,
+            fresh,
+        )
         self._window.append(
-            _Entry(
-                batch,
-                keys,
-                users,
-                depends_on,
-                np.zeros(keys.size, dtype=bool),
-                np.zeros(keys.size, dtype=np.int32),
-            )
+            _Entry(batch, keys, users, int(depends_on), next_used, next_pos, fresh[:fresh_count])
         )
         self._next_push = batch + 1
         self._ended = last
         return True
-
-    def _schedule_handovers(
-        self, keys: np.ndarray, rec: np.ndarray, spread: np.ndarray, after: np.ndarray, joiners: np.ndarray
-    ) -> None:
-        """New holders get a cached key after its latest update before the batch being pushed (``after``).
-
-        A key has at most one pending hand-over: a second joiner rides along with the first one
-        (it becomes a holder a little early, which costs synchronisation, not exactness).
-        """
-        to = rec["handover_to"][spread]
-        pending = to != 0
-        rec["handover_to"][spread] = np.where(pending, to | joiners, joiners)
-        first = ~pending
-        self._handover_at[keys[spread[first]]] = after[first]
 
     def finish(self) -> None:
         """Marks the last pushed batch as the end of the data (when no batch carried ``last``)."""
@@ -438,51 +544,48 @@ class LookaheadPlanner:
             self.min_window = min(self.min_window, window)
         entry = self._window.popleft()
         x, keys = entry.batch, entry.keys
-        rec = self._raw[keys].view(self._dtype)  # a copy: written back at the end
-        ttl = rec["latest"].copy()  # (copies: a view of one record would see the changes below)
-        prefetch = np.flatnonzero(rec["slot"] < 0).astype(np.int32)
+        prefetch = entry.fresh  # not cached when pushed, and no batch before it in the window used them
         depends_on = entry.depends_on
+        assigned = np.full(keys.size, -1, dtype=np.int32)
         if prefetch.size:
             new_slots, reused_after = self._allocator.take(prefetch.size, x)
             depends_on = max(depends_on, reused_after)
-            rec["slot"][prefetch] = new_slots
+            assigned[prefetch] = new_slots
             if self._allocator.high_water > self._slot_key.size:
-                grown = np.full(max(self._allocator.high_water, 2 * self._slot_key.size), -1, dtype=np.int64)
+                grown = np.zeros(max(self._allocator.high_water, 2 * self._slot_key.size), dtype=np.int64)
                 grown[: self._slot_key.size] = self._slot_key
                 self._slot_key = grown
-            self._slot_key[new_slots] = keys[prefetch]
-        slots = rec["slot"].copy()
         self.occupancy += prefetch.size
         self.peak_occupancy = max(self.peak_occupancy, self.occupancy)
-
-        holders = rec["holders"].astype(self.mask)  # those that have the newest value during this batch:
-        to = rec["handover_to"].astype(self.mask)
-        waiting = np.flatnonzero(to != 0)  # not the ones still waiting for a hand-over (due at x or later)
-        due = np.zeros(0, dtype=np.int64)
-        if waiting.size:
-            holders[waiting] &= ~to[waiting]
-            due = waiting[self._handover_at[keys[waiting]] == x]
-            rec["handover_to"][due] = 0
-        sync = np.bitwise_count(holders) > 1
+        size = keys.size
+        ttl, slots = np.empty(size, dtype=np.int32), np.empty(size, dtype=np.int32)
+        holders, to = np.empty(size, dtype=self.mask), np.empty(size, dtype=self.mask)
+        sync, critical = np.empty(size, dtype=bool), np.empty(size, dtype=bool)
+        evict, writer, due = (np.empty(size, dtype=np.int32) for _ in range(3))
+        evicted, handed = _pop_records(
+            self._state,
+            self._handover_at,
+            self._slot_key,
+            keys,
+            entry.next_used,
+            assigned,
+            x,
+            self.delayed_sync,
+            ttl,
+            slots,
+            holders,
+            to,
+            sync,
+            critical,
+            evict,
+            writer,
+            due,
+        )
+        evict, writer, due = evict[:evicted], writer[:evicted], due[:handed]
         following = self._window[0] if self._window else None  # batch x+1: push is in order
-        critical = sync.copy() if not self.delayed_sync else sync & entry.next_used
         handovers = self._take_handovers(entry, keys, slots, due, holders, to[due], following)
-
-        evict = np.flatnonzero(ttl == x).astype(np.int32)
-        writer = np.zeros(0, dtype=np.int32)
         if evict.size:
-            gone = keys[evict]
-            owners = holders[evict]  # nothing is pending for a key's last use: every holder is current
-            writer = nth_set_bit(owners, gone % np.bitwise_count(owners), self.trainers)
-            rec["slot"][evict] = -1
-            rec["holders"][evict] = 0
-            self._slot_key[slots[evict]] = -1
             self._allocator.release(slots[evict], x)
-        changed = np.zeros(keys.size, dtype=bool)  # only these records differ: write back just them
-        for index in (prefetch, evict, due):
-            changed[index] = True
-        changed_at = np.flatnonzero(changed)
-        self._raw[keys[changed_at]] = rec[changed_at].view(self._raw.dtype)
         self.occupancy -= evict.size
         if self.capacity is not None:
             assert self.occupancy + evict.size == self._live[0], "live-row accounting is off"
@@ -512,8 +615,8 @@ class LookaheadPlanner:
         """Every row in the cache after the last popped batch (its evictions and hand-overs done): keys,
         slots, and the trainer with the newest value that writes it out for a checkpoint (the lowest of
         its current holders; those still waiting for a hand-over do not count)."""
-        slots = np.flatnonzero(self._slot_key >= 0).astype(np.int32)
-        keys = self._slot_key[slots]
+        slots = np.flatnonzero(self._slot_key[: self._allocator.high_water]).astype(np.int32)
+        keys = self._slot_key[slots] - 1
         rec = self._state[keys]
         holders = (rec["holders"] & ~rec["handover_to"]).astype(self.mask)
         if holders.size and not holders.all():

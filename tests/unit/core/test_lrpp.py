@@ -128,12 +128,13 @@ def replay(stream, plans, trainers, capacity=None, delayed=True) -> dict[str, in
     return seen
 
 
-@pytest.mark.parametrize("trainers", [2, 3, 5, 20])  # 20: wider per-key records than up to 16
+@pytest.mark.parametrize("trainers", [2, 3, 5, 20, 64])  # 20, 64: wider per-key records and masks
 @pytest.mark.parametrize("lookahead", [1, 2, 4, 9])
 @pytest.mark.parametrize("delayed", [True, False])
 def test_every_read_is_the_newest_value(trainers: int, lookahead: int, delayed: bool) -> None:
-    stream = make_stream(80, trainers, keys=60, per=5, seed=trainers * 100 + lookahead)
-    plans, planner = plan_stream(stream, trainers, lookahead, 60, delayed=delayed)
+    keys = 60 if trainers < 64 else 400  # (with 64 trainers on 60 keys, no row would be private)
+    stream = make_stream(80, trainers, keys=keys, per=5, seed=trainers * 100 + lookahead)
+    plans, planner = plan_stream(stream, trainers, lookahead, keys, delayed=delayed)
     seen = replay(stream, plans, trainers, delayed=delayed)
     assert seen["private"] > 0
     if lookahead >= 4:
