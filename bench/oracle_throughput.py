@@ -72,7 +72,7 @@ def measure(
         plan = planner.pop()
         planner.push(b, arrays.keys, last=b == total - 1, users=users)
         planned = time.perf_counter()  # the trainers' messages, as StreamPlans sends them
-        messages = encode_plans(plan, batches.pop(plan.batch), trainers)
+        encoded = encode_plans(plan, batches.pop(plan.batch), trainers)
         done = time.perf_counter()
         assert plan.batch == b - lookahead
         if plan.batch < warmup:
@@ -80,7 +80,7 @@ def measure(
         split_seconds.append(done - planned)
         per_batch.append(planned - mid)
         users_seconds.append(mid - start)
-        plan_bytes += sum(len(m) for m in messages)
+        plan_bytes += encoded.nbytes  # (the rows count once per trainer: each stream carries them)
         unique.append(plan.unique)
     seconds = sum(per_batch)
     sps = timed * batch_size / seconds

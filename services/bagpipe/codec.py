@@ -1,9 +1,9 @@
 """The wire messages of the training path, built and read in one place.
 
 * ``Batch`` (data processor -> oracle): :func:`encode_batch` / :func:`decode_batch`.
-* ``Plan`` (oracle -> one trainer): :func:`encode_plans` writes one message per trainer (its sample
-  slice plus the batch's rows, serialised once); :func:`decode_plan` reads one back and cuts the trainer's
-  share out of it, into :class:`PlanArrays`.
+* ``PlanPart`` (oracle -> one trainer): :func:`encode_plans` writes the batch's rows once for every
+  trainer, and each trainer's ``Plan`` (its sample slice); :func:`decode_plan` reads a plan with its
+  rows and cuts the trainer's share out of them, into :class:`PlanArrays`.
 
 Decoding validates everything the receiver indexes with (dtypes, shapes, index ranges, trainer masks)
 and raises :class:`~bagpipe.errors.InvalidArgument` naming the batch and the field, so a bad message is
@@ -149,21 +149,35 @@ def _rows_fields(rows: SharedPlan) -> list[tuple[int, Any]]:
     ]
 
 
+@dataclass(frozen=True)
+class EncodedPlan:
+    """One batch's plan as StreamPlans sends it: ``rows``, a serialised ``PlanPart`` holding the batch's
+    ``PlanRows`` (the same bytes for every trainer), and ``plans[rank]``, a serialised ``PlanPart`` holding
+    trainer ``rank``'s ``Plan``."""
+
+    rows: bytes
+    plans: list[bytes]
+
+    @property
+    def nbytes(self) -> int:
+        """Bytes sent for the batch, over all trainers."""
+        return len(self.rows) * len(self.plans) + sum(len(p) for p in self.plans)
+
+
 def encode_plans(
     plan: BatchPlan,
     batch: BatchArrays,
     trainers: int,
     checkpoint: tuple[np.ndarray, np.ndarray, np.ndarray] | None = None,
-) -> list[bytes]:
-    """One serialised ``Plan`` per trainer: the batch's rows (``PlanRows``, serialised once and shared by
-    every message) and the trainer's contiguous slice of the samples; with ``checkpoint``
-    (``LookaheadPlanner.cached()``: keys, slots, writer rank), the cached rows each trainer writes out.
-    The bytes are what ``Plan.SerializeToString`` would give (``wire.encode_message``; ``rows`` is the
-    last field, so appending its bytes keeps field order); StreamPlans sends them as they are and a
-    trainer reads its share with :func:`decode_plan`."""
+) -> EncodedPlan:
+    """``plan`` as StreamPlans sends it: the batch's rows (``PlanRows``), serialised once for all trainers,
+    and per trainer its ``Plan``: its contiguous slice of the samples and, with ``checkpoint``
+    (``LookaheadPlanner.cached()``: keys, slots, writer rank), the cached rows it writes out. The bytes
+    are what ``PlanPart.SerializeToString`` would give (``wire.encode_message``); StreamPlans sends them
+    as they are and a trainer reads its share with :func:`decode_plan`."""
     size = int(batch.labels.shape[0])
     per = size // trainers
-    rows = encode_message([(14, _rows_fields(shared_plan(plan)))])
+    rows = encode_message([(1, [*_rows_fields(shared_plan(plan)), (14, plan.batch)])])
     out = []
     for rank in range(trainers):
         sl = slice(rank * per, (rank + 1) * per)
@@ -184,8 +198,8 @@ def encode_plans(
             keys, slots, writer = checkpoint
             mine = writer == rank
             fields += [(11, True), (12, keys[mine]), (13, slots[mine])]
-        out.append(encode_message(fields, tail=rows))
-    return out
+        out.append(encode_message([(2, fields)]))
+    return EncodedPlan(rows, out)
 
 
 def _masks(
@@ -244,16 +258,20 @@ def _decode_rows(
     )
 
 
-def decode_plan(msg: opb.Plan, num_tables: int, num_dense: int, rank: int, trainers: int) -> PlanArrays:
-    """Reads and checks one ``Plan`` for trainer ``rank`` of ``trainers``, with a model of ``num_tables``
-    tables and ``num_dense`` dense features (every index stays inside the arrays it indexes), and cuts the
-    trainer's share out of the batch's rows (``core/plans.share``)."""
+def decode_plan(
+    msg: opb.Plan, rows_msg: opb.PlanRows, num_tables: int, num_dense: int, rank: int, trainers: int
+) -> PlanArrays:
+    """Reads and checks one ``Plan`` and its batch's ``PlanRows`` for trainer ``rank`` of ``trainers``,
+    with a model of ``num_tables`` tables and ``num_dense`` dense features (every index stays inside the
+    arrays it indexes), and cuts the trainer's share out of the rows (``core/plans.share``)."""
     b = msg.batch
     where = f"plan {b}"
     if not 0 <= rank < trainers:
         raise ValueError(f"rank: must be in [0, {trainers}), got {rank}")
+    if rows_msg.batch != b:
+        raise InvalidArgument(f"{where}: rows", f"are batch {rows_msg.batch}'s")
     slot_high_water = max(1, msg.slot_high_water)
-    rows = _decode_rows(msg.rows, b, trainers, slot_high_water, f"{where}: rows")
+    rows = _decode_rows(rows_msg, b, trainers, slot_high_water, f"{where}: rows")
     labels = _tensor(msg, "labels", np.float32, where, ndim=1)
     inverse = _tensor(msg, "inverse", np.int32, where, shape=(labels.size, num_tables))
     _check_index(inverse, rows.unique, f"{where}: inverse")

@@ -191,18 +191,25 @@ async def _oracle_gates_plans() -> None:
         stub = opb_grpc.OracleCacherStub(ch)
         stream = stub.StreamPlans(opb.StreamPlansRequest(rank=0, start=0), timeout=30)
         it = stream.__aiter__()
-        assert [(await it.__anext__()).batch for _ in range(2)] == [0, 1]
+
+        async def next_plan() -> opb.Plan:  # each batch's rows, then its plan
+            rows, plan = await it.__anext__(), await it.__anext__()
+            assert (rows.WhichOneof("part"), plan.WhichOneof("part")) == ("rows", "plan")
+            assert rows.rows.batch == plan.plan.batch
+            return plan.plan
+
+        assert [(await next_plan()).batch for _ in range(2)] == [0, 1]
         async with oracle.cond:
             await oracle.cond.wait_for(lambda: 2 in oracle.planned)
             # batch 2 refetches keys batch 0 evicted (tiny tables), so it depends on batch 0's write-backs
             assert oracle.planned[2].plan.depends_on == 0
             assert not oracle._dispatchable(2), "plan 2 must wait for the write-backs of batch 0"
         await stub.ReportProgress(opb.ProgressReport(rank=0, trained=0, written_back=0), timeout=5)
-        assert (await it.__anext__()).batch == 2
+        assert (await next_plan()).batch == 2
         rest = []
         for b in range(1, 4):  # (a trainer reports only batches it was sent)
             await stub.ReportProgress(opb.ProgressReport(rank=0, trained=b, written_back=b), timeout=5)
-            rest.append(await it.__anext__())
+            rest.append(await next_plan())
         assert [p.batch for p in rest] == [3, 4, 5] and rest[-1].last
         # progress on a batch never sent, or going back, is refused
         for trained, field in ((6, "sent plans up to 5"), (2, "progress only moves on")):

@@ -113,7 +113,8 @@ def test_bad_keys_and_masks_are_refused() -> None:
 
 
 def _plans(checkpoint_after: int | None = None):
-    """(batch arrays, global plan, per-trainer messages) of a few planned batches."""
+    """(batch arrays, global plan, its rows message, per-trainer plan messages, checkpoint rows) of a few
+    planned batches."""
     num_keys = int(table_offsets(TABLE_ROWS)[-1])
     planner = LookaheadPlanner(num_keys, 3, trainers=TRAINERS)
     batches = _batches(6)
@@ -124,10 +125,12 @@ def _plans(checkpoint_after: int | None = None):
         arrays = batches[plan.batch][0]
         cached = planner.cached() if plan.batch == checkpoint_after else None
         encoded = encode_plans(plan, arrays, TRAINERS, cached)
-        # the hand-written bytes are protobuf's own encoding of the same message
-        messages = [opb.Plan.FromString(data) for data in encoded]
-        assert [m.SerializeToString() for m in messages] == encoded
-        out.append((arrays, plan, messages, cached))
+        # the hand-written bytes are protobuf's own encoding of the same messages
+        parts = [opb.PlanPart.FromString(data) for data in [encoded.rows, *encoded.plans]]
+        assert [p.SerializeToString() for p in parts] == [encoded.rows, *encoded.plans]
+        assert parts[0].WhichOneof("part") == "rows" and parts[0].rows.batch == plan.batch
+        assert all(p.WhichOneof("part") == "plan" for p in parts[1:])
+        out.append((arrays, plan, parts[0].rows, [p.plan for p in parts[1:]], cached))
 
     for arrays, last in batches:
         while not planner.wants_more():
@@ -143,11 +146,13 @@ def _plans(checkpoint_after: int | None = None):
 def test_plan_round_trip_is_each_trainers_share() -> None:
     planned = _plans(checkpoint_after=2)
     assert len(planned) == 6
-    for arrays, plan, messages, cached in planned:
+    for arrays, plan, rows, messages, cached in planned:
         assert len(messages) == TRAINERS
         per = BATCH // TRAINERS
         for rank, message in enumerate(messages):
-            got = decode_plan(_wire(message), len(TABLE_ROWS), arrays.dense.shape[1], rank, TRAINERS)
+            got = decode_plan(
+                _wire(message), _wire(rows), len(TABLE_ROWS), arrays.dense.shape[1], rank, TRAINERS
+            )
             _same(got.share, for_trainer(plan, arrays.inverse, rank, TRAINERS))
             assert np.array_equal(got.dense, arrays.dense[rank * per : (rank + 1) * per])
             assert np.array_equal(got.labels, arrays.labels[rank * per : (rank + 1) * per])
@@ -164,17 +169,21 @@ def test_plan_round_trip_is_each_trainers_share() -> None:
                 assert np.array_equal(got.checkpoint_keys, keys[writer == rank])
                 assert np.array_equal(got.checkpoint_slots, slots[writer == rank])
     # the checkpoint's rows are split between the trainers, each written exactly once
-    _, _, messages, (keys, _, _) = planned[2]
+    _, _, rows, messages, (keys, _, _) = planned[2]
     written = np.concatenate(
-        [decode_plan(m, len(TABLE_ROWS), 13, r, TRAINERS).checkpoint_keys for r, m in enumerate(messages)]
+        [
+            decode_plan(m, rows, len(TABLE_ROWS), 13, r, TRAINERS).checkpoint_keys
+            for r, m in enumerate(messages)
+        ]
     )
     assert np.array_equal(np.sort(written), np.sort(keys))
 
 
-def test_every_trainer_gets_the_same_rows_bytes() -> None:
-    for _, _, messages, _ in _plans():
-        rows = {m.rows.SerializeToString() for m in messages}
-        assert len(rows) == 1
+def test_a_plan_with_another_batchs_rows_is_refused() -> None:
+    planned = _plans()
+    (_, _, _, messages, _), (_, _, rows, _, _) = planned[0], planned[1]
+    with pytest.raises(InvalidArgument, match=r"plan 0: rows: are batch 1's"):
+        decode_plan(messages[0], rows, len(TABLE_ROWS), 13, 0, TRAINERS)
 
 
 def test_masks_of_up_to_64_trainers_cross_the_wire() -> None:
@@ -191,87 +200,90 @@ def test_masks_of_up_to_64_trainers_cross_the_wire() -> None:
         planner = LookaheadPlanner(40, 2, trainers=trainers)
         planner.push(0, arrays.keys, last=True, users=trainer_users(inverse, 40, trainers))
         plan = planner.pop()
-        for rank, data in enumerate(encode_plans(plan, arrays, trainers)):
-            got = decode_plan(opb.Plan.FromString(data), 2, arrays.dense.shape[1], rank, trainers)
+        encoded = encode_plans(plan, arrays, trainers)
+        rows = opb.PlanPart.FromString(encoded.rows).rows
+        for rank, data in enumerate(encoded.plans):
+            message = opb.PlanPart.FromString(data).plan
+            got = decode_plan(message, rows, 2, arrays.dense.shape[1], rank, trainers)
             _same(got.share, for_trainer(plan, inverse, rank, trainers))
-            assert got.share.slots.size == (
-                2
-                if trainers == 64
-                else len(set(inverse[rank * (64 // trainers) : (rank + 1) * (64 // trainers)].ravel()))
-            )
+            per = 64 // trainers
+            mine = np.unique(inverse[rank * per : (rank + 1) * per])
+            assert np.array_equal(got.share.slots, plan.slots[mine])
 
 
 def test_bad_plans_name_the_batch_and_field() -> None:
-    arrays, _, messages, _ = _plans()[1]
+    arrays, _, good_rows, messages, _ = _plans()[1]
     dims = (len(TABLE_ROWS), arrays.dense.shape[1], 0, TRAINERS)
-    decode_plan(messages[0], *dims)
+    decode_plan(messages[0], good_rows, *dims)
 
-    def corrupted(change) -> opb.Plan:
-        message = opb.Plan()
-        message.CopyFrom(messages[0])
-        change(message)
-        return message
+    def corrupted(change):
+        """(plan, rows) after ``change`` edits copies of them."""
+        plan, rows = opb.Plan(), opb.PlanRows()
+        plan.CopyFrom(messages[0])
+        rows.CopyFrom(good_rows)
+        change(plan, rows)
+        return plan, rows
 
-    unique = decode_plan(messages[0], *dims).unique_rows
+    unique = decode_plan(messages[0], good_rows, *dims).unique_rows
     high = messages[0].slot_high_water
     one_row = np.ones((1, 1), np.uint8)
 
     def handover(source: int):
-        def change(m: opb.Plan) -> None:
-            m.rows.handover_slots.CopyFrom(to_tensor(np.zeros(1, np.int32)))
-            m.rows.handover_source.CopyFrom(to_tensor(one_row * source))
-            m.rows.handover_recipients.CopyFrom(to_tensor(one_row * 4))
-            m.rows.handover_critical.CopyFrom(to_tensor(np.ones(1, bool)))
+        def change(_: opb.Plan, rows: opb.PlanRows) -> None:
+            rows.handover_slots.CopyFrom(to_tensor(np.zeros(1, np.int32)))
+            rows.handover_source.CopyFrom(to_tensor(one_row * source))
+            rows.handover_recipients.CopyFrom(to_tensor(one_row * 4))
+            rows.handover_critical.CopyFrom(to_tensor(np.ones(1, bool)))
 
         return change
 
-    decode_plan(corrupted(handover(2)), *dims)  # a well-formed hand-over passes
+    decode_plan(*corrupted(handover(2)), *dims)  # a well-formed hand-over passes
     cases = [
         (
-            lambda m: m.inverse.CopyFrom(to_tensor(np.full((BATCH // TRAINERS, 6), unique, np.int32))),
+            lambda m, _: m.inverse.CopyFrom(to_tensor(np.full((BATCH // TRAINERS, 6), unique, np.int32))),
             rf"plan 1: inverse: index {unique} outside \[0, {unique}\)",
         ),
         (
-            lambda m: m.rows.slots.CopyFrom(to_tensor(np.full(unique, high, np.int32))),
+            lambda m, _: m.dense.CopyFrom(to_tensor(np.zeros((BATCH // TRAINERS, 2), np.float32))),
+            r"plan 1: dense",
+        ),
+        (
+            lambda _, r: r.slots.CopyFrom(to_tensor(np.full(unique, high, np.int32))),
             rf"plan 1: rows: slots: index {high} outside \[0, {high}\)",
         ),
         (
-            lambda m: m.rows.users.CopyFrom(to_tensor(np.zeros((unique, 1), np.uint8))),
+            lambda _, r: r.users.CopyFrom(to_tensor(np.zeros((unique, 1), np.uint8))),
             r"plan 1: rows: users: masks outside \[1, 7\] for 3 trainers",
         ),
         (
-            lambda m: m.rows.users.CopyFrom(to_tensor(np.ones((unique, 2), np.uint8))),
+            lambda _, r: r.users.CopyFrom(to_tensor(np.ones((unique, 2), np.uint8))),
             r"plan 1: rows: users: shape must be",
         ),
         (
-            lambda m: m.rows.sync.CopyFrom(to_tensor(np.full(unique, 3, np.uint8))),
+            lambda _, r: r.sync.CopyFrom(to_tensor(np.full(unique, 3, np.uint8))),
             r"plan 1: rows: sync: values must be in \[0, 2\], got 3",
         ),
         (
-            lambda m: m.rows.prefetch.CopyFrom(to_tensor(np.array([-1], np.int32))),
+            lambda _, r: r.prefetch.CopyFrom(to_tensor(np.array([-1], np.int32))),
             r"plan 1: rows: prefetch: index -1",
         ),
         (
-            lambda m: m.rows.prefetch_keys.CopyFrom(to_tensor(np.zeros(10**3, np.int64))),
+            lambda _, r: r.prefetch_keys.CopyFrom(to_tensor(np.zeros(10**3, np.int64))),
             r"plan 1: rows: prefetch_keys: shape must be",
         ),
         (
-            lambda m: m.rows.evict_writer.CopyFrom(to_tensor(np.full(m.rows.evict.shape[0], 3, np.int32))),
+            lambda _, r: r.evict_writer.CopyFrom(to_tensor(np.full(r.evict.shape[0], 3, np.int32))),
             r"plan 1: rows: evict_writer: index 3 outside \[0, 3\)",
         ),
         (handover(3), r"plan 1: rows: handover_source: each mask must name exactly one trainer"),
         (
-            lambda m: m.rows.handover_critical.CopyFrom(to_tensor(np.ones(7, bool))),
+            lambda _, r: r.handover_critical.CopyFrom(to_tensor(np.ones(7, bool))),
             r"plan 1: rows: handover_critical: shape must be",
-        ),
-        (
-            lambda m: m.dense.CopyFrom(to_tensor(np.zeros((BATCH // TRAINERS, 2), np.float32))),
-            r"plan 1: dense",
         ),
     ]
     for change, message in cases:
-        bad = corrupted(change)
-        if "evict_writer" in message and not bad.rows.evict.shape[0]:
+        plan, rows = corrupted(change)
+        if "evict_writer" in message and not rows.evict.shape[0]:
             continue  # nothing evicted in this batch to corrupt
         with pytest.raises(InvalidArgument, match=message):
-            decode_plan(bad, *dims)
+            decode_plan(plan, rows, *dims)

@@ -19,7 +19,7 @@ import grpc
 import numpy as np
 
 from bagpipe import security, serving
-from bagpipe.codec import WireBatch, decode_batch, encode_plans
+from bagpipe.codec import EncodedPlan, WireBatch, decode_batch, encode_plans
 from bagpipe.core.data import table_offsets
 from bagpipe.core.lookahead import BatchPlan, LookaheadPlanner, all_trainers, mask_dtype, trainer_users
 from bagpipe.errors import InvalidArgument, PermissionDenied
@@ -43,7 +43,7 @@ class _Received:
 @dataclass
 class _Planned:
     plan: BatchPlan
-    messages: list[bytes]  # serialised Plans, one per trainer (codec.encode_plans)
+    encoded: EncodedPlan  # the rows, serialised once, and every trainer's Plan (codec.encode_plans)
     taken: set[int] = field(default_factory=set)
 
 
@@ -206,7 +206,7 @@ class Oracle(pb_grpc.OracleCacherServicer):
                     if self.config.checkpoint_after(plan.batch) and not plan.last
                     else None
                 )
-                messages = encode_plans(plan, source.arrays, self.config.trainers, cached)
+                encoded = encode_plans(plan, source.arrays, self.config.trainers, cached)
                 metrics.PLAN_SECONDS.observe(time.perf_counter() - t0)
                 metrics.BATCHES_PLANNED.inc()
                 metrics.OCCUPANCY.set(plan.occupancy)
@@ -221,7 +221,7 @@ class Oracle(pb_grpc.OracleCacherServicer):
                     metrics.EARLY_REUSES.inc(self.planner.early_reuses - self.early_reuses)
                     self.early_reuses = self.planner.early_reuses
                 self.windows.append(plan.window)
-                self.planned[plan.batch] = _Planned(plan, messages)
+                self.planned[plan.batch] = _Planned(plan, encoded)
                 self._update_queue_metrics()
                 self.cond.notify_all()
                 if plan.last:
@@ -273,7 +273,8 @@ class Oracle(pb_grpc.OracleCacherServicer):
                 self._update_queue_metrics()
             metrics.PLANS_DISPATCHED.inc()
             self.dispatched[rank] = max(self.dispatched[rank], batch)
-            yield entry.messages[rank]
+            yield entry.encoded.rows  # the same bytes on every trainer's stream
+            yield entry.encoded.plans[rank]
             if entry.plan.last:
                 return
             batch += 1

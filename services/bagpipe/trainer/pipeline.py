@@ -181,12 +181,24 @@ class Pipeline:
             while True:
                 request = opb.StreamPlansRequest(rank=self.config.rank, start=expected)
                 try:
-                    for msg in self.oracle.StreamPlans(
+                    rows = None  # each batch's rows come just before its plan
+                    for part in self.oracle.StreamPlans(
                         request, timeout=PLAN_STREAM_WINDOW_S, metadata=self.token
                     ):
+                        if part.WhichOneof("part") == "rows":
+                            rows = part.rows
+                            continue
+                        if rows is None:
+                            raise ValueError(f"plan stream: batch {part.plan.batch}'s plan came without rows")
                         plan = decode_plan(
-                            msg, model.num_tables, model.num_dense, self.config.rank, self.config.world_size
+                            part.plan,
+                            rows,
+                            model.num_tables,
+                            model.num_dense,
+                            self.config.rank,
+                            self.config.world_size,
                         )
+                        rows = None
                         if plan.batch != expected:
                             raise ValueError(f"plan stream: expected batch {expected}, got {plan.batch}")
                         with self.cond:

@@ -14,8 +14,16 @@ class StreamPlansRequest(_message.Message):
     start: int
     def __init__(self, rank: _Optional[int] = ..., start: _Optional[int] = ...) -> None: ...
 
+class PlanPart(_message.Message):
+    __slots__ = ("rows", "plan")
+    ROWS_FIELD_NUMBER: _ClassVar[int]
+    PLAN_FIELD_NUMBER: _ClassVar[int]
+    rows: PlanRows
+    plan: Plan
+    def __init__(self, rows: _Optional[_Union[PlanRows, _Mapping]] = ..., plan: _Optional[_Union[Plan, _Mapping]] = ...) -> None: ...
+
 class Plan(_message.Message):
-    __slots__ = ("batch", "dense", "labels", "inverse", "slot_high_water", "global_batch_size", "last", "lookahead", "depends_on", "occupancy", "checkpoint", "checkpoint_keys", "checkpoint_slots", "rows")
+    __slots__ = ("batch", "dense", "labels", "inverse", "slot_high_water", "global_batch_size", "last", "lookahead", "depends_on", "occupancy", "checkpoint", "checkpoint_keys", "checkpoint_slots")
     BATCH_FIELD_NUMBER: _ClassVar[int]
     DENSE_FIELD_NUMBER: _ClassVar[int]
     LABELS_FIELD_NUMBER: _ClassVar[int]
@@ -29,7 +37,6 @@ class Plan(_message.Message):
     CHECKPOINT_FIELD_NUMBER: _ClassVar[int]
     CHECKPOINT_KEYS_FIELD_NUMBER: _ClassVar[int]
     CHECKPOINT_SLOTS_FIELD_NUMBER: _ClassVar[int]
-    ROWS_FIELD_NUMBER: _ClassVar[int]
     batch: int
     dense: _tensor_pb2.Tensor
     labels: _tensor_pb2.Tensor
@@ -43,11 +50,10 @@ class Plan(_message.Message):
     checkpoint: bool
     checkpoint_keys: _tensor_pb2.Tensor
     checkpoint_slots: _tensor_pb2.Tensor
-    rows: PlanRows
-    def __init__(self, batch: _Optional[int] = ..., dense: _Optional[_Union[_tensor_pb2.Tensor, _Mapping]] = ..., labels: _Optional[_Union[_tensor_pb2.Tensor, _Mapping]] = ..., inverse: _Optional[_Union[_tensor_pb2.Tensor, _Mapping]] = ..., slot_high_water: _Optional[int] = ..., global_batch_size: _Optional[int] = ..., last: _Optional[bool] = ..., lookahead: _Optional[int] = ..., depends_on: _Optional[int] = ..., occupancy: _Optional[int] = ..., checkpoint: _Optional[bool] = ..., checkpoint_keys: _Optional[_Union[_tensor_pb2.Tensor, _Mapping]] = ..., checkpoint_slots: _Optional[_Union[_tensor_pb2.Tensor, _Mapping]] = ..., rows: _Optional[_Union[PlanRows, _Mapping]] = ...) -> None: ...
+    def __init__(self, batch: _Optional[int] = ..., dense: _Optional[_Union[_tensor_pb2.Tensor, _Mapping]] = ..., labels: _Optional[_Union[_tensor_pb2.Tensor, _Mapping]] = ..., inverse: _Optional[_Union[_tensor_pb2.Tensor, _Mapping]] = ..., slot_high_water: _Optional[int] = ..., global_batch_size: _Optional[int] = ..., last: _Optional[bool] = ..., lookahead: _Optional[int] = ..., depends_on: _Optional[int] = ..., occupancy: _Optional[int] = ..., checkpoint: _Optional[bool] = ..., checkpoint_keys: _Optional[_Union[_tensor_pb2.Tensor, _Mapping]] = ..., checkpoint_slots: _Optional[_Union[_tensor_pb2.Tensor, _Mapping]] = ...) -> None: ...
 
 class PlanRows(_message.Message):
-    __slots__ = ("slots", "users", "sync", "prefetch", "prefetch_keys", "prefetch_holders", "evict", "evict_keys", "evict_writer", "handover_slots", "handover_source", "handover_recipients", "handover_critical")
+    __slots__ = ("slots", "users", "sync", "prefetch", "prefetch_keys", "prefetch_holders", "evict", "evict_keys", "evict_writer", "handover_slots", "handover_source", "handover_recipients", "handover_critical", "batch")
     SLOTS_FIELD_NUMBER: _ClassVar[int]
     USERS_FIELD_NUMBER: _ClassVar[int]
     SYNC_FIELD_NUMBER: _ClassVar[int]
@@ -61,6 +67,7 @@ class PlanRows(_message.Message):
     HANDOVER_SOURCE_FIELD_NUMBER: _ClassVar[int]
     HANDOVER_RECIPIENTS_FIELD_NUMBER: _ClassVar[int]
     HANDOVER_CRITICAL_FIELD_NUMBER: _ClassVar[int]
+    BATCH_FIELD_NUMBER: _ClassVar[int]
     slots: _tensor_pb2.Tensor
     users: _tensor_pb2.Tensor
     sync: _tensor_pb2.Tensor
@@ -74,7 +81,8 @@ class PlanRows(_message.Message):
     handover_source: _tensor_pb2.Tensor
     handover_recipients: _tensor_pb2.Tensor
     handover_critical: _tensor_pb2.Tensor
-    def __init__(self, slots: _Optional[_Union[_tensor_pb2.Tensor, _Mapping]] = ..., users: _Optional[_Union[_tensor_pb2.Tensor, _Mapping]] = ..., sync: _Optional[_Union[_tensor_pb2.Tensor, _Mapping]] = ..., prefetch: _Optional[_Union[_tensor_pb2.Tensor, _Mapping]] = ..., prefetch_keys: _Optional[_Union[_tensor_pb2.Tensor, _Mapping]] = ..., prefetch_holders: _Optional[_Union[_tensor_pb2.Tensor, _Mapping]] = ..., evict: _Optional[_Union[_tensor_pb2.Tensor, _Mapping]] = ..., evict_keys: _Optional[_Union[_tensor_pb2.Tensor, _Mapping]] = ..., evict_writer: _Optional[_Union[_tensor_pb2.Tensor, _Mapping]] = ..., handover_slots: _Optional[_Union[_tensor_pb2.Tensor, _Mapping]] = ..., handover_source: _Optional[_Union[_tensor_pb2.Tensor, _Mapping]] = ..., handover_recipients: _Optional[_Union[_tensor_pb2.Tensor, _Mapping]] = ..., handover_critical: _Optional[_Union[_tensor_pb2.Tensor, _Mapping]] = ...) -> None: ...
+    batch: int
+    def __init__(self, slots: _Optional[_Union[_tensor_pb2.Tensor, _Mapping]] = ..., users: _Optional[_Union[_tensor_pb2.Tensor, _Mapping]] = ..., sync: _Optional[_Union[_tensor_pb2.Tensor, _Mapping]] = ..., prefetch: _Optional[_Union[_tensor_pb2.Tensor, _Mapping]] = ..., prefetch_keys: _Optional[_Union[_tensor_pb2.Tensor, _Mapping]] = ..., prefetch_holders: _Optional[_Union[_tensor_pb2.Tensor, _Mapping]] = ..., evict: _Optional[_Union[_tensor_pb2.Tensor, _Mapping]] = ..., evict_keys: _Optional[_Union[_tensor_pb2.Tensor, _Mapping]] = ..., evict_writer: _Optional[_Union[_tensor_pb2.Tensor, _Mapping]] = ..., handover_slots: _Optional[_Union[_tensor_pb2.Tensor, _Mapping]] = ..., handover_source: _Optional[_Union[_tensor_pb2.Tensor, _Mapping]] = ..., handover_recipients: _Optional[_Union[_tensor_pb2.Tensor, _Mapping]] = ..., handover_critical: _Optional[_Union[_tensor_pb2.Tensor, _Mapping]] = ..., batch: _Optional[int] = ...) -> None: ...
 
 class ProgressReport(_message.Message):
     __slots__ = ("rank", "trained", "written_back")

@@ -38,7 +38,7 @@ class OracleCacherStub:
         self.StreamPlans = channel.unary_stream(
                 '/bagpipe.v1.OracleCacher/StreamPlans',
                 request_serializer=bagpipe_dot_v1_dot_oracle__cacher__pb2.StreamPlansRequest.SerializeToString,
-                response_deserializer=bagpipe_dot_v1_dot_oracle__cacher__pb2.Plan.FromString,
+                response_deserializer=bagpipe_dot_v1_dot_oracle__cacher__pb2.PlanPart.FromString,
                 _registered_method=True)
         self.ReportProgress = channel.unary_unary(
                 '/bagpipe.v1.OracleCacher/ReportProgress',
@@ -52,7 +52,7 @@ class OracleCacherServicer:
     """
 
     def StreamPlans(self, request, context):
-        """Streams one Plan per batch, in batch order, starting at `start`.
+        """Streams, for every batch in order from `start`, the batch's rows and then this trainer's plan.
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
@@ -71,7 +71,7 @@ def add_OracleCacherServicer_to_server(servicer, server):
             'StreamPlans': grpc.unary_stream_rpc_method_handler(
                     servicer.StreamPlans,
                     request_deserializer=bagpipe_dot_v1_dot_oracle__cacher__pb2.StreamPlansRequest.FromString,
-                    response_serializer=bagpipe_dot_v1_dot_oracle__cacher__pb2.Plan.SerializeToString,
+                    response_serializer=bagpipe_dot_v1_dot_oracle__cacher__pb2.PlanPart.SerializeToString,
             ),
             'ReportProgress': grpc.unary_unary_rpc_method_handler(
                     servicer.ReportProgress,
@@ -106,7 +106,7 @@ class OracleCacher:
             target,
             '/bagpipe.v1.OracleCacher/StreamPlans',
             bagpipe_dot_v1_dot_oracle__cacher__pb2.StreamPlansRequest.SerializeToString,
-            bagpipe_dot_v1_dot_oracle__cacher__pb2.Plan.FromString,
+            bagpipe_dot_v1_dot_oracle__cacher__pb2.PlanPart.FromString,
             options,
             channel_credentials,
             insecure,
