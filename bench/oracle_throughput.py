@@ -8,9 +8,11 @@ key is the data processors' work (``StreamBatchesRequest.trainers``), done on th
 reaches the oracle; it is timed separately and reported as the data processor's cost per batch, with
 the figure both would reach on one core. Runs on one core (numpy is single-threaded here). The window
 is filled before timing starts, so every timed batch is planned against a full window of L batches.
-The oracle's end-to-end figure adds what it does next with each plan: cut it into the trainers' shares
-with their sample slices (``codec.encode_plans``) and serialise every message, as StreamPlans sends them;
-issue 17's target is 5 M samples/s for all of it on one core.
+The oracle's end-to-end figure adds what it does next with each plan (``codec.encode_plans``): serialise
+the batch's rows once (the same bytes go to every trainer, each of which cuts its own share) and every
+trainer's Plan with its sample slice, as StreamPlans sends them; issue 17's target is 5 M samples/s for
+all of it on one core. Timing starts after L batches have been planned untimed (``--warmup``), when the
+cache reuses slots as it does for the rest of a job.
 
     .venv/bin/python bench/oracle_throughput.py [--batch-size 16384 --lookahead 200 --timed 200]
 """

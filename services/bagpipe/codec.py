@@ -280,8 +280,15 @@ def decode_plan(
         checkpoint_keys = _tensor(msg, "checkpoint_keys", np.int64, where, ndim=1)
         checkpoint_slots = _tensor(msg, "checkpoint_slots", np.int32, where, shape=checkpoint_keys.shape)
         _check_index(checkpoint_slots, slot_high_water, f"{where}: checkpoint_slots")
+    mine = share(rows, inverse, rank)
+    if mine.inverse.size and int(mine.inverse.min()) < 0:
+        row = int(inverse[mine.inverse < 0][0])
+        raise InvalidArgument(
+            f"{where}: rows: users",
+            f"row {row} is used by trainer {rank}'s samples, but its mask leaves {rank} out",
+        )
     return PlanArrays(
-        share=share(rows, inverse, rank),
+        share=mine,
         dense=_tensor(msg, "dense", np.float32, where, shape=(labels.size, num_dense)),
         labels=labels,
         slot_high_water=msg.slot_high_water,

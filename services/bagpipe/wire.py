@@ -108,14 +108,12 @@ def _tensor_parts(number: int, array: np.ndarray) -> list[Any]:
     return parts
 
 
-def encode_message(fields: Sequence[tuple[int, Any]], tail: bytes = b"") -> bytes:
+def encode_message(fields: Sequence[tuple[int, Any]]) -> bytes:
     """The serialised bytes of a message given as (field number, value) in field order, as
     ``SerializeToString`` writes the same message: an int or bool is a varint field (0 and False are left
     out, as proto3 does), a list of (number, value) is an embedded message, None is an unset field, and
-    anything else is an array written as a ``Tensor``. ``tail`` is already-serialised fields that follow
-    (with higher numbers, so field order holds): bytes shared by several messages are encoded once. Each
-    array's data, and the tail, is copied once, into the result."""
-    return b"".join([*_message_parts(fields), tail])
+    anything else is an array written as a ``Tensor``. Each array's data is copied once, into the result."""
+    return b"".join(_message_parts(fields))
 
 
 def _message_parts(fields: Sequence[tuple[int, Any]]) -> list[Any]:

@@ -260,6 +260,10 @@ def test_bad_plans_name_the_batch_and_field() -> None:
             r"plan 1: rows: users: shape must be",
         ),
         (
+            lambda _, r: r.users.CopyFrom(to_tensor(np.full((unique, 1), 2, np.uint8))),
+            r"plan 1: rows: users: row \d+ is used by trainer 0's samples, but its mask leaves 0 out",
+        ),
+        (
             lambda _, r: r.sync.CopyFrom(to_tensor(np.full(unique, 3, np.uint8))),
             r"plan 1: rows: sync: values must be in \[0, 2\], got 3",
         ),

@@ -42,17 +42,18 @@ reflects it.
 per-key state for tens of millions of keys. So a key's state is one 16-byte record (``_state``): its
 latest use (int32; after eviction, the eviction batch), its slot (int32), its position in the keys of
 its latest batch (int32), its holders and its pending hand-over recipients (16-bit trainer masks;
-wider records above 16 trainers). ``push`` and ``pop`` each visit the batch's records once, in a loop
-over its keys compiled with numba (``_push_records``, ``_pop_records``: the lines of Algorithm 1 per
-key); the rest (slot allocation, hand-over lists) works on whole arrays. Compiled loops, not numpy
-passes: a vectorised pass gathers the records, then makes a dozen passes over the copies, then
-scatters them back, and at 63 k keys per batch those passes cost more than the gathers (4.1 ms per
-batch against 3.3 ms, bench/README.md). Only keys with a pending hand-over touch a second array (the
-batch after which it is due). Whether the next batch reads a key (critical synchronisation) is
-recorded while the next batch is pushed, through the stored positions, so no search is needed. Keys
-no batch before them in the window uses when they are pushed are exactly the batch's prefetches (a key
-used earlier in the window is cached by the time its batch is planned, and nothing in between evicts
-it), so ``pop`` takes them from the push.
+wider records above 16 trainers). ``push`` and ``pop`` each visit the batch's records once (with a
+capacity, push reads their latest uses once more first), in a loop over its keys compiled with numba
+(``_push_records``, ``_pop_records``: the lines of Algorithm 1 per key; compiled, or loaded from
+numba's cache, when the first planner for a mask width is made); the rest (slot allocation, hand-over
+lists) works on whole arrays. Compiled loops, not numpy passes: a vectorised pass gathers the records,
+then makes a dozen passes over the copies, then scatters them back, and at 63 k keys per batch those
+passes cost more than the gathers (4.1 ms per batch against 3.3 ms, bench/README.md). Only keys with a
+pending hand-over touch a second array (the batch after which it is due). Whether the next batch reads
+a key (critical synchronisation) is recorded while the next batch is pushed, through the stored
+positions, so no search is needed. Keys no batch before them in the window uses when they are pushed
+are exactly the batch's prefetches (a key used earlier in the window is cached by the time its batch
+is planned, and nothing in between evicts it), so ``pop`` takes them from the push.
 """
 
 from __future__ import annotations
@@ -394,6 +395,27 @@ def _pop_records(  # type: ignore[no-untyped-def]
     return evicted, handed
 
 
+def _read_only(array: np.ndarray) -> np.ndarray:
+    view = array.view()
+    view.flags.writeable = False
+    return view
+
+
+_COMPILED: set[int] = set()
+
+
+def _compile(trainers: int) -> None:
+    """Compiles (or loads from numba's cache) the loops for ``trainers``' mask width, on a two-key plan,
+    so that a service does it while it starts rather than on its first batch."""
+    width = mask_dtype(trainers).itemsize
+    if width in _COMPILED:
+        return
+    _COMPILED.add(width)
+    planner = LookaheadPlanner(2, 1, trainers)
+    planner.push(0, np.arange(2, dtype=np.int64), last=True)
+    planner.pop()
+
+
 class LookaheadPlanner:
     """Algorithm 1 with LRPP over global keys ``0 .. num_keys-1`` for ``trainers`` trainers.
 
@@ -447,6 +469,7 @@ class LookaheadPlanner:
         self.occupancy = 0
         self.peak_occupancy = 0
         self.min_window = lookahead
+        _compile(trainers)
 
     @property
     def next_push(self) -> int | None:
@@ -492,6 +515,11 @@ class LookaheadPlanner:
             users = np.full(keys.size, self._all, dtype=self.mask)
         elif users.dtype != self.mask or users.shape != keys.shape:
             raise ValueError(f"users: expected {self.mask} {keys.shape}, got {users.dtype} {users.shape}")
+        elif not users.all():
+            raise ValueError(
+                f"users: batch {batch} has a key no trainer uses (key {int(keys[users == 0][0])})"
+            )
+        keys, users = _read_only(keys), _read_only(users)  # (one compiled variant, whatever the caller has)
         oldest = self._window[0].batch if self._window else batch
         if self.capacity is not None:  # a read-only pass first: the batch may not fit
             prev = self._state["latest"][keys]
@@ -525,7 +553,7 @@ class LookaheadPlanner:
             fresh,
         )
         self._window.append(
-            _Entry(batch, keys, users, int(depends_on), next_used, next_pos, fresh[:fresh_count])
+            _Entry(batch, keys, users, int(depends_on), next_used, next_pos, fresh[:fresh_count].copy())
         )
         self._next_push = batch + 1
         self._ended = last

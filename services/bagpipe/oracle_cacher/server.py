@@ -124,7 +124,11 @@ class Oracle(pb_grpc.OracleCacherServicer):
         if self.config.cache_mode == "replicated":
             return np.full(unique, all_trainers(self.config.trainers), dtype=mask_dtype(self.config.trainers))
         if batch.users is None:  # a processor that was not asked (or predates the field)
-            return trainer_users(batch.arrays.inverse, unique, self.config.trainers)
+            users = trainer_users(batch.arrays.inverse, unique, self.config.trainers)
+            if not users.all():  # (sent masks are checked by decode_batch)
+                unused = int(batch.arrays.keys[users == 0][0])
+                raise InvalidArgument(f"batch {batch.number}: keys", f"key {unused} is used by no sample")
+            return users
         return batch.users.astype(mask_dtype(self.config.trainers))
 
     async def run_readers(self, addresses: list[str]) -> None:

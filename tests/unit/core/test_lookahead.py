@@ -99,3 +99,23 @@ def test_push_rejects_out_of_order_and_out_of_range_batches() -> None:
         planner.push(1, np.array([3, 10], dtype=np.int64))
     with pytest.raises(RuntimeError):
         planner.pop()  # window not full, last batch not pushed
+    with pytest.raises(ValueError, match="a key no trainer uses"):  # (it would have no writer)
+        LookaheadPlanner(10, 3, trainers=2).push(
+            0, np.array([1, 2], dtype=np.int64), users=np.array([1, 0], np.uint8)
+        )
+
+
+def test_read_only_keys_and_masks_plan_like_writable_ones() -> None:
+    keys = np.array([1, 4, 7], dtype=np.int64)
+    users = np.array([1, 3, 2], dtype=np.uint8)
+    plans = []
+    for writable in (True, False):
+        k, u = keys.copy(), users.copy()
+        k.flags.writeable = u.flags.writeable = writable  # (as decoded from a message: read-only views)
+        planner = LookaheadPlanner(10, 2, trainers=2)
+        planner.push(0, k, users=u)
+        planner.push(1, k, last=True, users=u)
+        plans.append([planner.pop(), planner.pop()])
+    for a, b in zip(*plans, strict=True):
+        assert np.array_equal(a.slots, b.slots) and np.array_equal(a.holders, b.holders)
+        assert np.array_equal(a.evict, b.evict) and np.array_equal(a.writer, b.writer)
