@@ -23,7 +23,7 @@ logs, warm-up excluded) and their ratios, with Bagpipe's iteration-stage breakdo
 
 After the tables it prints issue 17's targets against the figures at hand.
 
-``--profile quick`` (``make bench``) fits in about ten minutes on 2 cores; ``--profile full`` uses the
+``--profile quick`` (``make bench``) takes about 20 minutes on 2 cores; ``--profile full`` uses the
 paper's DLRM (Table 2) and batch 16,384 where this machine can hold them, and takes hours here.
 Results: ``bench/results/bench-<profile>.json``, ``bench/results/*.png`` and a Markdown table
 ``bench/results/bench-<profile>.md``.
@@ -81,7 +81,7 @@ PROFILES: dict[str, dict[str, Any]] = {
         "model_iterations": 60,
         "hot_shares": [0.9, 0.4, 0.01],
         "zipf_alphas": [1.0, 3.0, 5.0],
-        "skew_iterations": 60,
+        "skew_iterations": 100,
         "oracle": {
             "batches": [1024, 4096, 16384],
             "tables": [8, 13, 26],
