@@ -56,7 +56,7 @@ sys.path.insert(0, str(REPO / "services"))
 sys.path.insert(0, str(REPO / "bench"))
 
 from bagpipe.cli import build_parser  # noqa: E402
-from bagpipe.config_args import DEFAULT_CHECKPOINT_EVERY  # noqa: E402
+from bagpipe.config_args import DEFAULT_CHECKPOINT_EVERY, DEFAULT_MAX_LOOKAHEAD  # noqa: E402
 from bagpipe.local.launcher import run as run_job  # noqa: E402
 from embedding_server import measure as server_measure  # noqa: E402
 from oracle_throughput import measure as oracle_measure  # noqa: E402
@@ -385,6 +385,8 @@ def section_lookahead(profile: dict[str, Any], out: Path) -> dict[str, Any]:
             out,
             "--lookahead",
             str(lookahead),
+            "--max-lookahead",  # (the window's cap; L above the default cap of 200 must raise it)
+            str(max(lookahead, DEFAULT_MAX_LOOKAHEAD)),
             iterations=lookahead + profile["lookahead_extra"],
         )
         runs.append({**r, "L": lookahead})
@@ -744,17 +746,23 @@ def main() -> None:
     previous = out / f"bench-{a.profile}.json"
     if previous.exists():  # sections not run this time keep their last figures
         results = {k: v for k, v in json.loads(previous.read_text()).items() if k in SECTIONS}
+
+    def save() -> dict[str, Any]:
+        meta = {
+            "profile": a.profile,
+            "settings": profile,
+            "seconds": time.perf_counter() - started,
+            "machine": f"{platform.machine()}, {os.cpu_count()} cores",
+            "date": time.strftime("%Y-%m-%d"),
+        }
+        (out / f"bench-{a.profile}.json").write_text(json.dumps({"meta": meta, **results}, indent=2))
+        return meta
+
     for name in a.only.split(","):
         log(f"section {name}")
         results[name] = SECTIONS[name](profile, out)
-    meta = {
-        "profile": a.profile,
-        "settings": profile,
-        "seconds": time.perf_counter() - started,
-        "machine": f"{platform.machine()}, {os.cpu_count()} cores",
-        "date": time.strftime("%Y-%m-%d"),
-    }
-    (out / f"bench-{a.profile}.json").write_text(json.dumps({"meta": meta, **results}, indent=2))
+        save()  # after every section: one that fails later does not lose the others' figures
+    meta = save()
     made = plots(results, out, a.profile)
     text = table(results)
     (out / f"bench-{a.profile}.md").write_text(
