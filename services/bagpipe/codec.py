@@ -92,9 +92,7 @@ def decode_batch(
     users = None
     if msg.HasField("users"):
         users = _tensor(msg, "users", np.int64, where, shape=(keys.size,)).view(np.uint64)
-        everyone = int(all_trainers(trainers))
-        if users.size and (users.min() < 1 or users.max() > everyone):
-            raise InvalidArgument(f"{where}: users", f"masks outside [1, {everyone}] for {trainers} trainers")
+        _check_masks(users, trainers, f"{where}: users")
     arrays = BatchArrays(msg.number, dense, labels, keys, inverse)
     return WireBatch(arrays, msg.last, users)
 
@@ -202,23 +200,22 @@ def encode_plans(
     return EncodedPlan(rows, out)
 
 
-def _masks(
-    msg: Any, name: str, where: str, count: int, trainers: int, *, empty: bool = False, one: bool = False
-) -> np.ndarray:
-    """A mask array (uint8 [count, W] on the wire) as ``mask_dtype(trainers)``; each mask names only
-    trainers ``0..trainers-1``, at least one of them unless ``empty``, exactly one when ``one``."""
+def _check_masks(masks: np.ndarray, trainers: int, field: str) -> None:
+    """Each trainer mask names at least one trainer, and only trainers ``0..trainers-1``."""
+    everyone = int(all_trainers(trainers))
+    if masks.size and (int(masks.min()) < 1 or int(masks.max()) > everyone):
+        raise InvalidArgument(field, f"masks outside [1, {everyone}] for {trainers} trainers")
+
+
+def _masks(msg: Any, name: str, where: str, count: int, trainers: int, *, one: bool = False) -> np.ndarray:
+    """A mask array (uint8 [count, W] on the wire) as ``mask_dtype(trainers)``, checked by
+    ``_check_masks``; with ``one``, each mask names exactly one trainer."""
     dtype = mask_dtype(trainers)
     raw = _tensor(msg, name, np.uint8, where, shape=(count, dtype.itemsize))
     masks = raw.view(dtype.newbyteorder("<")).reshape(count).astype(dtype, copy=False)
-    if masks.size:
-        everyone = int(all_trainers(trainers))
-        low = 0 if empty else 1
-        if int(masks.min()) < low or int(masks.max()) > everyone:
-            raise InvalidArgument(
-                f"{where}: {name}", f"masks outside [{low}, {everyone}] for {trainers} trainers"
-            )
-        if one and (np.bitwise_count(masks) != 1).any():
-            raise InvalidArgument(f"{where}: {name}", "each mask must name exactly one trainer")
+    _check_masks(masks, trainers, f"{where}: {name}")
+    if one and (np.bitwise_count(masks) != 1).any():
+        raise InvalidArgument(f"{where}: {name}", "each mask must name exactly one trainer")
     return masks
 
 

@@ -113,30 +113,6 @@ def trainer_users(inverse: np.ndarray, unique: int, trainers: int) -> np.ndarray
     return out
 
 
-def nth_set_bit(masks: np.ndarray, n: np.ndarray, width: int) -> np.ndarray:
-    """Position of the ``n``-th (0-based) set bit of every mask."""
-    if masks.dtype == np.uint8:
-        return _NTH_BIT_8[masks, n]
-    out = np.full(masks.shape, -1, dtype=np.int32)
-    seen = np.zeros(masks.shape, dtype=np.int64)
-    for t in range(width):
-        has = ((masks >> masks.dtype.type(t)) & masks.dtype.type(1)).astype(bool)
-        out[has & (seen == n)] = t
-        seen += has
-    return out
-
-
-def _nth_bit_table() -> np.ndarray:
-    table = np.full((256, 8), -1, dtype=np.int32)
-    for m in range(256):
-        for i, bit in enumerate(b for b in range(8) if m >> b & 1):
-            table[m, i] = bit
-    return table
-
-
-_NTH_BIT_8 = _nth_bit_table()
-
-
 @dataclass(frozen=True)
 class Handovers:
     """Rows copied from one holder to new holders after a batch's update. Arrays are aligned."""
@@ -548,7 +524,7 @@ class LookaheadPlanner:
             batch,
             oldest,
             before is not None,
-            before.next_used if before is not None else next_used,
+            before.next_used if before is not None else next_used,  # (not written when not linked)
             before.next_pos if before is not None else next_pos,
             fresh,
         )
@@ -649,7 +625,8 @@ class LookaheadPlanner:
         holders = (rec["holders"] & ~rec["handover_to"]).astype(self.mask)
         if holders.size and not holders.all():
             raise AssertionError("a cached row has no holder with its newest value")
-        writer = nth_set_bit(holders, np.zeros(holders.size, dtype=np.int64), self.trainers)
+        lowest = holders & (~holders + self.mask.type(1))
+        writer = np.bitwise_count(lowest - self.mask.type(1)).astype(np.int32)  # (its trailing zeros)
         return keys, slots, writer
 
     def _take_handovers(
