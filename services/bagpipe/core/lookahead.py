@@ -67,9 +67,23 @@ from numba import njit
 
 logger = logging.getLogger(__name__)
 
-__all__ = ["BatchPlan", "CapacityError", "LookaheadPlanner", "SlotAllocator", "mask_dtype", "trainer_users"]
+__all__ = [
+    "BACKGROUND",
+    "CRITICAL",
+    "PRIVATE",
+    "BatchPlan",
+    "CapacityError",
+    "LookaheadPlanner",
+    "SlotAllocator",
+    "mask_dtype",
+    "trainer_users",
+]
 
 MAX_TRAINERS = 64
+
+# BatchPlan.sync_class: how a row's update reaches the other holders: it has one holder (updated there
+# alone); it is all-reduced before the next batch (which reads it); or in the background
+PRIVATE, CRITICAL, BACKGROUND = 0, 1, 2
 
 
 class CapacityError(ValueError):
@@ -144,10 +158,12 @@ class BatchPlan:
     ttl: np.ndarray  # int32 [U]
     users: np.ndarray  # mask [U]: trainers whose samples use the key in this batch
     holders: np.ndarray  # mask [U]: trainers that hold the key during this batch
-    sync: np.ndarray  # bool [U]: the update is all-reduced (more than one holder)
-    critical: np.ndarray  # bool [U]: ... before the next batch (it reads the key); else in the background
+    sync_class: np.ndarray  # uint8 [U]: PRIVATE (one holder), CRITICAL or BACKGROUND (all-reduced)
     prefetch: np.ndarray  # int32 [P]: fetched by their holders before this batch
+    prefetch_keys: np.ndarray  # int64 [P]: keys[prefetch]
+    prefetch_holders: np.ndarray  # mask [P]: holders[prefetch]
     evict: np.ndarray  # int32 [E]
+    evict_keys: np.ndarray  # int64 [E]: keys[evict]
     writer: np.ndarray  # int32 [E]: the trainer that writes each evicted key back
     handovers: Handovers  # after this batch's update
     depends_on: int  # write-backs of this batch must be durable before the prefetches start
@@ -159,6 +175,16 @@ class BatchPlan:
     @property
     def unique(self) -> int:
         return int(self.keys.size)
+
+    @property
+    def sync(self) -> np.ndarray:
+        """bool [U]: the update is all-reduced (the key has more than one holder)."""
+        return self.sync_class != PRIVATE
+
+    @property
+    def critical(self) -> np.ndarray:
+        """bool [U]: ... before the next batch, which reads the key (else in the background)."""
+        return self.sync_class == CRITICAL
 
 
 class SlotAllocator:
@@ -309,22 +335,33 @@ def _pop_records(  # type: ignore[no-untyped-def]
     slot_key,
     keys,
     next_used,
+    next_pos,
     prefetch,
     new_slots,
     x,
     delayed,
+    following_users,
     ttl,
     slots,
     holders,
     pending,
-    sync,
-    critical,
+    sync_class,
+    prefetch_keys,
+    prefetch_holders,
     evict,
+    evict_keys,
     writer,
     due,
+    handed_keys,
+    handed_slots,
+    handed_source,
+    handed_to,
+    handed_critical,
 ):
     """Lines 12-25 of Algorithm 1 for batch ``x`` (see ``pop``): the keys at ``prefetch`` get
-    ``new_slots``. Returns how many of ``evict`` / ``writer`` and of ``due`` it filled.
+    ``new_slots``; ``following_users`` are the users of batch ``x+1``'s keys (empty when it is not in the
+    window; then ``next_used`` is all False). Returns how many of ``evict``, ``evict_keys`` and ``writer``
+    and of the ``handed_*`` arrays it filled.
 
     In phases, each a loop that does one thing: gather the records (nothing else in the loop, so that
     many loads are in flight at once), work out every key's plan without a data-dependent branch (the
@@ -347,8 +384,8 @@ def _pop_records(  # type: ignore[no-untyped-def]
         owners = np.uint64(holders[i]) & ~to  # those still waiting for a hand-over lack the newest value
         holders[i] = owners
         shared = owners & (owners - one) != 0  # more than one holder
-        sync[i] = shared
-        critical[i] = shared & (next_used[i] | urgent)
+        background = shared & (not (next_used[i] | urgent))  # the next batch does not read it
+        sync_class[i] = np.uint8(shared) + np.uint8(background)  # PRIVATE, CRITICAL or BACKGROUND
         evict[evicted] = i  # its last use in the window: evicted, written back by one of its holders
         evicted += ttl[i] == x
         due[waiting] = i
@@ -359,7 +396,16 @@ def _pop_records(  # type: ignore[no-untyped-def]
         k = keys[i]
         if handover_at[k] == x:
             state[k].handover_to = 0
-            due[handed] = i
+            owners = np.uint64(holders[i])
+            to = np.uint64(pending[i])
+            handed_keys[handed] = k
+            handed_slots[handed] = slots[i]
+            handed_source[handed] = owners & (~owners + one)  # the lowest holder sends
+            handed_to[handed] = to
+            if urgent:
+                handed_critical[handed] = True
+            else:  # critical when a new holder reads the key in the next batch
+                handed_critical[handed] = next_used[i] and (np.uint64(following_users[next_pos[i]]) & to) != 0
             handed += 1
     for j in range(prefetch.size):
         i = prefetch[j]
@@ -368,10 +414,13 @@ def _pop_records(  # type: ignore[no-untyped-def]
         slots[i] = slot
         state[k].slot = slot
         slot_key[slot] = k + 1
+        prefetch_keys[j] = k
+        prefetch_holders[j] = holders[i]
     for j in range(evicted):
         i = evict[j]
         k = keys[i]
         slot_key[slots[i]] = 0
+        evict_keys[j] = k
         writer[j] = _writer(np.uint64(holders[i]), k)
         rec = state[k]
         rec.slot = -1
@@ -571,31 +620,53 @@ class LookaheadPlanner:
         size = keys.size
         ttl, slots = np.empty(size, dtype=np.int32), np.empty(size, dtype=np.int32)
         holders, to = np.empty(size, dtype=self.mask), np.empty(size, dtype=self.mask)
-        sync, critical = np.empty(size, dtype=bool), np.empty(size, dtype=bool)
+        sync_class = np.empty(size, dtype=np.uint8)
+        prefetch_keys = np.empty(prefetch.size, dtype=np.int64)
+        prefetch_holders = np.empty(prefetch.size, dtype=self.mask)
         evict, writer, due = (np.empty(size, dtype=np.int32) for _ in range(3))
+        evict_keys = np.empty(size, dtype=np.int64)
+        following = self._window[0] if self._window else None  # batch x+1: push is in order
+        h = Handovers(
+            np.empty(size, np.int64),
+            np.empty(size, np.int32),
+            np.empty(size, self.mask),
+            np.empty(size, self.mask),
+            np.empty(size, bool),
+        )
         evicted, handed = _pop_records(
             self._state,
             self._handover_at,
             self._slot_key,
             keys,
             entry.next_used,
+            entry.next_pos,
             prefetch,
             new_slots,
             x,
             self.delayed_sync,
+            following.users if following is not None else entry.users[:0],
             ttl,
             slots,
             holders,
             to,
-            sync,
-            critical,
+            sync_class,
+            prefetch_keys,
+            prefetch_holders,
             evict,
+            evict_keys,
             writer,
             due,
+            h.keys,
+            h.slots,
+            h.source,
+            h.recipients,
+            h.critical,
         )
-        evict, writer, due = evict[:evicted], writer[:evicted], due[:handed]
-        following = self._window[0] if self._window else None  # batch x+1: push is in order
-        handovers = self._take_handovers(entry, keys, slots, due, holders, to[due], following)
+        evict, writer = evict[:evicted].copy(), writer[:evicted].copy()
+        evict_keys = evict_keys[:evicted].copy()
+        handovers = Handovers(
+            *(a[:handed].copy() for a in (h.keys, h.slots, h.source, h.recipients, h.critical))
+        )
         if evict.size:
             self._allocator.release(slots[evict], x)
         self.occupancy -= evict.size
@@ -610,10 +681,12 @@ class LookaheadPlanner:
             ttl=ttl,
             users=entry.users,
             holders=holders,
-            sync=sync,
-            critical=critical,
+            sync_class=sync_class,
             prefetch=prefetch,
+            prefetch_keys=prefetch_keys,
+            prefetch_holders=prefetch_holders,
             evict=evict,
+            evict_keys=evict_keys,
             writer=writer,
             handovers=handovers,
             depends_on=depends_on,
@@ -636,26 +709,3 @@ class LookaheadPlanner:
         lowest = holders & (~holders + self.mask.type(1))
         writer = np.bitwise_count(lowest - self.mask.type(1)).astype(np.int32)  # (its trailing zeros)
         return keys, slots, writer
-
-    def _take_handovers(
-        self,
-        entry: _Entry,
-        keys: np.ndarray,
-        slots: np.ndarray,
-        due: np.ndarray,
-        holders: np.ndarray,
-        recipients: np.ndarray,
-        following: _Entry | None,
-    ) -> Handovers:
-        if not due.size:
-            return Handovers.empty(self.mask)
-        source = holders[due] & (~holders[due] + self.mask.type(1))  # lowest set bit
-        if not self.delayed_sync:
-            critical = np.ones(due.size, dtype=bool)
-        elif following is None:
-            critical = np.zeros(due.size, dtype=bool)
-        else:  # critical when a new holder reads the key in the next batch
-            inside = entry.next_used[due]
-            users = following.users[entry.next_pos[due]] if following.keys.size else np.zeros_like(recipients)
-            critical = inside & ((users & recipients) != 0)
-        return Handovers(keys[due], slots[due].copy(), source, recipients, critical)

@@ -16,7 +16,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from bagpipe.core.lookahead import BatchPlan
+from bagpipe.core.lookahead import BACKGROUND, CRITICAL, PRIVATE, BatchPlan
 
 __all__ = [
     "BACKGROUND",
@@ -31,9 +31,6 @@ __all__ = [
     "shared_plan",
     "traffic",
 ]
-
-# SharedPlan.sync: how a row's update reaches the other holders
-PRIVATE, CRITICAL, BACKGROUND = 0, 1, 2
 
 
 @dataclass(frozen=True)
@@ -89,20 +86,18 @@ class SharedPlan:
 
 
 def shared_plan(plan: BatchPlan) -> SharedPlan:
-    """The part of ``plan`` that all trainers share: three passes over the batch's rows, the rest over the
-    (few) prefetched, evicted and handed-over rows."""
-    sync = plan.sync.view(np.uint8) + (plan.sync & ~plan.critical).view(np.uint8)  # 0, 1 or 2
+    """The part of ``plan`` that all trainers share (no copy: the planner made every array)."""
     h = plan.handovers
     return SharedPlan(
         batch=plan.batch,
         slots=plan.slots,
         users=plan.users,
-        sync=sync,
+        sync=plan.sync_class,
         prefetch=plan.prefetch,
-        prefetch_keys=plan.keys[plan.prefetch],
-        prefetch_holders=plan.holders[plan.prefetch],
+        prefetch_keys=plan.prefetch_keys,
+        prefetch_holders=plan.prefetch_holders,
         evict=plan.evict,
-        evict_keys=plan.keys[plan.evict],
+        evict_keys=plan.evict_keys,
         evict_writer=plan.writer,
         handover_slots=h.slots,
         handover_source=h.source,

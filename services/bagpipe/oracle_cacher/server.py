@@ -21,7 +21,15 @@ import numpy as np
 from bagpipe import security, serving
 from bagpipe.codec import EncodedPlan, WireBatch, decode_batch, encode_plans
 from bagpipe.core.data import table_offsets
-from bagpipe.core.lookahead import BatchPlan, LookaheadPlanner, all_trainers, mask_dtype, trainer_users
+from bagpipe.core.lookahead import (
+    BACKGROUND,
+    CRITICAL,
+    BatchPlan,
+    LookaheadPlanner,
+    all_trainers,
+    mask_dtype,
+    trainer_users,
+)
 from bagpipe.errors import InvalidArgument, PermissionDenied
 from bagpipe.oracle_cacher import metrics
 from bagpipe.oracle_cacher.config import OracleConfig
@@ -217,10 +225,12 @@ class Oracle(pb_grpc.OracleCacherServicer):
                 metrics.LOOKAHEAD.set(plan.window)
                 metrics.PEAK_OCCUPANCY.set(self.planner.peak_occupancy)
                 metrics.SLOT_HIGH_WATER.set(plan.slot_high_water)
-                critical = int((plan.sync & plan.critical).sum() + plan.handovers.critical.sum())
-                total = int(plan.sync.sum() + plan.handovers.critical.size)
-                metrics.ROWS_SYNCED.labels("critical").inc(critical)
-                metrics.ROWS_SYNCED.labels("background").inc(total - critical)
+                rows = np.bincount(plan.sync_class, minlength=3)
+                handed = int(plan.handovers.critical.sum())
+                metrics.ROWS_SYNCED.labels("critical").inc(int(rows[CRITICAL]) + handed)
+                metrics.ROWS_SYNCED.labels("background").inc(
+                    int(rows[BACKGROUND]) + plan.handovers.critical.size - handed
+                )
                 if self.planner.early_reuses > self.early_reuses:
                     metrics.EARLY_REUSES.inc(self.planner.early_reuses - self.early_reuses)
                     self.early_reuses = self.planner.early_reuses
