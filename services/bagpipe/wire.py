@@ -82,7 +82,7 @@ def from_tensor(
     return np.frombuffer(tensor.data, dtype=want).reshape(dims)
 
 
-def _varint(value: int) -> bytes:
+def _varint_slow(value: int) -> bytes:
     value &= (1 << 64) - 1  # negative int64: ten bytes of two's complement, as protobuf writes it
     out = bytearray()
     while value > 0x7F:
@@ -92,17 +92,27 @@ def _varint(value: int) -> bytes:
     return bytes(out)
 
 
+_SMALL_VARINTS = [_varint_slow(v) for v in range(1 << 14)]  # tags, dtypes, dims, small sizes: one lookup
+
+
+def _varint(value: int) -> bytes:
+    return _SMALL_VARINTS[value] if 0 <= value < 1 << 14 else _varint_slow(value)
+
+
+_DTYPE_FIELDS = {dtype: b"\x08" + _varint(number) for dtype, number in _TO_PROTO.items()}
+
+
 def _tensor_parts(number: int, array: np.ndarray) -> list[Any]:
     """Field ``number`` holding ``array`` as a ``Tensor`` (dtype = 1, shape = 2 packed, data = 3)."""
     dtype = _wire_dtype(array)
     data = np.ascontiguousarray(array, dtype=dtype)
-    head = bytearray(b"\x08" + _varint(_TO_PROTO[dtype]))
+    head = _DTYPE_FIELDS[dtype]
     if array.ndim:
-        dims = b"".join(_varint(int(d)) for d in array.shape)
+        dims = b"".join([_varint(int(d)) for d in array.shape])
         head += b"\x12" + _varint(len(dims)) + dims
     if data.nbytes:
         head += b"\x1a" + _varint(data.nbytes)
-    parts: list[Any] = [_varint(number << 3 | 2) + _varint(len(head) + data.nbytes), bytes(head)]
+    parts: list[Any] = [_varint(number << 3 | 2) + _varint(len(head) + data.nbytes), head]
     if data.nbytes:
         parts.append(data)  # (a C-contiguous array is a buffer: join copies it once)
     return parts
