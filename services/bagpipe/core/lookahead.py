@@ -201,8 +201,8 @@ class SlotAllocator:
             raise ValueError(f"capacity: must be >= 1, got {capacity}")
         self.delay = delay
         self.capacity = capacity
-        self._free = np.empty(0, dtype=np.int32)
-        self._free_at = np.empty(0, dtype=np.int64)  # the batch after which each free slot was released
+        self._free = np.empty(0, dtype=np.int32)  # oldest release first
+        self._runs: deque[list[int]] = deque()  # [the batch after which they were released, count] of _free
         self._quarantine: deque[tuple[int, np.ndarray]] = deque()
         self.high_water = 0
         self.early_reuses = 0
@@ -221,17 +221,24 @@ class SlotAllocator:
                 f"batch {batch}: needs {count} new cache rows, only {self._free.size + room} are free"
             )
         reused = min(count, self._free.size)  # the longest-free slots first: the oldest dependency
-        taken, released = self._free[:reused], self._free_at[:reused]
-        self._free, self._free_at = self._free[reused:], self._free_at[reused:]
-        depends_on = int(released.max()) if reused else -1
+        taken, self._free = self._free[:reused], self._free[reused:]
+        depends_on, left = -1, reused
+        while left:  # the newest release among the taken slots
+            run = self._runs[0]
+            depends_on = run[0]
+            if run[1] > left:
+                run[1] -= left
+                break
+            left -= run[1]
+            self._runs.popleft()
         fresh = np.arange(self.high_water, self.high_water + count - reused, dtype=np.int32)
         self.high_water += count - reused
         return (np.concatenate([taken, fresh]) if reused else fresh), depends_on
 
     def _unquarantine(self) -> None:
         released, slots = self._quarantine.popleft()
-        self._free = np.concatenate([self._free, slots])
-        self._free_at = np.concatenate([self._free_at, np.full(slots.size, released, dtype=np.int64)])
+        self._free = np.concatenate([self._free, slots]) if self._free.size else slots
+        self._runs.append([released, slots.size])
 
     def release(self, slots: np.ndarray, batch: int) -> None:
         """Frees ``slots`` after ``batch``."""
@@ -571,7 +578,7 @@ class LookaheadPlanner:
             self._live = live
         before = self._window[-1] if self._window else None
         next_used = np.zeros(keys.size, dtype=bool)
-        next_pos = np.zeros(keys.size, dtype=np.int32)
+        next_pos = np.empty(keys.size, dtype=np.int32)  # (read only where next_used is set)
         fresh = np.empty(keys.size, dtype=np.int32)
         depends_on, fresh_count = _push_records(
             self._state,
