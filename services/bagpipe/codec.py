@@ -24,7 +24,7 @@ from bagpipe.core.plans import BACKGROUND, SharedPlan, TrainerPlan, share, share
 from bagpipe.errors import InvalidArgument
 from bagpipe.v1 import data_processor_pb2 as dpb
 from bagpipe.v1 import oracle_cacher_pb2 as opb
-from bagpipe.wire import encode_message, from_tensor, to_tensor
+from bagpipe.wire import encode_alike, encode_message, from_tensor, to_tensor
 
 
 def _tensor(msg: Any, name: str, dtype: Any, where: str, **kw: Any) -> np.ndarray:
@@ -176,15 +176,16 @@ def encode_plans(
     size = int(batch.labels.shape[0])
     per = size // trainers
     rows = encode_message([(1, [*_rows_fields(shared_plan(plan)), (14, plan.batch)])])
-    out = []
-    for rank in range(trainers):
-        sl = slice(rank * per, (rank + 1) * per)
-        # Plan's fields in field order (oracle_cacher.proto)
-        fields: list[tuple[int, Any]] = [
+    slices = [slice(rank * per, (rank + 1) * per) for rank in range(trainers)]
+    samples = [(batch.dense[sl], batch.labels[sl], batch.inverse[sl]) for sl in slices]
+
+    def fields(rank: int) -> list[tuple[int, Any]]:  # Plan's fields in field order (oracle_cacher.proto)
+        dense, labels, inverse = samples[rank]
+        out: list[tuple[int, Any]] = [
             (1, plan.batch),
-            (2, batch.dense[sl]),
-            (3, batch.labels[sl]),
-            (4, batch.inverse[sl]),
+            (2, dense),
+            (3, labels),
+            (4, inverse),
             (5, plan.slot_high_water),
             (6, size),
             (7, plan.last),
@@ -195,8 +196,13 @@ def encode_plans(
         if checkpoint is not None:
             keys, slots, writer = checkpoint
             mine = writer == rank
-            fields += [(11, True), (12, keys[mine]), (13, slots[mine])]
-        out.append(encode_message([(2, fields)]))
+            out += [(11, True), (12, keys[mine]), (13, slots[mine])]
+        return out
+
+    if checkpoint is None:  # the plans differ only in their samples: one set of fixed parts for all
+        out = encode_alike([(2, fields(0))], samples)
+    else:
+        out = [encode_message([(2, fields(rank))]) for rank in range(trainers)]
     return EncodedPlan(rows, out)
 
 

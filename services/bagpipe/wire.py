@@ -126,6 +126,27 @@ def encode_message(fields: Sequence[tuple[int, Any]]) -> bytes:
     return b"".join(_message_parts(fields))
 
 
+def encode_alike(fields: Sequence[tuple[int, Any]], arrays: Sequence[Sequence[np.ndarray]]) -> list[bytes]:
+    """``encode_message(fields)`` once per entry of ``arrays``, each time with ``fields``' arrays (in
+    field order, nested messages included) replaced by that entry's, which have the same dtypes and
+    shapes: the fixed parts (tags, lengths, the Tensors' heads) are built once and only the arrays'
+    bytes are copied per message. Used for the trainers' plans of a batch (each its slice of samples)."""
+    parts = _message_parts(fields)
+    at = [i for i, part in enumerate(parts) if isinstance(part, np.ndarray)]
+    out = []
+    for entry in arrays:
+        filled = [a for a in entry if a.size]  # (an empty array has no data part, in every entry alike)
+        if len(filled) != len(at):
+            raise ValueError(f"expected {len(at)} non-empty arrays, got {len(filled)}")
+        for i, array in zip(at, filled, strict=True):
+            data = np.ascontiguousarray(array, dtype=parts[i].dtype)
+            if data.shape != parts[i].shape:
+                raise ValueError(f"array of shape {data.shape} in place of {parts[i].shape}")
+            parts[i] = data
+        out.append(b"".join(parts))
+    return out
+
+
 def _message_parts(fields: Sequence[tuple[int, Any]]) -> list[Any]:
     parts: list[Any] = []
     for number, value in fields:
