@@ -4,15 +4,17 @@ Batches of synthetic Criteo-Kaggle data (26 tables, full Kaggle cardinalities) a
 deduplicated first, as the data processors do; the timed part is what the oracle does per batch:
 push into the window and plan it (TTLs, prefetches, slots, evictions, and LRPP for ``--trainers``:
 holders, synchronisation sets, critical vs background, hand-overs, writers). Which trainers use each
-key is the data processors' work (``StreamBatchesRequest.trainers``), done on the batch before it
+key, and every trainer's slice of the samples serialised as the ``Samples`` part it is sent, are the
+data processors' work (``StreamBatchesRequest.trainers`` and ``slices``), done on the batch before it
 reaches the oracle; it is timed separately and reported as the data processor's cost per batch, with
 the figure both would reach on one core. Runs on one core (numpy is single-threaded here). The window
 is filled before timing starts, so every timed batch is planned against a full window of L batches.
-The oracle's end-to-end figure adds what it does next with each plan (``codec.encode_plans``): serialise
-the batch's rows once (the same bytes go to every trainer, each of which cuts its own share) and every
-trainer's Plan with its sample slice, as StreamPlans sends them; issue 17's target is 5 M samples/s for
-all of it on one core. Timing starts after L batches have been planned untimed (``--warmup``), when the
-cache reuses slots as it does for the rest of a job.
+The oracle's end-to-end figure adds the rest of what it does per batch: it checks that each trainer's
+samples are its own as they arrive (``codec.check_samples``) and, with each plan, serialises the batch's
+rows once (the same bytes go to every trainer, each of which cuts its own share) and every trainer's
+Plan (``codec.encode_plans``); the samples go out as they came. Issue 17's target is 5 M
+samples/s for all of it on one core. Timing starts after L batches have been planned untimed
+(``--warmup``), when the cache reuses slots as it does for the rest of a job.
 
     .venv/bin/python bench/oracle_throughput.py [--batch-size 16384 --lookahead 200 --timed 200]
 """
@@ -32,7 +34,7 @@ os.environ.setdefault("OMP_NUM_THREADS", "1")
 
 import numpy as np  # noqa: E402
 from bagpipe import allocator  # noqa: E402
-from bagpipe.codec import encode_plans  # noqa: E402
+from bagpipe.codec import check_samples, encode_batch, encode_plans  # noqa: E402
 from bagpipe.core.data import KAGGLE_TABLE_ROWS, SyntheticConfig, SyntheticSource, build_batch, table_offsets  # noqa: E402
 from bagpipe.core.lookahead import LookaheadPlanner, trainer_users  # noqa: E402
 
@@ -65,22 +67,27 @@ def measure(
     for b in range(lookahead):
         arrays = batches[b]
         planner.push(b, arrays.keys, users=trainer_users(arrays.inverse, arrays.keys.size, trainers))
+    samples = {b: encode_batch(batches[b], False, None, trainers)[1:] for b in range(lookahead)}
     per_batch, users_seconds, split_seconds, plan_bytes = [], [], [], 0
     for b in range(lookahead, total):
-        arrays = batches[b]
-        start = time.perf_counter()  # which trainers use each key (the data processors' part)
-        users = trainer_users(arrays.inverse, arrays.keys.size, trainers)
-        mid = time.perf_counter()  # the plan: Algorithm 1 with LRPP and delayed sync
+        arrays = batches.pop(b)
+        start = time.perf_counter()  # the data processors' part: which trainers use each key, and the
+        users = trainer_users(arrays.inverse, arrays.keys.size, trainers)  # samples cut per trainer
+        samples[b] = encode_batch(arrays, b == total - 1, users, trainers)[1:]
+        mid = time.perf_counter()  # the oracle: the samples' checks as they arrive ...
+        for rank, part in enumerate(samples[b]):
+            check_samples(part, b, rank)
+        received = time.perf_counter()  # ... the plan: Algorithm 1 with LRPP and delayed sync ...
         plan = planner.pop()
         planner.push(b, arrays.keys, last=b == total - 1, users=users)
-        planned = time.perf_counter()  # the trainers' messages, as StreamPlans sends them
-        encoded = encode_plans(plan, batches.pop(plan.batch), trainers)
+        planned = time.perf_counter()  # ... and the trainers' messages, as StreamPlans sends them
+        encoded = encode_plans(plan, samples.pop(plan.batch), batch_size)
         done = time.perf_counter()
         assert plan.batch == b - lookahead
         if plan.batch < warmup:
             continue
-        split_seconds.append(done - planned)
-        per_batch.append(planned - mid)
+        split_seconds.append(done - planned + received - mid)
+        per_batch.append(planned - received)
         users_seconds.append(mid - start)
         plan_bytes += encoded.nbytes  # (the rows count once per trainer: each stream carries them)
         unique.append(plan.unique)
@@ -101,8 +108,8 @@ def measure(
         "median_ms_per_batch": 1000 * statistics.median(per_batch),
         "p90_ms_per_batch": 1000 * sorted(per_batch)[int(0.9 * len(per_batch))],
         "samples_per_second": sps,
-        "median_ms_per_batch_trainer_masks": 1000 * statistics.median(users_seconds),
-        "samples_per_second_with_trainer_masks": timed * batch_size / (seconds + sum(users_seconds)),
+        "median_ms_per_batch_data_processor": 1000 * statistics.median(users_seconds),
+        "samples_per_second_with_data_processor": timed * batch_size / (seconds + sum(users_seconds)),
         "median_ms_per_batch_split_serialize": 1000 * statistics.median(split_seconds),
         "plan_bytes_per_batch": plan_bytes / timed,
         "end_to_end_samples_per_second": end_to_end,
@@ -139,15 +146,15 @@ def main() -> None:
         f"{result['median_ms_per_batch']:.2f} ms/batch, "
         f"{result['unique_keys_per_batch']:,.0f} unique keys/batch); paper 3.27 M -> ratio "
         f"{result['ratio_to_paper']:.2f}; "
-        "the data processor's per-trainer usage masks take "
-        f"{result['median_ms_per_batch_trainer_masks']:.2f} ms/batch "
-        f"(oracle and masks on one core: {result['samples_per_second_with_trainer_masks'] / 1e6:.2f} M "
+        "the data processor's part (trainer masks, samples cut per trainer) takes "
+        f"{result['median_ms_per_batch_data_processor']:.2f} ms/batch "
+        f"(planning and that on one core: {result['samples_per_second_with_data_processor'] / 1e6:.2f} M "
         "samples/s)"
     )
     print(
-        f"oracle end to end (plan, split into {a.trainers} trainers' messages, serialise): "
+        f"oracle end to end (samples checked, plan, {a.trainers} trainers' messages serialised): "
         f"{result['end_to_end_samples_per_second'] / 1e6:.2f} M samples/s "
-        f"(split + serialise median {result['median_ms_per_batch_split_serialize']:.2f} ms/batch, "
+        f"(checks + serialise median {result['median_ms_per_batch_split_serialize']:.2f} ms/batch, "
         f"{result['plan_bytes_per_batch'] / 1e6:.1f} MB/batch); target 5.00 M -> ratio "
         f"{result['end_to_end_ratio_to_target']:.2f}"
     )

@@ -1,9 +1,12 @@
 """The wire messages of the training path, built and read in one place.
 
-* ``Batch`` (data processor -> oracle): :func:`encode_batch` / :func:`decode_batch`.
+* ``BatchPart`` (data processor -> oracle): :func:`encode_batch` writes a batch, whole or (with
+  ``slices``) as its keys and masks followed by every trainer's ``Samples``; :func:`decode_batch` reads
+  the batch and :func:`check_samples` a trainer's samples, which the oracle forwards as they came.
 * ``PlanPart`` (oracle -> one trainer): :func:`encode_plans` writes the batch's rows once for every
-  trainer, and each trainer's ``Plan`` (its sample slice); :func:`decode_plan` reads a plan with its
-  rows and cuts the trainer's share out of them, into :class:`PlanArrays`.
+  trainer, and each trainer's ``Plan``; the trainer's ``Samples`` go between them. :func:`decode_plan`
+  reads a plan with its rows and samples and cuts the trainer's share out of the rows, into
+  :class:`PlanArrays`.
 
 Decoding validates everything the receiver indexes with (dtypes, shapes, index ranges, trainer masks)
 and raises :class:`~bagpipe.errors.InvalidArgument` naming the batch and the field, so a bad message is
@@ -24,7 +27,7 @@ from bagpipe.core.plans import BACKGROUND, SharedPlan, TrainerPlan, share, share
 from bagpipe.errors import InvalidArgument
 from bagpipe.v1 import data_processor_pb2 as dpb
 from bagpipe.v1 import oracle_cacher_pb2 as opb
-from bagpipe.wire import encode_alike, encode_message, from_tensor, to_tensor
+from bagpipe.wire import encode_message, from_tensor, read_scalars, unwrap
 
 
 def _tensor(msg: Any, name: str, dtype: Any, where: str, **kw: Any) -> np.ndarray:
@@ -42,59 +45,114 @@ def _check_index(values: np.ndarray, bound: int, field: str) -> None:
 
 @dataclass(frozen=True)
 class WireBatch:
-    """A decoded ``Batch``: :class:`~bagpipe.core.data.BatchArrays` plus the stream's extras.
+    """A decoded ``Batch``: its number, sorted unique keys and the stream's extras.
 
     ``users`` (uint64 ``[U]``, or None when the processor was not asked) holds, per key, the bit mask of
-    the trainers whose samples use it.
+    the trainers whose samples use it. ``arrays`` is the whole batch when it came with its samples, and
+    None when they came cut per trainer (``slices``).
     """
 
-    arrays: BatchArrays
+    number: int
+    keys: np.ndarray
     last: bool
     users: np.ndarray | None
-
-    @property
-    def number(self) -> int:
-        return self.arrays.number
+    arrays: BatchArrays | None = None
 
 
-def encode_batch(arrays: BatchArrays, last: bool, users: np.ndarray | None = None) -> dpb.Batch:
-    """``users``: the per-key trainer masks (uint64; int64 on the wire, the same bits) or None."""
-    return dpb.Batch(
-        number=arrays.number,
-        dense=to_tensor(arrays.dense),
-        labels=to_tensor(arrays.labels),
-        keys=to_tensor(arrays.keys),
-        inverse=to_tensor(arrays.inverse),
-        last=last,
-        users=to_tensor(np.asarray(users, dtype=np.uint64).view(np.int64)) if users is not None else None,
-    )
+def encode_batch(
+    arrays: BatchArrays, last: bool, users: np.ndarray | None = None, slices: int = 0
+) -> list[bytes]:
+    """The serialised ``BatchPart``s of one batch: the ``Batch`` alone (with its samples), or with
+    ``slices`` > 0 the ``Batch`` without them followed by one ``Samples`` per trainer, in rank order.
+    ``users``: the per-key trainer masks (uint64; int64 on the wire, the same bits) or None."""
+    masks = np.asarray(users, dtype=np.uint64).view(np.int64) if users is not None else None
+    whole = not slices
+    head = [
+        (1, arrays.number),
+        (2, arrays.dense if whole else None),
+        (3, arrays.labels if whole else None),
+        (4, arrays.keys),
+        (5, arrays.inverse if whole else None),
+        (6, last),
+        (7, masks),
+    ]
+    parts = [encode_message([(1, head)])]
+    if slices:
+        per = arrays.labels.shape[0] // slices
+        for rank in range(slices):
+            sl = slice(rank * per, (rank + 1) * per)
+            sample = [
+                (1, arrays.number),
+                (2, arrays.dense[sl]),
+                (3, arrays.labels[sl]),
+                (4, arrays.inverse[sl]),
+            ]
+            parts.append(encode_message([(3, [*sample, (5, rank)])]))
+    return parts
 
 
 def decode_batch(
-    msg: dpb.Batch, *, num_keys: int, batch_size: int, num_tables: int, trainers: int
+    msg: dpb.Batch, *, num_keys: int, batch_size: int, num_tables: int, trainers: int, slices: int = 0
 ) -> WireBatch:
-    """Reads and checks a ``Batch``: ``batch_size`` samples, ``num_tables`` key columns indexing sorted
-    unique keys in ``[0, num_keys)``, and (when present) masks naming only trainers ``0..trainers-1``."""
+    """Reads and checks a ``Batch``: sorted unique keys in ``[0, num_keys)``, (when present) masks naming
+    only trainers ``0..trainers-1``, and unless its samples come in ``slices``, ``batch_size`` samples of
+    ``num_tables`` key columns indexing the keys (with them, it must carry none)."""
     where = f"batch {msg.number}"
+    keys = _tensor(msg, "keys", np.int64, where, ndim=1)
+    if keys.size and (keys[0] < 0 or keys[-1] >= num_keys):
+        raise InvalidArgument(f"{where}: keys", f"keys outside [0, {num_keys})")
+    if keys.size > 1 and not (keys[1:] > keys[:-1]).all():
+        raise InvalidArgument(f"{where}: keys", "must be sorted and unique")
+    users = None
+    if msg.HasField("users"):
+        users = _tensor(msg, "users", np.int64, where, shape=(keys.size,)).view(np.uint64)
+        _check_masks(users, trainers, f"{where}: users")
+    if slices:
+        for name in ("dense", "labels", "inverse"):
+            if msg.HasField(name):
+                raise InvalidArgument(f"{where}: {name}", f"the samples were asked for in {slices} slices")
+        return WireBatch(msg.number, keys, msg.last, users)
     labels = _tensor(msg, "labels", np.float32, where, ndim=1)
     if labels.size != batch_size:
         raise InvalidArgument(f"{where}: labels", f"{labels.size} samples, expected {batch_size}")
     dense = _tensor(msg, "dense", np.float32, where, ndim=2)
     if dense.shape[0] != batch_size:
         raise InvalidArgument(f"{where}: dense", f"{dense.shape[0]} rows, expected {batch_size}")
-    keys = _tensor(msg, "keys", np.int64, where, ndim=1)
-    if keys.size and (keys[0] < 0 or keys[-1] >= num_keys):
-        raise InvalidArgument(f"{where}: keys", f"keys outside [0, {num_keys})")
-    if keys.size > 1 and not (keys[1:] > keys[:-1]).all():
-        raise InvalidArgument(f"{where}: keys", "must be sorted and unique")
     inverse = _tensor(msg, "inverse", np.int32, where, shape=(batch_size, num_tables))
     _check_index(inverse, keys.size, f"{where}: inverse")
-    users = None
-    if msg.HasField("users"):
-        users = _tensor(msg, "users", np.int64, where, shape=(keys.size,)).view(np.uint64)
-        _check_masks(users, trainers, f"{where}: users")
-    arrays = BatchArrays(msg.number, dense, labels, keys, inverse)
-    return WireBatch(arrays, msg.last, users)
+    return WireBatch(msg.number, keys, msg.last, users, BatchArrays(msg.number, dense, labels, keys, inverse))
+
+
+def check_samples(data: bytes, batch: int, rank: int) -> bytes:
+    """Checks that a serialised ``BatchPart`` is trainer ``rank``'s ``Samples`` of ``batch`` and returns it
+    as it is, for the oracle to forward (reading only its scalars: a few microseconds). The trainer reads
+    and checks the tensors (``decode_plan``: dtypes, shapes, and the inverse indices against the rows)."""
+    where = f"batch {batch}: samples"
+    inner = unwrap(data, 3, where)
+    if inner is None:
+        raise InvalidArgument(where, f"expected trainer {rank}'s samples, got another part")
+    scalars = read_scalars(inner, where)
+    got_batch, got_rank = scalars.get(1, 0), scalars.get(5, 0)
+    if (got_batch, got_rank) != (batch, rank):
+        raise InvalidArgument(
+            where, f"are batch {got_batch}'s for trainer {got_rank}, expected trainer {rank}'s"
+        )
+    return data
+
+
+def _samples(
+    msg: Any, batch: int, rank: int, size: int, num_dense: int, num_tables: int
+) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """Dense, labels and inverse of a ``Samples`` (the generated class, or ``wire.decode_message``'s)."""
+    where = f"batch {batch}: samples"
+    if msg.batch != batch or msg.rank != rank:
+        raise InvalidArgument(
+            where, f"are batch {msg.batch}'s for trainer {msg.rank}, expected trainer {rank}'s"
+        )
+    dense = _tensor(msg, "dense", np.float32, where, shape=(size, num_dense))
+    labels = _tensor(msg, "labels", np.float32, where, shape=(size,))
+    inverse = _tensor(msg, "inverse", np.int32, where, shape=(size, num_tables))
+    return dense, labels, inverse
 
 
 # ---- Plan: oracle -> trainer
@@ -149,61 +207,52 @@ def _rows_fields(rows: SharedPlan) -> list[tuple[int, Any]]:
 
 @dataclass(frozen=True)
 class EncodedPlan:
-    """One batch's plan as StreamPlans sends it: ``rows``, a serialised ``PlanPart`` holding the batch's
-    ``PlanRows`` (the same bytes for every trainer), and ``plans[rank]``, a serialised ``PlanPart`` holding
-    trainer ``rank``'s ``Plan``."""
+    """One batch's plan as StreamPlans sends it, each a serialised ``PlanPart``: ``rows``, the batch's
+    ``PlanRows`` (the same bytes for every trainer), ``samples[rank]``, trainer ``rank``'s ``Samples`` (as
+    the data processor sent them), and ``plans[rank]``, its ``Plan``."""
 
     rows: bytes
+    samples: list[bytes]
     plans: list[bytes]
 
     @property
     def nbytes(self) -> int:
         """Bytes sent for the batch, over all trainers."""
-        return len(self.rows) * len(self.plans) + sum(len(p) for p in self.plans)
+        return sum(len(self.rows) + len(s) + len(p) for s, p in zip(self.samples, self.plans, strict=True))
 
 
 def encode_plans(
     plan: BatchPlan,
-    batch: BatchArrays,
-    trainers: int,
+    samples: list[bytes],
+    batch_size: int,
     checkpoint: tuple[np.ndarray, np.ndarray, np.ndarray] | None = None,
 ) -> EncodedPlan:
-    """``plan`` as StreamPlans sends it: the batch's rows (``PlanRows``), serialised once for all trainers,
-    and per trainer its ``Plan``: its contiguous slice of the samples and, with ``checkpoint``
-    (``LookaheadPlanner.cached()``: keys, slots, writer rank), the cached rows it writes out. The bytes
-    are what ``PlanPart.SerializeToString`` would give (``wire.encode_message``); StreamPlans sends them
-    as they are and a trainer reads its share with :func:`decode_plan`."""
-    size = int(batch.labels.shape[0])
-    per = size // trainers
+    """``plan`` as StreamPlans sends it: the batch's rows (``PlanRows``), serialised once for all trainers;
+    per trainer its ``Samples`` (``samples``, as the data processor sent them: ``check_samples``); and its
+    ``Plan``: the plan's scalars and, with ``checkpoint`` (``LookaheadPlanner.cached()``: keys, slots,
+    writer rank), the cached rows it writes out. The bytes are what ``PlanPart.SerializeToString`` would
+    give (``wire.encode_message``); StreamPlans sends them as they are and a trainer reads its share with
+    :func:`decode_plan`."""
+    trainers = len(samples)
     rows = encode_message([(1, [*_rows_fields(shared_plan(plan)), (14, plan.batch)])])
-    slices = [slice(rank * per, (rank + 1) * per) for rank in range(trainers)]
-    samples = [(batch.dense[sl], batch.labels[sl], batch.inverse[sl]) for sl in slices]
-
-    def fields(rank: int) -> list[tuple[int, Any]]:  # Plan's fields in field order (oracle_cacher.proto)
-        dense, labels, inverse = samples[rank]
-        out: list[tuple[int, Any]] = [
-            (1, plan.batch),
-            (2, dense),
-            (3, labels),
-            (4, inverse),
-            (5, plan.slot_high_water),
-            (6, size),
-            (7, plan.last),
-            (8, plan.window),
-            (9, plan.depends_on),
-            (10, plan.occupancy),
-        ]
-        if checkpoint is not None:
-            keys, slots, writer = checkpoint
-            mine = writer == rank
-            out += [(11, True), (12, keys[mine]), (13, slots[mine])]
-        return out
-
-    if checkpoint is None:  # the plans differ only in their samples: one set of fixed parts for all
-        out = encode_alike([(2, fields(0))], samples)
+    scalars: list[tuple[int, Any]] = [  # Plan's fields in field order (oracle_cacher.proto)
+        (1, plan.batch),
+        (5, plan.slot_high_water),
+        (6, batch_size),
+        (7, plan.last),
+        (8, plan.window),
+        (9, plan.depends_on),
+        (10, plan.occupancy),
+    ]
+    if checkpoint is None:  # the same Plan for every trainer
+        out = [encode_message([(2, scalars)])] * trainers
     else:
-        out = [encode_message([(2, fields(rank))]) for rank in range(trainers)]
-    return EncodedPlan(rows, out)
+        keys, slots, writer = checkpoint
+        out = []
+        for rank in range(trainers):
+            mine = writer == rank
+            out.append(encode_message([(2, [*scalars, (11, True), (12, keys[mine]), (13, slots[mine])])]))
+    return EncodedPlan(rows, samples, out)
 
 
 def _check_masks(masks: np.ndarray, trainers: int, field: str) -> None:
@@ -262,22 +311,33 @@ def _decode_rows(
 
 
 def decode_plan(
-    msg: opb.Plan, rows_msg: opb.PlanRows, num_tables: int, num_dense: int, rank: int, trainers: int
+    msg: opb.Plan,
+    samples: dpb.Samples,
+    rows_msg: opb.PlanRows,
+    num_tables: int,
+    num_dense: int,
+    rank: int,
+    trainers: int,
 ) -> PlanArrays:
-    """Reads and checks one ``Plan`` and its batch's ``PlanRows`` for trainer ``rank`` of ``trainers``,
-    with a model of ``num_tables`` tables and ``num_dense`` dense features (every index stays inside the
-    arrays it indexes), and cuts the trainer's share out of the rows (``core/plans.share``)."""
+    """Reads and checks one ``Plan`` with its batch's ``PlanRows`` and the trainer's ``Samples`` for
+    trainer ``rank`` of ``trainers``, with a model of ``num_tables`` tables and ``num_dense`` dense
+    features (every index stays inside the arrays it indexes), and cuts the trainer's share out of the
+    rows (``core/plans.share``)."""
     b = msg.batch
     where = f"plan {b}"
     if not 0 <= rank < trainers:
         raise ValueError(f"rank: must be in [0, {trainers}), got {rank}")
     if rows_msg.batch != b:
         raise InvalidArgument(f"{where}: rows", f"are batch {rows_msg.batch}'s")
+    if msg.global_batch_size < trainers or msg.global_batch_size % trainers:
+        raise InvalidArgument(
+            f"{where}: global_batch_size", f"{msg.global_batch_size} does not split over {trainers} trainers"
+        )
     slot_high_water = max(1, msg.slot_high_water)
     rows = _decode_rows(rows_msg, b, trainers, slot_high_water, f"{where}: rows")
-    labels = _tensor(msg, "labels", np.float32, where, ndim=1)
-    inverse = _tensor(msg, "inverse", np.int32, where, shape=(labels.size, num_tables))
-    _check_index(inverse, rows.unique, f"{where}: inverse")
+    size = msg.global_batch_size // trainers
+    dense, labels, inverse = _samples(samples, b, rank, size, num_dense, num_tables)
+    _check_index(inverse, rows.unique, f"{where}: samples: inverse")
     checkpoint_keys = checkpoint_slots = None
     if msg.checkpoint:
         checkpoint_keys = _tensor(msg, "checkpoint_keys", np.int64, where, ndim=1)
@@ -292,7 +352,7 @@ def decode_plan(
         )
     return PlanArrays(
         share=mine,
-        dense=_tensor(msg, "dense", np.float32, where, shape=(labels.size, num_dense)),
+        dense=dense,
         labels=labels,
         slot_high_water=msg.slot_high_water,
         global_batch_size=msg.global_batch_size,

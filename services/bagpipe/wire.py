@@ -126,27 +126,6 @@ def encode_message(fields: Sequence[tuple[int, Any]]) -> bytes:
     return b"".join(_message_parts(fields))
 
 
-def encode_alike(fields: Sequence[tuple[int, Any]], arrays: Sequence[Sequence[np.ndarray]]) -> list[bytes]:
-    """``encode_message(fields)`` once per entry of ``arrays``, each time with ``fields``' arrays (in
-    field order, nested messages included) replaced by that entry's, which have the same dtypes and
-    shapes: the fixed parts (tags, lengths, the Tensors' heads) are built once and only the arrays'
-    bytes are copied per message. Used for the trainers' plans of a batch (each its slice of samples)."""
-    parts = _message_parts(fields)
-    at = [i for i, part in enumerate(parts) if isinstance(part, np.ndarray)]
-    out = []
-    for entry in arrays:
-        filled = [a for a in entry if a.size]  # (an empty array has no data part, in every entry alike)
-        if len(filled) != len(at):
-            raise ValueError(f"expected {len(at)} non-empty arrays, got {len(filled)}")
-        for i, array in zip(at, filled, strict=True):
-            data = np.ascontiguousarray(array, dtype=parts[i].dtype)
-            if data.shape != parts[i].shape:
-                raise ValueError(f"array of shape {data.shape} in place of {parts[i].shape}")
-            parts[i] = data
-        out.append(b"".join(parts))
-    return out
-
-
 def _message_parts(fields: Sequence[tuple[int, Any]]) -> list[Any]:
     parts: list[Any] = []
     for number, value in fields:
@@ -235,7 +214,29 @@ def _read_tensor(buf: memoryview, start: int, end: int, field: str) -> RawTensor
     return RawTensor(dtype, tuple(shape), data)
 
 
-def decode_message(data: bytes, descriptor: Any) -> SimpleNamespace:
+def unwrap(data: bytes, number: int, field: str) -> memoryview | None:
+    """The bytes of embedded message ``number`` when ``data`` is a message holding only that field (one
+    arm of a oneof, such as ``BatchPart``'s), or None when it starts with another field; a view, no copy."""
+    buf = memoryview(data)
+    tag, at = _read_varint(buf, 0, len(buf), field)
+    if tag != (number << 3 | 2):
+        return None
+    size, at = _read_varint(buf, at, len(buf), field)
+    if at + size != len(buf):
+        raise InvalidArgument(field, f"malformed message: field {number} is not the whole message")
+    return buf[at:]
+
+
+def read_scalars(data: bytes | memoryview, field: str) -> dict[int, int]:
+    """The varint fields of a serialised message by number (int64 as protobuf writes them), skipping the
+    others without reading them: a few microseconds, whatever the message's size."""
+    buf = memoryview(data)
+    return {
+        number: _int64(value) for number, kind, value in _read_fields(buf, 0, len(buf), field) if kind == 0
+    }
+
+
+def decode_message(data: bytes | memoryview, descriptor: Any) -> SimpleNamespace:
     """Reads a serialised message of type ``descriptor`` whose fields are int64 scalars and ``Tensor``
     messages (what :func:`encode_message` writes, or protobuf), without copying the tensors' bytes: each
     ``Tensor`` field becomes a :class:`RawTensor` viewing ``data``. Fields absent take their defaults;

@@ -287,6 +287,9 @@ async def _fuzz(count: int) -> None:
                 stride=rng.randrange(-3, 1) if bad == 1 else rng.randrange(1, 4),
                 end=rng.randrange(0, 20),
                 trainers=rng.choice([-1, 5, 7, 65, 1 << 20]) if bad == 2 else rng.randrange(0, 4),
+                slices=rng.choice([-1, 5, 7, 65])
+                if bad == 2 and rng.random() < 0.5
+                else rng.choice([0, 1, 2, 4]),
             )
             code = await _code(lambda r=stream: pstub.StreamBatches(r, timeout=5))
             assert code == grpc.StatusCode.INVALID_ARGUMENT, f"data processor request {i}: {stream} -> {code}"
@@ -304,8 +307,8 @@ async def _fuzz(count: int) -> None:
         good = epb.LookupRequest(shard_map_version=1, keys=to_tensor(np.arange(80, dtype=np.int64)))
         await epb_grpc.EmbeddingServerStub(ch).Lookup(good, timeout=5)
     batches = [
-        b
-        async for b in pstub.StreamBatches(data_processor_pb2.StreamBatchesRequest(start=0, stride=1, end=2))
+        p.batch
+        async for p in pstub.StreamBatches(data_processor_pb2.StreamBatchesRequest(start=0, stride=1, end=2))
     ]
     assert [b.number for b in batches] == [0, 1]
     await pch.close()

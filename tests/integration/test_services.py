@@ -101,10 +101,10 @@ async def _malformed_tsv(tmp_path: Path) -> None:
         stub = data_processor_pb2_grpc.DataProcessorStub(ch)
         got = []
         with pytest.raises(grpc.aio.AioRpcError) as err:
-            async for batch in stub.StreamBatches(
+            async for part in stub.StreamBatches(
                 data_processor_pb2.StreamBatchesRequest(start=0, stride=1), timeout=10
             ):
-                got.append(batch.number)
+                got.append(part.batch.number)
         assert got in ([], [0])  # batch 0 may go out before the processor reads past it
         assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT
         assert f"{path}:3: field C3: 'zz' is not hexadecimal" in err.value.details()
@@ -122,25 +122,45 @@ async def _processor_trainer_masks() -> None:
     async with grpc.aio.insecure_channel(f"127.0.0.1:{port}") as ch:
         stub = data_processor_pb2_grpc.DataProcessorStub(ch)
         request = data_processor_pb2.StreamBatchesRequest(start=0, stride=1, end=2, trainers=3)
-        batches = [b async for b in stub.StreamBatches(request, timeout=10)]
-        for batch in batches:
+        parts = [p async for p in stub.StreamBatches(request, timeout=10)]
+        assert [p.WhichOneof("part") for p in parts] == ["batch", "batch"]
+        for batch in (p.batch for p in parts):
             keys = from_tensor(batch.keys, "keys", np.int64, ndim=1)
             inverse = from_tensor(batch.inverse, "inverse", np.int32, ndim=2)
             users = from_tensor(batch.users, "users", np.int64, shape=keys.shape)
             assert np.array_equal(users, trainer_users(inverse, keys.size, 3))
         plain = [
-            b
-            async for b in stub.StreamBatches(
+            p.batch
+            async for p in stub.StreamBatches(
                 data_processor_pb2.StreamBatchesRequest(start=0, stride=1, end=1)
             )
         ]
         assert not plain[0].HasField("users")
-        for trainers, why in (
-            (5, "trainers: batch size 12 does not split over 5 trainers"),
-            (65, "trainers: must be in [0, 64], got 65"),
+        # in slices: each batch's keys and masks, then its samples, one part per trainer in rank order
+        request = data_processor_pb2.StreamBatchesRequest(start=0, stride=1, end=2, trainers=3, slices=3)
+        parts = [p async for p in stub.StreamBatches(request, timeout=10)]
+        assert [p.WhichOneof("part") for p in parts] == ["batch", "samples", "samples", "samples"] * 2
+        for head, *samples in (parts[:4], parts[4:]):
+            assert not head.batch.HasField("inverse") and head.batch.HasField("users")
+            assert [(s.samples.batch, s.samples.rank) for s in samples] == [
+                (head.batch.number, r) for r in range(3)
+            ]
+            inverse = np.concatenate(
+                [from_tensor(s.samples.inverse, "inverse", np.int32, ndim=2) for s in samples]
+            )
+            keys = from_tensor(head.batch.keys, "keys", np.int64, ndim=1)
+            users = from_tensor(head.batch.users, "users", np.int64, shape=keys.shape)
+            assert inverse.shape == (12, len(rows)) and np.array_equal(
+                users, trainer_users(inverse, keys.size, 3)
+            )
+        for field, value, why in (
+            ("trainers", 5, "trainers: batch size 12 does not split over 5 trainers"),
+            ("trainers", 65, "trainers: must be in [0, 64], got 65"),
+            ("slices", 5, "slices: batch size 12 does not split into 5 slices"),
+            ("slices", -1, "slices: must be in [0, 64], got -1"),
         ):
             with pytest.raises(grpc.aio.AioRpcError) as err:
-                bad = data_processor_pb2.StreamBatchesRequest(start=0, stride=1, end=1, trainers=trainers)
+                bad = data_processor_pb2.StreamBatchesRequest(start=0, stride=1, end=1, **{field: value})
                 _ = [b async for b in stub.StreamBatches(bad, timeout=10)]
             assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT
             assert err.value.details() == why
@@ -160,8 +180,11 @@ def test_oracle_rejects_trainer_masks_that_name_no_trainer_or_an_unknown_one() -
     good = trainer_users(arrays.inverse, arrays.keys.size, 2).astype(np.int64)
 
     def decode(users: np.ndarray):
+        head = data_processor_pb2.BatchPart.FromString(
+            encode_batch(arrays, False, users.astype(np.uint64))[0]
+        )
         return decode_batch(
-            encode_batch(arrays, False, users.astype(np.uint64)),
+            head.batch,
             num_keys=oracle.num_keys,
             batch_size=16,
             num_tables=len(rows),
@@ -182,8 +205,10 @@ async def _oracle_gates_plans() -> None:
     source = SyntheticSource(SyntheticConfig(table_rows=rows))
     for b in range(6):
         arrays = build_batch(b, source.batch(b, 16), offsets)
-        batch = WireBatch(arrays, last=b == 5, users=None)
-        oracle.received[b] = _Received(batch, oracle._users(batch))
+        users = trainer_users(arrays.inverse, arrays.keys.size, 1).astype(np.uint64)
+        batch = WireBatch(b, arrays.keys, last=b == 5, users=users)
+        samples = encode_batch(arrays, b == 5, users, slices=1)[1:]
+        oracle.received[b] = _Received(batch, oracle._users(batch), samples)
     oracle.readers_done = 1
     planner = asyncio.create_task(oracle.run_planner())
     server, port, _, _ = await create_oracle(oracle)
@@ -192,10 +217,11 @@ async def _oracle_gates_plans() -> None:
         stream = stub.StreamPlans(opb.StreamPlansRequest(rank=0, start=0), timeout=30)
         it = stream.__aiter__()
 
-        async def next_plan() -> opb.Plan:  # each batch's rows, then its plan
-            rows, plan = await it.__anext__(), await it.__anext__()
-            assert (rows.WhichOneof("part"), plan.WhichOneof("part")) == ("rows", "plan")
-            assert rows.rows.batch == plan.plan.batch
+        async def next_plan() -> opb.Plan:  # each batch's rows, its samples, then its plan
+            rows, samples, plan = await it.__anext__(), await it.__anext__(), await it.__anext__()
+            kinds = (rows.WhichOneof("part"), samples.WhichOneof("part"), plan.WhichOneof("part"))
+            assert kinds == ("rows", "samples", "plan")
+            assert rows.rows.batch == samples.samples.batch == plan.plan.batch
             return plan.plan
 
         assert [(await next_plan()).batch for _ in range(2)] == [0, 1]

@@ -7,7 +7,7 @@ import dataclasses
 
 import numpy as np
 import pytest
-from bagpipe.codec import decode_batch, decode_plan, encode_batch, encode_plans
+from bagpipe.codec import check_samples, decode_batch, decode_plan, encode_batch, encode_plans
 from bagpipe.core.batches import numbered_batches
 from bagpipe.core.data import SyntheticConfig, SyntheticSource, table_offsets
 from bagpipe.core.lookahead import LookaheadPlanner, trainer_users
@@ -32,10 +32,23 @@ def _wire(message):
     return type(message).FromString(message.SerializeToString())
 
 
-def _decode(message: dpb.Batch, trainers: int = TRAINERS):
+def _batch(arrays, last, users=None, slices=0) -> tuple[dpb.Batch, list[bytes]]:
+    """The Batch message of ``encode_batch``'s first part, and the serialised parts after it."""
+    parts = encode_batch(arrays, last, users, slices)
+    head = dpb.BatchPart.FromString(parts[0])
+    assert head.WhichOneof("part") == "batch" and head.SerializeToString() == parts[0]
+    return head.batch, parts[1:]
+
+
+def _decode(message: dpb.Batch, trainers: int = TRAINERS, slices: int = 0):
     num_keys = int(table_offsets(TABLE_ROWS)[-1])
     return decode_batch(
-        _wire(message), num_keys=num_keys, batch_size=BATCH, num_tables=len(TABLE_ROWS), trainers=trainers
+        _wire(message),
+        num_keys=num_keys,
+        batch_size=BATCH,
+        num_tables=len(TABLE_ROWS),
+        trainers=trainers,
+        slices=slices,
     )
 
 
@@ -55,21 +68,60 @@ def _same(a, b) -> None:
 def test_batch_round_trip_with_and_without_trainer_masks() -> None:
     for arrays, last in _batches(3):
         users = trainer_users(arrays.inverse, arrays.keys.size, TRAINERS)
-        got = _decode(encode_batch(arrays, last, users))
+        message, rest = _batch(arrays, last, users)
+        got = _decode(message)
+        assert not rest and got.arrays is not None
         _same(got.arrays, arrays)
-        assert got.last == last and got.number == arrays.number
+        assert got.last == last and got.number == arrays.number and np.array_equal(got.keys, arrays.keys)
         assert got.users is not None and got.users.dtype == np.uint64
         assert np.array_equal(got.users, users.astype(np.uint64))
-        plain = _decode(encode_batch(arrays, last))
-        assert plain.users is None
+        plain = _decode(_batch(arrays, last)[0])
+        assert plain.users is None and plain.arrays is not None
         _same(plain.arrays, arrays)
     assert [last for _, last in _batches(3)] == [False, False, True]
+
+
+def test_a_batch_in_slices_is_its_keys_then_every_trainers_samples_as_a_plan_part() -> None:
+    arrays, last = _batches(2)[1]
+    users = trainer_users(arrays.inverse, arrays.keys.size, TRAINERS)
+    message, samples = _batch(arrays, last, users, slices=TRAINERS)
+    got = _decode(message, slices=TRAINERS)
+    assert got.arrays is None and got.number == 1 and got.last == last
+    assert np.array_equal(got.keys, arrays.keys) and np.array_equal(got.users, users.astype(np.uint64))
+    assert len(samples) == TRAINERS
+    per = BATCH // TRAINERS
+    for rank, data in enumerate(samples):
+        assert check_samples(data, 1, rank) is data  # forwarded as it came
+        part = dpb.BatchPart.FromString(data)
+        # the same bytes are the trainer's PlanPart: the oracle forwards them without a copy
+        assert opb.PlanPart.FromString(data).SerializeToString() == data == part.SerializeToString()
+        sent = opb.PlanPart.FromString(data).samples
+        assert (sent.batch, sent.rank) == (1, rank)
+        for name, full in (("dense", arrays.dense), ("labels", arrays.labels), ("inverse", arrays.inverse)):
+            tensor = getattr(sent, name)
+            want = full[rank * per : (rank + 1) * per]
+            assert list(tensor.shape) == list(want.shape) and tensor.data == want.tobytes(), name
+    with pytest.raises(
+        InvalidArgument, match=r"batch 1: samples: are batch 1's for trainer 1, expected trainer 0's"
+    ):
+        check_samples(samples[1], 1, 0)
+    with pytest.raises(
+        InvalidArgument, match=r"batch 2: samples: are batch 1's for trainer 0, expected trainer 0's"
+    ):
+        check_samples(samples[0], 2, 0)
+    with pytest.raises(
+        InvalidArgument, match=r"batch 1: samples: expected trainer 0's samples, got another part"
+    ):
+        check_samples(encode_batch(arrays, last)[0], 1, 0)
+    whole, _ = _batch(arrays, last, users)
+    with pytest.raises(InvalidArgument, match=r"batch 1: dense: the samples were asked for in 3 slices"):
+        _decode(whole, slices=TRAINERS)
 
 
 def test_batch_masks_of_64_trainers_keep_the_top_bit() -> None:
     arrays, _ = _batches(1)[0]
     users = np.full(arrays.keys.size, np.uint64(1) << np.uint64(63), dtype=np.uint64)
-    got = _decode(encode_batch(arrays, False, users), trainers=64)
+    got = _decode(_batch(arrays, False, users)[0], trainers=64)
     assert got.users is not None and np.array_equal(got.users, users)
 
 
@@ -87,7 +139,7 @@ def test_batch_masks_of_64_trainers_keep_the_top_bit() -> None:
 )
 def test_bad_batches_name_the_field(corrupt, field) -> None:
     arrays, last = _batches(1)[0]
-    message = encode_batch(arrays, last)
+    message, _ = _batch(arrays, last)
     corrupt(message)
     with pytest.raises(InvalidArgument) as err:
         _decode(message)
@@ -102,19 +154,19 @@ def test_bad_keys_and_masks_are_refused() -> None:
         "sorted and unique": arrays.keys[::-1].copy(),
     }
     for reason, keys in cases.items():
-        message = encode_batch(arrays, last)
+        message, _ = _batch(arrays, last)
         message.keys.CopyFrom(to_tensor(keys))
         with pytest.raises(InvalidArgument, match=reason):
             _decode(message)
     users = trainer_users(arrays.inverse, arrays.keys.size, TRAINERS).astype(np.uint64)
     users[0] = 1 << TRAINERS  # a trainer that does not exist
     with pytest.raises(InvalidArgument, match=r"batch 0: users: masks outside \[1, 7\] for 3 trainers"):
-        _decode(encode_batch(arrays, last, users))
+        _decode(_batch(arrays, last, users)[0])
 
 
 def _plans(checkpoint_after: int | None = None):
-    """(batch arrays, global plan, its rows message, per-trainer plan messages, checkpoint rows) of a few
-    planned batches."""
+    """(batch arrays, global plan, its rows message, per-trainer plan and samples messages, checkpoint
+    rows) of a few planned batches."""
     num_keys = int(table_offsets(TABLE_ROWS)[-1])
     planner = LookaheadPlanner(num_keys, 3, trainers=TRAINERS)
     batches = _batches(6)
@@ -122,15 +174,19 @@ def _plans(checkpoint_after: int | None = None):
 
     def pop() -> None:
         plan = planner.pop()
-        arrays = batches[plan.batch][0]
+        arrays, last = batches[plan.batch]
         cached = planner.cached() if plan.batch == checkpoint_after else None
-        encoded = encode_plans(plan, arrays, TRAINERS, cached)
+        samples = encode_batch(arrays, last, None, TRAINERS)[1:]
+        encoded = encode_plans(plan, samples, BATCH, cached)
+        assert encoded.samples == samples  # forwarded as they are
         # the hand-written bytes are protobuf's own encoding of the same messages
-        parts = [opb.PlanPart.FromString(data) for data in [encoded.rows, *encoded.plans]]
-        assert [p.SerializeToString() for p in parts] == [encoded.rows, *encoded.plans]
+        parts = [opb.PlanPart.FromString(data) for data in [encoded.rows, *encoded.plans, *samples]]
+        assert [p.SerializeToString() for p in parts] == [encoded.rows, *encoded.plans, *samples]
         assert parts[0].WhichOneof("part") == "rows" and parts[0].rows.batch == plan.batch
-        assert all(p.WhichOneof("part") == "plan" for p in parts[1:])
-        out.append((arrays, plan, parts[0].rows, [p.plan for p in parts[1:]], cached))
+        assert all(p.WhichOneof("part") == "plan" for p in parts[1 : 1 + TRAINERS])
+        assert all(p.WhichOneof("part") == "samples" for p in parts[1 + TRAINERS :])
+        plans = [p.plan for p in parts[1 : 1 + TRAINERS]]
+        out.append((arrays, plan, parts[0].rows, plans, [p.samples for p in parts[1 + TRAINERS :]], cached))
 
     for arrays, last in batches:
         while not planner.wants_more():
@@ -146,12 +202,18 @@ def _plans(checkpoint_after: int | None = None):
 def test_plan_round_trip_is_each_trainers_share() -> None:
     planned = _plans(checkpoint_after=2)
     assert len(planned) == 6
-    for arrays, plan, rows, messages, cached in planned:
+    for arrays, plan, rows, messages, samples, cached in planned:
         assert len(messages) == TRAINERS
         per = BATCH // TRAINERS
         for rank, message in enumerate(messages):
             got = decode_plan(
-                _wire(message), _wire(rows), len(TABLE_ROWS), arrays.dense.shape[1], rank, TRAINERS
+                _wire(message),
+                _wire(samples[rank]),
+                _wire(rows),
+                len(TABLE_ROWS),
+                arrays.dense.shape[1],
+                rank,
+                TRAINERS,
             )
             _same(got.share, for_trainer(plan, arrays.inverse, rank, TRAINERS))
             assert np.array_equal(got.dense, arrays.dense[rank * per : (rank + 1) * per])
@@ -169,10 +231,10 @@ def test_plan_round_trip_is_each_trainers_share() -> None:
                 assert np.array_equal(got.checkpoint_keys, keys[writer == rank])
                 assert np.array_equal(got.checkpoint_slots, slots[writer == rank])
     # the checkpoint's rows are split between the trainers, each written exactly once
-    _, _, rows, messages, (keys, _, _) = planned[2]
+    _, _, rows, messages, samples, (keys, _, _) = planned[2]
     written = np.concatenate(
         [
-            decode_plan(m, rows, len(TABLE_ROWS), 13, r, TRAINERS).checkpoint_keys
+            decode_plan(m, samples[r], rows, len(TABLE_ROWS), 13, r, TRAINERS).checkpoint_keys
             for r, m in enumerate(messages)
         ]
     )
@@ -181,9 +243,16 @@ def test_plan_round_trip_is_each_trainers_share() -> None:
 
 def test_a_plan_with_another_batchs_rows_is_refused() -> None:
     planned = _plans()
-    (_, _, _, messages, _), (_, _, rows, _, _) = planned[0], planned[1]
+    (_, _, _, messages, samples, _), (_, _, rows, _, later, _) = planned[0], planned[1]
     with pytest.raises(InvalidArgument, match=r"plan 0: rows: are batch 1's"):
-        decode_plan(messages[0], rows, len(TABLE_ROWS), 13, 0, TRAINERS)
+        decode_plan(messages[0], samples[0], rows, len(TABLE_ROWS), 13, 0, TRAINERS)
+    _, _, rows, _, _, _ = planned[0]
+    with pytest.raises(InvalidArgument, match=r"batch 0: samples: are batch 1's for trainer 0"):
+        decode_plan(messages[0], later[0], rows, len(TABLE_ROWS), 13, 0, TRAINERS)
+    with pytest.raises(
+        InvalidArgument, match=r"batch 0: samples: are batch 0's for trainer 1, expected trainer 0's"
+    ):
+        decode_plan(messages[0], samples[1], rows, len(TABLE_ROWS), 13, 0, TRAINERS)
 
 
 def test_masks_of_up_to_64_trainers_cross_the_wire() -> None:
@@ -200,11 +269,12 @@ def test_masks_of_up_to_64_trainers_cross_the_wire() -> None:
         planner = LookaheadPlanner(40, 2, trainers=trainers)
         planner.push(0, arrays.keys, last=True, users=trainer_users(inverse, 40, trainers))
         plan = planner.pop()
-        encoded = encode_plans(plan, arrays, trainers)
+        encoded = encode_plans(plan, encode_batch(arrays, True, None, trainers)[1:], 64)
         rows = opb.PlanPart.FromString(encoded.rows).rows
         for rank, data in enumerate(encoded.plans):
             message = opb.PlanPart.FromString(data).plan
-            got = decode_plan(message, rows, 2, arrays.dense.shape[1], rank, trainers)
+            samples = opb.PlanPart.FromString(encoded.samples[rank]).samples
+            got = decode_plan(message, samples, rows, 2, arrays.dense.shape[1], rank, trainers)
             _same(got.share, for_trainer(plan, inverse, rank, trainers))
             per = 64 // trainers
             mine = np.unique(inverse[rank * per : (rank + 1) * per])
@@ -212,19 +282,21 @@ def test_masks_of_up_to_64_trainers_cross_the_wire() -> None:
 
 
 def test_bad_plans_name_the_batch_and_field() -> None:
-    arrays, _, good_rows, messages, _ = _plans()[1]
+    arrays, _, good_rows, messages, good_samples, _ = _plans()[1]
     dims = (len(TABLE_ROWS), arrays.dense.shape[1], 0, TRAINERS)
-    decode_plan(messages[0], good_rows, *dims)
+    decode_plan(messages[0], good_samples[0], good_rows, *dims)
 
     def corrupted(change):
-        """(plan, rows) after ``change`` edits copies of them."""
-        plan, rows = opb.Plan(), opb.PlanRows()
+        """(plan, samples, rows) after ``change`` edits copies of them (samples take the plan's place
+        in ``change`` for the fields only they have: dense, labels, inverse)."""
+        plan, samples, rows = opb.Plan(), dpb.Samples(), opb.PlanRows()
         plan.CopyFrom(messages[0])
+        samples.CopyFrom(good_samples[0])
         rows.CopyFrom(good_rows)
-        change(plan, rows)
-        return plan, rows
+        change(samples if change in sample_changes else plan, rows)
+        return plan, samples, rows
 
-    unique = decode_plan(messages[0], good_rows, *dims).unique_rows
+    unique = decode_plan(messages[0], good_samples[0], good_rows, *dims).unique_rows
     high = messages[0].slot_high_water
     one_row = np.ones((1, 1), np.uint8)
 
@@ -237,15 +309,24 @@ def test_bad_plans_name_the_batch_and_field() -> None:
 
         return change
 
+    def bad_inverse(m, _) -> None:
+        m.inverse.CopyFrom(to_tensor(np.full((BATCH // TRAINERS, 6), unique, np.int32)))
+
+    def bad_dense(m, _) -> None:
+        m.dense.CopyFrom(to_tensor(np.zeros((BATCH // TRAINERS, 2), np.float32)))
+
+    def few_labels(m, _) -> None:
+        m.labels.CopyFrom(to_tensor(np.zeros(BATCH // TRAINERS - 1, np.float32)))
+
+    sample_changes = (bad_inverse, bad_dense, few_labels)
     decode_plan(*corrupted(handover(2)), *dims)  # a well-formed hand-over passes
     cases = [
+        (bad_inverse, rf"plan 1: samples: inverse: index {unique} outside \[0, {unique}\)"),
+        (bad_dense, r"batch 1: samples: dense: shape must be \[8, 13\], got \[8, 2\]"),
+        (few_labels, r"batch 1: samples: labels: shape must be \[8\], got \[7\]"),
         (
-            lambda m, _: m.inverse.CopyFrom(to_tensor(np.full((BATCH // TRAINERS, 6), unique, np.int32))),
-            rf"plan 1: inverse: index {unique} outside \[0, {unique}\)",
-        ),
-        (
-            lambda m, _: m.dense.CopyFrom(to_tensor(np.zeros((BATCH // TRAINERS, 2), np.float32))),
-            r"plan 1: dense",
+            lambda m, _: setattr(m, "global_batch_size", 25),
+            r"plan 1: global_batch_size: 25 does not split over 3 trainers",
         ),
         (
             lambda _, r: r.slots.CopyFrom(to_tensor(np.full(unique, high, np.int32))),
@@ -286,8 +367,8 @@ def test_bad_plans_name_the_batch_and_field() -> None:
         ),
     ]
     for change, message in cases:
-        plan, rows = corrupted(change)
+        plan, samples, rows = corrupted(change)
         if "evict_writer" in message and not rows.evict.shape[0]:
             continue  # nothing evicted in this batch to corrupt
         with pytest.raises(InvalidArgument, match=message):
-            decode_plan(plan, rows, *dims)
+            decode_plan(plan, samples, rows, *dims)

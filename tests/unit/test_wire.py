@@ -6,7 +6,7 @@ import numpy as np
 import pytest
 from bagpipe.errors import InvalidArgument
 from bagpipe.v1 import embedding_server_pb2 as pb
-from bagpipe.wire import decode_message, encode_alike, encode_message, from_tensor, to_tensor
+from bagpipe.wire import decode_message, encode_message, from_tensor, to_tensor
 
 PACKED = np.arange(60, dtype=np.float32).reshape(5, 12)
 CASES = [
@@ -21,27 +21,6 @@ CASES = [
 def test_encoded_reply_is_what_protobuf_serialises(rows: np.ndarray, state: np.ndarray) -> None:
     message = pb.LookupResponse(rows=to_tensor(rows), state=to_tensor(state))
     assert encode_message([(1, rows), (2, state)]) == message.SerializeToString()
-
-
-@pytest.mark.parametrize(("rows", "state"), CASES)
-def test_messages_alike_are_each_what_protobuf_serialises(rows: np.ndarray, state: np.ndarray) -> None:
-    entries = [(rows + k, state - k) for k in range(3)]  # same shapes, other values (and byte order)
-    got = encode_alike([(1, rows), (2, state)], entries)
-    assert got == [
-        pb.LookupResponse(rows=to_tensor(r), state=to_tensor(s)).SerializeToString() for r, s in entries
-    ]
-    nested = [(1, 17), (2, [(1, rows), (2, state)])]  # an array inside an embedded message
-    assert encode_alike(nested, entries) == [
-        encode_message([(1, 17), (2, [(1, r), (2, s)])]) for r, s in entries
-    ]
-
-
-def test_messages_alike_refuse_arrays_of_another_shape() -> None:
-    rows = np.ones((3, 2), np.float32)
-    with pytest.raises(ValueError, match=r"shape \(2, 2\) in place of \(3, 2\)"):
-        encode_alike([(1, rows)], [(rows,), (rows[:2],)])
-    with pytest.raises(ValueError, match="expected 1 non-empty arrays, got 2"):
-        encode_alike([(1, rows)], [(rows, rows)])
 
 
 @pytest.mark.parametrize("version", [0, 1, 300, -2, (1 << 62) + 5])

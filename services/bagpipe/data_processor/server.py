@@ -63,6 +63,12 @@ class DataProcessorServicer(pb_grpc.DataProcessorServicer):
                 "trainers",
                 f"batch size {self.config.batch_size} does not split over {request.trainers} trainers",
             )
+        if not 0 <= request.slices <= MAX_TRAINERS:
+            raise InvalidArgument("slices", f"must be in [0, {MAX_TRAINERS}], got {request.slices}")
+        if request.slices and self.config.batch_size % request.slices:
+            raise InvalidArgument(
+                "slices", f"batch size {self.config.batch_size} does not split into {request.slices} slices"
+            )
         gen = generate(
             self.config.source,
             self.config.batch_size,
@@ -82,12 +88,15 @@ class DataProcessorServicer(pb_grpc.DataProcessorServicer):
             arrays, last, users = cast(tuple[BatchArrays, bool, "np.ndarray | None"], item)
             metrics.BATCHES.inc()
             metrics.SAMPLES.inc(arrays.labels.size)
-            yield encode_batch(arrays, last, users)
+            for part in encode_batch(arrays, last, users, request.slices):
+                yield part
 
 
 async def create_server(config: DataProcessorConfig, address: str = "127.0.0.1:0"):
     """Starts a data-processor server; returns (server, port, control, health)."""
     servicer = DataProcessorServicer(config)
     return await serving.create_server(
-        address, "DataProcessor", lambda s: pb_grpc.add_DataProcessorServicer_to_server(servicer, s)
+        address,
+        "DataProcessor",
+        lambda s: serving.add_servicer(servicer, s, pb, "DataProcessor"),  # parts go out as encoded
     )

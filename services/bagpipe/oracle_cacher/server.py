@@ -19,7 +19,7 @@ import grpc
 import numpy as np
 
 from bagpipe import security, serving
-from bagpipe.codec import EncodedPlan, WireBatch, decode_batch, encode_plans
+from bagpipe.codec import EncodedPlan, WireBatch, check_samples, decode_batch, encode_plans
 from bagpipe.core.data import table_offsets
 from bagpipe.core.lookahead import (
     BACKGROUND,
@@ -28,12 +28,11 @@ from bagpipe.core.lookahead import (
     LookaheadPlanner,
     all_trainers,
     mask_dtype,
-    trainer_users,
 )
 from bagpipe.errors import InvalidArgument, PermissionDenied
 from bagpipe.oracle_cacher import metrics
 from bagpipe.oracle_cacher.config import OracleConfig
-from bagpipe.v1 import data_processor_pb2, data_processor_pb2_grpc
+from bagpipe.v1 import data_processor_pb2
 from bagpipe.v1 import oracle_cacher_pb2 as pb
 from bagpipe.v1 import oracle_cacher_pb2_grpc as pb_grpc
 
@@ -46,6 +45,7 @@ TRAINER_KEY = security.TRAINER_KEY
 class _Received:
     batch: WireBatch
     users: np.ndarray
+    samples: list[bytes]  # every trainer's Samples part, as the data processor sent it (codec.check_samples)
 
 
 @dataclass
@@ -98,27 +98,51 @@ class Oracle(pb_grpc.OracleCacherServicer):
         first = self.config.start_batch
         offset = first + (offset - first) % stride
         async with serving.aio_channel(address) as ch:
-            stub = data_processor_pb2_grpc.DataProcessorStub(ch)
+            # the stream's parts as bytes: the samples go on to the trainers as they came
+            stream_batches = ch.unary_stream(
+                "/bagpipe.v1.DataProcessor/StreamBatches",
+                request_serializer=data_processor_pb2.StreamBatchesRequest.SerializeToString,
+                response_deserializer=None,
+            )
             # with LRPP the processors also work out which trainers use each key (off the single oracle)
             trainers = self.config.trainers if self.config.cache_mode == "lrpp" else 0
+            # and cut every batch's samples per trainer, which go to the trainers as they come (raw bytes)
+            slices = self.config.trainers
             request = data_processor_pb2.StreamBatchesRequest(
-                start=offset, stride=stride, end=end, trainers=trainers
+                start=offset, stride=stride, end=end, trainers=trainers, slices=slices
             )
-            async for message in stub.StreamBatches(request):
-                batch = decode_batch(
-                    message,
-                    num_keys=self.num_keys,
-                    batch_size=self.config.batch_size,
-                    num_tables=len(self.config.table_rows),
-                    trainers=self.config.trainers,
-                )
+            batch: WireBatch | None = None
+            samples: list[bytes] = []
+            async for data in stream_batches(request):
+                if batch is None:
+                    part = data_processor_pb2.BatchPart.FromString(data)
+                    if part.WhichOneof("part") != "batch":
+                        raise InvalidArgument("stream", f"expected a batch, got a {part.WhichOneof('part')}")
+                    batch = decode_batch(
+                        part.batch,
+                        num_keys=self.num_keys,
+                        batch_size=self.config.batch_size,
+                        num_tables=len(self.config.table_rows),
+                        trainers=self.config.trainers,
+                        slices=slices,
+                    )
+                    continue
+                samples.append(check_samples(data, batch.number, len(samples)))
+                if len(samples) < slices:
+                    continue
                 users = self._users(batch)
+                received = _Received(batch, users, samples)
+                batch, samples = None, []
                 async with self.cond:
                     cap = 2 * stride + 4  # batches read ahead of the window
-                    await self.cond.wait_for(functools.partial(self._room_for, batch.number, cap))
-                    self.received[batch.number] = _Received(batch, users)
+                    await self.cond.wait_for(functools.partial(self._room_for, received.batch.number, cap))
+                    self.received[received.batch.number] = received
                     metrics.BATCHES_RECEIVED.inc()
                     self.cond.notify_all()
+            if batch is not None:
+                raise InvalidArgument(
+                    f"batch {batch.number}: samples", f"the stream ended after {len(samples)} of {slices}"
+                )
 
     def _room_for(self, number: int, ahead: int) -> bool:
         return number < self.next_push + ahead or self.failure is not None
@@ -128,15 +152,11 @@ class Oracle(pb_grpc.OracleCacherServicer):
 
     def _users(self, batch: WireBatch) -> np.ndarray:
         """Which trainers use each key (every trainer, for a replicated cache)."""
-        unique = batch.arrays.keys.size
+        unique = batch.keys.size
         if self.config.cache_mode == "replicated":
             return np.full(unique, all_trainers(self.config.trainers), dtype=mask_dtype(self.config.trainers))
-        if batch.users is None:  # a processor that was not asked (or predates the field)
-            users = trainer_users(batch.arrays.inverse, unique, self.config.trainers)
-            if not users.all():  # (sent masks are checked by decode_batch)
-                unused = int(batch.arrays.keys[users == 0][0])
-                raise InvalidArgument(f"batch {batch.number}: keys", f"key {unused} is used by no sample")
-            return users
+        if batch.users is None:  # asked for (with LRPP), so a processor that predates the field
+            raise InvalidArgument(f"batch {batch.number}: users", "missing: the data processor sent no masks")
         return batch.users.astype(mask_dtype(self.config.trainers))
 
     async def run_readers(self, addresses: list[str]) -> None:
@@ -198,7 +218,7 @@ class Oracle(pb_grpc.OracleCacherServicer):
                 while self.planner.wants_more() and self.next_push in self.received:
                     item = self.received[self.next_push]
                     if not self.planner.push(
-                        self.next_push, item.batch.arrays.keys, last=item.batch.last, users=item.users
+                        self.next_push, item.batch.keys, last=item.batch.last, users=item.users
                     ):
                         break  # the cache cannot hold it next to the window: plan the oldest first
                     self.next_push += 1
@@ -212,13 +232,13 @@ class Oracle(pb_grpc.OracleCacherServicer):
                     continue
                 t0 = time.perf_counter()
                 plan = self.planner.pop()
-                source = self.received.pop(plan.batch).batch
+                source = self.received.pop(plan.batch)
                 cached = (
                     self.planner.cached()
                     if self.config.checkpoint_after(plan.batch) and not plan.last
                     else None
                 )
-                encoded = encode_plans(plan, source.arrays, self.config.trainers, cached)
+                encoded = encode_plans(plan, source.samples, self.config.batch_size, cached)
                 metrics.PLAN_SECONDS.observe(time.perf_counter() - t0)
                 metrics.BATCHES_PLANNED.inc()
                 metrics.OCCUPANCY.set(plan.occupancy)
@@ -288,6 +308,7 @@ class Oracle(pb_grpc.OracleCacherServicer):
             metrics.PLANS_DISPATCHED.inc()
             self.dispatched[rank] = max(self.dispatched[rank], batch)
             yield entry.encoded.rows  # the same bytes on every trainer's stream
+            yield entry.encoded.samples[rank]  # as the data processor sent them
             yield entry.encoded.plans[rank]
             if entry.plan.last:
                 return

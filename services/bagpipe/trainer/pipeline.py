@@ -181,24 +181,31 @@ class Pipeline:
             while True:
                 request = opb.StreamPlansRequest(rank=self.config.rank, start=expected)
                 try:
-                    rows = None  # each batch's rows come just before its plan
+                    rows = samples = None  # each batch's rows and samples come just before its plan
                     for part in self.oracle.StreamPlans(
                         request, timeout=PLAN_STREAM_WINDOW_S, metadata=self.token
                     ):
-                        if part.WhichOneof("part") == "rows":
+                        kind = part.WhichOneof("part")
+                        if kind == "rows":
                             rows = part.rows
                             continue
-                        if rows is None:
-                            raise ValueError(f"plan stream: batch {part.plan.batch}'s plan came without rows")
+                        if kind == "samples":
+                            samples = part.samples
+                            continue
+                        if rows is None or samples is None:
+                            raise ValueError(
+                                f"plan stream: batch {part.plan.batch}'s plan came without rows and samples"
+                            )
                         plan = decode_plan(
                             part.plan,
+                            samples,
                             rows,
                             model.num_tables,
                             model.num_dense,
                             self.config.rank,
                             self.config.world_size,
                         )
-                        rows = None
+                        rows = samples = None
                         if plan.batch != expected:
                             raise ValueError(f"plan stream: expected batch {expected}, got {plan.batch}")
                         with self.cond:

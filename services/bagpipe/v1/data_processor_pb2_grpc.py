@@ -38,7 +38,7 @@ class DataProcessorStub:
         self.StreamBatches = channel.unary_stream(
                 '/bagpipe.v1.DataProcessor/StreamBatches',
                 request_serializer=bagpipe_dot_v1_dot_data__processor__pb2.StreamBatchesRequest.SerializeToString,
-                response_deserializer=bagpipe_dot_v1_dot_data__processor__pb2.Batch.FromString,
+                response_deserializer=bagpipe_dot_v1_dot_data__processor__pb2.BatchPart.FromString,
                 _registered_method=True)
 
 
@@ -60,7 +60,7 @@ def add_DataProcessorServicer_to_server(servicer, server):
             'StreamBatches': grpc.unary_stream_rpc_method_handler(
                     servicer.StreamBatches,
                     request_deserializer=bagpipe_dot_v1_dot_data__processor__pb2.StreamBatchesRequest.FromString,
-                    response_serializer=bagpipe_dot_v1_dot_data__processor__pb2.Batch.SerializeToString,
+                    response_serializer=bagpipe_dot_v1_dot_data__processor__pb2.BatchPart.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -90,7 +90,7 @@ class DataProcessor:
             target,
             '/bagpipe.v1.DataProcessor/StreamBatches',
             bagpipe_dot_v1_dot_data__processor__pb2.StreamBatchesRequest.SerializeToString,
-            bagpipe_dot_v1_dot_data__processor__pb2.Batch.FromString,
+            bagpipe_dot_v1_dot_data__processor__pb2.BatchPart.FromString,
             options,
             channel_credentials,
             insecure,

@@ -1,3 +1,4 @@
+from bagpipe.v1 import data_processor_pb2 as _data_processor_pb2
 from bagpipe.v1 import tensor_pb2 as _tensor_pb2
 from google.protobuf import descriptor as _descriptor
 from google.protobuf import message as _message
@@ -15,19 +16,18 @@ class StreamPlansRequest(_message.Message):
     def __init__(self, rank: _Optional[int] = ..., start: _Optional[int] = ...) -> None: ...
 
 class PlanPart(_message.Message):
-    __slots__ = ("rows", "plan")
+    __slots__ = ("rows", "plan", "samples")
     ROWS_FIELD_NUMBER: _ClassVar[int]
     PLAN_FIELD_NUMBER: _ClassVar[int]
+    SAMPLES_FIELD_NUMBER: _ClassVar[int]
     rows: PlanRows
     plan: Plan
-    def __init__(self, rows: _Optional[_Union[PlanRows, _Mapping]] = ..., plan: _Optional[_Union[Plan, _Mapping]] = ...) -> None: ...
+    samples: _data_processor_pb2.Samples
+    def __init__(self, rows: _Optional[_Union[PlanRows, _Mapping]] = ..., plan: _Optional[_Union[Plan, _Mapping]] = ..., samples: _Optional[_Union[_data_processor_pb2.Samples, _Mapping]] = ...) -> None: ...
 
 class Plan(_message.Message):
-    __slots__ = ("batch", "dense", "labels", "inverse", "slot_high_water", "global_batch_size", "last", "lookahead", "depends_on", "occupancy", "checkpoint", "checkpoint_keys", "checkpoint_slots")
+    __slots__ = ("batch", "slot_high_water", "global_batch_size", "last", "lookahead", "depends_on", "occupancy", "checkpoint", "checkpoint_keys", "checkpoint_slots")
     BATCH_FIELD_NUMBER: _ClassVar[int]
-    DENSE_FIELD_NUMBER: _ClassVar[int]
-    LABELS_FIELD_NUMBER: _ClassVar[int]
-    INVERSE_FIELD_NUMBER: _ClassVar[int]
     SLOT_HIGH_WATER_FIELD_NUMBER: _ClassVar[int]
     GLOBAL_BATCH_SIZE_FIELD_NUMBER: _ClassVar[int]
     LAST_FIELD_NUMBER: _ClassVar[int]
@@ -38,9 +38,6 @@ class Plan(_message.Message):
     CHECKPOINT_KEYS_FIELD_NUMBER: _ClassVar[int]
     CHECKPOINT_SLOTS_FIELD_NUMBER: _ClassVar[int]
     batch: int
-    dense: _tensor_pb2.Tensor
-    labels: _tensor_pb2.Tensor
-    inverse: _tensor_pb2.Tensor
     slot_high_water: int
     global_batch_size: int
     last: bool
@@ -50,7 +47,7 @@ class Plan(_message.Message):
     checkpoint: bool
     checkpoint_keys: _tensor_pb2.Tensor
     checkpoint_slots: _tensor_pb2.Tensor
-    def __init__(self, batch: _Optional[int] = ..., dense: _Optional[_Union[_tensor_pb2.Tensor, _Mapping]] = ..., labels: _Optional[_Union[_tensor_pb2.Tensor, _Mapping]] = ..., inverse: _Optional[_Union[_tensor_pb2.Tensor, _Mapping]] = ..., slot_high_water: _Optional[int] = ..., global_batch_size: _Optional[int] = ..., last: _Optional[bool] = ..., lookahead: _Optional[int] = ..., depends_on: _Optional[int] = ..., occupancy: _Optional[int] = ..., checkpoint: _Optional[bool] = ..., checkpoint_keys: _Optional[_Union[_tensor_pb2.Tensor, _Mapping]] = ..., checkpoint_slots: _Optional[_Union[_tensor_pb2.Tensor, _Mapping]] = ...) -> None: ...
+    def __init__(self, batch: _Optional[int] = ..., slot_high_water: _Optional[int] = ..., global_batch_size: _Optional[int] = ..., last: _Optional[bool] = ..., lookahead: _Optional[int] = ..., depends_on: _Optional[int] = ..., occupancy: _Optional[int] = ..., checkpoint: _Optional[bool] = ..., checkpoint_keys: _Optional[_Union[_tensor_pb2.Tensor, _Mapping]] = ..., checkpoint_slots: _Optional[_Union[_tensor_pb2.Tensor, _Mapping]] = ...) -> None: ...
 
 class PlanRows(_message.Message):
     __slots__ = ("slots", "users", "sync", "prefetch", "prefetch_keys", "prefetch_holders", "evict", "evict_keys", "evict_writer", "handover_slots", "handover_source", "handover_recipients", "handover_critical", "batch")

@@ -1,30 +1,30 @@
-"""The oracle's trainer masks for a batch whose processor did not send them: a key no sample uses is
-refused with the batch and the key named (it would have no holder to write it back)."""
+"""The oracle's trainer masks for a batch: with LRPP they come from the data processor (a batch without
+them is refused, naming it); a replicated cache gives every key to every trainer. (A key no sample uses
+has an empty mask, which ``codec.decode_batch`` refuses: tests/unit/test_codec.py.)"""
 
 from __future__ import annotations
-
-import dataclasses
 
 import numpy as np
 import pytest
 from bagpipe.codec import WireBatch
-from bagpipe.core.batches import numbered_batches
-from bagpipe.core.data import SyntheticConfig, SyntheticSource
 from bagpipe.errors import InvalidArgument
 from bagpipe.oracle_cacher.config import OracleConfig
 from bagpipe.oracle_cacher.server import Oracle
 
 ROWS = (30, 8, 50)
+KEYS = np.array([1, 4, 33, 70], dtype=np.int64)
 
 
-def test_masks_are_worked_out_and_an_unused_key_is_refused() -> None:
+def test_lrpp_takes_the_processors_masks_and_refuses_a_batch_without_them() -> None:
     oracle = Oracle(OracleConfig(ROWS, 8, 2, 2, 1, 4))
-    arrays, _ = next(
-        iter(numbered_batches(SyntheticSource(SyntheticConfig(table_rows=ROWS)), ROWS, 8, 0, 1, 1))
-    )
-    users = oracle._users(WireBatch(arrays, last=False, users=None))
-    assert users.dtype == np.uint8 and users.shape == arrays.keys.shape and users.all()
-    unused = int(arrays.keys[-1]) + 1  # a key past every sample's
-    extra = dataclasses.replace(arrays, keys=np.append(arrays.keys, unused))
-    with pytest.raises(InvalidArgument, match=rf"batch 0: keys: key {unused} is used by no sample"):
-        oracle._users(WireBatch(extra, last=False, users=None))
+    sent = np.array([1, 3, 2, 1], dtype=np.uint64)
+    users = oracle._users(WireBatch(0, KEYS, last=False, users=sent))
+    assert users.dtype == np.uint8 and users.tolist() == [1, 3, 2, 1]
+    with pytest.raises(InvalidArgument, match=r"batch 5: users: missing: the data processor sent no masks"):
+        oracle._users(WireBatch(5, KEYS, last=False, users=None))
+
+
+def test_a_replicated_cache_gives_every_key_to_every_trainer() -> None:
+    oracle = Oracle(OracleConfig(ROWS, 8, 2, 2, 1, 4, cache_mode="replicated"))
+    users = oracle._users(WireBatch(0, KEYS, last=False, users=None))
+    assert users.dtype == np.uint8 and users.tolist() == [3, 3, 3, 3]
