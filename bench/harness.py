@@ -14,7 +14,7 @@ logs, warm-up excluded) and their ratios, with Bagpipe's iteration-stage breakdo
                 by ``tc tbf`` to 10 Gbit/s and 1 Gbit/s (skipped, saying why, where namespaces are not
                 permitted);
 * ``oracle``    oracle planning throughput versus batch size, number of tables and L (paper Figure 17),
-                and end to end (planning, splitting, serialising the trainers' plans);
+                and end to end (the samples' checks, planning, serialising the trainers' plans);
 * ``embedding_server`` one server with every Kaggle row: lookups per second at 16 k keys per call, and
                 its resident memory against its rows and optimizer state;
 * ``lookahead`` L in {5, 10, 50, 100, 200, 300}: peak cache rows and time per iteration (paper Table 3);
@@ -361,7 +361,7 @@ def section_oracle(profile: dict[str, Any], out: Path) -> dict[str, Any]:
         log(
             f"oracle {p['sweep']}: batch {p['batch_size']}, {p['tables']} tables, L={p['lookahead']}: "
             f"{p['samples_per_second'] / 1e6:.2f} M samples/s planning, "
-            f"{p['end_to_end_samples_per_second'] / 1e6:.2f} M end to end (plan, split, serialise)"
+            f"{p['end_to_end_samples_per_second'] / 1e6:.2f} M end to end (samples checked, plan, serialised)"
         )
     target = next(
         (

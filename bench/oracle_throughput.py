@@ -67,7 +67,7 @@ def measure(
     for b in range(lookahead):
         arrays = batches[b]
         planner.push(b, arrays.keys, users=trainer_users(arrays.inverse, arrays.keys.size, trainers))
-    samples = {b: encode_batch(batches[b], False, None, trainers)[1:] for b in range(lookahead)}
+    samples = {b: encode_batch(batches.pop(b), False, None, trainers)[1:] for b in range(lookahead)}
     per_batch, users_seconds, split_seconds, plan_bytes = [], [], [], 0
     for b in range(lookahead, total):
         arrays = batches.pop(b)
@@ -76,7 +76,7 @@ def measure(
         samples[b] = encode_batch(arrays, b == total - 1, users, trainers)[1:]
         mid = time.perf_counter()  # the oracle: the samples' checks as they arrive ...
         for rank, part in enumerate(samples[b]):
-            check_samples(part, b, rank)
+            check_samples(part, b, rank, batch_size // trainers)
         received = time.perf_counter()  # ... the plan: Algorithm 1 with LRPP and delayed sync ...
         plan = planner.pop()
         planner.push(b, arrays.keys, last=b == total - 1, users=users)

@@ -27,7 +27,8 @@ from bagpipe.core.plans import BACKGROUND, SharedPlan, TrainerPlan, share, share
 from bagpipe.errors import InvalidArgument
 from bagpipe.v1 import data_processor_pb2 as dpb
 from bagpipe.v1 import oracle_cacher_pb2 as opb
-from bagpipe.wire import encode_message, from_tensor, read_scalars, unwrap
+from bagpipe.v1 import tensor_pb2
+from bagpipe.wire import encode_message, from_tensor, read_shallow, read_tensor, unwrap
 
 
 def _tensor(msg: Any, name: str, dtype: Any, where: str, **kw: Any) -> np.ndarray:
@@ -78,6 +79,10 @@ def encode_batch(
     ]
     parts = [encode_message([(1, head)])]
     if slices:
+        if arrays.labels.shape[0] % slices:
+            raise ValueError(
+                f"batch {arrays.number}: {arrays.labels.shape[0]} samples do not split into {slices}"
+            )
         per = arrays.labels.shape[0] // slices
         for rank in range(slices):
             sl = slice(rank * per, (rank + 1) * per)
@@ -123,21 +128,36 @@ def decode_batch(
     return WireBatch(msg.number, keys, msg.last, users, BatchArrays(msg.number, dense, labels, keys, inverse))
 
 
-def check_samples(data: bytes, batch: int, rank: int) -> bytes:
-    """Checks that a serialised ``BatchPart`` is trainer ``rank``'s ``Samples`` of ``batch`` and returns it
-    as it is, for the oracle to forward (reading only its scalars: a few microseconds). The trainer reads
-    and checks the tensors (``decode_plan``: dtypes, shapes, and the inverse indices against the rows)."""
+def check_samples(data: bytes, batch: int, rank: int, size: int) -> bytes:
+    """Checks that a serialised ``BatchPart`` is trainer ``rank``'s ``Samples`` of ``batch``, with ``size``
+    labels, and returns it as it is, for the oracle to forward. It reads the scalars and the labels'
+    shape only (a few microseconds, no copy), so a processor with another batch size is refused here,
+    before the batch is planned; the trainer, which uses the tensors, checks them all (``decode_plan``:
+    dtypes, shapes, and the inverse indices against the rows) before it trains on any of them."""
     where = f"batch {batch}: samples"
+    if not data:
+        raise InvalidArgument(where, f"expected trainer {rank}'s samples, got an empty part")
     inner = unwrap(data, 3, where)
     if inner is None:
         raise InvalidArgument(where, f"expected trainer {rank}'s samples, got another part")
-    scalars = read_scalars(inner, where)
-    got_batch, got_rank = scalars.get(1, 0), scalars.get(5, 0)
+    scalars, spans = read_shallow(inner, where)
+    _check_slice(scalars.get(1, 0), scalars.get(5, 0), batch, rank)
+    labels = read_tensor(spans.get(3, memoryview(b"")), f"{where}: labels")
+    if labels.dtype != _FLOAT32 or labels.shape != (size,) or len(labels.data) != 4 * size:
+        from_tensor(labels, f"{where}: labels", np.float32, shape=(size,))  # type: ignore[arg-type]  # (names it)
+        raise AssertionError("unreachable: from_tensor refuses it")
+    return data
+
+
+_FLOAT32 = tensor_pb2.DTYPE_FLOAT32
+
+
+def _check_slice(got_batch: int, got_rank: int, batch: int, rank: int) -> None:
     if (got_batch, got_rank) != (batch, rank):
         raise InvalidArgument(
-            where, f"are batch {got_batch}'s for trainer {got_rank}, expected trainer {rank}'s"
+            f"batch {batch}: samples",
+            f"are batch {got_batch}'s for trainer {got_rank}, expected batch {batch}'s for trainer {rank}",
         )
-    return data
 
 
 def _samples(
@@ -145,10 +165,7 @@ def _samples(
 ) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
     """Dense, labels and inverse of a ``Samples`` (the generated class, or ``wire.decode_message``'s)."""
     where = f"batch {batch}: samples"
-    if msg.batch != batch or msg.rank != rank:
-        raise InvalidArgument(
-            where, f"are batch {msg.batch}'s for trainer {msg.rank}, expected trainer {rank}'s"
-        )
+    _check_slice(msg.batch, msg.rank, batch, rank)
     dense = _tensor(msg, "dense", np.float32, where, shape=(size, num_dense))
     labels = _tensor(msg, "labels", np.float32, where, shape=(size,))
     inverse = _tensor(msg, "inverse", np.int32, where, shape=(size, num_tables))
@@ -337,7 +354,7 @@ def decode_plan(
     rows = _decode_rows(rows_msg, b, trainers, slot_high_water, f"{where}: rows")
     size = msg.global_batch_size // trainers
     dense, labels, inverse = _samples(samples, b, rank, size, num_dense, num_tables)
-    _check_index(inverse, rows.unique, f"{where}: samples: inverse")
+    _check_index(inverse, rows.unique, f"batch {b}: samples: inverse")
     checkpoint_keys = checkpoint_slots = None
     if msg.checkpoint:
         checkpoint_keys = _tensor(msg, "checkpoint_keys", np.int64, where, ndim=1)

@@ -227,13 +227,23 @@ def unwrap(data: bytes, number: int, field: str) -> memoryview | None:
     return buf[at:]
 
 
-def read_scalars(data: bytes | memoryview, field: str) -> dict[int, int]:
-    """The varint fields of a serialised message by number (int64 as protobuf writes them), skipping the
-    others without reading them: a few microseconds, whatever the message's size."""
+def read_shallow(data: bytes | memoryview, field: str) -> tuple[dict[int, int], dict[int, memoryview]]:
+    """A serialised message's varint fields by number (int64 as protobuf writes them) and its
+    length-delimited fields' bytes (views, not parsed): a few microseconds, whatever the message's size.
+    :func:`read_tensor` reads one of those as a ``Tensor``."""
     buf = memoryview(data)
-    return {
-        number: _int64(value) for number, kind, value in _read_fields(buf, 0, len(buf), field) if kind == 0
-    }
+    scalars, spans = {}, {}
+    for number, kind, value in _read_fields(buf, 0, len(buf), field):
+        if kind == 0:
+            scalars[number] = _int64(value)
+        elif kind == 2:
+            spans[number] = buf[value[0] : value[1]]
+    return scalars, spans
+
+
+def read_tensor(data: memoryview, field: str) -> RawTensor:
+    """A serialised ``Tensor`` (such as a span of :func:`read_shallow`), its data a view."""
+    return _read_tensor(data, 0, len(data), field)
 
 
 def decode_message(data: bytes | memoryview, descriptor: Any) -> SimpleNamespace:

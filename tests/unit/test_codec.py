@@ -91,7 +91,7 @@ def test_a_batch_in_slices_is_its_keys_then_every_trainers_samples_as_a_plan_par
     assert len(samples) == TRAINERS
     per = BATCH // TRAINERS
     for rank, data in enumerate(samples):
-        assert check_samples(data, 1, rank) is data  # forwarded as it came
+        assert check_samples(data, 1, rank, per) is data  # forwarded as it came
         part = dpb.BatchPart.FromString(data)
         # the same bytes are the trainer's PlanPart: the oracle forwards them without a copy
         assert opb.PlanPart.FromString(data).SerializeToString() == data == part.SerializeToString()
@@ -102,17 +102,30 @@ def test_a_batch_in_slices_is_its_keys_then_every_trainers_samples_as_a_plan_par
             want = full[rank * per : (rank + 1) * per]
             assert list(tensor.shape) == list(want.shape) and tensor.data == want.tobytes(), name
     with pytest.raises(
-        InvalidArgument, match=r"batch 1: samples: are batch 1's for trainer 1, expected trainer 0's"
+        InvalidArgument,
+        match=r"batch 1: samples: are batch 1's for trainer 1, expected batch 1's for trainer 0",
     ):
-        check_samples(samples[1], 1, 0)
+        check_samples(samples[1], 1, 0, per)
     with pytest.raises(
-        InvalidArgument, match=r"batch 2: samples: are batch 1's for trainer 0, expected trainer 0's"
+        InvalidArgument,
+        match=r"batch 2: samples: are batch 1's for trainer 0, expected batch 2's for trainer 0",
     ):
-        check_samples(samples[0], 2, 0)
+        check_samples(samples[0], 2, 0, per)
     with pytest.raises(
         InvalidArgument, match=r"batch 1: samples: expected trainer 0's samples, got another part"
     ):
-        check_samples(encode_batch(arrays, last)[0], 1, 0)
+        check_samples(encode_batch(arrays, last)[0], 1, 0, per)
+    with pytest.raises(
+        InvalidArgument, match=r"batch 1: samples: expected trainer 0's samples, got an empty part"
+    ):
+        check_samples(b"", 1, 0, per)
+    # a processor with another batch size is refused by the oracle, before the batch is planned
+    with pytest.raises(
+        InvalidArgument, match=rf"batch 1: samples: labels: shape must be \[{per + 1}\], got \[{per}\]"
+    ):
+        check_samples(samples[0], 1, 0, per + 1)
+    with pytest.raises(ValueError, match="batch 1: 24 samples do not split into 5"):
+        encode_batch(arrays, last, None, 5)
     whole, _ = _batch(arrays, last, users)
     with pytest.raises(InvalidArgument, match=r"batch 1: dense: the samples were asked for in 3 slices"):
         _decode(whole, slices=TRAINERS)
@@ -247,10 +260,13 @@ def test_a_plan_with_another_batchs_rows_is_refused() -> None:
     with pytest.raises(InvalidArgument, match=r"plan 0: rows: are batch 1's"):
         decode_plan(messages[0], samples[0], rows, len(TABLE_ROWS), 13, 0, TRAINERS)
     _, _, rows, _, _, _ = planned[0]
-    with pytest.raises(InvalidArgument, match=r"batch 0: samples: are batch 1's for trainer 0"):
+    with pytest.raises(
+        InvalidArgument, match=r"batch 0: samples: are batch 1's for trainer 0, expected batch 0's"
+    ):
         decode_plan(messages[0], later[0], rows, len(TABLE_ROWS), 13, 0, TRAINERS)
     with pytest.raises(
-        InvalidArgument, match=r"batch 0: samples: are batch 0's for trainer 1, expected trainer 0's"
+        InvalidArgument,
+        match=r"batch 0: samples: are batch 0's for trainer 1, expected batch 0's for trainer 0",
     ):
         decode_plan(messages[0], samples[1], rows, len(TABLE_ROWS), 13, 0, TRAINERS)
 
@@ -321,7 +337,7 @@ def test_bad_plans_name_the_batch_and_field() -> None:
     sample_changes = (bad_inverse, bad_dense, few_labels)
     decode_plan(*corrupted(handover(2)), *dims)  # a well-formed hand-over passes
     cases = [
-        (bad_inverse, rf"plan 1: samples: inverse: index {unique} outside \[0, {unique}\)"),
+        (bad_inverse, rf"batch 1: samples: inverse: index {unique} outside \[0, {unique}\)"),
         (bad_dense, r"batch 1: samples: dense: shape must be \[8, 13\], got \[8, 2\]"),
         (few_labels, r"batch 1: samples: labels: shape must be \[8\], got \[7\]"),
         (

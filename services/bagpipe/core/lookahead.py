@@ -43,10 +43,13 @@ per-key state for tens of millions of keys. So a key's state is one 16-byte reco
 latest use (int32; after eviction, the eviction batch), its slot (int32), its position in the keys of
 its latest batch (int32), its holders and its pending hand-over recipients (16-bit trainer masks;
 wider records above 16 trainers). ``push`` and ``pop`` each visit the batch's records once (with a
-capacity, push reads their latest uses once more first), in a loop over its keys compiled with numba
-(``_push_records``, ``_pop_records``: the lines of Algorithm 1 per key; compiled, or loaded from
-numba's cache, when the first planner for a mask width is made); the rest (slot allocation, hand-over
-lists) works on whole arrays. Compiled loops, not numpy passes: a vectorised pass gathers the records,
+capacity, push reads their latest uses once more first), in loops over its keys compiled with numba
+(``_push_records``, ``_pop_records``: the lines of Algorithm 1 per key, which also build the plan's
+lists: evictions and their writers, hand-overs, prefetched keys; compiled, or loaded from numba's
+cache, when the first planner for a mask width is made); slot allocation works on whole arrays. Pop
+runs in phases, each a loop that does one thing, and push reads each chunk's latest uses ahead, so
+that the random loads overlap rather than wait behind mispredicted branches. Compiled loops, not numpy
+passes: a vectorised pass gathers the records,
 then makes a dozen passes over the copies, then scatters them back, and at 63 k keys per batch those
 passes cost more than the gathers (4.1 ms per batch against 3.3 ms, bench/README.md). Only keys with a
 pending hand-over touch a second array (the batch after which it is due). Whether the next batch reads
@@ -136,12 +139,6 @@ class Handovers:
     source: np.ndarray  # mask [H]: the one trainer that sends
     recipients: np.ndarray  # mask [H]: trainers that receive
     critical: np.ndarray  # bool [H]: the next batch reads the row
-
-    @staticmethod
-    def empty(dt: np.dtype) -> Handovers:
-        return Handovers(
-            np.zeros(0, np.int64), np.zeros(0, np.int32), np.zeros(0, dt), np.zeros(0, dt), np.zeros(0, bool)
-        )
 
 
 @dataclass(frozen=True)

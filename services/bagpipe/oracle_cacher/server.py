@@ -51,7 +51,7 @@ class _Received:
 @dataclass
 class _Planned:
     plan: BatchPlan
-    encoded: EncodedPlan  # the rows, serialised once, and every trainer's Plan (codec.encode_plans)
+    encoded: EncodedPlan  # the rows, serialised once, every trainer's samples and Plan (codec.encode_plans)
     taken: set[int] = field(default_factory=set)
 
 
@@ -111,13 +111,17 @@ class Oracle(pb_grpc.OracleCacherServicer):
             request = data_processor_pb2.StreamBatchesRequest(
                 start=offset, stride=stride, end=end, trainers=trainers, slices=slices
             )
+            size = self.config.batch_size // slices
             batch: WireBatch | None = None
             samples: list[bytes] = []
             async for data in stream_batches(request):
                 if batch is None:
                     part = data_processor_pb2.BatchPart.FromString(data)
                     if part.WhichOneof("part") != "batch":
-                        raise InvalidArgument("stream", f"expected a batch, got a {part.WhichOneof('part')}")
+                        raise InvalidArgument(
+                            f"stream from batch {offset}",
+                            f"expected a batch, got {part.WhichOneof('part') or 'an empty part'}",
+                        )
                     batch = decode_batch(
                         part.batch,
                         num_keys=self.num_keys,
@@ -127,7 +131,7 @@ class Oracle(pb_grpc.OracleCacherServicer):
                         slices=slices,
                     )
                     continue
-                samples.append(check_samples(data, batch.number, len(samples)))
+                samples.append(check_samples(data, batch.number, len(samples), size))
                 if len(samples) < slices:
                     continue
                 users = self._users(batch)

@@ -192,9 +192,13 @@ class Pipeline:
                         if kind == "samples":
                             samples = part.samples
                             continue
+                        if kind != "plan":
+                            raise ValueError(f"plan stream: after batch {expected - 1}, an empty part")
                         if rows is None or samples is None:
+                            missing = [n for n, got in (("rows", rows), ("samples", samples)) if got is None]
                             raise ValueError(
-                                f"plan stream: batch {part.plan.batch}'s plan came without rows and samples"
+                                f"plan stream: batch {part.plan.batch}'s plan came without "
+                                f"its {' and '.join(missing)}"
                             )
                         plan = decode_plan(
                             part.plan,

@@ -52,7 +52,8 @@ class OracleCacherServicer:
     """
 
     def StreamPlans(self, request, context):
-        """Streams, for every batch in order from `start`, the batch's rows and then this trainer's plan.
+        """Streams, for every batch in order from `start`, the batch's rows, this trainer's samples and then its
+        plan.
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
