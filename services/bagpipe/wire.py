@@ -10,6 +10,7 @@ views of the received bytes; the generated classes parse the same bytes too.
 
 from __future__ import annotations
 
+import math
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 from types import SimpleNamespace
@@ -64,18 +65,21 @@ def from_tensor(
         raise InvalidArgument(field, f"unknown dtype {tensor.dtype}")
     if got != want:
         raise InvalidArgument(field, f"dtype must be {want.name}, got {_NAMES[tensor.dtype]}")
-    dims = tuple(int(d) for d in tensor.shape)
-    if any(d < 0 for d in dims):
+    dims = tuple(tensor.shape)
+    if min(dims, default=0) < 0:
         raise InvalidArgument(field, f"negative dimension in shape {list(dims)}")
     if ndim is not None and len(dims) != ndim:
         raise InvalidArgument(field, f"must have {ndim} dimensions, got shape {list(dims)}")
-    if shape is not None and (
-        len(dims) != len(shape) or any(s is not None and s != d for s, d in zip(shape, dims, strict=True))
+    if (
+        shape is not None
+        and dims != shape
+        and (
+            len(dims) != len(shape) or any(s is not None and s != d for s, d in zip(shape, dims, strict=True))
+        )
     ):
         expect = ["*" if s is None else s for s in shape]
         raise InvalidArgument(field, f"shape must be {expect}, got {list(dims)}")
-    count = int(np.prod(dims, dtype=np.int64)) if dims else 1
-    if len(tensor.data) != count * want.itemsize:
+    if len(tensor.data) != math.prod(dims) * want.itemsize:
         raise InvalidArgument(
             field, f"{len(tensor.data)} bytes do not hold shape {list(dims)} of {want.name}"
         )

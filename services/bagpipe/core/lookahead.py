@@ -316,9 +316,8 @@ def _push_records(state, handover_at, keys, users, batch, oldest, linked, before
                 joiners = mine & ~old
                 if joiners != 0 and rec.slot >= 0:  # cached, used by someone new: a hand-over after ``prev``
                     pending = np.uint64(rec.handover_to)
-                    if (
-                        pending != 0
-                    ):  # rides along with the pending one (holds early: costs sync, not exactness)
+                    # rides along with a pending one (holds early: costs synchronisation, not exactness)
+                    if pending != 0:
                         rec.handover_to = pending | joiners
                     else:
                         rec.handover_to = joiners
