@@ -51,6 +51,7 @@ async def serve(cfg: EmbeddingServerConfig) -> None:
         restored = store.restore(snapshots.row_deltas(cfg.checkpoint_dir, cfg.resume_batch))
         logger.info("shard %d: restored %d rows of checkpoint %d", cfg.shard, restored, cfg.resume_batch)
     store.max_abs = cfg.max_abs_value
+    store.warm_up()
     server, port, control, health = await create_server(store, cfg.address, cfg.max_rows_per_request)
     control.address = serving.advertised(control.address, cfg.coordination.advertise_host)
     registry.register("embedding_server", str(cfg.shard), control.address)

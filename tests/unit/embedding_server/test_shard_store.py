@@ -46,3 +46,48 @@ def test_snapshot_changes_name_the_written_keys_once() -> None:
     changed, got_rows, _ = store.take_changes()
     assert np.array_equal(np.sort(changed), np.sort(keys)) and np.array_equal(got_rows, rows)
     assert store.take_changes()[0].size == 0
+
+
+def test_the_compiled_write_refuses_exactly_what_the_numpy_checks_refuse() -> None:
+    """Write-backs with one bad value here and there (NaN, inf, beyond --max-abs-value, a negative sum of
+    squares, a repeated key), against ``check_values`` and a duplicate test on the same request: the store
+    takes a request whole exactly when they pass it, and otherwise changes nothing."""
+    import pytest
+    from bagpipe.core.shard_store import check_values
+    from bagpipe.errors import InvalidArgument
+
+    store = _store()
+    store.max_abs = 2.5
+    store.non_negative = slice(2, 4)  # Adam-like: the first two state columns may be negative
+    mine = np.flatnonzero(store.shard_map.shard_of(np.arange(store.shard_map.num_keys)) == 1)
+    rng = np.random.default_rng(7)
+    poison = [np.nan, np.inf, -np.inf, 2.5000002, -3.0, -1e-30, 2.5, -2.5, -0.0, 1e-45]
+    taken = 0
+    for trial in range(300):
+        keys = rng.choice(mine, size=int(rng.integers(1, 40)), replace=False)
+        if trial % 5 == 0:
+            keys[-1] = keys[0]
+        rows = rng.uniform(-2, 2, (keys.size, 4)).astype(np.float32)
+        state = rng.uniform(0, 2, (keys.size, 4)).astype(np.float32)
+        for _ in range(int(rng.integers(0, 3))):
+            target = rows if rng.random() < 0.5 else state
+            target[rng.integers(keys.size), rng.integers(4)] = poison[rng.integers(len(poison))]
+        before = store.table.copy()
+        try:
+            if np.unique(keys).size != keys.size:
+                raise InvalidArgument("keys", "duplicate")
+            check_values(keys, rows, state, store.max_abs, store.non_negative)
+            expected = None
+        except InvalidArgument as e:
+            expected = e.field
+        if expected is None:
+            store.write(keys, rows, state)
+            taken += 1
+            got_rows, got_state = store.lookup(keys)
+            assert np.array_equal(got_rows, rows) and np.array_equal(got_state, state)
+        else:
+            with pytest.raises(InvalidArgument) as refused:
+                store.write(keys, rows, state)
+            assert refused.value.field == expected
+            assert np.array_equal(store.table, before, equal_nan=True)
+    assert 50 < taken < 250  # both outcomes were drawn
