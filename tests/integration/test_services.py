@@ -82,7 +82,8 @@ async def _embedding_server_rejects_bad_requests() -> None:
             timeout=5,
         )
         reply = await stub.Lookup(epb.LookupRequest(shard_map_version=1, keys=to_tensor(keys)), timeout=5)
-        assert np.array_equal(from_tensor(reply.rows, "rows", np.float32), good_rows)
+        packed = from_tensor(reply.packed, "packed", np.float32)  # each row followed by its state
+        assert np.array_equal(packed, np.hstack([good_rows, good_rows])) and not reply.HasField("rows")
     await server.stop(None)
 
 

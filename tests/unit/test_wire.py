@@ -65,3 +65,33 @@ def test_absent_fields_take_defaults_and_unknown_ones_are_skipped() -> None:
 def test_malformed_bytes_are_refused_naming_the_problem(data: bytes, message: str) -> None:
     with pytest.raises(InvalidArgument, match=message):
         decode_message(data, pb.LookupResponse.DESCRIPTOR)
+
+
+def test_the_client_reads_a_packed_reply_and_one_with_rows_and_state_apart() -> None:
+    """Servers reply with ``packed`` (each row then its state); one from before it sends ``rows`` and
+    ``state``: the trainers' client takes either, with the same result."""
+    from bagpipe.core.shard_map import ShardMap
+    from bagpipe.embedding_server.client import EmbeddingClient
+
+    keys = np.array([5, 2, 9], dtype=np.int64)
+    rows, state = PACKED[:3, :8], PACKED[:3, 8:]
+    client = EmbeddingClient(ShardMap.create(12, 1, num_buckets=4), {0: "127.0.0.1:1"}, dim=8, state_width=4)
+
+    class Stub:
+        def __init__(self, reply: bytes) -> None:
+            self.reply = reply
+
+        def Lookup(self, request: bytes, timeout: float) -> bytes:  # noqa: N802
+            return self.reply
+
+    try:
+        for reply in (encode_message([(3, PACKED[:3])]), encode_message([(1, rows), (2, state)])):
+            route = client._route
+            client._route = type(route)(route.shard_map, {0: Stub(reply)})  # type: ignore[dict-item]
+            got_rows, got_state = client.lookup(keys)
+            assert np.array_equal(got_rows, rows) and np.array_equal(got_state, state)
+        client._route = type(route)(route.shard_map, {0: Stub(encode_message([(3, PACKED[:2])]))})
+        with pytest.raises(InvalidArgument, match=r"packed: shape must be \[3, 12\], got \[2, 12\]"):
+            client.lookup(keys)
+    finally:
+        client.close()

@@ -113,19 +113,6 @@ def _store_rows(table, index, rows, state, max_abs, state_low, seen):  # type: i
     return -1
 
 
-@njit(cache=True, nogil=True)
-def _gather_rows(table, index, rows, state):  # type: ignore[no-untyped-def]
-    """Rows and state of local rows ``index`` into two contiguous arrays, as a reply carries them: one
-    pass (numpy's ``take`` of the packed rows, then copies of the two strided halves, took two)."""
-    dim = rows.shape[1]
-    for i in range(index.size):
-        r = index[i]
-        for j in range(dim):
-            rows[i, j] = table[r, j]
-        for j in range(state.shape[1]):
-            state[i, j] = table[r, dim + j]
-
-
 class ShardStore:
     """Rows and optimizer state of shard ``shard`` of ``shard_map``."""
 
@@ -217,12 +204,13 @@ class ShardStore:
         return keys.astype(np.int64, copy=False)
 
     def lookup(self, keys: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
-        """Copies of the rows and state of ``keys``, each a C-contiguous array."""
-        index = self.local_index(keys)
-        rows = np.empty((index.size, self.dim), dtype=np.float32)
-        state = np.empty((index.size, self.state_width), dtype=np.float32)
-        _gather_rows(self.table, index, rows, state)
-        return rows, state
+        """Copies of the rows and state of ``keys`` (views of one gathered ``[n, dim + state]`` block)."""
+        packed = self.gather(keys)
+        return packed[:, : self.dim], packed[:, self.dim :]
+
+    def gather(self, keys: np.ndarray) -> np.ndarray:
+        """The rows of ``keys``, each followed by its state: ``[n, dim + state_width]``, a copy."""
+        return self.table.take(self.local_index(keys), axis=0)
 
     def write(self, keys: np.ndarray, rows: np.ndarray, state: np.ndarray) -> None:
         """Validates everything first, then stores: a bad request changes nothing.
@@ -260,12 +248,11 @@ class ShardStore:
             self.migration.dirty[index] = True
 
     def warm_up(self) -> None:
-        """Compiles the kernels (or loads them from numba's cache) for the arrays a server's requests bring
-        (read-only views of the request's bytes), so that the first lookup and write-back do not wait."""
+        """Compiles the write kernel (or loads it from numba's cache) for the arrays a server's write-backs
+        bring (read-only views of the request's bytes), so that the first write-back does not wait."""
         rows = np.frombuffer(b"", dtype=np.float32).reshape(0, self.dim)
         state = np.frombuffer(b"", dtype=np.float32).reshape(0, self.state_width)
         self.write(np.zeros(0, dtype=np.int64), rows, state)
-        self.lookup(np.zeros(0, dtype=np.int64))
 
     def take_changes(self) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
         """Global keys, rows and state of the rows written since the last call (copies), and forgets them:

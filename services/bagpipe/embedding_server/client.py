@@ -216,8 +216,14 @@ class EmbeddingClient:
             request = encode_message([(1, route.shard_map.version), (2, keys[part])])
             data = stub.Lookup(request, timeout=serving.RPC_TIMEOUT_S)
             reply = decode_message(data, pb.LookupResponse.DESCRIPTOR)
-            rows[part] = from_tensor(reply.rows, "rows", np.float32, shape=(part.size, self.dim))
-            state[part] = from_tensor(reply.state, "state", np.float32, shape=(part.size, self.state_width))
+            if reply.packed.dtype:  # (rows and state side by side; servers before it sent them apart)
+                width = self.dim + self.state_width
+                packed = from_tensor(reply.packed, "packed", np.float32, shape=(part.size, width))
+                rows[part], state[part] = packed[:, : self.dim], packed[:, self.dim :]
+            else:
+                rows[part] = from_tensor(reply.rows, "rows", np.float32, shape=(part.size, self.dim))
+                shape = (part.size, self.state_width)
+                state[part] = from_tensor(reply.state, "state", np.float32, shape=shape)
             self.bytes_sent += len(request)
             self.bytes_received += len(data)
 

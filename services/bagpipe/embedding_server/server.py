@@ -74,17 +74,18 @@ class EmbeddingServicer(pb_grpc.EmbeddingServerServicer):
         return m
 
     async def Lookup(self, request: pb.LookupRequest, context: grpc.aio.ServicerContext) -> bytes:  # noqa: N802
-        """The reply is a serialised ``LookupResponse`` (``wire.encode_message``): the gathered rows are
-        copied into it once, not once per protobuf layer."""
+        """The reply is a serialised ``LookupResponse`` (``wire.encode_message``) with the gathered rows as
+        they are stored, each followed by its state (``packed``): they are copied into it once, not once
+        per protobuf layer, nor split into rows and state first."""
         with metrics.LATENCY.labels("lookup").time():
             self._check_version(request.shard_map_version)
             self._check_size(request.keys)
             keys = from_tensor(request.keys, "keys", np.int64, ndim=1)
-            rows, state = self.store.lookup(keys)
+            packed = self.store.gather(keys)
             metrics.ROWS.labels("lookup").inc(keys.size)
             metrics.REQUESTS.labels("lookup").inc()
-            metrics.BYTES.labels("lookup").inc(rows.nbytes + state.nbytes)
-            return encode_message([(1, rows), (2, state)])
+            metrics.BYTES.labels("lookup").inc(packed.nbytes)
+            return encode_message([(3, packed)])
 
     async def WriteBack(
         self, request: pb.WriteBackRequest, context: grpc.aio.ServicerContext

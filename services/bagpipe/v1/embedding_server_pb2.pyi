@@ -16,12 +16,14 @@ class LookupRequest(_message.Message):
     def __init__(self, shard_map_version: _Optional[int] = ..., keys: _Optional[_Union[_tensor_pb2.Tensor, _Mapping]] = ...) -> None: ...
 
 class LookupResponse(_message.Message):
-    __slots__ = ("rows", "state")
+    __slots__ = ("rows", "state", "packed")
     ROWS_FIELD_NUMBER: _ClassVar[int]
     STATE_FIELD_NUMBER: _ClassVar[int]
+    PACKED_FIELD_NUMBER: _ClassVar[int]
     rows: _tensor_pb2.Tensor
     state: _tensor_pb2.Tensor
-    def __init__(self, rows: _Optional[_Union[_tensor_pb2.Tensor, _Mapping]] = ..., state: _Optional[_Union[_tensor_pb2.Tensor, _Mapping]] = ...) -> None: ...
+    packed: _tensor_pb2.Tensor
+    def __init__(self, rows: _Optional[_Union[_tensor_pb2.Tensor, _Mapping]] = ..., state: _Optional[_Union[_tensor_pb2.Tensor, _Mapping]] = ..., packed: _Optional[_Union[_tensor_pb2.Tensor, _Mapping]] = ...) -> None: ...
 
 class WriteBackRequest(_message.Message):
     __slots__ = ("shard_map_version", "keys", "rows", "state")
