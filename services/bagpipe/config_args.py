@@ -9,8 +9,14 @@ from typing import Any, TypeVar
 
 from bagpipe import security
 from bagpipe.core.data import KAGGLE_TABLE_ROWS, scaled_table_rows, source_schema
-from bagpipe.core.model import DEFAULT_CROSS_LAYERS, DEFAULT_DEEP_MLP, LINEAR_MODELS, MODELS, ModelConfig
-from bagpipe.core.optim import DEFAULT_EPS, OPTIMIZERS, OptimizerConfig
+from bagpipe.core.model_config import (
+    DEFAULT_CROSS_LAYERS,
+    DEFAULT_DEEP_MLP,
+    LINEAR_MODELS,
+    MODELS,
+    ModelConfig,
+)
+from bagpipe.core.optim_config import DEFAULT_EPS, OPTIMIZERS, OptimizerConfig
 
 C = TypeVar("C")
 

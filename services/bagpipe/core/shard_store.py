@@ -22,10 +22,8 @@ from collections.abc import Iterable, Mapping
 from typing import Any
 
 import numpy as np
-import torch
 from numba import njit
 
-from bagpipe.core import checkpoint
 from bagpipe.core.embedding_init import init_rows
 from bagpipe.core.shard_map import ShardMap
 from bagpipe.errors import InvalidArgument
@@ -156,6 +154,10 @@ class ShardStore:
     ) -> None:
         """Replaces this shard's rows (and state, when the checkpoint has this optimizer's) with those of an
         interchange checkpoint (core/checkpoint.py); ValueError names the entry that does not fit."""
+        import torch  # (only here: a server loads torch only to read a checkpoint, 185 MB resident)
+
+        from bagpipe.core import checkpoint
+
         local_keys = self.shard_map.local_keys(self.shard)
         loaded = []
         for t in range(self.offsets.size - 1):

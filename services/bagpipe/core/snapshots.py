@@ -26,8 +26,6 @@ from typing import Any
 
 import numpy as np
 
-from bagpipe.core import checkpoint
-
 logger = logging.getLogger(__name__)
 
 MANIFEST = "COMPLETE"
@@ -97,10 +95,14 @@ def write_rows(
 
 
 def write_dense(directory: str | os.PathLike[str], next_batch: int, content: dict[str, Any]) -> None:
+    from bagpipe.core import checkpoint  # (torch: trainers only; the embedding servers never load it)
+
     checkpoint.save(path_of(directory, next_batch) / DENSE, content)
 
 
 def read_dense(directory: str | os.PathLike[str], next_batch: int) -> dict[str, Any]:
+    from bagpipe.core import checkpoint
+
     path = path_of(directory, next_batch) / DENSE
     content = checkpoint.load_plain(path)
     if not isinstance(content.get("dense"), dict):

@@ -8,7 +8,7 @@ import sys
 
 from bagpipe import allocator, serving
 from bagpipe.control.registry import Registry
-from bagpipe.core import checkpoint, snapshots
+from bagpipe.core import snapshots
 from bagpipe.core.data import table_offsets
 from bagpipe.core.shard_map import ShardMap
 from bagpipe.core.shard_store import ShardStore
@@ -41,6 +41,8 @@ async def serve(cfg: EmbeddingServerConfig) -> None:
     store = ShardStore(shard_map, cfg.shard, offsets, cfg.row_width, width, cfg.seed)
     store.non_negative = cfg.optimizer.non_negative_columns(cfg.row_width)
     if cfg.init_from:
+        from bagpipe.core import checkpoint  # (loads torch, which the server needs for nothing else)
+
         ckpt = checkpoint.load(cfg.init_from)
         try:
             store.load_checkpoint(ckpt, cfg.optimizer.state_keys, cfg.embedding_dim, cfg.linear)

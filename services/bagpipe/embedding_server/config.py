@@ -22,8 +22,8 @@ from bagpipe.config_args import (
     table_argv,
     table_rows_of,
 )
-from bagpipe.core.model import LINEAR_MODELS
-from bagpipe.core.optim import OptimizerConfig
+from bagpipe.core.model_config import LINEAR_MODELS
+from bagpipe.core.optim_config import OptimizerConfig
 from bagpipe.core.shard_store import DEFAULT_MAX_ABS
 from bagpipe.embedding_server.client import MAX_ROWS_PER_RPC
 

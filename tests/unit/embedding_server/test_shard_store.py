@@ -91,3 +91,14 @@ def test_the_compiled_write_refuses_exactly_what_the_numpy_checks_refuse() -> No
             assert refused.value.field == expected
             assert np.array_equal(store.table, before, equal_nan=True)
     assert 50 < taken < 250  # both outcomes were drawn
+
+
+def test_an_embedding_server_does_not_load_torch() -> None:
+    """torch is 185 MB of a server's resident memory and a server computes nothing with it: only reading an
+    ``--init-from`` checkpoint loads it (the memory target is 1.1x the rows and state)."""
+    import subprocess
+    import sys
+
+    code = "import sys, bagpipe.embedding_server.__main__; print('torch' in sys.modules)"
+    out = subprocess.run([sys.executable, "-c", code], check=True, capture_output=True, text=True).stdout
+    assert out.strip() == "False"
