@@ -359,18 +359,27 @@ def section_network(profile: dict[str, Any], out: Path) -> dict[str, Any]:
     return results
 
 
-def oracle_measure(batch_size: int, tables: int, lookahead: int, timed: int) -> dict[str, Any]:
-    """One point of ``bench/oracle_throughput.py``, in a process of its own, as an oracle runs: the
-    earlier points' tables (540 MB at 26 tables) and allocator state do not carry into it."""
+def in_own_process(script: str, **options: Any) -> dict[str, Any]:
+    """Runs ``bench/<script>`` with ``--<option> value`` for each option and returns the JSON it writes
+    (``--out``): a measurement in a process of its own does not inherit this one's heap, threads and
+    allocator state from the sections before it."""
     with tempfile.TemporaryDirectory() as tmp:
-        result = Path(tmp) / "point.json"
-        argv = ["--batch-size", batch_size, "--tables", tables, "--lookahead", lookahead, "--timed", timed]
+        result = Path(tmp) / "result.json"
+        argv = [str(x) for k, v in options.items() for x in (f"--{k.replace('_', '-')}", v)]
         subprocess.run(
-            [sys.executable, str(REPO / "bench" / "oracle_throughput.py"), *map(str, argv), "--out", result],
+            [sys.executable, str(REPO / "bench" / script), *argv, "--out", str(result)],
             check=True,
             stdout=subprocess.DEVNULL,
         )
         return json.loads(result.read_text())
+
+
+def oracle_measure(batch_size: int, tables: int, lookahead: int, timed: int) -> dict[str, Any]:
+    """One point of ``bench/oracle_throughput.py``, in a process of its own, as an oracle runs: the
+    earlier points' tables (540 MB at 26 tables) and allocator state do not carry into it."""
+    return in_own_process(
+        "oracle_throughput.py", batch_size=batch_size, tables=tables, lookahead=lookahead, timed=timed
+    )
 
 
 def section_oracle(profile: dict[str, Any], out: Path) -> dict[str, Any]:
@@ -420,15 +429,9 @@ def server_measure(scale: float, keys: int, concurrency: int, seconds: float) ->
     """``bench/embedding_server.py``, its client in a process of its own, as a trainer's is: in this
     one, after the other sections, the same lookups measured 11% fewer rows per second (4.88 against
     5.48-5.50 M on 2026-11-25)."""
-    with tempfile.TemporaryDirectory() as tmp:
-        result = Path(tmp) / "server.json"
-        argv = ["--scale", scale, "--keys", keys, "--concurrency", concurrency, "--seconds", seconds]
-        subprocess.run(
-            [sys.executable, str(REPO / "bench" / "embedding_server.py"), *map(str, argv), "--out", result],
-            check=True,
-            stdout=subprocess.DEVNULL,
-        )
-        return json.loads(result.read_text())
+    return in_own_process(
+        "embedding_server.py", scale=scale, keys=keys, concurrency=concurrency, seconds=seconds
+    )
 
 
 def section_embedding_server(profile: dict[str, Any], out: Path) -> dict[str, Any]:
