@@ -68,18 +68,21 @@ def check_values(
             raise InvalidArgument(name, f"key {int(keys[i])}: value {value:.7g} (must be {why})")
 
 
+_FLOAT32_MAX = float(np.finfo(np.float32).max)
+
+
 @njit(cache=True, nogil=True)
 def _store_rows(table, index, rows, state, max_abs, state_low, seen):  # type: ignore[no-untyped-def]
     """A write-back's checks and stores, in two passes over its rows: returns -1 having stored every
     row into ``table`` (each row then its state, one run of bytes per key), or the position of the first
     row refused (its key came earlier in the request, or a value fails ``check_values``' rules) having
-    stored nothing. ``max_abs`` is finite; state column ``j`` must lie in ``[state_low[j], max float32]``.
+    stored nothing. ``max_abs`` is finite; state column ``j`` must lie in ``[state_low[j], _FLOAT32_MAX]``.
     ``seen`` is a bitmap of local rows, all clear on entry and on return. The checks count failed
     comparisons (NaN fails every one) rather than branch, so that they compile to vector code."""
     n = index.size
     dim = rows.shape[1]
     width = state.shape[1]
-    high = np.float32(np.finfo(np.float32).max)
+    high = np.float32(_FLOAT32_MAX)
     bad = -1
     for i in range(n):
         r = index[i]
@@ -227,10 +230,9 @@ class ShardStore:
                 raise InvalidArgument(name, f"shape {shape} for {index.size} keys of width {width}")
         if self._seen.size * 8 < self.table.shape[0]:
             self._seen = np.zeros((self.table.shape[0] + 7) // 8, dtype=np.uint8)
-        high = float(np.finfo(np.float32).max)
-        state_low = np.full(self.state_width, -high, dtype=np.float32)
+        state_low = np.full(self.state_width, -_FLOAT32_MAX, dtype=np.float32)
         state_low[self.non_negative if self.non_negative is not None else slice(None)] = 0
-        max_abs = np.float32(min(self.max_abs, high))  # (numpy too compares float32 values in float32)
+        max_abs = np.float32(min(self.max_abs, _FLOAT32_MAX))  # (numpy too compares float32 in float32)
         bad = _store_rows(
             self.table,
             index,
