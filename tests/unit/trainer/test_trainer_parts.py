@@ -139,3 +139,32 @@ def test_stage_timer_adds_up_to_the_iteration() -> None:
     timer.mark("embedding_sync")  # a stage may run twice in one iteration
     assert set(timer.seconds) == set(metrics.STAGES)
     assert sum(timer.seconds.values()) == pytest.approx(timer.total())
+
+
+def test_cache_growth_keeps_rows_and_waits_for_holders() -> None:
+    cache = EmbeddingCache(3, 3, CPU, capacity=4)
+    cache.insert(torch.arange(4), torch.arange(12.0).view(4, 3), -torch.arange(12.0).view(4, 3))
+    held, release = threading.Event(), threading.Event()
+
+    def reader() -> None:  # a holder of shared() (the training thread reading rows)
+        with cache.lock.shared():
+            held.set()
+            release.wait(10)
+
+    thread = threading.Thread(target=reader)
+    thread.start()
+    held.wait(10)
+    grower = threading.Thread(target=cache.ensure_capacity, args=(6,))
+    grower.start()
+    grower.join(0.2)
+    assert grower.is_alive() and cache.capacity == 4  # the tensors are swapped only once holders leave
+    release.set()
+    thread.join(10)
+    grower.join(10)
+    assert cache.capacity == 8
+    assert torch.equal(cache.weights[:4], torch.arange(12.0).view(4, 3))
+    assert torch.equal(cache.state[:4], -torch.arange(12.0).view(4, 3))
+    assert not cache.weights[4:].any() and not cache.state[4:].any()
+    fixed = EmbeddingCache(3, 3, CPU, capacity=4, fixed=True)
+    with pytest.raises(ValueError, match="--cache-rows"):
+        fixed.ensure_capacity(5)
