@@ -185,10 +185,12 @@ class BatchPlan:
 
 
 class SlotAllocator:
-    """Cache slots as a free stack plus a quarantine of slots freed too recently to reuse.
+    """Cache slots as a free list plus a quarantine of slots freed too recently to reuse.
 
     A slot released after batch ``e`` is reused for batches ``>= e + delay``, or earlier when the
-    capacity leaves no other choice; ``take`` then reports ``e`` as a dependency.
+    capacity leaves no other choice; ``take`` then reports ``e`` as a dependency. Both lists hold runs
+    (the batch after which they were released, the slots), oldest first; a take slices the runs it
+    uses rather than copying what stays free.
     """
 
     def __init__(self, delay: int, capacity: int | None = None) -> None:
@@ -198,8 +200,8 @@ class SlotAllocator:
             raise ValueError(f"capacity: must be >= 1, got {capacity}")
         self.delay = delay
         self.capacity = capacity
-        self._free = np.empty(0, dtype=np.int32)  # oldest release first
-        self._runs: deque[list[int]] = deque()  # [the batch after which they were released, count] of _free
+        self._free: deque[tuple[int, np.ndarray]] = deque()
+        self._free_count = 0
         self._quarantine: deque[tuple[int, np.ndarray]] = deque()
         self.high_water = 0
         self.early_reuses = 0
@@ -210,32 +212,34 @@ class SlotAllocator:
         while self._quarantine and self._quarantine[0][0] + self.delay <= batch:
             self._unquarantine()
         room = self.capacity - self.high_water if self.capacity is not None else count
-        while self._free.size + room < count and self._quarantine:
+        while self._free_count + room < count and self._quarantine:
             self._unquarantine()
             self.early_reuses += 1
-        if self._free.size + room < count:
+        if self._free_count + room < count:
             raise CapacityError(
-                f"batch {batch}: needs {count} new cache rows, only {self._free.size + room} are free"
+                f"batch {batch}: needs {count} new cache rows, only {self._free_count + room} are free"
             )
-        reused = min(count, self._free.size)  # the longest-free slots first: the oldest dependency
-        taken, self._free = self._free[:reused], self._free[reused:]
-        depends_on, left = -1, reused
-        while left:  # the newest release among the taken slots
-            run = self._runs[0]
-            depends_on = run[0]
-            if run[1] > left:
-                run[1] -= left
+        reused = min(count, self._free_count)  # the longest-free slots first: the oldest dependency
+        pieces, depends_on, left = [], -1, reused
+        while left:  # (the newest release among the taken slots is the last run taken from)
+            released, slots = self._free[0]
+            depends_on = released
+            if slots.size > left:
+                pieces.append(slots[:left])
+                self._free[0] = (released, slots[left:])
                 break
-            left -= run[1]
-            self._runs.popleft()
+            pieces.append(slots)
+            left -= slots.size
+            self._free.popleft()
+        self._free_count -= reused
         fresh = np.arange(self.high_water, self.high_water + count - reused, dtype=np.int32)
         self.high_water += count - reused
-        return (np.concatenate([taken, fresh]) if reused else fresh), depends_on
+        return np.concatenate([*pieces, fresh]), depends_on
 
     def _unquarantine(self) -> None:
-        released, slots = self._quarantine.popleft()
-        self._free = np.concatenate([self._free, slots]) if self._free.size else slots
-        self._runs.append([released, slots.size])
+        run = self._quarantine.popleft()
+        self._free.append(run)
+        self._free_count += run[1].size
 
     def release(self, slots: np.ndarray, batch: int) -> None:
         """Frees ``slots`` after ``batch``."""
@@ -679,11 +683,9 @@ class LookaheadPlanner:
             h.recipients,
             h.critical,
         )
-        evict, writer = evict[:evicted].copy(), writer[:evicted].copy()
-        evict_keys = evict_keys[:evicted].copy()
-        handovers = Handovers(
-            *(a[:handed].copy() for a in (h.keys, h.slots, h.source, h.recipients, h.critical))
-        )
+        # (views of the filled prefixes: a plan lives until it is serialised)
+        evict, writer, evict_keys = evict[:evicted], writer[:evicted], evict_keys[:evicted]
+        handovers = Handovers(*(a[:handed] for a in (h.keys, h.slots, h.source, h.recipients, h.critical)))
         if evict.size:
             self._allocator.release(slots[evict], x)
         self.occupancy -= evict.size
