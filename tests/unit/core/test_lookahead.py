@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import numpy as np
 import pytest
-from bagpipe.core.lookahead import LookaheadPlanner
+from bagpipe.core.lookahead import CapacityError, LookaheadPlanner, SlotAllocator
 
 
 def plan_all(batches: dict[int, list[int]], lookahead: int, num_keys: int = 16):
@@ -119,3 +119,36 @@ def test_read_only_keys_and_masks_plan_like_writable_ones() -> None:
     for a, b in zip(*plans, strict=True):
         assert np.array_equal(a.slots, b.slots) and np.array_equal(a.holders, b.holders)
         assert np.array_equal(a.evict, b.evict) and np.array_equal(a.writer, b.writer)
+
+
+def test_slot_allocator_reuses_the_longest_free_slots_after_the_delay() -> None:
+    a = SlotAllocator(delay=2)
+    first, dep = a.take(5, batch=0)
+    assert first.tolist() == [0, 1, 2, 3, 4] and dep == -1
+    a.release(np.array([3, 1]), batch=0)
+    a.release(np.array([4]), batch=1)
+    a.release(np.array([0, 2]), batch=2)
+    # at batch 1 nothing is out of quarantine (released after 0, reusable from 2): new slots
+    slots, dep = a.take(1, batch=1)
+    assert slots.tolist() == [5] and dep == -1 and a.high_water == 6
+    assert a.in_quarantine == 5
+    # at batch 3 the releases after 0 and 1 are free: oldest first, then new slots; it depends on batch 1
+    slots, dep = a.take(4, batch=3)
+    assert slots.tolist() == [3, 1, 4, 6] and dep == 1
+    # a take that ends inside a run leaves the rest of it for the next one
+    a.release(np.array([7, 8, 9]), batch=3)  # (never allocated: the allocator takes what it is given)
+    slots, dep = a.take(1, batch=4)
+    assert slots.tolist() == [0] and dep == 2
+    slots, dep = a.take(1, batch=5)
+    assert slots.tolist() == [2] and dep == 2
+    assert a.early_reuses == 0
+
+
+def test_slot_allocator_reuses_early_only_when_the_capacity_forces_it() -> None:
+    a = SlotAllocator(delay=10, capacity=3)
+    a.take(3, batch=0)
+    a.release(np.array([2, 0]), batch=0)
+    slots, dep = a.take(2, batch=1)  # nothing free, no room: the quarantined slots, a dependency
+    assert slots.tolist() == [2, 0] and dep == 0 and a.early_reuses == 1
+    with pytest.raises(CapacityError, match="needs 1 new cache rows, only 0 are free"):
+        a.take(1, batch=2)
