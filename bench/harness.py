@@ -18,8 +18,8 @@ logs, warm-up excluded) and their ratios, with Bagpipe's iteration-stage breakdo
 * ``embedding_server`` one server with every Kaggle row: lookups per second at 16 k keys per call, and
                 its resident memory against its rows and optimizer state;
 * ``lookahead`` L in {5, 10, 50, 100, 200, 300}: peak cache rows and time per iteration (paper Table 3);
-* ``skew``      top-1% share of accesses 90% .. 1% and Zipf alpha 1 .. 5: bagpipe and no-cache
-                (paper Figures 18 and 19).
+* ``skew``      top-1% share of accesses 90% .. 1% and Zipf alpha 1 .. 5: ideal, bagpipe and no-cache
+                at each point, as ``systems`` runs them (paper Figures 18 and 19).
 
 After the tables it prints issue 17's targets against the figures at hand.
 
@@ -464,37 +464,26 @@ def section_lookahead(profile: dict[str, Any], out: Path) -> dict[str, Any]:
 
 
 def section_skew(profile: dict[str, Any], out: Path) -> dict[str, Any]:
-    points, n = [], profile["skew_iterations"]
-    for share in profile["hot_shares"]:
-        flags = ["--hot-fraction", "0.01", "--hot-share", str(share)]
-        points.append(
-            {
-                "skew": f"top 1% = {100 * share:g}%",
-                "kind": "hot",
-                "value": share,
-                "ideal": job(f"hot-{share:g}-ideal", profile, out, *flags, "--system", "ideal", iterations=n),
-                "bagpipe": job(f"hot-{share:g}-bagpipe", profile, out, *flags, iterations=n),
-                "no-cache": job(
-                    f"hot-{share:g}-no-cache", profile, out, *flags, "--system", "no-cache", iterations=n
-                ),
-            }
+    """Each point's three systems as ``compare`` runs them (``repeats`` times, interleaved): the spread is
+    a max over min of six ratios, so one slow job at one point would set it."""
+    sized = {**profile, "iterations": profile["skew_iterations"]}
+    settings = [
+        (
+            f"top 1% = {100 * share:g}%",
+            "hot",
+            share,
+            f"hot-{share:g}",
+            ["--hot-fraction", "0.01", "--hot-share", str(share)],
         )
-    for alpha in profile["zipf_alphas"]:
-        flags = ["--zipf-alpha", str(alpha)]
-        points.append(
-            {
-                "skew": f"zipf {alpha:g}",
-                "kind": "zipf",
-                "value": alpha,
-                "ideal": job(
-                    f"zipf-{alpha:g}-ideal", profile, out, *flags, "--system", "ideal", iterations=n
-                ),
-                "bagpipe": job(f"zipf-{alpha:g}-bagpipe", profile, out, *flags, iterations=n),
-                "no-cache": job(
-                    f"zipf-{alpha:g}-no-cache", profile, out, *flags, "--system", "no-cache", iterations=n
-                ),
-            }
-        )
+        for share in profile["hot_shares"]
+    ] + [
+        (f"zipf {alpha:g}", "zipf", alpha, f"zipf-{alpha:g}", ["--zipf-alpha", str(alpha)])
+        for alpha in profile["zipf_alphas"]
+    ]
+    points = []
+    for skew, kind, value, label, flags in settings:
+        runs = compare(label, sized, out, *flags, repeats=profile["repeats"])["systems"]
+        points.append({"skew": skew, "kind": kind, "value": value, **runs})
     times = [p["bagpipe"]["median_ms"] for p in points]
     ideal = [p["ideal"]["median_ms"] for p in points]
     over = [p["bagpipe"]["median_ms"] / p["ideal"]["median_ms"] for p in points]
