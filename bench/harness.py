@@ -23,7 +23,7 @@ logs, warm-up excluded) and their ratios, with Bagpipe's iteration-stage breakdo
 
 After the tables it prints issue 17's targets against the figures at hand.
 
-``--profile quick`` (``make bench``) takes about 15 minutes on 2 cores; ``--profile full`` uses the
+``--profile quick`` (``make bench``) takes about 18 minutes on 2 cores; ``--profile full`` uses the
 paper's DLRM (Table 2) and batch 16,384 where this machine can hold them, and takes hours here.
 Results: ``bench/results/bench-<profile>.json``, ``bench/results/*.png`` and a Markdown table
 ``bench/results/bench-<profile>.md``.
