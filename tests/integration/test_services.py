@@ -229,7 +229,7 @@ async def _oracle_gates_plans() -> None:
         async with oracle.cond:
             await oracle.cond.wait_for(lambda: 2 in oracle.planned)
             # batch 2 refetches keys batch 0 evicted (tiny tables), so it depends on batch 0's write-backs
-            assert oracle.planned[2].plan.depends_on == 0
+            assert oracle.planned[2].depends_on == 0
             assert not oracle._dispatchable(2), "plan 2 must wait for the write-backs of batch 0"
         await stub.ReportProgress(opb.ProgressReport(rank=0, trained=0, written_back=0), timeout=5)
         assert (await next_plan()).batch == 2

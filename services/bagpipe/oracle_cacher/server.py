@@ -24,7 +24,6 @@ from bagpipe.core.data import table_offsets
 from bagpipe.core.lookahead import (
     BACKGROUND,
     CRITICAL,
-    BatchPlan,
     LookaheadPlanner,
     all_trainers,
     mask_dtype,
@@ -50,7 +49,11 @@ class _Received:
 
 @dataclass
 class _Planned:
-    plan: BatchPlan
+    """A planned batch waiting for its trainers: its messages, and what dispatching it needs of its plan
+    (the plan's arrays are dropped once serialised: up to L + 2 batches wait here)."""
+
+    depends_on: int  # the newest batch whose write-backs must be durable before it is sent
+    last: bool
     encoded: EncodedPlan  # the rows, serialised once, every trainer's samples and Plan (codec.encode_plans)
     taken: set[int] = field(default_factory=set)
 
@@ -259,7 +262,7 @@ class Oracle(pb_grpc.OracleCacherServicer):
                     metrics.EARLY_REUSES.inc(self.planner.early_reuses - self.early_reuses)
                     self.early_reuses = self.planner.early_reuses
                 self.windows.append(plan.window)
-                self.planned[plan.batch] = _Planned(plan, encoded)
+                self.planned[plan.batch] = _Planned(plan.depends_on, plan.last, encoded)
                 self._update_queue_metrics()
                 self.cond.notify_all()
                 if plan.last:
@@ -285,7 +288,7 @@ class Oracle(pb_grpc.OracleCacherServicer):
 
     def _dispatchable(self, batch: int) -> bool:
         entry = self._entry(batch)
-        return entry is not None and min(self.written_back) >= entry.plan.depends_on
+        return entry is not None and min(self.written_back) >= entry.depends_on
 
     async def StreamPlans(self, request: pb.StreamPlansRequest, context: grpc.aio.ServicerContext):  # noqa: N802
         rank = request.rank
@@ -314,7 +317,7 @@ class Oracle(pb_grpc.OracleCacherServicer):
             yield entry.encoded.rows  # the same bytes on every trainer's stream
             yield entry.encoded.samples[rank]  # as the data processor sent them
             yield entry.encoded.plans[rank]
-            if entry.plan.last:
+            if entry.last:
                 return
             batch += 1
 
