@@ -9,6 +9,14 @@ from dataclasses import dataclass
 MODELS = ("dlrm", "wdl", "deepfm", "dcn")
 # models whose rows carry a first-order weight after the embedding vector
 LINEAR_MODELS = frozenset({"wdl", "deepfm"})
+
+
+def row_width(model: str, embedding_dim: int) -> int:
+    """Floats per embedding row as servers and caches store it: the vector, then the first-order weight
+    for the models that have one (``LINEAR_MODELS``)."""
+    return embedding_dim + int(model in LINEAR_MODELS)
+
+
 # the deep tower's hidden sizes when --deep-mlp is not given (Bagpipe paper Table 2, narrowed to what
 # the default embedding sizes feed)
 DEFAULT_DEEP_MLP = {"wdl": (256, 256, 256), "deepfm": (64, 64, 64), "dcn": (256, 128, 64)}
@@ -63,7 +71,7 @@ class ModelConfig:
     @property
     def row_width(self) -> int:
         """Floats per embedding row as servers and caches store it."""
-        return self.embedding_dim + int(self.linear)
+        return row_width(self.name, self.embedding_dim)
 
     @property
     def interaction_size(self) -> int:

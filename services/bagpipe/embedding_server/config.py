@@ -22,7 +22,7 @@ from bagpipe.config_args import (
     table_argv,
     table_rows_of,
 )
-from bagpipe.core.model_config import LINEAR_MODELS
+from bagpipe.core.model_config import LINEAR_MODELS, row_width
 from bagpipe.core.optim_config import OptimizerConfig
 from bagpipe.core.shard_store import DEFAULT_MAX_ABS
 from bagpipe.embedding_server.client import MAX_ROWS_PER_RPC
@@ -56,7 +56,7 @@ class EmbeddingServerConfig:
 
     @property
     def row_width(self) -> int:
-        return self.embedding_dim + int(self.linear)
+        return row_width(self.model, self.embedding_dim)
 
     def __post_init__(self) -> None:
         if self.shard < 0:
