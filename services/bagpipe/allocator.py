@@ -8,12 +8,21 @@ the kernel (bench/README.md, "Embedding server"). Raising the mmap threshold kee
 heap, and raising the trim threshold keeps the freed ones there for reuse. Blocks above the threshold
 (an embedding table, the oracle's per-key state) are still mapped on their own, so the resident set
 grows by at most about the trim threshold.
+
+``huge_page_zeros`` is for the other kind: one large table read and written at random rows (an embedding
+server's rows and state). Backed by 4 KiB pages, nearly every row of a lookup misses the TLB as well
+as the cache; on 2 MiB pages (transparent huge pages, which hosts commonly enable only where a process
+asks) a 16 k-row gather from a 4 GiB table took 0.62 ms instead of 1.05 ms here (bench/README.md).
 """
 
 from __future__ import annotations
 
 import ctypes
 import logging
+import math
+import mmap
+
+import numpy as np
 
 logger = logging.getLogger(__name__)
 
@@ -23,6 +32,8 @@ _M_MMAP_THRESHOLD = -3
 # glibc caps M_MMAP_THRESHOLD at HEAP_MAX_SIZE / 2 (32 MiB on 64-bit)
 MMAP_THRESHOLD = 32 << 20
 TRIM_THRESHOLD = 64 << 20
+# below this a table gains nothing from huge pages (it would fill less than one)
+HUGE_PAGE_BYTES = 2 << 20
 
 
 def keep_freed_buffers(mmap_threshold: int = MMAP_THRESHOLD, trim_threshold: int = TRIM_THRESHOLD) -> bool:
@@ -39,3 +50,21 @@ def keep_freed_buffers(mmap_threshold: int = MMAP_THRESHOLD, trim_threshold: int
     if not mallopt(_M_MMAP_THRESHOLD, mmap_threshold):
         return False
     return bool(mallopt(_M_TRIM_THRESHOLD, trim_threshold))
+
+
+def huge_page_zeros(shape: tuple[int, ...], dtype: np.dtype | type = np.float32) -> np.ndarray:
+    """Zeros of ``shape`` in an anonymous mapping of their own that asks the kernel for transparent huge
+    pages (``madvise(MADV_HUGEPAGE)``), like ``np.zeros`` in every other respect: the pages are zero and
+    taken on first touch, and the mapping is unmapped when the array (its ``base``) is freed. Where the
+    platform has no such advice, or the array is under one huge page, it is plain ``np.zeros``."""
+    dt = np.dtype(dtype)
+    nbytes = math.prod(shape) * dt.itemsize
+    advice = getattr(mmap, "MADV_HUGEPAGE", None)
+    if nbytes < HUGE_PAGE_BYTES or advice is None:
+        return np.zeros(shape, dtype=dt)
+    region = mmap.mmap(-1, nbytes, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
+    try:
+        region.madvise(advice)
+    except OSError as e:  # (a kernel built without transparent huge pages: ordinary pages, still zeros)
+        logger.debug("madvise(MADV_HUGEPAGE) refused (%s): ordinary pages", e)
+    return np.frombuffer(region, dtype=dt).reshape(shape)

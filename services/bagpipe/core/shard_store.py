@@ -24,6 +24,7 @@ from typing import Any
 import numpy as np
 from numba import njit
 
+from bagpipe import allocator
 from bagpipe.core.embedding_init import init_rows
 from bagpipe.core.shard_map import ShardMap
 from bagpipe.errors import InvalidArgument
@@ -34,8 +35,9 @@ _INIT_CHUNK = 1 << 18
 
 
 def packed_rows(rows: int, dim: int, state_width: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
-    """Zeros ``[rows, dim + state_width]``, with views of its row and state columns."""
-    table = np.zeros((rows, dim + state_width), dtype=np.float32)
+    """Zeros ``[rows, dim + state_width]``, with views of its row and state columns; on huge pages where the
+    kernel grants them, since lookups and write-backs visit its rows at random (``allocator``)."""
+    table = allocator.huge_page_zeros((rows, dim + state_width), np.float32)
     return table, table[:, :dim], table[:, dim:]
 
 
