@@ -82,6 +82,19 @@ def _wait(what: str, predicate, timeout: float = 60.0) -> None:
         time.sleep(0.05)
 
 
+def _read_in_parts(client: EmbeddingClient, keys: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """``client.lookup_parts``, assembled; every position must be answered exactly once."""
+    rows = np.full((keys.size, DIM), np.nan, dtype=np.float32)
+    state = np.full((keys.size, WIDTH), np.nan, dtype=np.float32)
+    answered = np.zeros(keys.size, dtype=np.int64)
+    for positions, part_rows, part_state in client.lookup_parts(keys):
+        assert part_rows.shape == (positions.size, DIM) and part_state.shape == (positions.size, WIDTH)
+        rows[positions], state[positions] = part_rows, part_state
+        np.add.at(answered, positions, 1)
+    assert (answered == 1).all(), f"positions answered {answered.min()}..{answered.max()} times"
+    return rows, state
+
+
 class Writer(threading.Thread):
     """Writes random rows back continuously and reads each write back at once; remembers the last value
     of every key (what the servers must hold at the end)."""
@@ -102,7 +115,10 @@ class Writer(threading.Thread):
                 rows = self.rng.standard_normal((keys.size, DIM)).astype(np.float32)
                 state = self.rng.random((keys.size, WIDTH)).astype(np.float32)
                 self.client.write_back(keys, rows, state)
-                got_rows, got_state = self.client.lookup(keys)
+                # every other read as the trainers' prefetch reads (in parts, as the servers answer)
+                got_rows, got_state = (
+                    self.client.lookup(keys) if self.writes % 2 else _read_in_parts(self.client, keys)
+                )
                 if not (np.array_equal(got_rows, rows) and np.array_equal(got_state, state)):
                     raise AssertionError(f"write {self.writes}: a read after the write does not see it")
                 for k, r, s in zip(keys.tolist(), rows, state, strict=True):

@@ -22,6 +22,11 @@ class RowStore(Protocol):
         """The rows and state of ``keys`` (int64, any order, no duplicates needed)."""
         ...
 
+    def lookup_parts(self, keys: np.ndarray) -> list[tuple[np.ndarray, np.ndarray, np.ndarray]]:
+        """The same rows in parts, as they arrived: (positions in ``keys``, rows, state) each; the arrays
+        may be read-only views of a reply, valid for as long as the caller keeps them."""
+        ...
+
     def write_back(self, keys: np.ndarray, rows: np.ndarray, state: np.ndarray) -> None:
         """Stores ``rows`` and ``state`` under ``keys`` (distinct); durable when it returns."""
         ...

@@ -212,6 +212,23 @@ class EmbeddingClient:
         rows = np.empty((keys.size, self.dim), dtype=np.float32)
         state = np.empty((keys.size, self.state_width), dtype=np.float32)
 
+        def put(part: np.ndarray, part_rows: np.ndarray, part_state: np.ndarray) -> None:
+            rows[part], state[part] = part_rows, part_state
+
+        self._lookup(keys, put)
+        return rows, state
+
+    def lookup_parts(self, keys: np.ndarray) -> list[tuple[np.ndarray, np.ndarray, np.ndarray]]:
+        """``lookup`` as the servers answered it: per reply, the positions in ``keys`` it answers and their
+        rows and state, read-only views of the reply. For a caller that copies the rows on anyway (the
+        trainer's prefetch, into its cache), this saves gathering them into one array first."""
+        parts: list[tuple[np.ndarray, np.ndarray, np.ndarray]] = []
+        self._lookup(keys, lambda *part: parts.append(part))  # (list.append: atomic across the calls)
+        return parts
+
+    def _lookup(self, keys: np.ndarray, put: Callable[[np.ndarray, np.ndarray, np.ndarray], None]) -> None:
+        """Calls ``put(positions, rows, state)`` for each reply, from the threads that call the shards."""
+
         def one(route: _Route, stub: Any, part: np.ndarray) -> None:
             request = encode_message([(1, route.shard_map.version), (2, keys[part])])
             data = stub.Lookup(request, timeout=serving.RPC_TIMEOUT_S)
@@ -219,16 +236,15 @@ class EmbeddingClient:
             if reply.packed.dtype:  # (rows and state side by side; servers before it sent them apart)
                 width = self.dim + self.state_width
                 packed = from_tensor(reply.packed, "packed", np.float32, shape=(part.size, width))
-                rows[part], state[part] = packed[:, : self.dim], packed[:, self.dim :]
+                put(part, packed[:, : self.dim], packed[:, self.dim :])
             else:
-                rows[part] = from_tensor(reply.rows, "rows", np.float32, shape=(part.size, self.dim))
+                rows = from_tensor(reply.rows, "rows", np.float32, shape=(part.size, self.dim))
                 shape = (part.size, self.state_width)
-                state[part] = from_tensor(reply.state, "state", np.float32, shape=shape)
+                put(part, rows, from_tensor(reply.state, "state", np.float32, shape=shape))
             self.bytes_sent += len(request)
             self.bytes_received += len(data)
 
         self._each_shard(keys, lambda r, s, p: self._send(r, s, p, "lookup", functools.partial(one, r)))
-        return rows, state
 
     def write_back(self, keys: np.ndarray, rows: np.ndarray, state: np.ndarray) -> None:
         """Stores rows and state; returns once every shard has acknowledged (durable in memory)."""

@@ -25,6 +25,7 @@ from __future__ import annotations
 import functools
 import queue
 import threading
+import warnings
 from collections.abc import Callable
 from typing import Any
 
@@ -48,6 +49,11 @@ PLAN_STREAM_WINDOW_S = 60.0
 
 # (batch, evicted keys, their rows, their state) queued for the writer
 WriteBack = tuple[int, np.ndarray, torch.Tensor, torch.Tensor]
+
+
+# the prefetched rows are read-only views of a reply, which the cache only copies from; torch warns (once)
+# that writing to a tensor on one would fail
+warnings.filterwarnings("ignore", "The given NumPy array is not writable", UserWarning, __name__)
 
 
 class Pipeline:
@@ -268,8 +274,11 @@ class Pipeline:
         keys = np.concatenate([share.prefetch_keys for share in shares])
         if keys.size:
             slots = np.concatenate([share.prefetch_slots for share in shares])
-            rows, state = self.store.lookup(keys)
-            self.cache.insert(self.cache.index(slots), torch.from_numpy(rows), torch.from_numpy(state))
+            # each reply straight into the cache: one copy of the rows on this side, not two
+            for positions, rows, state in self.store.lookup_parts(keys):
+                self.cache.insert(
+                    self.cache.index(slots[positions]), torch.from_numpy(rows), torch.from_numpy(state)
+                )
             self.transfers["lookup_calls"] += 1
 
     def _write_back(self) -> None:

@@ -49,6 +49,9 @@ class SharedTable:
         state = self.state[keys] if self.state_width else np.zeros((keys.size, 0), dtype=np.float32)
         return np.asarray(rows), np.asarray(state)
 
+    def lookup_parts(self, keys: np.ndarray) -> list[tuple[np.ndarray, np.ndarray, np.ndarray]]:
+        return [(np.arange(keys.size), *self.lookup(keys))]
+
     def write_back(self, keys: np.ndarray, rows: np.ndarray, state: np.ndarray) -> None:
         self.rows[keys] = rows
         if self.state_width:

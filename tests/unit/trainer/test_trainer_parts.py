@@ -60,7 +60,9 @@ def test_both_row_stores_are_row_stores(tmp_path: Path) -> None:
     stores[0].write_back(keys, np.ones((2, 3), np.float32) * [[1], [2]], np.full((2, 3), 5, np.float32))
     rows, state = SharedTable(str(tmp_path / "t"), 10, 3, 3, create=False).lookup(keys)
     assert rows.tolist() == [[1] * 3, [2] * 3] and (state == 5).all()
-    for name in ("lookup", "write_back", "close"):
+    ((positions, part_rows, part_state),) = table.lookup_parts(keys)
+    assert positions.tolist() == [0, 1] and np.array_equal(part_rows, rows) and (part_state == 5).all()
+    for name in ("lookup", "lookup_parts", "write_back", "close"):
         assert callable(getattr(EmbeddingClient, name)) and callable(getattr(SharedTable, name))
     table.unlink()
 
