@@ -746,6 +746,9 @@ def recovery_summary(
     """Failures, time to detect and recover, iterations replayed, checkpoint cost (summary and report)."""
     for i, f in enumerate(failures):
         restart = failures[i + 1]["start_batch"] if i + 1 < len(failures) else stats[0]["first_batch"]
+        # a trainer seals a checkpoint inside a batch's step, before it logs the batch: killed in between,
+        # the log lacks a batch that the checkpoint it resumes from proves trained
+        f["last_batch"] = max(f["last_batch"], restart - 1)
         f["resumed_at_batch"] = restart
         f["replayed_iterations"] = max(0, f["last_batch"] + 1 - restart)
     seconds = [c["seconds"] for c in stats[0].get("checkpoints", [])]
