@@ -333,20 +333,22 @@ def _push_records(state, handover_at, keys, users, batch, oldest, linked, before
 
 
 @njit(cache=True)
+def _popcount(v: np.uint64) -> np.uint64:
+    """Set bits of ``v``, without a data-dependent branch (SWAR)."""
+    v = v - ((v >> np.uint64(1)) & np.uint64(0x5555555555555555))
+    v = (v & np.uint64(0x3333333333333333)) + ((v >> np.uint64(2)) & np.uint64(0x3333333333333333))
+    v = (v + (v >> np.uint64(4))) & np.uint64(0x0F0F0F0F0F0F0F0F)
+    return (v * np.uint64(0x0101010101010101)) >> np.uint64(56)
+
+
+@njit(cache=True)
 def _writer(owners: np.uint64, key: int) -> int:
     """The trainer that writes an evicted key back: the ``key % holders``-th of its holders (so that
     write-backs spread over the trainers)."""
     one = np.uint64(1)
-    count, rest = 0, owners
-    while rest:
-        rest &= rest - one
-        count += 1
-    for _ in range(key % count):  # drop the lowest set bits, then take the lowest one left
+    for _ in range(key % int(_popcount(owners))):  # drop the lowest set bits, then take the lowest one left
         owners &= owners - one
-    bit = 0
-    while not (owners >> np.uint64(bit)) & one:
-        bit += 1
-    return bit
+    return int(_popcount((owners & (~owners + one)) - one))  # (its trailing zeros)
 
 
 @njit(cache=True, nogil=True)
@@ -378,6 +380,7 @@ def _pop_records(  # type: ignore[no-untyped-def]
     handed_source,
     handed_to,
     handed_critical,
+    due_at,
 ):
     """Lines 12-25 of Algorithm 1 for batch ``x`` (see ``pop``): the keys at ``prefetch`` get
     ``new_slots``; ``following_users`` are the users of batch ``x+1``'s keys (empty when it is not in the
@@ -411,11 +414,13 @@ def _pop_records(  # type: ignore[no-untyped-def]
         evicted += ttl[i] == x
         due[waiting] = i
         waiting += to != 0
+    for j in range(waiting):  # (gathered first, in a loop without a branch, so the loads overlap)
+        due_at[j] = handover_at[keys[due[j]]]
     handed = 0
     for j in range(waiting):  # the hand-overs due after this batch
         i = due[j]
         k = keys[i]
-        if handover_at[k] == x:
+        if due_at[j] == x:
             state[k].handover_to = 0
             owners = np.uint64(holders[i])
             to = np.uint64(pending[i])
@@ -682,6 +687,7 @@ class LookaheadPlanner:
             h.source,
             h.recipients,
             h.critical,
+            np.empty(size, np.int32),
         )
         # (views of the filled prefixes: a plan lives until it is serialised)
         evict, writer, evict_keys = evict[:evicted], writer[:evicted], evict_keys[:evicted]

@@ -151,3 +151,16 @@ def test_slot_allocator_reuses_early_only_when_the_capacity_forces_it() -> None:
     assert slots.tolist() == [2, 0] and dep == 0 and a.early_reuses == 1
     with pytest.raises(CapacityError, match="needs 1 new cache rows, only 0 are free"):
         a.take(1, batch=2)
+
+
+def test_writer_is_the_key_modulo_holders_th_holder() -> None:
+    # the evicted row's writer: the (key % holders)-th of its holders in trainer order, for any mask width
+    from bagpipe.core.lookahead import _writer
+
+    rng = np.random.default_rng(3)
+    masks = [1, 2, 3, 0b1010_0110, 1 << 15, (1 << 16) - 1, 1 << 63, (1 << 64) - 1]
+    masks += rng.integers(1, 1 << 63, size=50, dtype=np.int64).tolist()
+    for mask in masks:
+        holders = [t for t in range(64) if mask >> t & 1]
+        for key in (0, 1, 5, 7, 1_000_003, 33_762_576):
+            assert _writer(np.uint64(mask), key) == holders[key % len(holders)], (mask, key)
