@@ -57,7 +57,11 @@ sys.path.insert(0, str(REPO / "services"))
 sys.path.insert(0, str(REPO / "bench"))
 
 from bagpipe.cli import build_parser  # noqa: E402
-from bagpipe.config_args import DEFAULT_CHECKPOINT_EVERY, DEFAULT_MAX_LOOKAHEAD  # noqa: E402
+from bagpipe.config_args import (  # noqa: E402
+    DEFAULT_CHECKPOINT_EVERY,
+    DEFAULT_MAX_LOOKAHEAD,
+    DEFAULT_TRANSFER_BATCHES,
+)
 from bagpipe.local.launcher import run as run_job  # noqa: E402
 
 PROFILES: dict[str, dict[str, Any]] = {
@@ -176,13 +180,15 @@ def job(
     ]
     t0 = time.perf_counter()
     summary = run_job(build_parser().parse_args(argv))
-    per_iteration = iteration_times(run_dir)
-    warm = per_iteration[max(5, len(per_iteration) // 10) :]
+    batches, per_iteration = iteration_times(run_dir)
+    skip = max(5, len(per_iteration) // 10)
+    warm = per_iteration[skip:]
     result = {
         "name": name,
         "flags": list(extra),
         "iterations": n,
         "iteration_ms": [1000 * t for t in warm],
+        "iteration_batch": batches[skip:],
         "median_ms": 1000 * statistics.median(warm),
         "p90_ms": 1000 * sorted(warm)[int(0.9 * (len(warm) - 1))],
         "mean_ms": 1000 * statistics.fmean(warm),
@@ -204,13 +210,28 @@ def job(
     return result
 
 
-def iteration_times(run_dir: Path) -> list[float]:
-    """Per iteration, the slowest trainer's time (training is synchronous)."""
-    columns = []
+def iteration_times(run_dir: Path) -> tuple[list[int], list[float]]:
+    """Per iteration, its batch and the slowest trainer's time (training is synchronous)."""
+    columns, batches = [], []
     for path in sorted((run_dir / "metrics").glob("trainer-*.csv")):
         with open(path, newline="") as f:
-            columns.append([float(r["iteration_seconds"]) for r in csv.DictReader(f)])
-    return [max(values) for values in zip(*columns, strict=True)]
+            rows = list(csv.DictReader(f))
+        columns.append([float(r["iteration_seconds"]) for r in rows])
+        batches = [int(r["batch"]) for r in rows]
+    return batches, [max(values) for values in zip(*columns, strict=True)]
+
+
+def by_phase(result: dict[str, Any], period: int = DEFAULT_TRANSFER_BATCHES) -> list[dict[str, float]]:
+    """Iteration times by ``batch % period``: with grouped transfers each trainer fetches and writes back
+    at fixed phases of the group (trainer/pipeline.py), so this shows which iterations pay for them."""
+    times: list[list[float]] = [[] for _ in range(period)]
+    for batch, ms in zip(result.get("iteration_batch", []), result["iteration_ms"], strict=True):
+        times[batch % period].append(ms)
+    return [
+        {"median_ms": statistics.median(t), "mean_ms": statistics.fmean(t), "iterations": len(t)}
+        for t in times
+        if t
+    ]
 
 
 SYSTEMS = {"ideal": ["--system", "ideal"], "bagpipe": [], "no-cache": ["--system", "no-cache"]}
@@ -230,6 +251,7 @@ def pooled(jobs: list[dict[str, Any]]) -> dict[str, Any]:
         **jobs[0],
         "name": jobs[0]["name"].removesuffix("-1"),
         "iteration_ms": times,
+        "iteration_batch": [b for j in jobs for b in j.get("iteration_batch", [])],
         "median_ms": statistics.median(times),
         "p90_ms": sorted(times)[int(0.9 * (len(times) - 1))],
         "mean_ms": statistics.fmean(times),
@@ -643,6 +665,25 @@ def table(results: dict[str, Any]) -> str:
                 + f" | {r['bagpipe_over_ideal']:.2f}x; {r['bagpipe_over_ideal_mean']:.2f}x"
                 f" | {r['no_cache_over_bagpipe']:.2f}x; {r['no_cache_over_bagpipe_mean']:.2f}x |"
             )
+        phases = {
+            (regime, n): by_phase(r["systems"][n])
+            for regime, r in regimes.items()
+            for n in ("ideal", "bagpipe")
+            if r["systems"][n].get("iteration_batch")
+        }
+        if phases:  # which iterations the transfers land on: batch % --transfer-batches
+            width = max(len(p) for p in phases.values())
+            lines += [
+                "",
+                f"Mean iteration time (ms) by batch % {DEFAULT_TRANSFER_BATCHES} (`--transfer-batches`): "
+                "trainer 0 fetches at phase 0 and writes back at 4, trainer 1 writes back at 2 and fetches "
+                "at 6; a write-back's progress report also releases the plans that waited on it.",
+                "",
+                "| regime | system | " + " | ".join(str(i) for i in range(width)) + " |",
+                "|---|---|" + "---|" * width,
+            ]
+            for (regime, n), p in phases.items():
+                lines.append(f"| {regime} | {n} | " + " | ".join(f"{x['mean_ms']:.1f}" for x in p) + " |")
         checkpointed = results.get("systems", {}).get("loopback", {}).get("bagpipe_with_checkpoints")
         if checkpointed:
             lines += [
