@@ -35,6 +35,7 @@ import argparse
 import contextlib
 import csv
 import json
+import math
 import os
 import platform
 import shutil
@@ -229,8 +230,9 @@ def by_phase(result: dict[str, Any], period: int = DEFAULT_TRANSFER_BATCHES) -> 
         times[batch % period].append(ms)
     return [
         {"median_ms": statistics.median(t), "mean_ms": statistics.fmean(t), "iterations": len(t)}
-        for t in times
         if t
+        else {"median_ms": math.nan, "mean_ms": math.nan, "iterations": 0}
+        for t in times
     ]
 
 
