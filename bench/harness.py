@@ -197,6 +197,7 @@ def job(
         "cache_hit_rate": summary["cache_hit_rate"],
         "rows_per_iteration": summary["rows_per_iteration"],
         "rows_fetched_per_iteration": summary["rows_fetched_per_iteration"],
+        "rows_fetched_initial_per_iteration": summary["rows_fetched_initial_per_iteration"],
         "rows_synced_critical_per_iteration": summary["rows_synced_critical_per_iteration"],
         "cache_peak_occupancy_rows": summary["cache_peak_occupancy_rows"],
         "cache_capacity_rows": summary["cache_capacity_rows"],
@@ -705,6 +706,19 @@ def table(results: dict[str, Any]) -> str:
                 for regime, r in regimes.items()
             ),
         ]
+        loop = regimes.get("loopback", {}).get("systems", {})
+        if all("rows_fetched_initial_per_iteration" in loop.get(s, {}) for s in ("bagpipe", "no-cache")):
+            lines += [
+                "",
+                "Rows fetched per iteration (all trainers), of them still initial (computed by the trainer, "
+                "not sent): "
+                + ", ".join(
+                    f"{s} {loop[s]['rows_fetched_per_iteration']:,.0f} "
+                    f"({loop[s]['rows_fetched_initial_per_iteration']:,.0f})"
+                    for s in ("bagpipe", "no-cache")
+                )
+                + ".",
+            ]
         kinds = sorted(
             {k for r in regimes.values() for s in r["systems"].values() for k in s.get("cpu_ms", {})}
         )

@@ -268,3 +268,60 @@ async def _oracle_gates_plans() -> None:
 
 def test_oracle_releases_a_plan_only_after_writebacks_of_batch_x_minus_l() -> None:
     asyncio.run(_oracle_gates_plans())
+
+
+def test_lookups_leave_out_initial_rows_only_for_a_client_that_computes_them_alike() -> None:
+    """Two real servers; clients that compute initial rows (the servers' fingerprint), that compute them
+    otherwise (another seed), and that do not: every lookup answers the same rows and state, before and
+    after write-backs, and only the first client is spared the rows still initial."""
+    import threading
+
+    from bagpipe.core.embedding_init import InitialRows
+    from bagpipe.embedding_server.client import EmbeddingClient
+
+    offsets = table_offsets([300, 40, 7])
+    dim, width, seed = 5, 5, 11
+    sm = ShardMap.create(int(offsets[-1]), 2, num_buckets=8)
+    stores = [ShardStore(sm, s, offsets, dim=dim, state_width=width, seed=seed) for s in range(2)]
+    loop = asyncio.new_event_loop()
+    thread = threading.Thread(target=loop.run_forever, daemon=True)
+    thread.start()
+    servers = [asyncio.run_coroutine_threadsafe(create_embedding_server(st), loop).result() for st in stores]
+    addresses = {s: f"127.0.0.1:{servers[s][1]}" for s in range(2)}
+    plain = EmbeddingClient(sm, addresses, dim, width)
+    alike = EmbeddingClient(sm, addresses, dim, width, initial=InitialRows(offsets, dim, seed))
+    other = EmbeddingClient(sm, addresses, dim, width, initial=InitialRows(offsets, dim, seed + 1))
+    try:
+        rng = np.random.default_rng(0)
+        keys = rng.permutation(int(offsets[-1]))[:200].astype(np.int64)
+        want = plain.lookup(keys)
+        assert (want[1] == 0).all()  # (initial state)
+        for client in (alike, other):
+            got = client.lookup(keys)
+            assert all(np.array_equal(w, g) for w, g in zip(want, got, strict=True))
+        assert alike.initial_rows == keys.size and other.initial_rows == 0
+        assert alike.bytes_received < plain.bytes_received / 4  # (positions: 8 bytes a row, not 40)
+
+        written = keys[::3]
+        rows = rng.standard_normal((written.size, dim)).astype(np.float32)
+        alike.write_back(written, rows, np.abs(rows) + 1)
+        want = plain.lookup(keys)
+        assert np.array_equal(want[0][::3], rows) and np.array_equal(want[1][::3], np.abs(rows) + 1)
+        before = alike.initial_rows
+        got = alike.lookup(keys)
+        assert all(np.array_equal(w, g) for w, g in zip(want, got, strict=True))
+        assert alike.initial_rows - before == keys.size - written.size
+        # the prefetch's form: each position answered exactly once, by a reply or as an initial row
+        seen = np.zeros(keys.size, dtype=int)
+        for positions, part_rows, part_state in alike.lookup_parts(keys):
+            seen[positions] += 1
+            assert np.array_equal(part_rows, want[0][positions])
+            assert np.array_equal(part_state, want[1][positions])
+        assert (seen == 1).all()
+    finally:
+        for client in (plain, alike, other):
+            client.close()
+        for server, *_ in servers:
+            asyncio.run_coroutine_threadsafe(server.stop(None), loop).result()
+        loop.call_soon_threadsafe(loop.stop)
+        thread.join(5)

@@ -17,6 +17,7 @@ class RowStore(Protocol):
 
     bytes_sent: int  # payload bytes this process sent / received (0 for memory copies)
     bytes_received: int
+    initial_rows: int  # rows lookups were answered as still initial and computed here (no bytes)
 
     def lookup(self, keys: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
         """The rows and state of ``keys`` (int64, any order, no duplicates needed)."""

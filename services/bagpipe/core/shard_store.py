@@ -3,7 +3,13 @@
 Storage is one dense float32 array ``[local_rows, dim + state_width]``, each row followed by its
 optimizer state (``weights`` and ``state`` are views of its two column ranges): a lookup gathers one
 contiguous run of bytes per key, not two. A key's local row, and a local row's key, are arithmetic on
-the shard map, so the only per-row cost is the row itself (plus a changed flag).
+the shard map, so the only per-row cost is the row itself (plus two flags).
+
+A row also carries an "initial" flag: set, it guarantees that the row holds its initial value
+(``embedding_init``) and zero optimizer state, so a lookup can leave it out of the reply for a client
+that computes initial rows the same way (the same ``fingerprint``). Every path that stores values into a
+row clears it (a write-back, a restore, a loaded checkpoint, a row received by re-sharding) or carries it
+with the row (a staying row's copy); a cleared flag is never wrong, only slower.
 
 Re-sharding (``Migration``) builds the arrays of the next shard-map version beside the current ones
 while the current ones go on serving: the rows that stay are copied over locally and the incoming ones
@@ -25,7 +31,7 @@ import numpy as np
 from numba import njit
 
 from bagpipe import allocator
-from bagpipe.core.embedding_init import init_rows
+from bagpipe.core.embedding_init import fingerprint, init_rows
 from bagpipe.core.shard_map import ShardMap
 from bagpipe.errors import InvalidArgument
 
@@ -149,6 +155,8 @@ class ShardStore:
             self.weights[start : start + keys.size][valid] = init_rows(keys[valid], offsets, dim, seed)
         self.rows_held = int((local_keys >= 0).sum())
         self._changed = np.zeros(local_rows, dtype=bool)  # written since the last snapshot
+        self._initial = np.ones(local_rows, dtype=bool)  # still the initial row and zero state
+        self.fingerprint = fingerprint(offsets, dim, seed)  # (of the initial rows: embedding_init)
         self._seen = np.zeros(0, dtype=np.uint8)  # (_store_rows' bitmap, sized on first use)
         self.migration: Migration | None = None
         self.max_abs = DEFAULT_MAX_ABS  # a written value beyond this is refused (--max-abs-value)
@@ -184,6 +192,7 @@ class ShardStore:
             self.weights[mine] = table.index_select(0, index).numpy()
             if saved is not None:
                 self.state[mine] = saved[0].index_select(0, index).numpy()
+            self._initial[mine] = False
 
     def local_index(self, keys: np.ndarray, field: str = "keys") -> np.ndarray:
         """Local rows of ``keys``; InvalidArgument if any key is out of range or not on this shard."""
@@ -219,6 +228,15 @@ class ShardStore:
         """The rows of ``keys``, each followed by its state: ``[n, dim + state_width]``, a copy."""
         return self.table.take(self.local_index(keys), axis=0)
 
+    def gather_changed(self, keys: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+        """``gather`` without the rows still at their initial value: the positions in ``keys`` of those
+        (ascending), and the gathered rows of the others, in order."""
+        index = self.local_index(keys)
+        initial = self._initial[index]
+        if not initial.any():
+            return initial.nonzero()[0], self.table.take(index, axis=0)
+        return initial.nonzero()[0], self.table.take(index[~initial], axis=0)
+
     def write(self, keys: np.ndarray, rows: np.ndarray, state: np.ndarray) -> None:
         """Validates everything first, then stores: a bad request changes nothing.
 
@@ -250,6 +268,7 @@ class ShardStore:
             check_values(keys, rows, state, self.max_abs, self.non_negative)
             raise AssertionError(f"write-back refused at key {int(keys[bad])} by no check")
         self._changed[index] = True
+        self._initial[index] = False
         if self.migration is not None:
             self.migration.dirty[index] = True
 
@@ -290,6 +309,7 @@ class ShardStore:
             index = self.local_index(keys[mine])
             self.weights[index] = rows[mine]
             self.state[index] = state[mine]
+            self._initial[index] = False
             restored += mine.size
         return restored
 
@@ -341,6 +361,7 @@ class ShardStore:
         if m.changes_layout:
             self._position, self._owned = m.position, m.new_map.buckets_of(self.shard)
             self.table, self.weights, self.state, self._changed = m.table, m.weights, m.state, m.changed
+            self._initial = m.initial
             self.rows_held = int((m.new_map.local_keys(self.shard) >= 0).sum())
         self.migration = None
 
@@ -371,6 +392,7 @@ class Migration:
             rows = 0
         self.table, self.weights, self.state = packed_rows(rows, store.dim, store.state_width)
         self.changed = np.zeros(rows, dtype=bool)
+        self.initial = np.zeros(rows, dtype=bool)  # (a staying row's copy brings its flag)
         self.sealed = False
         self.finals: set[int] = set()  # sources whose last rows have arrived
 
@@ -398,6 +420,7 @@ class Migration:
         target = self.new_index(keys)
         self.weights[target] = rows
         self.state[target] = state
+        self.initial[target] = self.store._initial[index]
 
     def receive(
         self, source: int, keys: np.ndarray, rows: np.ndarray, state: np.ndarray, changed: np.ndarray | None

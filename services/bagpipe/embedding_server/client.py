@@ -15,7 +15,9 @@ import grpc
 import numpy as np
 
 from bagpipe import serving
+from bagpipe.core.embedding_init import InitialRows
 from bagpipe.core.shard_map import ShardMap
+from bagpipe.errors import InvalidArgument
 from bagpipe.v1 import embedding_server_pb2 as pb
 from bagpipe.v1 import embedding_server_pb2_grpc as pb_grpc
 from bagpipe.wire import decode_message, encode_message, from_tensor, serialized
@@ -90,6 +92,10 @@ class EmbeddingClient:
     refuses for its shard-map version (FAILED_PRECONDITION: the servers re-shard) is routed again under
     the map in force and retried, part by part: a part a server refused was not applied there, and a
     part it took is not sent again, so no write-back is lost or applied twice.
+
+    With ``initial`` (how the job's servers compute initial rows), lookups ask the servers to leave out
+    the rows that are still initial, and compute those here: a few nanoseconds a value, against
+    gathering, sending and receiving them. A server that computes them otherwise sends every row.
     """
 
     def __init__(
@@ -99,9 +105,13 @@ class EmbeddingClient:
         dim: int,
         state_width: int,
         resolver: Resolver | None = None,
+        initial: InitialRows | None = None,
     ) -> None:
+        if initial is not None and initial.dim != dim:
+            raise ValueError(f"initial rows of width {initial.dim} for rows of width {dim}")
         self.dim = dim
         self.state_width = state_width
+        self.initial = initial
         self._resolver = resolver
         self._channels: dict[str, grpc.Channel] = {}
         self._lock = threading.Lock()
@@ -110,6 +120,7 @@ class EmbeddingClient:
         self.bytes_sent = 0
         self.bytes_received = 0
         self.refusals = 0  # requests a server refused for their shard-map version (then routed again)
+        self.initial_rows = 0  # rows lookups were answered as still initial, computed here
 
     @property
     def shard_map(self) -> ShardMap:
@@ -229,22 +240,47 @@ class EmbeddingClient:
     def _lookup(self, keys: np.ndarray, put: Callable[[np.ndarray, np.ndarray, np.ndarray], None]) -> None:
         """Calls ``put(positions, rows, state)`` for each reply, from the threads that call the shards."""
 
+        fingerprint = self.initial.fingerprint if self.initial is not None else 0
+
         def one(route: _Route, stub: Any, part: np.ndarray) -> None:
-            request = encode_message([(1, route.shard_map.version), (2, keys[part])])
+            request = encode_message([(1, route.shard_map.version), (2, keys[part]), (3, fingerprint)])
             data = stub.Lookup(request, timeout=serving.RPC_TIMEOUT_S)
             reply = decode_message(data, pb.LookupResponse.DESCRIPTOR)
+            sent = part  # the positions whose rows the reply holds
+            initial = self._initial_positions(reply.initial, part.size)
+            if initial.size:  # (still initial: computed here)
+                assert self.initial is not None
+                mine = part[initial]
+                zeros = np.zeros((initial.size, self.state_width), dtype=np.float32)
+                put(mine, self.initial.rows(keys[mine]), zeros)
+                self.initial_rows += initial.size
+                kept = np.ones(part.size, dtype=bool)
+                kept[initial] = False
+                sent = part[kept]
             if reply.packed.dtype:  # (rows and state side by side; servers before it sent them apart)
                 width = self.dim + self.state_width
-                packed = from_tensor(reply.packed, "packed", np.float32, shape=(part.size, width))
-                put(part, packed[:, : self.dim], packed[:, self.dim :])
+                packed = from_tensor(reply.packed, "packed", np.float32, shape=(sent.size, width))
+                put(sent, packed[:, : self.dim], packed[:, self.dim :])
             else:
-                rows = from_tensor(reply.rows, "rows", np.float32, shape=(part.size, self.dim))
-                shape = (part.size, self.state_width)
-                put(part, rows, from_tensor(reply.state, "state", np.float32, shape=shape))
+                rows = from_tensor(reply.rows, "rows", np.float32, shape=(sent.size, self.dim))
+                shape = (sent.size, self.state_width)
+                put(sent, rows, from_tensor(reply.state, "state", np.float32, shape=shape))
             self.bytes_sent += len(request)
             self.bytes_received += len(data)
 
         self._each_shard(keys, lambda r, s, p: self._send(r, s, p, "lookup", functools.partial(one, r)))
+
+    def _initial_positions(self, tensor: Any, n: int) -> np.ndarray:
+        """A reply's ``initial`` (absent: none): ascending positions in ``[0, n)``, only for a client that
+        computes initial rows."""
+        if not tensor.dtype:
+            return np.zeros(0, dtype=np.int64)
+        initial = from_tensor(tensor, "initial", np.int64, ndim=1)
+        if self.initial is None and initial.size:
+            raise InvalidArgument("initial", "rows left out of a reply to a client that computes none")
+        if initial.size and not (initial[0] >= 0 and initial[-1] < n and (np.diff(initial) > 0).all()):
+            raise InvalidArgument("initial", f"positions must ascend within [0, {n})")
+        return initial
 
     def write_back(self, keys: np.ndarray, rows: np.ndarray, state: np.ndarray) -> None:
         """Stores rows and state; returns once every shard has acknowledged (durable in memory)."""

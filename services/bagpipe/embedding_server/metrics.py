@@ -10,6 +10,10 @@ LATENCY = Histogram(
     ["op"],
     buckets=(0.0001, 0.0005, 0.001, 0.002, 0.005, 0.01, 0.02, 0.05, 0.1, 0.2, 0.5, 1.0, 2.0, 5.0),
 )
+INITIAL_ROWS = Counter(
+    "bagpipe_embedding_server_initial_rows_total",
+    "Rows a lookup answered as still initial, by position only (the client computes them)",
+)
 BYTES = Counter(
     "bagpipe_embedding_server_bytes_total", "Row and optimizer-state bytes served or stored", ["op"]
 )

@@ -76,16 +76,24 @@ class EmbeddingServicer(pb_grpc.EmbeddingServerServicer):
     async def Lookup(self, request: pb.LookupRequest, context: grpc.aio.ServicerContext) -> bytes:  # noqa: N802
         """The reply is a serialised ``LookupResponse`` (``wire.encode_message``) with the gathered rows as
         they are stored, each followed by its state (``packed``): they are copied into it once, not once
-        per protobuf layer, nor split into rows and state first."""
+        per protobuf layer, nor split into rows and state first. A client that computes initial rows as
+        this server does (the same ``init_fingerprint``) gets the rows still initial as positions only."""
         with metrics.LATENCY.labels("lookup").time():
             self._check_version(request.shard_map_version)
             self._check_size(request.keys)
             keys = from_tensor(request.keys, "keys", np.int64, ndim=1)
-            packed = self.store.gather(keys)
+            fields: list[tuple[int, Any]]
+            if request.init_fingerprint and request.init_fingerprint == self.store.fingerprint:
+                initial, packed = self.store.gather_changed(keys)
+                fields = [(3, packed), (4, initial)] if initial.size else [(3, packed)]
+                metrics.INITIAL_ROWS.inc(initial.size)
+            else:
+                packed = self.store.gather(keys)
+                fields = [(3, packed)]
             metrics.ROWS.labels("lookup").inc(keys.size)
             metrics.REQUESTS.labels("lookup").inc()
             metrics.BYTES.labels("lookup").inc(packed.nbytes)
-            return encode_message([(3, packed)])
+            return encode_message(fields)
 
     async def WriteBack(
         self, request: pb.WriteBackRequest, context: grpc.aio.ServicerContext

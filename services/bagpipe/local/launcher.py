@@ -840,6 +840,9 @@ def summarize(stats: list[dict[str, Any]], args: argparse.Namespace, run_dir: Pa
         "cache_hit_rate": sum(st["cache_hit_rate"] for st in stats) / n,
         "rows_per_iteration": stats[0]["unique_rows_per_iteration"],
         "rows_fetched_per_iteration": sum(st["rows_prefetched_per_iteration"] for st in stats),
+        # (of them, and of any other lookup of the trainers: rows still initial, computed, not sent)
+        "rows_fetched_initial_per_iteration": sum(st.get("rows_initial", 0) for st in stats)
+        / max(1, stats[0]["iterations"]),
         "rows_private_per_iteration": sum(st["rows_private_per_iteration"] for st in stats),
         "rows_synced_critical_per_iteration": stats[0]["rows_synced_critical_per_iteration"],
         "rows_synced_background_per_iteration": stats[0]["rows_synced_background_per_iteration"],
@@ -877,7 +880,8 @@ def format_summary(s: dict[str, Any]) -> str:
     lines += [
         f"cache hit rate       {100 * s['cache_hit_rate']:.1f}%",
         f"rows per iteration   {s['rows_per_iteration']:,.0f} used, "
-        f"{s['rows_fetched_per_iteration']:,.0f} fetched, "
+        f"{s['rows_fetched_per_iteration']:,.0f} fetched "
+        f"({s['rows_fetched_initial_per_iteration']:,.0f} still initial: computed, not sent), "
         f"{s['rows_written_back_per_iteration']:,.0f} written back",
         f"transfer calls       {s['lookup_calls_per_iteration']:.2f} fetches, "
         f"{s['write_back_calls_per_iteration']:.2f} "

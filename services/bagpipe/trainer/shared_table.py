@@ -32,6 +32,7 @@ class SharedTable:
         self.state_width = state_width
         self.bytes_sent = 0
         self.bytes_received = 0
+        self.initial_rows = 0
 
     def fill_from(self, store: RowStore, chunk: int = 1 << 18) -> None:
         """Copies every row (and its state) from ``store`` (the embedding servers)."""

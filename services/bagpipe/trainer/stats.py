@@ -202,6 +202,7 @@ class TrainerStats:
             "lookahead": self._lookahead_stats(),
             "bytes_sent": store.bytes_sent,
             "bytes_received": store.bytes_received,
+            "rows_initial": store.initial_rows,
             "losses": self.losses,
         }
 

@@ -30,6 +30,7 @@ from bagpipe.control.registry import Registry
 from bagpipe.core import checkpoint, snapshots
 from bagpipe.core.cache import EmbeddingCache
 from bagpipe.core.data import table_offsets
+from bagpipe.core.embedding_init import InitialRows
 from bagpipe.core.model import batch_loss, build_model
 from bagpipe.core.optim import restore_state, saved_state, steps_taken
 from bagpipe.core.row_store import RowStore
@@ -106,6 +107,8 @@ class Trainer:
             self.width,
             self.state_width,
             resolver=self.registry.embedding_servers,
+            # the servers' initial rows (the job's seed): those still initial are computed here, not sent
+            initial=InitialRows(self.offsets, self.width, self.config.seed),
         )
         self.store = self.servers
         oracle_address = self.registry.wait_for_members("oracle_cacher", 1)["0"]

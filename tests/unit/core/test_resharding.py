@@ -6,6 +6,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 from bagpipe.core.data import table_offsets
+from bagpipe.core.embedding_init import init_rows
 from bagpipe.core.shard_map import ShardMap
 from bagpipe.core.shard_store import ShardStore
 from bagpipe.errors import InvalidArgument
@@ -103,6 +104,15 @@ def test_a_migration_carries_every_row_state_and_checkpoint_flag_once() -> None:
     np.testing.assert_array_equal(got_rows, want_rows)
     np.testing.assert_array_equal(got_state, want_state)
     assert np.array_equal(np.sort(np.concatenate(changed)), np.union1d(before, during))
+    # rows a lookup leaves out as initial are initial; those that stayed put and were never written keep
+    # the flag (the ones that moved lose it: a flag may err only towards sending a row)
+    initial = np.concatenate(
+        [keys[part][stores[s].gather_changed(keys[part])[0]] for s, part in enumerate(new.split(keys))]
+    )
+    assert np.array_equal(got_rows[initial], init_rows(initial, offsets, 3, 1))
+    assert not got_state[initial].any()
+    stayed = keys[sm.shard_of(keys) == new.shard_of(keys)]
+    assert np.array_equal(np.sort(initial), np.setdiff1d(stayed, np.union1d(before, during)))
     assert sum(st.rows_held for st in stores.values()) == total
     with pytest.raises(InvalidArgument, match="belongs to shard"):  # moved keys are no longer served here
         moved = keys[(sm.shard_of(keys) == 0) & (new.shard_of(keys) == 2)]

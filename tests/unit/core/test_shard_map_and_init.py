@@ -67,3 +67,25 @@ def test_bad_write_changes_nothing() -> None:
     with pytest.raises(InvalidArgument, match=r"state: key \d+: value -1 \(must be finite and >= 0"):
         store.write(mine[:2], rows, np.array([[1, -1], [0, 0]], dtype=np.float32))
     assert np.array_equal(store.weights, before)
+
+
+@pytest.mark.parametrize("dim", [1, 4, 16, 65])
+def test_the_compiled_initial_rows_are_the_numpy_definition_bit_for_bit(dim: int) -> None:
+    from bagpipe.core.embedding_init import InitialRows, fingerprint, init_rows, init_rows_numpy
+
+    offsets = table_offsets([1, 7, 100_000, 33])
+    rng = np.random.default_rng(dim)
+    keys = np.concatenate([np.arange(10), [int(offsets[-1]) - 1], rng.integers(0, int(offsets[-1]), 3000)])
+    for seed in (0, 5, 2**62 + 3):
+        got = init_rows(keys, offsets, dim, seed)
+        assert got.tobytes() == init_rows_numpy(keys, offsets, dim, seed).tobytes()
+        assert InitialRows(offsets, dim, seed).rows(keys).tobytes() == got.tobytes()
+    assert init_rows(keys[:0], offsets, dim, 0).shape == (0, dim)
+    # the fingerprint tells apart what the rows depend on
+    prints = {
+        fingerprint(offsets, dim, 0),
+        fingerprint(offsets, dim, 1),
+        fingerprint(offsets, dim + 1, 0),
+        fingerprint(table_offsets([1, 8, 100_000, 32]), dim, 0),
+    }
+    assert len(prints) == 4 and all(0 < p < 2**63 for p in prints)

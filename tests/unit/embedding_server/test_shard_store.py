@@ -102,3 +102,48 @@ def test_an_embedding_server_does_not_load_torch() -> None:
     code = "import sys, bagpipe.embedding_server.__main__; print('torch' in sys.modules)"
     out = subprocess.run([sys.executable, "-c", code], check=True, capture_output=True, text=True).stdout
     assert out.strip() == "False"
+
+
+def _assert_initial_flags_hold(store: ShardStore, offsets: np.ndarray, seed: int) -> np.ndarray:
+    """Every row a lookup would leave out as initial holds its initial value and zero state; returns their
+    keys, sorted."""
+    from bagpipe.core.embedding_init import init_rows
+
+    keys = store.keys_of(np.arange(store.table.shape[0]))
+    keys = keys[keys >= 0]
+    initial, packed = store.gather_changed(keys)
+    left_out = keys[initial]
+    rows, state = store.lookup(left_out)
+    assert np.array_equal(rows, init_rows(left_out, offsets, store.dim, seed)) and not state.any()
+    sent = np.delete(keys, initial)
+    assert np.array_equal(packed, store.gather(sent))
+    return np.sort(left_out)
+
+
+def test_a_row_counts_as_initial_until_a_write_or_restore_stores_into_it() -> None:
+    store = _store()
+    offsets = store.offsets
+    mine = np.flatnonzero(store.shard_map.shard_of(np.arange(store.shard_map.num_keys)) == 1)
+    assert np.array_equal(_assert_initial_flags_hold(store, offsets, 0), mine)
+    initial, packed = store.gather_changed(mine[[4, 1]])
+    assert np.array_equal(initial, [0, 1]) and packed.shape == (0, 8)
+
+    written = mine[[2, 9]]
+    store.write(written, np.full((2, 4), 0.25, np.float32), np.ones((2, 4), np.float32))
+    restored = mine[[3]]
+    store.restore([(1, restored, np.full((1, 4), 0.5, np.float32), np.zeros((1, 4), np.float32))])
+    store.write(mine[:0], np.zeros((0, 4), np.float32), np.zeros((0, 4), np.float32))
+    left_out = _assert_initial_flags_hold(store, offsets, 0)
+    assert np.array_equal(left_out, np.setdiff1d(mine, np.concatenate([written, restored])))
+    # (a restored row equal to its initial value still counts as changed: the flag only ever errs that way)
+    initial, packed = store.gather_changed(mine[[9, 0, 3]])
+    assert np.array_equal(initial, [1]) and np.array_equal(packed, store.gather(mine[[9, 3]]))
+
+    # a refused write-back stores nothing, and so clears no flag
+    import pytest
+    from bagpipe.errors import InvalidArgument
+
+    bad = np.full((2, 4), np.nan, np.float32)
+    with pytest.raises(InvalidArgument):
+        store.write(mine[[5, 6]], bad, np.ones((2, 4), np.float32))
+    assert np.array_equal(_assert_initial_flags_hold(store, offsets, 0), left_out)
