@@ -233,9 +233,8 @@ class ShardStore:
         (ascending), and the gathered rows of the others, in order."""
         index = self.local_index(keys)
         initial = self._initial[index]
-        if not initial.any():
-            return initial.nonzero()[0], self.table.take(index, axis=0)
-        return initial.nonzero()[0], self.table.take(index[~initial], axis=0)
+        positions = initial.nonzero()[0]
+        return positions, self.table.take(index[~initial] if positions.size else index, axis=0)
 
     def write(self, keys: np.ndarray, rows: np.ndarray, state: np.ndarray) -> None:
         """Validates everything first, then stores: a bad request changes nothing.
