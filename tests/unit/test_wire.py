@@ -95,3 +95,53 @@ def test_the_client_reads_a_packed_reply_and_one_with_rows_and_state_apart() -> 
             client.lookup(keys)
     finally:
         client.close()
+
+
+def test_the_client_refuses_a_reply_whose_initial_rows_it_cannot_place() -> None:
+    """A reply that leaves rows out as initial is read only by a client that computes them, and only with
+    ascending positions inside the request; any other names the field and changes nothing."""
+    from bagpipe.core.data import table_offsets
+    from bagpipe.core.embedding_init import InitialRows
+    from bagpipe.core.shard_map import ShardMap
+    from bagpipe.embedding_server.client import EmbeddingClient
+
+    keys = np.array([5, 2, 9], dtype=np.int64)
+    offsets = table_offsets([12])
+    shard_map = ShardMap.create(12, 1, num_buckets=4)
+
+    class Stub:
+        def __init__(self, reply: bytes) -> None:
+            self.reply = reply
+
+        def Lookup(self, request: bytes, timeout: float) -> bytes:  # noqa: N802
+            return self.reply
+
+    def reply(initial: list[int], rows: int) -> bytes:
+        return encode_message([(3, PACKED[:rows]), (4, np.array(initial, dtype=np.int64))])
+
+    plain = EmbeddingClient(shard_map, {0: "127.0.0.1:1"}, dim=8, state_width=4)
+    computes = EmbeddingClient(shard_map, {0: "127.0.0.1:1"}, 8, 4, initial=InitialRows(offsets, 8, 0))
+    try:
+        cases = [
+            (plain, reply([1], 2), "initial: rows left out of a reply to a client that computes none"),
+            (computes, reply([2, 1], 1), r"initial: positions must ascend within \[0, 3\)"),
+            (computes, reply([0, 3], 1), r"initial: positions must ascend within \[0, 3\)"),
+            (computes, reply([1], 1), r"packed: shape must be \[2, 12\], got \[1, 12\]"),
+        ]
+        for client, data, message in cases:
+            route = client._route
+            client._route = type(route)(route.shard_map, {0: Stub(data)})  # type: ignore[dict-item]
+            with pytest.raises(InvalidArgument, match=message):
+                client.lookup(keys)
+        computes._route = type(route)(route.shard_map, {0: Stub(reply([1], 2))})  # type: ignore[dict-item]
+        got_rows, got_state = computes.lookup(keys)
+        assert np.array_equal(got_rows[[0, 2]], PACKED[:2, :8]) and np.array_equal(
+            got_state[[0, 2]], PACKED[:2, 8:]
+        )
+        assert (
+            np.array_equal(got_rows[1], InitialRows(offsets, 8, 0).rows(keys[1:2])[0])
+            and not got_state[1].any()
+        )
+    finally:
+        plain.close()
+        computes.close()
