@@ -34,12 +34,17 @@ def init_rows(keys: np.ndarray, offsets: np.ndarray, dim: int, seed: int) -> np.
 
     A compiled loop (a few nanoseconds a value); it computes exactly what :func:`init_rows_numpy`
     does, operation for operation, in the same IEEE arithmetic."""
-    keys = np.asarray(keys, dtype=np.int64)
-    table = np.searchsorted(offsets, keys, side="right") - 1
-    bound = 1.0 / np.sqrt((offsets[table + 1] - offsets[table]).astype(np.float64))
+    keys, bound = _keys_and_bounds(keys, offsets)
     out = np.empty((keys.size, dim), dtype=np.float32)
     _fill(keys, bound, splitmix64(np.uint64(seed)), out)
     return out
+
+
+def _keys_and_bounds(keys: np.ndarray, offsets: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """``keys`` as int64, and each one's bound ``1/sqrt(n)`` for its table of ``n`` rows (float64)."""
+    keys = np.asarray(keys, dtype=np.int64)
+    table = np.searchsorted(offsets, keys, side="right") - 1
+    return keys, 1.0 / np.sqrt((offsets[table + 1] - offsets[table]).astype(np.float64))
 
 
 @njit(cache=True, nogil=True)
@@ -91,9 +96,7 @@ def fingerprint(offsets: np.ndarray, dim: int, seed: int) -> int:
 def init_rows_numpy(keys: np.ndarray, offsets: np.ndarray, dim: int, seed: int) -> np.ndarray:
     """:func:`init_rows` in numpy array arithmetic: the definition, kept as the reference the tests hold
     the compiled loop to."""
-    keys = np.asarray(keys, dtype=np.int64)
-    table = np.searchsorted(offsets, keys, side="right") - 1
-    bound = 1.0 / np.sqrt((offsets[table + 1] - offsets[table]).astype(np.float64))
+    keys, bound = _keys_and_bounds(keys, offsets)
     with np.errstate(over="ignore"):
         base = splitmix64(keys.astype(np.uint64) * np.uint64(dim) + splitmix64(np.uint64(seed)))
         cols = np.arange(dim, dtype=np.uint64)
