@@ -198,6 +198,7 @@ def job(
         "rows_per_iteration": summary["rows_per_iteration"],
         "rows_fetched_per_iteration": summary["rows_fetched_per_iteration"],
         "rows_fetched_initial_per_iteration": summary["rows_fetched_initial_per_iteration"],
+        "rows_fetched_first_per_iteration": summary["rows_fetched_first_per_iteration"],
         "rows_synced_critical_per_iteration": summary["rows_synced_critical_per_iteration"],
         "cache_peak_occupancy_rows": summary["cache_peak_occupancy_rows"],
         "cache_capacity_rows": summary["cache_capacity_rows"],
@@ -710,11 +711,12 @@ def table(results: dict[str, Any]) -> str:
         if all("rows_fetched_initial_per_iteration" in loop.get(s, {}) for s in ("bagpipe", "no-cache")):
             lines += [
                 "",
-                "Rows fetched per iteration (all trainers), of them still initial (computed by the trainer, "
-                "not sent): "
+                "Rows fetched per iteration (all trainers); of them, used for the first time (computed by "
+                "the trainer, not asked for) and still initial (computed by the trainer, not sent): "
                 + ", ".join(
                     f"{s} {loop[s]['rows_fetched_per_iteration']:,.0f} "
-                    f"({loop[s]['rows_fetched_initial_per_iteration']:,.0f})"
+                    f"({loop[s].get('rows_fetched_first_per_iteration', 0):,.0f} first, "
+                    f"{loop[s]['rows_fetched_initial_per_iteration']:,.0f} initial)"
                     for s in ("bagpipe", "no-cache")
                 )
                 + ".",

@@ -245,7 +245,10 @@ def encode_plans(
     give (``wire.encode_message``); StreamPlans sends them as they are and a trainer reads its share with
     :func:`decode_plan`."""
     trainers = len(samples)
-    rows = encode_message([(1, [*_rows_fields(shared_plan(plan)), (14, plan.batch)])])
+    shared = shared_plan(plan)
+    rows = encode_message(
+        [(1, [*_rows_fields(shared), (14, plan.batch), (15, shared.prefetch_first), (16, plan.first_since)])]
+    )
     scalars: list[tuple[int, Any]] = [  # Plan's fields in field order (oracle_cacher.proto)
         (1, plan.batch),
         (5, plan.slot_high_water),
@@ -303,6 +306,8 @@ def _decode_rows(
     handover_slots = _tensor(msg, "handover_slots", np.int32, where, ndim=1)
     _check_index(handover_slots, slot_high_water, f"{where}: handover_slots")
     handed = handover_slots.size
+    if not 0 <= msg.first_since <= batch:
+        raise InvalidArgument(f"{where}: first_since", f"must be in [0, {batch}], got {msg.first_since}")
     return SharedPlan(
         batch=batch,
         slots=slots,
@@ -318,6 +323,8 @@ def _decode_rows(
         handover_source=_masks(msg, "handover_source", where, handed, trainers, one=True),
         handover_recipients=_masks(msg, "handover_recipients", where, handed, trainers),
         handover_critical=_tensor(msg, "handover_critical", np.bool_, where, shape=(handed,)),
+        prefetch_first=_tensor(msg, "prefetch_first", np.bool_, where, shape=prefetch.shape),
+        first_since=msg.first_since,
     )
 
 

@@ -86,6 +86,10 @@ def test_trainers_match_synchronous_training(run_job, trainers: int, lookahead: 
         assert summary["rows_handed_over"] > 0, "rows must change hands between trainers"
     # transfers are grouped (--transfer-batches 8 by default): fewer calls than batches
     assert summary["write_back_calls_per_iteration"] < trainers
+    # rows used for the first time are computed by the trainers (the servers were untouched before batch
+    # 0), rows evicted and used again are fetched: both paths feed the model compared below
+    first, fetched = summary["rows_fetched_first_per_iteration"], summary["rows_fetched_per_iteration"]
+    assert 0 < first < fetched
     assert_synchronous(paths, iterations, batch, optimizer)
 
 
@@ -213,7 +217,7 @@ def test_criteo_tsv_run_starting_from_a_checkpoint_matches_reference(run_job, tm
         ),
     )
     # continue from the first run's checkpoint with a different layout; the reference continues too
-    _, second = run_job(
+    summary, second = run_job(
         "criteo-b",
         *flags(
             data=f"criteo:{data}",
@@ -227,6 +231,8 @@ def test_criteo_tsv_run_starting_from_a_checkpoint_matches_reference(run_job, tm
             init_from=str(first["final"]),
         ),
     )
+    # the servers started from a model: no row is taken for initial, every one is fetched
+    assert summary["rows_fetched_first_per_iteration"] == 0 < summary["rows_fetched_per_iteration"]
     source = CriteoTSVSource(CriteoConfig(paths=(str(data),), table_rows=tuple(rows)))
     batches = [s for _, s in source.batches(32)]
     assert len(batches) == 8
@@ -247,4 +253,6 @@ def test_benchmark_baselines_also_match_synchronous_training(run_job, system: st
     )
     if system == "no-cache":
         assert summary["lookahead"]["max"] == 1 and summary["cache_hit_rate"] == 0.0
+    # as in bagpipe, the rows used for the first time are computed rather than fetched (or copied)
+    assert 0 < summary["rows_fetched_first_per_iteration"] <= summary["rows_fetched_per_iteration"]
     assert_synchronous(paths, iterations, 64, "adagrad")

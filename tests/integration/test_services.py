@@ -273,7 +273,8 @@ def test_oracle_releases_a_plan_only_after_writebacks_of_batch_x_minus_l() -> No
 def test_lookups_leave_out_initial_rows_only_for_a_client_that_computes_them_alike() -> None:
     """Two real servers; clients that compute initial rows (the servers' fingerprint), that compute them
     otherwise (another seed), and that do not: every lookup answers the same rows and state, before and
-    after write-backs, and only the first client is spared the rows still initial."""
+    after write-backs, and only the first client is spared the rows still initial, and told that the
+    servers are untouched (until the first write-back)."""
     import threading
 
     from bagpipe.core.embedding_init import InitialRows
@@ -296,6 +297,10 @@ def test_lookups_leave_out_initial_rows_only_for_a_client_that_computes_them_ali
         keys = rng.permutation(int(offsets[-1]))[:200].astype(np.int64)
         want = plain.lookup(keys)
         assert (want[1] == 0).all()  # (initial state)
+        # untouched: only a client that computes initial rows as the servers do may take their word for it
+        assert alike.untouched() and not other.untouched() and not plain.untouched()
+        computed = alike.initial_of(keys)
+        assert all(np.array_equal(w, g) for w, g in zip(want, computed, strict=True))
         for client in (alike, other):
             got = client.lookup(keys)
             assert all(np.array_equal(w, g) for w, g in zip(want, got, strict=True))
@@ -304,6 +309,8 @@ def test_lookups_leave_out_initial_rows_only_for_a_client_that_computes_them_ali
 
         written = keys[::3]
         rows = rng.standard_normal((written.size, dim)).astype(np.float32)
+        alike.write_back(written[:1], rows[:1], np.abs(rows[:1]) + 1)  # one row, on one of the servers
+        assert not alike.untouched()
         alike.write_back(written, rows, np.abs(rows) + 1)
         want = plain.lookup(keys)
         assert np.array_equal(want[0][::3], rows) and np.array_equal(want[1][::3], np.abs(rows) + 1)

@@ -381,6 +381,14 @@ def test_bad_plans_name_the_batch_and_field() -> None:
             lambda _, r: r.handover_critical.CopyFrom(to_tensor(np.ones(7, bool))),
             r"plan 1: rows: handover_critical: shape must be",
         ),
+        (
+            lambda _, r: r.prefetch_first.CopyFrom(to_tensor(np.ones(10**3, bool))),
+            r"plan 1: rows: prefetch_first: shape must be",
+        ),
+        (
+            lambda _, r: setattr(r, "first_since", 2),
+            r"plan 1: rows: first_since: must be in \[0, 1\], got 2",
+        ),
     ]
     for change, message in cases:
         plan, samples, rows = corrupted(change)

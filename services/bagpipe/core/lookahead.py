@@ -159,6 +159,10 @@ class BatchPlan:
     prefetch: np.ndarray  # int32 [P]: fetched by their holders before this batch
     prefetch_keys: np.ndarray  # int64 [P]: keys[prefetch]
     prefetch_holders: np.ndarray  # mask [P]: holders[prefetch]
+    # bool [P]: the key's first use since batch first_since (the planner's first): no batch from then
+    # until this one used it, so nothing since then has changed its row
+    prefetch_first: np.ndarray
+    first_since: int
     evict: np.ndarray  # int32 [E]
     evict_keys: np.ndarray  # int64 [E]: keys[evict]
     writer: np.ndarray  # int32 [E]: the trainer that writes each evicted key back
@@ -260,6 +264,7 @@ class _Entry:
     next_used: np.ndarray  # bool [U]: the next batch uses the key (filled when the next batch is pushed)
     next_pos: np.ndarray  # int32 [U]: ... at this position of its keys
     fresh: np.ndarray  # int32: positions of keys no batch before it in the window uses: its prefetches
+    first: np.ndarray  # bool, aligned with fresh: no batch the planner was given before it uses the key
 
 
 def _state_dtype(mask: np.dtype) -> np.dtype:
@@ -287,9 +292,12 @@ _CHUNK = 256  # keys per chunk of _push_records
 
 
 @njit(cache=True, nogil=True)
-def _push_records(state, handover_at, keys, users, batch, oldest, linked, before_used, before_pos, fresh):  # type: ignore[no-untyped-def]
+def _push_records(  # type: ignore[no-untyped-def]
+    state, handover_at, keys, users, batch, oldest, linked, before_used, before_pos, fresh, first
+):
     """Lines 5-11 of Algorithm 1 for one batch, one pass over its keys' records (see ``push``). Returns
-    the newest eviction among its fresh keys (-1: none) and how many of ``fresh`` it filled.
+    the newest eviction among its fresh keys (-1: none) and how many of ``fresh`` it filled; ``first``
+    says of each whether it is the key's first use since the planner began (no latest use at all).
 
     In chunks of ``_CHUNK`` keys: a loop that only reads the chunk's latest uses (so that their loads are
     in flight at once, and the records are in cache for what follows), then the loop that works on them
@@ -309,6 +317,7 @@ def _push_records(state, handover_at, keys, users, batch, oldest, linked, before
             if prev < oldest:  # not used by any batch in the window: not cached either; prefetched at pop
                 depends_on = max(depends_on, prev)
                 fresh[fresh_count] = i
+                first[fresh_count] = prev < 0
                 fresh_count += 1
                 rec.holders = mine
             else:
@@ -520,6 +529,7 @@ class LookaheadPlanner:
         self._window: deque[_Entry] = deque()
         self._allocator = SlotAllocator(delay=min(lookahead, reuse_delay or lookahead), capacity=capacity)
         self._next_push: int | None = None
+        self._first_batch: int | None = None  # the first batch pushed
         self._ended = False
         self._blocked = False
         self._live = np.zeros(
@@ -599,6 +609,7 @@ class LookaheadPlanner:
         next_used = np.zeros(keys.size, dtype=bool)
         next_pos = np.empty(keys.size, dtype=np.int32)  # (read only where next_used is set)
         fresh = np.empty(keys.size, dtype=np.int32)
+        first = np.empty(keys.size, dtype=bool)
         depends_on, fresh_count = _push_records(
             self._state,
             self._handover_at,
@@ -610,9 +621,21 @@ class LookaheadPlanner:
             before.next_used if before is not None else next_used,  # (not written when not linked)
             before.next_pos if before is not None else next_pos,
             fresh,
+            first,
         )
+        if self._first_batch is None:
+            self._first_batch = batch
         self._window.append(
-            _Entry(batch, keys, users, int(depends_on), next_used, next_pos, fresh[:fresh_count].copy())
+            _Entry(
+                batch,
+                keys,
+                users,
+                int(depends_on),
+                next_used,
+                next_pos,
+                fresh[:fresh_count].copy(),
+                first[:fresh_count].copy(),
+            )
         )
         self._next_push = batch + 1
         self._ended = last
@@ -710,6 +733,8 @@ class LookaheadPlanner:
             prefetch=prefetch,
             prefetch_keys=prefetch_keys,
             prefetch_holders=prefetch_holders,
+            prefetch_first=entry.first,
+            first_since=self._first_batch if self._first_batch is not None else x,
             evict=evict,
             evict_keys=evict_keys,
             writer=writer,

@@ -58,6 +58,9 @@ class TrainerPlan:
     background: SyncStep
     writeback_keys: np.ndarray  # int64 [W]
     writeback_slots: np.ndarray  # int32 [W]
+    # bool [P]: first used since batch first_since: unchanged since then (SharedPlan.prefetch_first)
+    prefetch_first: np.ndarray
+    first_since: int
 
 
 @dataclass(frozen=True)
@@ -79,6 +82,10 @@ class SharedPlan:
     handover_source: np.ndarray  # mask [H]: one bit
     handover_recipients: np.ndarray  # mask [H]
     handover_critical: np.ndarray  # bool [H]
+    # bool [P]: the prefetched key's first use since batch first_since, the planner's first (no batch
+    # from then until this one used it, so no trainer has changed its row since then)
+    prefetch_first: np.ndarray
+    first_since: int
 
     @property
     def unique(self) -> int:
@@ -103,6 +110,8 @@ def shared_plan(plan: BatchPlan) -> SharedPlan:
         handover_source=h.source,
         handover_recipients=h.recipients,
         handover_critical=h.critical,
+        prefetch_first=plan.prefetch_first,
+        first_since=plan.first_since,
     )
 
 
@@ -140,6 +149,8 @@ def share(plan: SharedPlan, inverse: np.ndarray, rank: int) -> TrainerPlan:
         background=steps[1],
         writeback_keys=plan.evict_keys[written],
         writeback_slots=plan.slots[plan.evict[written]],
+        prefetch_first=plan.prefetch_first[fetching],
+        first_since=plan.first_since,
     )
 
 

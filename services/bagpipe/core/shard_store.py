@@ -236,6 +236,11 @@ class ShardStore:
         positions = initial.nonzero()[0]
         return positions, self.table.take(index[~initial] if positions.size else index, axis=0)
 
+    def untouched(self) -> bool:
+        """Whether every row still holds its initial value and zero state: nothing was stored into any row
+        since the shard was filled (no write, restore, checkpoint or migration), and none is under way."""
+        return self.migration is None and bool(self._initial.all())
+
     def write(self, keys: np.ndarray, rows: np.ndarray, state: np.ndarray) -> None:
         """Validates everything first, then stores: a bad request changes nothing.
 

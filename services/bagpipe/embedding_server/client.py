@@ -218,6 +218,13 @@ class EmbeddingClient:
                 raise
         return positions[:0]
 
+    def initial_of(self, keys: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+        """The initial rows of ``keys`` and their zero optimizer state, computed here (a store whose
+        ``untouched`` held, and whose keys no write has reached since, holds exactly these)."""
+        if self.initial is None:
+            raise ValueError("initial_of: this client computes no initial rows")
+        return self.initial.rows(keys), np.zeros((keys.size, self.state_width), dtype=np.float32)
+
     def lookup(self, keys: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
         """Rows and optimizer state of ``keys`` (any order, distinct), as float32 arrays."""
         rows = np.empty((keys.size, self.dim), dtype=np.float32)
@@ -281,6 +288,32 @@ class EmbeddingClient:
         if initial.size and not (initial[0] >= 0 and initial[-1] < n and (np.diff(initial) > 0).all()):
             raise InvalidArgument("initial", f"positions must ascend within [0, {n})")
         return initial
+
+    def untouched(self) -> bool:
+        """Whether every server of the map in force holds only initial rows that this client computes as
+        it does (the same fingerprint): nothing stored into any row since it was filled. A server that
+        cannot say so (another fingerprint, a migration under way, a version refused) counts as touched."""
+        if self.initial is None:
+            return False
+        route = self._route
+        no_keys = np.zeros(0, dtype=np.int64)
+        request = encode_message(
+            [(1, route.shard_map.version), (2, no_keys), (3, self.initial.fingerprint), (4, True)]
+        )
+
+        def one(shard: int) -> bool:
+            try:
+                data = call_with_retry(
+                    functools.partial(route.stubs[shard].Lookup, request, timeout=serving.RPC_TIMEOUT_S),
+                    f"lookup shard {shard}",
+                )
+            except grpc.RpcError as e:
+                if e.code() != grpc.StatusCode.FAILED_PRECONDITION:  # (re-sharding: a version refused)
+                    raise
+                return False
+            return bool(decode_message(data, pb.LookupResponse.DESCRIPTOR).untouched)
+
+        return all(self._pool.map(one, route.stubs))
 
     def write_back(self, keys: np.ndarray, rows: np.ndarray, state: np.ndarray) -> None:
         """Stores rows and state; returns once every shard has acknowledged (durable in memory)."""

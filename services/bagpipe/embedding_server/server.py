@@ -77,7 +77,8 @@ class EmbeddingServicer(pb_grpc.EmbeddingServerServicer):
         """The reply is a serialised ``LookupResponse`` (``wire.encode_message``) with the gathered rows as
         they are stored, each followed by its state (``packed``): they are copied into it once, not once
         per protobuf layer, nor split into rows and state first. A client that computes initial rows as
-        this server does (the same ``init_fingerprint``) gets the rows still initial as positions only."""
+        this server does (the same ``init_fingerprint``) gets the rows still initial as positions only,
+        and, asked, whether every row of the shard is (``untouched``)."""
         with metrics.LATENCY.labels("lookup").time():
             self._check_version(request.shard_map_version)
             self._check_size(request.keys)
@@ -86,6 +87,8 @@ class EmbeddingServicer(pb_grpc.EmbeddingServerServicer):
             if request.init_fingerprint and request.init_fingerprint == self.store.fingerprint:
                 initial, packed = self.store.gather_changed(keys)
                 fields = [(3, packed), (4, initial)] if initial.size else [(3, packed)]
+                if request.ask_untouched:
+                    fields.append((5, self.store.untouched()))
                 metrics.INITIAL_ROWS.inc(initial.size)
             else:
                 packed = self.store.gather(keys)

@@ -843,6 +843,9 @@ def summarize(stats: list[dict[str, Any]], args: argparse.Namespace, run_dir: Pa
         # (of them, and of any other lookup of the trainers: rows still initial, computed, not sent)
         "rows_fetched_initial_per_iteration": sum(st.get("rows_initial", 0) for st in stats)
         / max(1, stats[0]["iterations"]),
+        # (of them: rows the plans marked as used for the first time, computed without asking the servers)
+        "rows_fetched_first_per_iteration": sum(st.get("rows_first", 0) for st in stats)
+        / max(1, stats[0]["iterations"]),
         "rows_private_per_iteration": sum(st["rows_private_per_iteration"] for st in stats),
         "rows_synced_critical_per_iteration": stats[0]["rows_synced_critical_per_iteration"],
         "rows_synced_background_per_iteration": stats[0]["rows_synced_background_per_iteration"],
@@ -881,7 +884,8 @@ def format_summary(s: dict[str, Any]) -> str:
         f"cache hit rate       {100 * s['cache_hit_rate']:.1f}%",
         f"rows per iteration   {s['rows_per_iteration']:,.0f} used, "
         f"{s['rows_fetched_per_iteration']:,.0f} fetched "
-        f"({s['rows_fetched_initial_per_iteration']:,.0f} still initial: computed, not sent), "
+        f"({s['rows_fetched_first_per_iteration']:,.0f} used for the first time: computed, not asked "
+        f"for; {s['rows_fetched_initial_per_iteration']:,.0f} more still initial: computed, not sent), "
         f"{s['rows_written_back_per_iteration']:,.0f} written back",
         f"transfer calls       {s['lookup_calls_per_iteration']:.2f} fetches, "
         f"{s['write_back_calls_per_iteration']:.2f} "

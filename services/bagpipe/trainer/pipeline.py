@@ -49,6 +49,8 @@ PLAN_STREAM_WINDOW_S = 60.0
 
 # (batch, evicted keys, their rows, their state) queued for the writer
 WriteBack = tuple[int, np.ndarray, torch.Tensor, torch.Tensor]
+# keys -> their initial rows and zero optimizer state (EmbeddingClient.initial_of)
+InitialOf = Callable[[np.ndarray], tuple[np.ndarray, np.ndarray]]
 
 
 # the prefetched rows are read-only views of a reply, which the cache only copies from; torch warns (once)
@@ -81,7 +83,10 @@ class Pipeline:
         self.starving = False  # the training thread waits for a plan or a write-back: write back now
         self.start_batch = start_batch
         self.written_back = start_batch - 1  # last batch whose write-backs are durable
-        self.transfers = {"lookup_calls": 0, "write_back_calls": 0}
+        self.transfers = {"lookup_calls": 0, "write_back_calls": 0, "first_rows": 0}
+        # computes initial rows (and zero state) when every embedding server was untouched before this
+        # trainer's first batch: a plan's rows used for the first time since then are computed, not fetched
+        self.initial_of: InitialOf | None = None
         self._prefetch_queue: queue.Queue[PlanArrays | None] = queue.Queue()
         self._writebacks: list[WriteBack] = []  # under cond
         self._writes_closed = False
@@ -91,8 +96,12 @@ class Pipeline:
         self._write_phase = self._prefetch_phase + k // 2
         self._threads: list[threading.Thread] = []
 
-    def connect(self, store: RowStore, oracle: opb_grpc.OracleCacherStub) -> None:
-        self.store, self.oracle = store, oracle
+    def connect(
+        self, store: RowStore, oracle: opb_grpc.OracleCacherStub, initial_of: InitialOf | None = None
+    ) -> None:
+        """``initial_of``: given only if no row of the store has changed since it was filled with its
+        initial rows, checked before any trainer trained ``start_batch`` (the trainers' barrier follows)."""
+        self.store, self.oracle, self.initial_of = store, oracle, initial_of
 
     # ---- shared state
     def fail(self, error: BaseException) -> None:
@@ -269,11 +278,30 @@ class Pipeline:
 
     def fetch(self, *shares: TrainerPlan) -> None:
         """Fetches the rows of ``shares`` (consecutive batches: their keys and slots are distinct, since a
-        key or slot comes back only after a write-back that follows training the earlier batch)."""
+        key or slot comes back only after a write-back that follows training the earlier batch).
+
+        Rows the plans mark as used for the first time since this trainer's first batch are computed
+        instead, when the store was untouched then (``connect``): every change to a row since then came
+        from training a batch that used it, so such a row still holds its initial value."""
         assert self.store is not None
         keys = np.concatenate([share.prefetch_keys for share in shares])
+        slots = np.concatenate([share.prefetch_slots for share in shares])
+        if self.initial_of is not None and keys.size:
+            # (marks counted from another first batch than this trainer's say nothing: fetched as usual)
+            first = np.concatenate(
+                [
+                    s.prefetch_first if s.first_since == self.start_batch else np.zeros_like(s.prefetch_first)
+                    for s in shares
+                ]
+            )
+            if first.any():
+                rows, state = self.initial_of(keys[first])
+                self.cache.insert(
+                    self.cache.index(slots[first]), torch.from_numpy(rows), torch.from_numpy(state)
+                )
+                self.transfers["first_rows"] += int(rows.shape[0])
+                keys, slots = keys[~first], slots[~first]
         if keys.size:
-            slots = np.concatenate([share.prefetch_slots for share in shares])
             # each reply straight into the cache: one copy of the rows on this side, not two
             for positions, rows, state in self.store.lookup_parts(keys):
                 self.cache.insert(

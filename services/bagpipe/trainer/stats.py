@@ -203,6 +203,7 @@ class TrainerStats:
             "bytes_sent": store.bytes_sent,
             "bytes_received": store.bytes_received,
             "rows_initial": store.initial_rows,
+            "rows_first": transfers["first_rows"],
             "losses": self.losses,
         }
 

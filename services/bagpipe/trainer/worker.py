@@ -355,11 +355,15 @@ class Trainer:
         # that runs it)
         gc.collect()
         gc.freeze()
+        assert self.store is not None and self.oracle is not None and self.servers is not None
+        # asked before the barrier, so before any trainer trains a batch: if no row of the servers has
+        # changed yet, the rows the plans use for the first time are computed here, not fetched
+        untouched = self.servers.untouched()
+        logger.info("embedding servers untouched before batch %d: %s", self.start_batch, untouched)
+        self.pipeline.connect(self.store, self.oracle, self.servers.initial_of if untouched else None)
         if config.world_size > 1:
             dist.barrier()
         self.on_ready()
-        assert self.store is not None and self.oracle is not None
-        self.pipeline.connect(self.store, self.oracle)
         self.pipeline.start()
         self.sync.start(background_group)
         start = time.perf_counter()

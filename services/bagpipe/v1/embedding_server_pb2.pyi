@@ -8,26 +8,30 @@ from typing import ClassVar as _ClassVar, Optional as _Optional, Union as _Union
 DESCRIPTOR: _descriptor.FileDescriptor
 
 class LookupRequest(_message.Message):
-    __slots__ = ("shard_map_version", "keys", "init_fingerprint")
+    __slots__ = ("shard_map_version", "keys", "init_fingerprint", "ask_untouched")
     SHARD_MAP_VERSION_FIELD_NUMBER: _ClassVar[int]
     KEYS_FIELD_NUMBER: _ClassVar[int]
     INIT_FINGERPRINT_FIELD_NUMBER: _ClassVar[int]
+    ASK_UNTOUCHED_FIELD_NUMBER: _ClassVar[int]
     shard_map_version: int
     keys: _tensor_pb2.Tensor
     init_fingerprint: int
-    def __init__(self, shard_map_version: _Optional[int] = ..., keys: _Optional[_Union[_tensor_pb2.Tensor, _Mapping]] = ..., init_fingerprint: _Optional[int] = ...) -> None: ...
+    ask_untouched: bool
+    def __init__(self, shard_map_version: _Optional[int] = ..., keys: _Optional[_Union[_tensor_pb2.Tensor, _Mapping]] = ..., init_fingerprint: _Optional[int] = ..., ask_untouched: _Optional[bool] = ...) -> None: ...
 
 class LookupResponse(_message.Message):
-    __slots__ = ("rows", "state", "packed", "initial")
+    __slots__ = ("rows", "state", "packed", "initial", "untouched")
     ROWS_FIELD_NUMBER: _ClassVar[int]
     STATE_FIELD_NUMBER: _ClassVar[int]
     PACKED_FIELD_NUMBER: _ClassVar[int]
     INITIAL_FIELD_NUMBER: _ClassVar[int]
+    UNTOUCHED_FIELD_NUMBER: _ClassVar[int]
     rows: _tensor_pb2.Tensor
     state: _tensor_pb2.Tensor
     packed: _tensor_pb2.Tensor
     initial: _tensor_pb2.Tensor
-    def __init__(self, rows: _Optional[_Union[_tensor_pb2.Tensor, _Mapping]] = ..., state: _Optional[_Union[_tensor_pb2.Tensor, _Mapping]] = ..., packed: _Optional[_Union[_tensor_pb2.Tensor, _Mapping]] = ..., initial: _Optional[_Union[_tensor_pb2.Tensor, _Mapping]] = ...) -> None: ...
+    untouched: bool
+    def __init__(self, rows: _Optional[_Union[_tensor_pb2.Tensor, _Mapping]] = ..., state: _Optional[_Union[_tensor_pb2.Tensor, _Mapping]] = ..., packed: _Optional[_Union[_tensor_pb2.Tensor, _Mapping]] = ..., initial: _Optional[_Union[_tensor_pb2.Tensor, _Mapping]] = ..., untouched: _Optional[bool] = ...) -> None: ...
 
 class WriteBackRequest(_message.Message):
     __slots__ = ("shard_map_version", "keys", "rows", "state")

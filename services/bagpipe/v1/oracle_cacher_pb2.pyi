@@ -50,7 +50,7 @@ class Plan(_message.Message):
     def __init__(self, batch: _Optional[int] = ..., slot_high_water: _Optional[int] = ..., global_batch_size: _Optional[int] = ..., last: _Optional[bool] = ..., lookahead: _Optional[int] = ..., depends_on: _Optional[int] = ..., occupancy: _Optional[int] = ..., checkpoint: _Optional[bool] = ..., checkpoint_keys: _Optional[_Union[_tensor_pb2.Tensor, _Mapping]] = ..., checkpoint_slots: _Optional[_Union[_tensor_pb2.Tensor, _Mapping]] = ...) -> None: ...
 
 class PlanRows(_message.Message):
-    __slots__ = ("slots", "users", "sync", "prefetch", "prefetch_keys", "prefetch_holders", "evict", "evict_keys", "evict_writer", "handover_slots", "handover_source", "handover_recipients", "handover_critical", "batch")
+    __slots__ = ("slots", "users", "sync", "prefetch", "prefetch_keys", "prefetch_holders", "evict", "evict_keys", "evict_writer", "handover_slots", "handover_source", "handover_recipients", "handover_critical", "batch", "prefetch_first", "first_since")
     SLOTS_FIELD_NUMBER: _ClassVar[int]
     USERS_FIELD_NUMBER: _ClassVar[int]
     SYNC_FIELD_NUMBER: _ClassVar[int]
@@ -65,6 +65,8 @@ class PlanRows(_message.Message):
     HANDOVER_RECIPIENTS_FIELD_NUMBER: _ClassVar[int]
     HANDOVER_CRITICAL_FIELD_NUMBER: _ClassVar[int]
     BATCH_FIELD_NUMBER: _ClassVar[int]
+    PREFETCH_FIRST_FIELD_NUMBER: _ClassVar[int]
+    FIRST_SINCE_FIELD_NUMBER: _ClassVar[int]
     slots: _tensor_pb2.Tensor
     users: _tensor_pb2.Tensor
     sync: _tensor_pb2.Tensor
@@ -79,7 +81,9 @@ class PlanRows(_message.Message):
     handover_recipients: _tensor_pb2.Tensor
     handover_critical: _tensor_pb2.Tensor
     batch: int
-    def __init__(self, slots: _Optional[_Union[_tensor_pb2.Tensor, _Mapping]] = ..., users: _Optional[_Union[_tensor_pb2.Tensor, _Mapping]] = ..., sync: _Optional[_Union[_tensor_pb2.Tensor, _Mapping]] = ..., prefetch: _Optional[_Union[_tensor_pb2.Tensor, _Mapping]] = ..., prefetch_keys: _Optional[_Union[_tensor_pb2.Tensor, _Mapping]] = ..., prefetch_holders: _Optional[_Union[_tensor_pb2.Tensor, _Mapping]] = ..., evict: _Optional[_Union[_tensor_pb2.Tensor, _Mapping]] = ..., evict_keys: _Optional[_Union[_tensor_pb2.Tensor, _Mapping]] = ..., evict_writer: _Optional[_Union[_tensor_pb2.Tensor, _Mapping]] = ..., handover_slots: _Optional[_Union[_tensor_pb2.Tensor, _Mapping]] = ..., handover_source: _Optional[_Union[_tensor_pb2.Tensor, _Mapping]] = ..., handover_recipients: _Optional[_Union[_tensor_pb2.Tensor, _Mapping]] = ..., handover_critical: _Optional[_Union[_tensor_pb2.Tensor, _Mapping]] = ..., batch: _Optional[int] = ...) -> None: ...
+    prefetch_first: _tensor_pb2.Tensor
+    first_since: int
+    def __init__(self, slots: _Optional[_Union[_tensor_pb2.Tensor, _Mapping]] = ..., users: _Optional[_Union[_tensor_pb2.Tensor, _Mapping]] = ..., sync: _Optional[_Union[_tensor_pb2.Tensor, _Mapping]] = ..., prefetch: _Optional[_Union[_tensor_pb2.Tensor, _Mapping]] = ..., prefetch_keys: _Optional[_Union[_tensor_pb2.Tensor, _Mapping]] = ..., prefetch_holders: _Optional[_Union[_tensor_pb2.Tensor, _Mapping]] = ..., evict: _Optional[_Union[_tensor_pb2.Tensor, _Mapping]] = ..., evict_keys: _Optional[_Union[_tensor_pb2.Tensor, _Mapping]] = ..., evict_writer: _Optional[_Union[_tensor_pb2.Tensor, _Mapping]] = ..., handover_slots: _Optional[_Union[_tensor_pb2.Tensor, _Mapping]] = ..., handover_source: _Optional[_Union[_tensor_pb2.Tensor, _Mapping]] = ..., handover_recipients: _Optional[_Union[_tensor_pb2.Tensor, _Mapping]] = ..., handover_critical: _Optional[_Union[_tensor_pb2.Tensor, _Mapping]] = ..., batch: _Optional[int] = ..., prefetch_first: _Optional[_Union[_tensor_pb2.Tensor, _Mapping]] = ..., first_since: _Optional[int] = ...) -> None: ...
 
 class ProgressReport(_message.Message):
     __slots__ = ("rank", "trained", "written_back")

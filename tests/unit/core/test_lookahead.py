@@ -90,6 +90,24 @@ def test_cached_rows_are_exactly_those_used_within_the_window(lookahead: int) ->
     assert planner.peak_occupancy <= planner.slot_high_water
 
 
+@pytest.mark.parametrize(("lookahead", "start"), [(1, 0), (3, 0), (6, 40)])
+def test_prefetches_marked_first_are_exactly_keys_no_earlier_batch_used(lookahead: int, start: int) -> None:
+    """A trainer computes a row marked first instead of fetching it: the mark must hold only for a key
+    that no batch since the planner's first one used (so none changed it), and for every such key."""
+    batches = {start + b: v for b, v in random_batches(50, 40, 12, seed=7 + lookahead).items()}
+    plans, _ = plan_all(batches, lookahead, num_keys=40)
+    seen: set[int] = set()
+    refetched = 0
+    for p in plans:
+        assert p.first_since == start
+        assert p.prefetch_first.shape == p.prefetch_keys.shape and p.prefetch_first.dtype == bool
+        for key, first in zip(p.prefetch_keys.tolist(), p.prefetch_first.tolist(), strict=True):
+            assert first == (key not in seen), f"batch {p.batch}: key {key} marked first={first}"
+            refetched += not first
+        seen.update(batches[p.batch])
+    assert refetched > 0, "some key must be evicted and fetched again (not first)"
+
+
 def test_push_rejects_out_of_order_and_out_of_range_batches() -> None:
     planner = LookaheadPlanner(10, 3)
     planner.push(0, np.array([1, 2], dtype=np.int64))

@@ -91,6 +91,7 @@ def test_a_migration_carries_every_row_state_and_checkpoint_flag_once() -> None:
                 stores[s].write(some[part], rows, state)
                 want_rows[some[part]], want_state[some[part]] = rows, state
 
+    assert all(st.untouched() for st in stores.values())
     before = rng.choice(total, 40, replace=False).astype(np.int64)
     write(stores, before)  # changed since the last checkpoint: the flags must follow the rows
     during = rng.choice(total, 40, replace=False).astype(np.int64)  # written after the copy: sent again
@@ -114,9 +115,24 @@ def test_a_migration_carries_every_row_state_and_checkpoint_flag_once() -> None:
     stayed = keys[sm.shard_of(keys) == new.shard_of(keys)]
     assert np.array_equal(np.sort(initial), np.setdiff1d(stayed, np.union1d(before, during)))
     assert sum(st.rows_held for st in stores.values()) == total
+    assert not stores[2].untouched(), "rows received by re-sharding count as stored into"
     with pytest.raises(InvalidArgument, match="belongs to shard"):  # moved keys are no longer served here
         moved = keys[(sm.shard_of(keys) == 0) & (new.shard_of(keys) == 2)]
         stores[0].lookup(moved[:1])
+
+
+def test_a_shard_is_not_untouched_while_it_migrates() -> None:
+    """A trainer computes the rows it uses first only if every shard says it is untouched: a shard in the
+    middle of a migration cannot say so; an aborted one stored nothing."""
+    offsets = table_offsets([50, 70, 30])
+    sm = ShardMap.create(int(offsets[-1]), 2, num_buckets=16)
+    stores = _stores(sm, offsets, [0, 1, 2])
+    for st in stores.values():
+        st.begin_migration(sm.rebalance([0, 1, 2]))
+    assert not any(st.untouched() for st in stores.values())
+    for st in stores.values():
+        st.abort_migration()
+    assert all(st.untouched() for st in stores.values())
 
 
 def test_a_bad_message_changes_nothing() -> None:

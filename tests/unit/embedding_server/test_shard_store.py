@@ -127,6 +127,19 @@ def test_a_row_counts_as_initial_until_a_write_or_restore_stores_into_it() -> No
     assert np.array_equal(_assert_initial_flags_hold(store, offsets, 0), mine)
     initial, packed = store.gather_changed(mine[[4, 1]])
     assert np.array_equal(initial, [0, 1]) and packed.shape == (0, 8)
+    assert store.untouched()  # (lookups store nothing)
+    refused = _store()  # a refused write-back leaves the shard untouched
+    import pytest
+    from bagpipe.errors import InvalidArgument
+
+    with pytest.raises(InvalidArgument):
+        refused.write(mine[[5, 6]], np.full((2, 4), np.nan, np.float32), np.ones((2, 4), np.float32))
+    assert refused.untouched()
+    refused.write(mine[[7]], np.ones((1, 4), np.float32), np.zeros((1, 4), np.float32))
+    assert not refused.untouched()
+    restored = _store()
+    restored.restore([(1, mine[[3]], np.full((1, 4), 0.5, np.float32), np.zeros((1, 4), np.float32))])
+    assert not restored.untouched()
 
     written = mine[[2, 9]]
     store.write(written, np.full((2, 4), 0.25, np.float32), np.ones((2, 4), np.float32))
@@ -140,9 +153,6 @@ def test_a_row_counts_as_initial_until_a_write_or_restore_stores_into_it() -> No
     assert np.array_equal(initial, [1]) and np.array_equal(packed, store.gather(mine[[9, 3]]))
 
     # a refused write-back stores nothing, and so clears no flag
-    import pytest
-    from bagpipe.errors import InvalidArgument
-
     bad = np.full((2, 4), np.nan, np.float32)
     with pytest.raises(InvalidArgument):
         store.write(mine[[5, 6]], bad, np.ones((2, 4), np.float32))

@@ -92,6 +92,8 @@ def test_update_applies_private_and_critical_rows_like_the_optimizer(optimizer: 
         _step(_ints(), _ints()),
         np.array([], np.int64),
         _ints(),
+        np.zeros(0, bool),
+        0,
     )
     row_grad = torch.randn(3, 2)
     sync.synced = 2  # (batch 2's background synchronisation is done: batch 3's critical one may start)
