@@ -70,6 +70,12 @@ def check_live_services(endpoints: dict[str, str], prometheus: PrometheusServer 
         )
         assert hits + misses == lookups > 0 and hits > 0 and misses > 0
         assert total(t, "bagpipe_trainer_rows_prefetched_total") > 0
+        # a fresh run: the rows used for the first time are computed, and are among those prefetched
+        assert (
+            0
+            < total(t, "bagpipe_trainer_rows_computed_total")
+            <= total(t, "bagpipe_trainer_rows_prefetched_total")
+        )
         assert total(t, "bagpipe_trainer_rows_written_back_total") > 0
         assert total(t, "bagpipe_trainer_embedding_bytes_total", direction="received") > 0
         assert total(t, "bagpipe_trainer_embedding_bytes_total", direction="sent") > 0

@@ -24,6 +24,10 @@ STAGE_SECONDS = Histogram(
 CACHE_HITS = Counter("bagpipe_trainer_cache_hits_total", "Batch rows found in the cache")
 CACHE_MISSES = Counter("bagpipe_trainer_cache_misses_total", "Batch rows that had to be prefetched")
 ROWS_PREFETCHED = Counter("bagpipe_trainer_rows_prefetched_total", "Rows fetched from embedding servers")
+ROWS_COMPUTED = Counter(
+    "bagpipe_trainer_rows_computed_total",
+    "Prefetched rows used for the first time, computed here (initial values) instead of fetched",
+)
 ROWS_WRITTEN_BACK = Counter(
     "bagpipe_trainer_rows_written_back_total", "Rows written back to embedding servers"
 )

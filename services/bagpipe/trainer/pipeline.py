@@ -40,6 +40,7 @@ from bagpipe.core.cache import EmbeddingCache
 from bagpipe.core.plans import TrainerPlan
 from bagpipe.core.row_store import RowStore
 from bagpipe.embedding_server.client import call_with_retry
+from bagpipe.trainer import metrics
 from bagpipe.trainer.config import TrainerConfig
 from bagpipe.v1 import oracle_cacher_pb2 as opb
 from bagpipe.v1 import oracle_cacher_pb2_grpc as opb_grpc
@@ -300,6 +301,7 @@ class Pipeline:
                     self.cache.index(slots[first]), torch.from_numpy(rows), torch.from_numpy(state)
                 )
                 self.transfers["first_rows"] += int(rows.shape[0])
+                metrics.ROWS_COMPUTED.inc(int(rows.shape[0]))
                 keys, slots = keys[~first], slots[~first]
         if keys.size:
             # each reply straight into the cache: one copy of the rows on this side, not two
