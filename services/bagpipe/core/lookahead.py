@@ -5,7 +5,9 @@ When the oldest batch leaves the window it gets a plan:
 
 * every key of the batch gets a time to live: the last batch *in the window* that uses it
   (Algorithm 1's ``LatestTracker``);
-* keys that are not cached are prefetched and get a cache slot (``InCache``);
+* keys that are not cached are prefetched and get a cache slot (``InCache``); a prefetch is marked
+  when it is the key's first use since the planner's first batch (``prefetch_first``: no batch since
+  then changed its row, so a trainer that found the servers untouched computes it instead);
 * keys whose time to live is the batch itself are evicted after it.
 
 **Exactness.** A key evicted after batch ``e`` is not used by the batches that were in the window
