@@ -111,7 +111,9 @@ async def stop_gracefully(server: grpc.aio.Server, health_servicer: health.Healt
 
 
 def stop_on_signals(stop: asyncio.Event) -> None:
-    """SIGTERM and SIGINT set ``stop``: the service stops gracefully and exits 0."""
+    """SIGTERM and SIGINT set ``stop``: the service stops gracefully and exits 0, as on Control.Shutdown (a
+    pod stopping). Services call it before they register in Redis, so that a signal sent as soon as they
+    are visible finds the handler, not the default (exit -15, still registered)."""
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGTERM, signal.SIGINT):
         loop.add_signal_handler(sig, stop.set)

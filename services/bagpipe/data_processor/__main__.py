@@ -29,10 +29,10 @@ async def serve(cfg: DataProcessorConfig) -> None:
     )
     server, port, control, health = await create_server(cfg, cfg.address)
     control.address = serving.advertised(control.address, cfg.coordination.advertise_host)
+    serving.stop_on_signals(control.stop)  # (before it registers: see stop_on_signals)
     registry.register("data_processor", member, control.address)
     http.ready.set()
     logger.info("data processor %s serving %s on %s", member, cfg.source.data, control.address)
-    serving.stop_on_signals(control.stop)  # SIGTERM (a pod stopping) ends it like Control.Shutdown
     await control.stop.wait()
     try:
         registry.unregister("data_processor", member)

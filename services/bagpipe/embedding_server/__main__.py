@@ -56,6 +56,7 @@ async def serve(cfg: EmbeddingServerConfig) -> None:
     store.warm_up()
     server, port, control, health = await create_server(store, cfg.address, cfg.max_rows_per_request)
     control.address = serving.advertised(control.address, cfg.coordination.advertise_host)
+    serving.stop_on_signals(control.stop)  # (before it registers: see stop_on_signals)
     registry.register("embedding_server", str(cfg.shard), control.address)
     http.ready.set()
     logger.info(
@@ -75,7 +76,6 @@ async def serve(cfg: EmbeddingServerConfig) -> None:
 
         resharder = Resharder(registry, cfg.migration_rows_per_second)
         coordinator = asyncio.create_task(resharder.run(control.stop, stop_on), name="resharder")
-    serving.stop_on_signals(control.stop)  # SIGTERM (a pod stopping) ends it like Control.Shutdown
     await control.stop.wait()
     if coordinator is not None:
         await coordinator

@@ -35,6 +35,7 @@ async def serve(cfg: OracleConfig) -> None:
     members = await asyncio.to_thread(registry.wait_for_members, "data_processor", cfg.data_processors)
     addresses = [members[k] for k in sorted(members, key=_member_order)][: cfg.data_processors]
     tasks = oracle.start(addresses)
+    serving.stop_on_signals(control.stop)  # (before it registers: see stop_on_signals)
     registry.register("oracle_cacher", "0", control.address)
     http.ready.set()
     logger.info(
@@ -46,7 +47,6 @@ async def serve(cfg: OracleConfig) -> None:
         cfg.trainers,
         len(addresses),
     )
-    serving.stop_on_signals(control.stop)  # SIGTERM (a pod stopping) ends it like Control.Shutdown
     await control.stop.wait()
     for task in tasks:
         task.cancel()
