@@ -256,10 +256,8 @@ class EmbeddingClient:
             sent = part  # the positions whose rows the reply holds
             initial = self._initial_positions(reply.initial, part.size)
             if initial.size:  # (still initial: computed here)
-                assert self.initial is not None
                 mine = part[initial]
-                zeros = np.zeros((initial.size, self.state_width), dtype=np.float32)
-                put(mine, self.initial.rows(keys[mine]), zeros)
+                put(mine, *self.initial_of(keys[mine]))
                 self.initial_rows += initial.size
                 kept = np.ones(part.size, dtype=bool)
                 kept[initial] = False
