@@ -531,7 +531,7 @@ class LookaheadPlanner:
         self._window: deque[_Entry] = deque()
         self._allocator = SlotAllocator(delay=min(lookahead, reuse_delay or lookahead), capacity=capacity)
         self._next_push: int | None = None
-        self._first_batch: int | None = None  # the first batch pushed
+        self._first_batch = -1  # the first batch pushed (set by the first push, before any pop)
         self._ended = False
         self._blocked = False
         self._live = np.zeros(
@@ -625,7 +625,7 @@ class LookaheadPlanner:
             fresh,
             first,
         )
-        if self._first_batch is None:
+        if self._next_push is None:
             self._first_batch = batch
         self._window.append(
             _Entry(
@@ -736,7 +736,7 @@ class LookaheadPlanner:
             prefetch_keys=prefetch_keys,
             prefetch_holders=prefetch_holders,
             prefetch_first=entry.first,
-            first_since=self._first_batch if self._first_batch is not None else x,
+            first_since=self._first_batch,
             evict=evict,
             evict_keys=evict_keys,
             writer=writer,
