@@ -551,12 +551,28 @@ def _wait_for_endpoints(
         try:
             endpoints = generation.registry.metrics_endpoints()
         except redis.RedisError as e:
-            raise ComponentFailure("redis", "gone", f"does not answer: {e}") from None
+            raise _redis_failure(e, redis_server) from None
         if len(endpoints) >= count:
             return endpoints
         if time.monotonic() > deadline:
             raise RuntimeError(f"only {len(endpoints)} of {count} services registered a metrics endpoint")
         time.sleep(0.05)
+
+
+def _redis_exited(redis_server: RedisServer) -> ComponentFailure:
+    return ComponentFailure(
+        "redis", "exited", f"exited with {redis_server.proc.returncode}", redis_server.log_path
+    )
+
+
+def _redis_failure(error: redis.RedisError, redis_server: RedisServer) -> ComponentFailure:
+    """Redis did not answer: it exited if its process has ended, or ends within a second (a killed server
+    resets its connections a moment before its exit can be seen), else it is gone (frozen, unreachable)."""
+    try:
+        redis_server.proc.wait(timeout=1.0)
+    except subprocess.TimeoutExpired:
+        return ComponentFailure("redis", "gone", f"does not answer: {error}")
+    return _redis_exited(redis_server)
 
 
 def _save_scrapes(directory: Path, endpoints: dict[str, str]) -> None:
@@ -573,9 +589,7 @@ def _save_scrapes(directory: Path, endpoints: dict[str, str]) -> None:
 
 def _raise_if_failed(job: LocalJob, redis_server: RedisServer | None = None) -> None:
     if redis_server is not None and redis_server.proc.poll() is not None:
-        raise ComponentFailure(
-            "redis", "exited", f"exited with {redis_server.proc.returncode}", redis_server.log_path
-        )
+        raise _redis_exited(redis_server)
     bad = job.failed()
     if bad is not None:
         raise ComponentFailure(bad.name, "exited", f"exited with {bad.proc.returncode}", bad.log)
@@ -641,7 +655,7 @@ def _watch(
             progress = registry.progress()
             evaluated = registry.get_json("eval")
         except redis.RedisError as e:
-            raise ComponentFailure("redis", "gone", f"does not answer: {e}") from None
+            raise _redis_failure(e, redis_server) from None
         if evaluated and evaluated.get("batches") != shown_eval:
             shown_eval = evaluated.get("batches")
             bar.set_postfix(
@@ -661,13 +675,13 @@ def _watch(
             scaler.poll(registry, servers, spawn, retire, cannot_scale)
             _follow_scaling(job.args, generation.job.run_dir, scaler.servers)
         except redis.RedisError as e:
-            raise ComponentFailure("redis", "gone", f"does not answer: {e}") from None
+            raise _redis_failure(e, redis_server) from None
         if time.monotonic() >= next_look:  # the failure detector, from the services' metrics
             next_look = time.monotonic() + min(1.0, detector.timeout / 4)
             try:
                 endpoints = registry.metrics_endpoints()
             except redis.RedisError as e:
-                raise ComponentFailure("redis", "gone", f"does not answer: {e}") from None
+                raise _redis_failure(e, redis_server) from None
             joined = set(endpoints) - watched
             if joined:  # servers started by a scale-up
                 detector.expect(joined)
