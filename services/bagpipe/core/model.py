@@ -94,11 +94,75 @@ class _Model(nn.Module):
         return rows, None
 
 
+class _PairDots(torch.autograd.Function):
+    """The dot products of every pair of a sample's features, strictly lower triangle:
+    [b, f, d] -> [b, f(f-1)/2], in ``torch.tril_indices`` order (``lower`` is that order's positions in a
+    flattened f x f matrix, ``upper`` their mirror images).
+
+    Autograd through ``bmm(x, x^T)[:, rows, cols]`` takes two batched products (x's gradient through
+    each factor), adds them and scatters through advanced indexing. The gradient of ``x_i . x_j`` is
+    ``x_j`` for ``x_i`` and ``x_i`` for ``x_j``, so one product with the symmetric gradient matrix gives
+    the same sum. The two differ only in the order of rounding."""
+
+    @staticmethod
+    def forward(  # type: ignore[override]
+        ctx: torch.autograd.function.FunctionCtx, x: torch.Tensor, lower: torch.Tensor, upper: torch.Tensor
+    ) -> torch.Tensor:
+        ctx.save_for_backward(x, lower, upper)
+        b, f, _ = x.shape
+        return torch.bmm(x, x.transpose(1, 2)).view(b, f * f).index_select(1, lower)
+
+    @staticmethod
+    def backward(  # type: ignore[override]
+        ctx: torch.autograd.function.FunctionCtx, grad: torch.Tensor
+    ) -> tuple[torch.Tensor, None, None]:
+        x, lower, upper = ctx.saved_tensors  # type: ignore[attr-defined]
+        b, f, _ = x.shape
+        mirrored = grad.new_zeros(b, f * f)
+        mirrored.index_copy_(1, lower, grad)
+        mirrored.index_copy_(1, upper, grad)
+        return torch.bmm(mirrored.view(b, f, f), x), None, None
+
+
+class _BatchRows(torch.autograd.Function):
+    """``rows[inverse]`` ([u, w] by [b, t] -> [b, t, w]) whose backward sums the gradients into [u, w]
+    with ``index_add_`` rather than advanced indexing's ``index_put_`` with accumulation (both add in
+    the order of ``inverse``; on CPU the first is about twice as fast). On CUDA, where ``index_add_``
+    adds in no fixed order, the backward is advanced indexing's own."""
+
+    @staticmethod
+    def forward(  # type: ignore[override]
+        ctx: torch.autograd.function.FunctionCtx, rows: torch.Tensor, inverse: torch.Tensor
+    ) -> torch.Tensor:
+        ctx.save_for_backward(inverse)
+        ctx.num_rows = rows.shape[0]  # type: ignore[attr-defined]
+        return rows.index_select(0, inverse.reshape(-1)).view(*inverse.shape, rows.shape[1])
+
+    @staticmethod
+    def backward(  # type: ignore[override]
+        ctx: torch.autograd.function.FunctionCtx, grad: torch.Tensor
+    ) -> tuple[torch.Tensor, None]:
+        (inverse,) = ctx.saved_tensors  # type: ignore[attr-defined]
+        out = grad.new_zeros(ctx.num_rows, grad.shape[-1])  # type: ignore[attr-defined]
+        flat = grad.reshape(-1, grad.shape[-1])
+        if grad.is_cuda:
+            out.index_put_((inverse.reshape(-1),), flat, accumulate=True)
+        else:
+            out.index_add_(0, inverse.reshape(-1), flat)
+        return out, None
+
+
+def batch_rows(rows: torch.Tensor, inverse: torch.Tensor) -> torch.Tensor:
+    """The batch's rows [b, t, w] from its unique rows [u, w] and ``inverse`` [b, t] (positions in
+    ``rows``); differentiable in ``rows``."""
+    return _BatchRows.apply(rows, inverse)  # type: ignore[no-any-return]
+
+
 class DLRM(_Model):
     """Bottom MLP, dot interaction (strict lower triangle), top MLP; returns logits."""
 
-    _tril_rows: torch.Tensor
-    _tril_cols: torch.Tensor
+    _tril_lower: torch.Tensor
+    _tril_upper: torch.Tensor
 
     def __init__(self, config: ModelConfig, seed: int = 0) -> None:
         super().__init__(config)
@@ -106,16 +170,16 @@ class DLRM(_Model):
         self.top_mlp = _mlp(config.interaction_size, config.top_mlp)
         features = config.num_tables + 1
         rows, cols = torch.tril_indices(features, features, offset=-1)
-        self.register_buffer("_tril_rows", rows, persistent=False)
-        self.register_buffer("_tril_cols", cols, persistent=False)
+        self.register_buffer("_tril_lower", rows * features + cols, persistent=False)
+        self.register_buffer("_tril_upper", cols * features + rows, persistent=False)
         self.reset_parameters(seed)
 
     def forward(self, dense: torch.Tensor, embedded: torch.Tensor) -> torch.Tensor:
         """dense [b, num_dense], embedded [b, num_tables, dim] -> logits [b]."""
         x = _relu_all(self.bottom_mlp, dense)
         features = torch.cat([x.unsqueeze(1), embedded], dim=1)
-        dots = torch.bmm(features, features.transpose(1, 2))
-        z = torch.cat([x, dots[:, self._tril_rows, self._tril_cols]], dim=1)
+        dots = _PairDots.apply(features, self._tril_lower, self._tril_upper)
+        z = torch.cat([x, dots], dim=1)
         for k, layer in enumerate(self.top_mlp):
             z = layer(z)
             if k < len(self.top_mlp) - 1:

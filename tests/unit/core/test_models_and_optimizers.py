@@ -14,7 +14,7 @@ import numpy as np
 import pytest
 import torch
 from bagpipe.core import checkpoint
-from bagpipe.core.model import MODELS, ModelConfig, batch_loss, build_model
+from bagpipe.core.model import MODELS, ModelConfig, batch_loss, batch_rows, build_model
 from bagpipe.core.optim import OPTIMIZERS, OptimizerConfig, apply_rows, saved_state
 from bagpipe.core.reference import train_reference
 
@@ -61,7 +61,8 @@ def test_row_layout_and_row_optimizer_equal_stock_pytorch(name: str, optimizer: 
         keys = torch.from_numpy(b.sparse + np.arange(TABLES) * ROWS)
         unique, inverse = torch.unique(keys, return_inverse=True)
         rows = weights[unique].clone().requires_grad_()
-        loss = batch_loss(model(torch.from_numpy(b.dense), rows[inverse]), torch.from_numpy(b.labels), BATCH)
+        logits = model(torch.from_numpy(b.dense), batch_rows(rows, inverse))
+        loss = batch_loss(logits, torch.from_numpy(b.labels), BATCH)
         dense_opt.zero_grad()
         loss.backward()
         dense_opt.step()
@@ -90,6 +91,49 @@ def test_row_layout_and_row_optimizer_equal_stock_pytorch(name: str, optimizer: 
             assert saved[1] == (len(data) if optimizer == "adam" else 0)
         else:
             assert saved is None
+
+
+def test_the_batch_gather_and_dlrm_interaction_equal_autograd_through_stock_indexing() -> None:
+    """The trainer's own backward passes (a gather summed with ``index_add_``, the dot interaction's
+    single product with the mirrored gradient) against autograd through the stock expressions; the
+    equivalence tests above would not see a wrong one, since the reference runs the same model."""
+    gen = torch.Generator().manual_seed(3)
+    rows = torch.randn(11, 5, generator=gen, requires_grad=True)
+    inverse = torch.randint(0, 11, (7, 3), generator=gen)
+    grad = torch.randn(7, 3, 5, generator=gen)
+    ours = batch_rows(rows, inverse)
+    (mine,) = torch.autograd.grad(ours, rows, grad)
+    (stock,) = torch.autograd.grad(rows[inverse], rows, grad)
+    assert torch.equal(ours, rows[inverse])
+    assert torch.equal(mine, stock)  # the same additions, in the same order
+    as_double = rows.detach().double().requires_grad_()
+    assert torch.autograd.gradcheck(lambda r: batch_rows(r, inverse), (as_double,))
+
+    model = build_model(config("dlrm"), seed=4)
+    dense = torch.randn(6, 13, generator=gen)
+    embedded = torch.randn(6, TABLES, DIM, generator=gen, requires_grad=True)
+
+    def stock(dense: torch.Tensor, embedded: torch.Tensor) -> torch.Tensor:
+        x = dense
+        for layer in model.bottom_mlp:
+            x = torch.relu(layer(x))
+        features = torch.cat([x.unsqueeze(1), embedded], dim=1)
+        rows, cols = torch.tril_indices(TABLES + 1, TABLES + 1, offset=-1)
+        z = torch.cat([x, torch.bmm(features, features.transpose(1, 2))[:, rows, cols]], dim=1)
+        for k, layer in enumerate(model.top_mlp):
+            z = layer(z) if k == len(model.top_mlp) - 1 else torch.relu(layer(z))
+        return z.squeeze(1)
+
+    out, expected = model(dense, embedded), stock(dense, embedded)
+    assert torch.equal(out, expected)
+    weights = torch.randn(6, generator=gen)
+    got = torch.autograd.grad(out, [embedded, *model.parameters()], weights)
+    want = torch.autograd.grad(expected, [embedded, *model.parameters()], weights)
+    for g, w in zip(got, want, strict=True):
+        torch.testing.assert_close(g, w, rtol=1e-5, atol=1e-6)  # (the rounding order differs)
+    model.double()
+    as_double = embedded.detach().double().requires_grad_()
+    assert torch.autograd.gradcheck(lambda e: model(dense.double(), e), (as_double,))
 
 
 def test_adam_state_layout_and_which_columns_must_be_non_negative() -> None:
