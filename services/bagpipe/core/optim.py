@@ -17,7 +17,10 @@ import math
 from collections.abc import Mapping
 from typing import Any
 
+import numpy as np
 import torch
+from numba import njit, types
+from numba.extending import intrinsic
 
 # (re-exported: the settings live in optim_config.py, which does not load torch)
 from bagpipe.core.optim_config import (  # noqa: F401
@@ -27,6 +30,65 @@ from bagpipe.core.optim_config import (  # noqa: F401
     STATE_KEYS,
     OptimizerConfig,
 )
+
+
+@intrinsic
+def _fma(typingctx, a, b, c):  # type: ignore[no-untyped-def]
+    """``a * b + c`` rounded once (LLVM's ``fma``), as torch's CPU kernels add ``alpha * b`` to ``c``."""
+    sig = types.float32(types.float32, types.float32, types.float32)
+
+    def codegen(context, builder, signature, args):  # type: ignore[no-untyped-def]
+        return builder.fma(*args)
+
+    return sig, codegen
+
+
+# (error_model="numpy": a division by zero gives inf or nan, as in torch, rather than a check per
+# element that keeps the loop from being vectorised)
+@njit(cache=True, nogil=True, error_model="numpy")
+def _adagrad_rows(weights, state, index, grad, alpha, eps):  # type: ignore[no-untyped-def]
+    """Adagrad on the rows at ``index``, float32 throughout, in the tensor expressions' order."""
+    for j in range(index.size):
+        r = index[j]
+        for d in range(grad.shape[1]):
+            g = grad[j, d]
+            total = _fma(g, g, state[r, d])  # (as torch's addcmul_)
+            state[r, d] = total
+            weights[r, d] = _fma(g / (np.sqrt(total) + eps), alpha, weights[r, d])
+
+
+@njit(cache=True, nogil=True, error_model="numpy")
+def _adam_rows(weights, state, index, grad, alpha, eps, keep1, keep2):  # type: ignore[no-untyped-def]
+    """SparseAdam on the rows at ``index`` (as ``_adagrad_rows``)."""
+    dim = grad.shape[1]
+    for j in range(index.size):
+        r = index[j]
+        for d in range(dim):
+            g = grad[j, d]
+            m = state[r, d]
+            m = m + (g - m) * keep1
+            v = state[r, dim + d]
+            v = v + (g * g - v) * keep2
+            state[r, d] = m
+            state[r, dim + d] = v
+            weights[r, d] = _fma(m / (np.sqrt(v) + eps), alpha, weights[r, d])
+
+
+def _adam_step_size(config: OptimizerConfig, step: int) -> float:
+    beta1, beta2 = config.betas
+    return config.lr * math.sqrt(1 - beta2**step) / (1 - beta1**step)
+
+
+def compiled_rows(tensors: tuple[torch.Tensor, ...]) -> bool:
+    """Whether ``apply_rows`` updates these tensors with its compiled loops: float32 on the CPU,
+    contiguous (the cache's tables and a gradient gathered from autograd's), int64 positions."""
+    weights, state, index, grad = tensors
+    return (
+        weights.device.type == "cpu"
+        and weights.dtype == state.dtype == grad.dtype == torch.float32
+        and all(t.device.type == "cpu" and t.is_contiguous() for t in tensors)
+        and index.dtype == torch.int64
+    )
 
 
 def apply_rows(
@@ -41,7 +103,35 @@ def apply_rows(
 
     ``index`` holds distinct row positions; ``grad`` is [len(index), dim]; ``step`` is the global
     optimizer step this update is (1 for the first batch), for Adam's bias correction.
+
+    Adagrad and Adam run as compiled loops where ``compiled_rows`` allows (on the CPU): one pass over
+    each row, without temporaries, where the tensor expressions of ``apply_rows_tensors`` take seven to
+    ten (0.14 against 1.6 ms for Adagrad on 3,373 rows of 64). The loops round every operation
+    correctly; torch's vectorised ``sqrt`` is off by one unit in the last place now and then, so the two
+    can differ in a weight's last bit. Every Bagpipe system runs the same loops; CUDA runs the tensors.
     """
+    if config.name != "sgd" and compiled_rows((weights, state, index, grad)):
+        f32 = np.float32
+        w, s, i, g = (t.detach().numpy() for t in (weights, state, index, grad))
+        if config.name == "adagrad":
+            _adagrad_rows(w, s, i, g, f32(-config.lr), f32(config.epsilon))
+        else:
+            beta1, beta2 = config.betas
+            alpha = f32(-_adam_step_size(config, step))
+            _adam_rows(w, s, i, g, alpha, f32(config.epsilon), f32(1 - beta1), f32(1 - beta2))
+        return
+    apply_rows_tensors(config, weights, state, index, grad, step)
+
+
+def apply_rows_tensors(
+    config: OptimizerConfig,
+    weights: torch.Tensor,
+    state: torch.Tensor,
+    index: torch.Tensor,
+    grad: torch.Tensor,
+    step: int = 1,
+) -> None:
+    """``apply_rows`` in tensor expressions (any device and dtype)."""
     if config.name == "sgd":
         weights.index_add_(0, index, grad, alpha=-config.lr)
         return
@@ -58,8 +148,7 @@ def apply_rows(
     m.add_(grad.sub(m).mul_(1 - beta1))
     v.add_(grad.pow(2).sub_(v).mul_(1 - beta2))
     state.index_copy_(0, index, old)
-    step_size = config.lr * math.sqrt(1 - beta2**step) / (1 - beta1**step)
-    weights.index_add_(0, index, m / v.sqrt().add_(config.epsilon), alpha=-step_size)
+    weights.index_add_(0, index, m / v.sqrt().add_(config.epsilon), alpha=-_adam_step_size(config, step))
 
 
 def saved_state(
