@@ -70,6 +70,8 @@ from dataclasses import dataclass
 import numpy as np
 from numba import njit
 
+from bagpipe.core.intrinsics import load_early
+
 logger = logging.getLogger(__name__)
 
 __all__ = [
@@ -291,6 +293,10 @@ def _state_dtype(mask: np.dtype) -> np.dtype:
 
 
 _CHUNK = 256  # keys per chunk of _push_records
+# how many keys ahead the loops that read records at random start loading the record they will read
+# (intrinsics.load_early); at the paper's point (62.9 k keys a batch in 33.8 M records) 32 and 64
+# planned about 11% faster than none, 16 about 5%
+_AHEAD = 32
 
 
 @njit(cache=True, nogil=True)
@@ -310,6 +316,8 @@ def _push_records(  # type: ignore[no-untyped-def]
     for start in range(0, keys.size, _CHUNK):
         end = min(keys.size, start + _CHUNK)
         for i in range(start, end):
+            if i + _AHEAD < keys.size:
+                load_early(state, keys[i + _AHEAD])
             latest[i - start] = state[keys[i]].latest
         for i in range(start, end):
             k = keys[i]
@@ -405,6 +413,8 @@ def _pop_records(  # type: ignore[no-untyped-def]
     a fifth slower: a mispredicted branch drops the loads in flight with it."""
     n = keys.size
     for i in range(n):
+        if i + _AHEAD < n:
+            load_early(state, keys[i + _AHEAD])
         rec = state[keys[i]]
         ttl[i] = rec.latest
         slots[i] = rec.slot

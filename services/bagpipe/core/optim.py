@@ -19,8 +19,9 @@ from typing import Any
 
 import numpy as np
 import torch
-from numba import njit, types
-from numba.extending import intrinsic
+from numba import njit
+
+from bagpipe.core.intrinsics import fma
 
 # (re-exported: the settings live in optim_config.py, which does not load torch)
 from bagpipe.core.optim_config import (  # noqa: F401
@@ -32,17 +33,6 @@ from bagpipe.core.optim_config import (  # noqa: F401
 )
 
 
-@intrinsic
-def _fma(typingctx, a, b, c):  # type: ignore[no-untyped-def]
-    """``a * b + c`` rounded once (LLVM's ``fma``), as torch's CPU kernels add ``alpha * b`` to ``c``."""
-    sig = types.float32(types.float32, types.float32, types.float32)
-
-    def codegen(context, builder, signature, args):  # type: ignore[no-untyped-def]
-        return builder.fma(*args)
-
-    return sig, codegen
-
-
 # (error_model="numpy": a division by zero gives inf or nan, as in torch, rather than a check per
 # element that keeps the loop from being vectorised)
 @njit(cache=True, nogil=True, error_model="numpy")
@@ -52,9 +42,9 @@ def _adagrad_rows(weights, state, index, grad, alpha, eps):  # type: ignore[no-u
         r = index[j]
         for d in range(grad.shape[1]):
             g = grad[j, d]
-            total = _fma(g, g, state[r, d])  # (as torch's addcmul_)
+            total = fma(g, g, state[r, d])  # (as torch's addcmul_)
             state[r, d] = total
-            weights[r, d] = _fma(g / (np.sqrt(total) + eps), alpha, weights[r, d])
+            weights[r, d] = fma(g / (np.sqrt(total) + eps), alpha, weights[r, d])
 
 
 @njit(cache=True, nogil=True, error_model="numpy")
@@ -71,7 +61,7 @@ def _adam_rows(weights, state, index, grad, alpha, eps, keep1, keep2):  # type: 
             v = v + (g * g - v) * keep2
             state[r, d] = m
             state[r, dim + d] = v
-            weights[r, d] = _fma(m / (np.sqrt(v) + eps), alpha, weights[r, d])
+            weights[r, d] = fma(m / (np.sqrt(v) + eps), alpha, weights[r, d])
 
 
 def _adam_step_size(config: OptimizerConfig, step: int) -> float:

@@ -1,0 +1,53 @@
+"""Two LLVM intrinsics for the compiled (numba) loops, which numba does not expose.
+
+* ``load_early(array, index)`` asks the CPU to start loading ``array[index]`` into its caches: a loop that
+  reads records at random (the planner's per-key state, an embedding table's rows) names the record it
+  will read a few dozen iterations later, so that many cache misses are under way at once instead of
+  the few the CPU finds on its own. It changes no value.
+* ``fma(a, b, c)`` is ``a * b + c`` in float32 with one rounding, the way torch's CPU kernels add a
+  scaled tensor (``add_(x, alpha=...)``, ``addcmul_``), so a compiled loop can give the same bits.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from llvmlite import ir
+from numba import types
+from numba.core import cgutils
+from numba.extending import intrinsic
+
+_I32 = ir.IntType(32)
+_BYTE_POINTER = ir.IntType(8).as_pointer()
+
+
+@intrinsic
+def load_early(typingctx: Any, array: Any, index: Any) -> Any:
+    """Starts loading ``array[index]`` (a 1-D array, an in-bounds index) for reading."""
+    sig = types.void(array, index)
+
+    def codegen(context: Any, builder: Any, signature: Any, args: Any) -> Any:
+        kind = signature.args[0]
+        view = context.make_array(kind)(context, builder, args[0])
+        where = cgutils.get_item_pointer(context, builder, kind, view, [args[1]], wraparound=False)
+        fn = cgutils.get_or_insert_function(
+            builder.module,
+            ir.FunctionType(ir.VoidType(), [_BYTE_POINTER, _I32, _I32, _I32]),
+            "llvm.prefetch.p0",
+        )
+        # read (0), keep in every cache level (3), data rather than instructions (1)
+        builder.call(fn, [builder.bitcast(where, _BYTE_POINTER), _I32(0), _I32(3), _I32(1)])
+        return context.get_dummy_value()
+
+    return sig, codegen
+
+
+@intrinsic
+def fma(typingctx: Any, a: Any, b: Any, c: Any) -> Any:
+    """``a * b + c`` rounded once (float32)."""
+    sig = types.float32(types.float32, types.float32, types.float32)
+
+    def codegen(context: Any, builder: Any, signature: Any, args: Any) -> Any:
+        return builder.fma(*args)
+
+    return sig, codegen
