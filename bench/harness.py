@@ -87,7 +87,9 @@ PROFILES: dict[str, dict[str, Any]] = {
         "model_iterations": 60,
         "hot_shares": [0.9, 0.4, 0.01],
         "zipf_alphas": [1.0, 3.0, 5.0],
-        "skew_iterations": 100,
+        # as many as the systems section: with 100, half of them carrying a transfer group, the same
+        # point's median moved by up to 11% between two runs of one system (2026-11-25, 16:20)
+        "skew_iterations": 200,
         "oracle": {
             "batches": [1024, 4096, 16384],
             "tables": [8, 13, 26],
