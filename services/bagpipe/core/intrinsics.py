@@ -1,9 +1,9 @@
 """Two LLVM intrinsics for the compiled (numba) loops, which numba does not expose.
 
 * ``load_early(array, index)`` asks the CPU to start loading ``array[index]`` into its caches: a loop that
-  reads records at random (the planner's per-key state, an embedding table's rows) names the record it
-  will read a few dozen iterations later, so that many cache misses are under way at once instead of
-  the few the CPU finds on its own. It changes no value.
+  reads records at random (the planner's per-key state) names the record it will read a few dozen
+  iterations later, so that many cache misses are under way at once instead of the few the CPU finds
+  on its own. It changes no value.
 * ``fma(a, b, c)`` is ``a * b + c`` in float32 with one rounding, the way torch's CPU kernels add a
   scaled tensor (``add_(x, alpha=...)``, ``addcmul_``), so a compiled loop can give the same bits.
 """
