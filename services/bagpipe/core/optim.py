@@ -96,7 +96,7 @@ def apply_rows(
 
     Adagrad and Adam run as compiled loops where ``compiled_rows`` allows (on the CPU): one pass over
     each row, without temporaries, where the tensor expressions of ``apply_rows_tensors`` take seven to
-    ten (0.14 against 1.6 ms for Adagrad on 3,373 rows of 64). The loops round every operation
+    ten (0.11–0.16 against 0.7–1.7 ms for Adagrad on 3,373 rows of 64). The loops round every operation
     correctly; torch's vectorised ``sqrt`` is off by one unit in the last place now and then, so the two
     can differ in a weight's last bit. Every Bagpipe system runs the same loops; CUDA runs the tensors.
     """
