@@ -69,15 +69,15 @@ def _adam_step_size(config: OptimizerConfig, step: int) -> float:
     return config.lr * math.sqrt(1 - beta2**step) / (1 - beta1**step)
 
 
-def compiled_rows(tensors: tuple[torch.Tensor, ...]) -> bool:
-    """Whether ``apply_rows`` updates these tensors with its compiled loops: float32 on the CPU,
+def compiled_rows(
+    weights: torch.Tensor, state: torch.Tensor, index: torch.Tensor, grad: torch.Tensor
+) -> bool:
+    """Whether ``apply_rows`` can update these tensors with its compiled loops: float32 on the CPU,
     contiguous (the cache's tables and a gradient gathered from autograd's), int64 positions."""
-    weights, state, index, grad = tensors
     return (
-        weights.device.type == "cpu"
-        and weights.dtype == state.dtype == grad.dtype == torch.float32
-        and all(t.device.type == "cpu" and t.is_contiguous() for t in tensors)
+        weights.dtype == state.dtype == grad.dtype == torch.float32
         and index.dtype == torch.int64
+        and all(t.device.type == "cpu" and t.is_contiguous() for t in (weights, state, index, grad))
     )
 
 
@@ -88,19 +88,21 @@ def apply_rows(
     index: torch.Tensor,
     grad: torch.Tensor,
     step: int = 1,
+    compiled: bool = True,
 ) -> None:
     """Updates ``weights[index]`` (and ``state[index]``) in place from the summed gradient ``grad``.
 
     ``index`` holds distinct row positions; ``grad`` is [len(index), dim]; ``step`` is the global
     optimizer step this update is (1 for the first batch), for Adam's bias correction.
 
-    Adagrad and Adam run as compiled loops where ``compiled_rows`` allows (on the CPU): one pass over
-    each row, without temporaries, where the tensor expressions of ``apply_rows_tensors`` take seven to
-    ten (0.11–0.16 against 0.7–1.7 ms for Adagrad on 3,373 rows of 64). The loops round every operation
-    correctly; torch's vectorised ``sqrt`` is off by one unit in the last place now and then, so the two
-    can differ in a weight's last bit. Every Bagpipe system runs the same loops; CUDA runs the tensors.
+    Adagrad and Adam run as compiled loops where ``compiled_rows`` allows (on the CPU) unless
+    ``compiled`` is False: one pass over each row, without temporaries, where the tensor expressions
+    below take seven to ten (0.11–0.16 against 0.7–1.7 ms for Adagrad on 3,373 rows of 64). The loops
+    round every operation correctly; torch's vectorised ``sqrt`` is off by one unit in the last place
+    now and then, so the two can differ in a weight's last bit. Every Bagpipe system runs the same
+    loops; CUDA runs the tensor expressions.
     """
-    if config.name != "sgd" and compiled_rows((weights, state, index, grad)):
+    if compiled and config.name != "sgd" and compiled_rows(weights, state, index, grad):
         f32 = np.float32
         w, s, i, g = (t.detach().numpy() for t in (weights, state, index, grad))
         if config.name == "adagrad":
@@ -110,18 +112,6 @@ def apply_rows(
             alpha = f32(-_adam_step_size(config, step))
             _adam_rows(w, s, i, g, alpha, f32(config.epsilon), f32(1 - beta1), f32(1 - beta2))
         return
-    apply_rows_tensors(config, weights, state, index, grad, step)
-
-
-def apply_rows_tensors(
-    config: OptimizerConfig,
-    weights: torch.Tensor,
-    state: torch.Tensor,
-    index: torch.Tensor,
-    grad: torch.Tensor,
-    step: int = 1,
-) -> None:
-    """``apply_rows`` in tensor expressions (any device and dtype)."""
     if config.name == "sgd":
         weights.index_add_(0, index, grad, alpha=-config.lr)
         return

@@ -19,7 +19,6 @@ from bagpipe.core.optim import (
     OPTIMIZERS,
     OptimizerConfig,
     apply_rows,
-    apply_rows_tensors,
     compiled_rows,
     saved_state,
 )
@@ -157,10 +156,10 @@ def test_the_compiled_row_updates_equal_the_tensor_expressions(optimizer: str) -
     for step in range(1, 6):
         index = torch.randperm(rows, generator=gen)[: rows // 2]
         grad = torch.randn(index.numel(), dim, generator=gen) * 10.0 ** -(step % 3)
-        assert compiled_rows((*ours, index, grad))
+        assert compiled_rows(*ours, index, grad)
         before = theirs[0].clone()
         apply_rows(optim, *ours, index, grad, step)
-        apply_rows_tensors(optim, *theirs, index, grad, step)
+        apply_rows(optim, *theirs, index, grad, step, compiled=False)
         assert torch.equal(ours[1], theirs[1])
         ulp = torch.nextafter(theirs[0].abs(), torch.tensor(float("inf"))) - theirs[0].abs()
         allowed = 2 * ulp + 2.5e-7 * (theirs[0] - before).abs()
@@ -168,8 +167,8 @@ def test_the_compiled_row_updates_equal_the_tensor_expressions(optimizer: str) -
         assert not torch.equal(theirs[0], before)
         ours[0].copy_(theirs[0])  # (so that the next step starts equal)
     # a gradient that is not contiguous, or on another dtype, takes the tensor expressions
-    assert not compiled_rows((*ours, index, grad.t().contiguous().t()))
-    assert not compiled_rows((ours[0].double(), ours[1].double(), index, grad.double()))
+    assert not compiled_rows(*ours, index, grad.t().contiguous().t())
+    assert not compiled_rows(ours[0].double(), ours[1].double(), index, grad.double())
 
 
 def test_adam_state_layout_and_which_columns_must_be_non_negative() -> None:
