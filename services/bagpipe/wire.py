@@ -5,11 +5,14 @@ trainer's write-back) :func:`encode_message` writes a whole message's bytes inst
 serialise it, so each array's bytes are copied once into the result rather than once per protobuf layer
 (the array's bytes, the field, the parent message, the serialised string); gRPC then sends those bytes
 as they are (:func:`serialized`). :func:`decode_message` reads such a message back with its tensors as
-views of the received bytes; the generated classes parse the same bytes too.
+views of the received bytes; the generated classes parse the same bytes too. A field may also be
+:class:`Gather` (rows of a table by index), which is gathered straight into the result, so a lookup's
+rows are copied once in all: from the table into the message.
 """
 
 from __future__ import annotations
 
+import ctypes
 import math
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
@@ -18,6 +21,7 @@ from typing import Any
 
 import numpy as np
 
+from bagpipe.core.intrinsics import gather_rows
 from bagpipe.errors import InvalidArgument
 from bagpipe.v1 import tensor_pb2
 
@@ -106,28 +110,102 @@ def _varint(value: int) -> bytes:
 _DTYPE_FIELDS = {dtype: b"\x08" + _varint(number) for dtype, number in _TO_PROTO.items()}
 
 
-def _tensor_parts(number: int, array: np.ndarray) -> list[Any]:
+@dataclass(frozen=True)
+class Gather:
+    """``table[index]`` (rows of a 2-D C-contiguous table, ``index`` checked to be in range by the
+    caller) as a message field: :func:`encode_message` gathers the rows straight into the message.
+    ``np.asarray`` gathers them into an array of their own."""
+
+    table: np.ndarray
+    index: np.ndarray
+
+    def __array__(self, dtype: Any = None, copy: Any = None) -> np.ndarray:
+        rows = self.table.take(self.index, axis=0)
+        return rows if dtype is None else rows.astype(dtype, copy=False)
+
+    @property
+    def shape(self) -> tuple[int, int]:
+        return (self.index.size, self.table.shape[1])
+
+    @property
+    def nbytes(self) -> int:
+        return self.index.size * self.table.shape[1] * self.table.itemsize
+
+    def into(self, out: np.ndarray) -> None:
+        """Gathers the rows into ``out``, bytes (``uint8``) of the right size."""
+        rows = out.view(self.table.dtype).reshape(self.shape)
+        if self.table.dtype == np.float32 and self.index.dtype == np.int64:
+            gather_rows(self.table, self.index, rows)
+        else:  # (mode "wrap": with "raise", numpy gathers into a temporary first, then copies it)
+            self.table.take(self.index, axis=0, out=rows, mode="wrap")
+
+
+def _tensor_parts(number: int, array: np.ndarray | Gather) -> list[Any]:
     """Field ``number`` holding ``array`` as a ``Tensor`` (dtype = 1, shape = 2 packed, data = 3)."""
-    dtype = _wire_dtype(array)
-    data = np.ascontiguousarray(array, dtype=dtype)
+    data: np.ndarray | Gather
+    if isinstance(array, Gather):
+        if not (array.table.ndim == 2 and array.table.flags.c_contiguous):
+            raise ValueError(f"Gather: the table must be 2-D and C-contiguous, got shape {array.table.shape}")
+        dtype, data = _wire_dtype(array.table), array
+    else:
+        dtype = _wire_dtype(array)
+        data = np.ascontiguousarray(array, dtype=dtype)
     head = _DTYPE_FIELDS[dtype]
-    if array.ndim:
-        dims = b"".join([_varint(int(d)) for d in array.shape])
+    if len(data.shape):
+        dims = b"".join([_varint(int(d)) for d in data.shape])
         head += b"\x12" + _varint(len(dims)) + dims
     if data.nbytes:
         head += b"\x1a" + _varint(data.nbytes)
     parts: list[Any] = [_varint(number << 3 | 2) + _varint(len(head) + data.nbytes), head]
     if data.nbytes:
-        parts.append(data)  # (a C-contiguous array is a buffer: join copies it once)
+        parts.append(data)
     return parts
+
+
+def _size(part: Any) -> int:
+    return part.nbytes if isinstance(part, np.ndarray | Gather) else len(part)
+
+
+# CPython's own constructor for a bytes object whose contents the caller writes before anyone reads it
+_new_bytes = ctypes.pythonapi.PyBytes_FromStringAndSize
+_new_bytes.argtypes = [ctypes.c_char_p, ctypes.c_ssize_t]
+_new_bytes.restype = ctypes.py_object
+_bytes_address = ctypes.pythonapi.PyBytes_AsString
+_bytes_address.argtypes = [ctypes.py_object]
+_bytes_address.restype = ctypes.c_void_p
+
+
+def _filled_bytes(parts: list[Any], size: int) -> bytes:
+    """``parts`` (bytes, C-contiguous arrays, :class:`Gather`) written one after another into a new bytes
+    object of ``size``. gRPC sends only ``bytes``, so the message is written into one as CPython's C code
+    builds them: allocated uninitialised, filled, and only then handed on."""
+    out = _new_bytes(None, size)
+    view = np.ctypeslib.as_array((ctypes.c_ubyte * size).from_address(_bytes_address(out)))
+    at = 0
+    for p in parts:
+        n = _size(p)
+        if isinstance(p, Gather):
+            p.into(view[at : at + n])
+        elif isinstance(p, np.ndarray):
+            view[at : at + n] = p.reshape(-1).view(np.uint8)
+        else:
+            view[at : at + n] = np.frombuffer(p, dtype=np.uint8)
+        at += n
+    if at != size:
+        raise AssertionError(f"message parts hold {at} bytes, not {size}")
+    return out
 
 
 def encode_message(fields: Sequence[tuple[int, Any]]) -> bytes:
     """The serialised bytes of a message given as (field number, value) in field order, as
     ``SerializeToString`` writes the same message: an int or bool is a varint field (0 and False are left
-    out, as proto3 does), a list of (number, value) is an embedded message, None is an unset field, and
-    anything else is an array written as a ``Tensor``. Each array's data is copied once, into the result."""
-    return b"".join(_message_parts(fields))
+    out, as proto3 does), a list of (number, value) is an embedded message, None is an unset field, a
+    :class:`Gather` is the rows it names, and anything else is an array written as a ``Tensor``. Each
+    array's data is copied once, into the result."""
+    parts = _message_parts(fields)
+    if not any(isinstance(p, Gather) for p in parts):
+        return b"".join(parts)  # (a C-contiguous array is a buffer: join copies it once)
+    return _filled_bytes(parts, sum(_size(p) for p in parts))
 
 
 def _message_parts(fields: Sequence[tuple[int, Any]]) -> list[Any]:
@@ -140,8 +218,10 @@ def _message_parts(fields: Sequence[tuple[int, Any]]) -> list[Any]:
                 parts += [_varint(number << 3), _varint(int(value))]
         elif isinstance(value, list):
             inner = _message_parts(value)
-            size = sum(p.nbytes if isinstance(p, np.ndarray) else len(p) for p in inner)
+            size = sum(_size(p) for p in inner)
             parts += [_varint(number << 3 | 2), _varint(size), *inner]
+        elif isinstance(value, Gather):
+            parts += _tensor_parts(number, value)
         else:  # an array (or anything np.asarray takes, such as a CPU tensor)
             parts += _tensor_parts(number, np.asarray(value))
     return parts

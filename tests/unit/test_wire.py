@@ -2,11 +2,14 @@
 
 from __future__ import annotations
 
+from typing import Any
+
 import numpy as np
 import pytest
+from bagpipe.core.intrinsics import ROWS_AHEAD, gather_rows
 from bagpipe.errors import InvalidArgument
 from bagpipe.v1 import embedding_server_pb2 as pb
-from bagpipe.wire import decode_message, encode_message, from_tensor, to_tensor
+from bagpipe.wire import Gather, decode_message, encode_message, from_tensor, to_tensor
 
 PACKED = np.arange(60, dtype=np.float32).reshape(5, 12)
 CASES = [
@@ -145,3 +148,36 @@ def test_the_client_refuses_a_reply_whose_initial_rows_it_cannot_place() -> None
     finally:
         plain.close()
         computes.close()
+
+
+@pytest.mark.parametrize("width", [0, 1, 7, 32])
+@pytest.mark.parametrize("before", [[], [(1, 5)], [(1, 300), (2, np.arange(3))]])
+def test_rows_gathered_into_a_message_are_the_bytes_of_the_gathered_array(
+    width: int, before: list[tuple[int, Any]]
+) -> None:
+    """``Gather`` fields (a lookup's rows, a write-back's) are written straight into the message, at any
+    offset (unaligned for float32 too), with the bytes ``encode_message`` writes for the gathered array."""
+    rng = np.random.default_rng(width)
+    table = rng.random((500, width), dtype=np.float32)
+    for index in (rng.choice(500, 200, replace=False), np.zeros(0, dtype=np.int64), np.array([499, 0, 499])):
+        index = index.astype(np.int64)
+        gathered = table[index]
+        got = encode_message([*before, (3, Gather(table, index))])
+        assert got == encode_message([*before, (3, gathered)])
+        nested = encode_message([*before, (3, [(1, Gather(table, index)), (2, 4)])])  # (inside a message)
+        assert type(nested) is bytes and nested == encode_message([*before, (3, [(1, gathered), (2, 4)])])
+        assert np.array_equal(np.asarray(Gather(table, index)), gathered)
+    ints = np.arange(12, dtype=np.int64).reshape(4, 3)  # (other types: numpy's take)
+    assert encode_message([(3, Gather(ints, np.array([2, 0])))]) == encode_message([(3, ints[[2, 0]])])
+    with pytest.raises(ValueError, match="2-D and C-contiguous"):
+        encode_message([(3, Gather(np.zeros((4, 6), np.float32)[:, ::2], np.arange(2)))])
+
+
+def test_the_compiled_gather_copies_the_rows_take_copies() -> None:
+    rng = np.random.default_rng(0)
+    table = rng.random((10_000, 32), dtype=np.float32)
+    for n in (0, 1, ROWS_AHEAD, ROWS_AHEAD + 1, 5_000):
+        index = rng.integers(0, table.shape[0], n)
+        out = np.full((n, 32), np.nan, dtype=np.float32)
+        gather_rows(table, index, out)
+        assert np.array_equal(out, table.take(index, axis=0))

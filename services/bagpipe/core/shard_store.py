@@ -34,6 +34,7 @@ from bagpipe import allocator
 from bagpipe.core.embedding_init import fingerprint, init_rows
 from bagpipe.core.shard_map import ShardMap
 from bagpipe.errors import InvalidArgument
+from bagpipe.wire import Gather
 
 logger = logging.getLogger(__name__)
 
@@ -122,6 +123,22 @@ def _store_rows(table, index, rows, state, max_abs, state_low, seen):  # type: i
     return -1
 
 
+@njit(cache=True, nogil=True)
+def _local_rows(keys, position, num_keys, num_buckets, rows_per_bucket, out):  # type: ignore[no-untyped-def]
+    """``ShardStore.local_index`` in one pass: writes the local row of every key into ``out`` and returns
+    -1, or returns the position of the first key out of ``[0, num_keys)`` or of a bucket not held here
+    (``position`` -1). numpy's range check, bucket gather, check and index arithmetic took six passes."""
+    for i in range(keys.size):
+        k = keys[i]
+        if k < 0 or k >= num_keys:
+            return i
+        p = position[k % num_buckets]
+        if p < 0:
+            return i
+        out[i] = p * rows_per_bucket + k // num_buckets
+    return -1
+
+
 class ShardStore:
     """Rows and optimizer state of shard ``shard`` of ``shard_map``."""
 
@@ -196,6 +213,12 @@ class ShardStore:
 
     def local_index(self, keys: np.ndarray, field: str = "keys") -> np.ndarray:
         """Local rows of ``keys``; InvalidArgument if any key is out of range or not on this shard."""
+        m = self.shard_map
+        if keys.dtype == np.int64:
+            index = np.empty(keys.size, dtype=np.int64)
+            if _local_rows(keys, self._position, m.num_keys, m.num_buckets, m.rows_per_bucket, index) < 0:
+                return index
+        # (other key types, and the error: numpy's passes name the lowest or highest key out of range)
         if keys.size:
             low, high = int(keys.min()), int(keys.max())
             if low < 0 or high >= self.shard_map.num_keys:
@@ -228,13 +251,17 @@ class ShardStore:
         """The rows of ``keys``, each followed by its state: ``[n, dim + state_width]``, a copy."""
         return self.table.take(self.local_index(keys), axis=0)
 
-    def gather_changed(self, keys: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
-        """``gather`` without the rows still at their initial value: the positions in ``keys`` of those
-        (ascending), and the gathered rows of the others, in order."""
+    def rows(self, keys: np.ndarray) -> Gather:
+        """``gather``, not yet done: a reply gathers the rows straight into its bytes (``wire.Gather``)."""
+        return Gather(self.table, self.local_index(keys))
+
+    def gather_changed(self, keys: np.ndarray) -> tuple[np.ndarray, Gather]:
+        """``rows`` without those still at their initial value: the positions in ``keys`` of those
+        (ascending), and the rows of the others, in order."""
         index = self.local_index(keys)
         initial = self._initial[index]
         positions = initial.nonzero()[0]
-        return positions, self.table.take(index[~initial] if positions.size else index, axis=0)
+        return positions, Gather(self.table, index[~initial] if positions.size else index)
 
     def untouched(self) -> bool:
         """Whether every row still holds its initial value and zero state: nothing was stored into any row
@@ -277,11 +304,12 @@ class ShardStore:
             self.migration.dirty[index] = True
 
     def warm_up(self) -> None:
-        """Compiles the write kernel (or loads it from numba's cache) for the arrays a server's write-backs
-        bring (read-only views of the request's bytes), so that the first write-back does not wait."""
+        """Compiles the write and key kernels (or loads them from numba's cache) for the arrays a server's
+        requests bring (read-only views of their bytes), so that the first request does not wait."""
         rows = np.frombuffer(b"", dtype=np.float32).reshape(0, self.dim)
         state = np.frombuffer(b"", dtype=np.float32).reshape(0, self.state_width)
         self.write(np.zeros(0, dtype=np.int64), rows, state)
+        self.local_index(np.frombuffer(b"", dtype=np.int64))  # (a lookup's keys: a read-only view too)
 
     def take_changes(self) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
         """Global keys, rows and state of the rows written since the last call (copies), and forgets them:

@@ -13,6 +13,7 @@ from typing import Any, TypeVar
 
 import grpc
 import numpy as np
+from numba import njit
 
 from bagpipe import serving
 from bagpipe.core.embedding_init import InitialRows
@@ -20,7 +21,7 @@ from bagpipe.core.shard_map import ShardMap
 from bagpipe.errors import InvalidArgument
 from bagpipe.v1 import embedding_server_pb2 as pb
 from bagpipe.v1 import embedding_server_pb2_grpc as pb_grpc
-from bagpipe.wire import decode_message, encode_message, from_tensor, serialized
+from bagpipe.wire import Gather, decode_message, encode_message, from_tensor, serialized
 
 logger = logging.getLogger(__name__)
 
@@ -48,6 +49,27 @@ def call_with_retry(fn: Callable[[], T], what: str, moved: Callable[[], bool] | 
             logger.warning("%s: unavailable, retrying (%d/%d)", what, attempt + 1, _RETRIES)
             time.sleep(0.1 * 2**attempt)
     raise AssertionError("unreachable")
+
+
+@njit(cache=True, nogil=True)
+def _put_packed(rows, state, positions, packed):  # type: ignore[no-untyped-def]
+    """``rows[positions], state[positions] = packed[:, :dim], packed[:, dim:]`` in one pass over the reply:
+    numpy's two scattering assignments from the strided halves took three times as long."""
+    dim = rows.shape[1]
+    for i in range(positions.size):
+        p = positions[i]
+        for j in range(dim):
+            rows[p, j] = packed[i, j]
+        for j in range(state.shape[1]):
+            state[p, j] = packed[i, dim + j]
+
+
+def _rows(table: np.ndarray, part: np.ndarray) -> Any:
+    """``table[part]`` for a request, gathered straight into its bytes where the rows are a C-contiguous
+    float32 table (``wire.Gather``)."""
+    if table.ndim == 2 and table.dtype == np.float32 and table.flags.c_contiguous:
+        return Gather(table, part)
+    return table[part]
 
 
 class Moved(Exception):
@@ -233,7 +255,10 @@ class EmbeddingClient:
         def put(part: np.ndarray, part_rows: np.ndarray, part_state: np.ndarray) -> None:
             rows[part], state[part] = part_rows, part_state
 
-        self._lookup(keys, put)
+        def put_packed(part: np.ndarray, packed: np.ndarray) -> None:
+            _put_packed(rows, state, part, packed)  # (a reply's rows and state side by side: one pass)
+
+        self._lookup(keys, put, put_packed)
         return rows, state
 
     def lookup_parts(self, keys: np.ndarray) -> list[tuple[np.ndarray, np.ndarray, np.ndarray]]:
@@ -244,8 +269,15 @@ class EmbeddingClient:
         self._lookup(keys, lambda *part: parts.append(part))  # (list.append: atomic across the calls)
         return parts
 
-    def _lookup(self, keys: np.ndarray, put: Callable[[np.ndarray, np.ndarray, np.ndarray], None]) -> None:
-        """Calls ``put(positions, rows, state)`` for each reply, from the threads that call the shards."""
+    def _lookup(
+        self,
+        keys: np.ndarray,
+        put: Callable[[np.ndarray, np.ndarray, np.ndarray], None],
+        put_packed: Callable[[np.ndarray, np.ndarray], None] | None = None,
+    ) -> None:
+        """Calls ``put(positions, rows, state)`` for each reply, from the threads that call the shards; with
+        ``put_packed``, ``put_packed(positions, packed)`` instead for rows that arrive each followed by its
+        state (``packed``, ``[n, dim + state_width]``)."""
 
         fingerprint = self.initial.fingerprint if self.initial is not None else 0
 
@@ -265,7 +297,10 @@ class EmbeddingClient:
             if reply.packed.dtype:  # (rows and state side by side; servers before it sent them apart)
                 width = self.dim + self.state_width
                 packed = from_tensor(reply.packed, "packed", np.float32, shape=(sent.size, width))
-                put(sent, packed[:, : self.dim], packed[:, self.dim :])
+                if put_packed is not None:
+                    put_packed(sent, packed)
+                else:
+                    put(sent, packed[:, : self.dim], packed[:, self.dim :])
             else:
                 rows = from_tensor(reply.rows, "rows", np.float32, shape=(sent.size, self.dim))
                 shape = (sent.size, self.state_width)
@@ -318,7 +353,9 @@ class EmbeddingClient:
 
         def one(route: _Route, stub: Any, part: np.ndarray) -> None:
             version = route.shard_map.version
-            request = encode_message([(1, version), (2, keys[part]), (3, rows[part]), (4, state[part])])
+            request = encode_message(
+                [(1, version), (2, keys[part]), (3, _rows(rows, part)), (4, _rows(state, part))]
+            )
             stub.WriteBack(request, timeout=serving.RPC_TIMEOUT_S)
             self.bytes_sent += len(request)
 

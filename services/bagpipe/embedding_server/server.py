@@ -25,7 +25,7 @@ from bagpipe.embedding_server.client import MAX_ROWS_PER_RPC
 from bagpipe.errors import FailedPrecondition, InvalidArgument
 from bagpipe.v1 import embedding_server_pb2 as pb
 from bagpipe.v1 import embedding_server_pb2_grpc as pb_grpc
-from bagpipe.wire import encode_message, from_tensor, to_tensor
+from bagpipe.wire import Gather, encode_message, from_tensor, to_tensor
 
 logger = logging.getLogger(__name__)
 
@@ -74,16 +74,17 @@ class EmbeddingServicer(pb_grpc.EmbeddingServerServicer):
         return m
 
     async def Lookup(self, request: pb.LookupRequest, context: grpc.aio.ServicerContext) -> bytes:  # noqa: N802
-        """The reply is a serialised ``LookupResponse`` (``wire.encode_message``) with the gathered rows as
-        they are stored, each followed by its state (``packed``): they are copied into it once, not once
-        per protobuf layer, nor split into rows and state first. A client that computes initial rows as
-        this server does (the same ``init_fingerprint``) gets the rows still initial as positions only,
-        and, asked, whether every row of the shard is (``untouched``)."""
+        """The reply is a serialised ``LookupResponse`` (``wire.encode_message``) with the rows as they are
+        stored, each followed by its state (``packed``): they are gathered straight into its bytes
+        (``wire.Gather``), not into an array first, nor split into rows and state. A client that
+        computes initial rows as this server does (the same ``init_fingerprint``) gets the rows still
+        initial as positions only, and, asked, whether every row of the shard is (``untouched``)."""
         with metrics.LATENCY.labels("lookup").time():
             self._check_version(request.shard_map_version)
             self._check_size(request.keys)
             keys = from_tensor(request.keys, "keys", np.int64, ndim=1)
             fields: list[tuple[int, Any]]
+            packed: Gather
             if request.init_fingerprint and request.init_fingerprint == self.store.fingerprint:
                 initial, packed = self.store.gather_changed(keys)
                 fields = [(3, packed), (4, initial)] if initial.size else [(3, packed)]
@@ -91,7 +92,7 @@ class EmbeddingServicer(pb_grpc.EmbeddingServerServicer):
                     fields.append((5, self.store.untouched()))
                 metrics.INITIAL_ROWS.inc(initial.size)
             else:
-                packed = self.store.gather(keys)
+                packed = self.store.rows(keys)
                 fields = [(3, packed)]
             metrics.ROWS.labels("lookup").inc(keys.size)
             metrics.REQUESTS.labels("lookup").inc()

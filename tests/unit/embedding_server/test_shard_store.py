@@ -3,9 +3,11 @@
 from __future__ import annotations
 
 import numpy as np
+import pytest
 from bagpipe.core.data import table_offsets
 from bagpipe.core.shard_map import ShardMap
 from bagpipe.core.shard_store import ShardStore
+from bagpipe.errors import InvalidArgument
 
 
 def _store(shard: int = 1) -> ShardStore:
@@ -157,3 +159,22 @@ def test_a_row_counts_as_initial_until_a_write_or_restore_stores_into_it() -> No
     with pytest.raises(InvalidArgument):
         store.write(mine[[5, 6]], bad, np.ones((2, 4), np.float32))
     assert np.array_equal(_assert_initial_flags_hold(store, offsets, 0), left_out)
+
+
+def test_the_compiled_key_mapping_matches_the_numpy_one_and_refuses_the_same_keys() -> None:
+    """``local_index`` maps int64 keys in one compiled pass; any other key type, and every refusal, takes
+    numpy's passes, which must agree with it."""
+    store = _store()
+    mine = np.flatnonzero(store.shard_map.shard_of(np.arange(store.shard_map.num_keys)) == 1)
+    rng = np.random.default_rng(0)
+    keys = rng.permutation(mine)
+    assert np.array_equal(store.local_index(keys), store.local_index(keys.astype(np.int32)))
+    assert np.array_equal(store.local_index(keys[::-2]), store.local_index(keys[::-2].astype(np.uint32)))
+    read_only = np.frombuffer(keys.tobytes(), dtype=np.int64)  # (a request's keys)
+    assert np.array_equal(store.local_index(read_only), store.local_index(keys))
+    foreign = int(np.setdiff1d(np.arange(store.shard_map.num_keys), mine)[0])
+    n = store.shard_map.num_keys
+    for bad, message in ((foreign, "belongs to shard"), (n, f"key {n} out of range"), (-1, "key -1 out of")):
+        for dtype in (np.int64, np.int32):
+            with pytest.raises(InvalidArgument, match=message):
+                store.local_index(np.array([*keys[:3], bad], dtype=dtype))
