@@ -184,18 +184,19 @@ class EmbeddingClient:
     def _each_shard(self, keys: np.ndarray, call: Callable[[_Route, int, np.ndarray], np.ndarray]) -> None:
         """Runs ``call(route, shard, positions)`` in parallel for the keys of each shard; ``call`` returns the
         positions its server refused for their version, which go again under the map in force."""
-        pending = np.arange(keys.size)
+        pending: np.ndarray | None = None  # (None: every key, in order)
         deadline = time.monotonic() + SWITCH_TIMEOUT_S
         wait = 0.005
-        while pending.size:
+        while pending is None or pending.size:
             route = self._route
-            parts = [pending[p] for p in route.shard_map.split(keys[pending]) if p.size]
-            shards: list[int] = (
-                route.shard_map.shard_of(keys[[int(p[0]) for p in parts]]).tolist() if parts else []
-            )
-            futures = [self._pool.submit(call, route, s, p) for s, p in zip(shards, parts, strict=True)]
-            refused = [f.result() for f in futures]
-            pending = np.concatenate(refused) if refused else pending[:0]
+            split = route.shard_map.split(keys if pending is None else keys[pending])
+            parts = [(s, p if pending is None else pending[p]) for s, p in enumerate(split) if p.size]
+            # the first shard's call on this thread, the others' on the pool: a call that reaches one shard
+            # (one server, or a write-back group of one shard's rows) hands nothing over
+            futures = [self._pool.submit(call, route, s, p) for s, p in parts[1:]]
+            refused = [call(route, *parts[0])] if parts else []
+            refused += [f.result() for f in futures]
+            pending = np.concatenate(refused) if refused else np.zeros(0, dtype=np.int64)
             if not pending.size:
                 return
             self.refusals += 1
