@@ -132,7 +132,11 @@ def redis_lost(error: BaseException) -> str | None:
 
 
 def run_service(body: Callable[[], object], name: str) -> None:
-    """Runs a service's main body; a lost Redis ends it with one line naming Redis, not a traceback."""
+    """Runs a service's main body; a lost Redis ends it with one line naming Redis, not a traceback.
+    Once the body has returned, SIGTERM is ignored: closing the body's event loop put back SIGTERM's
+    default action (exit -15), and a launcher stopping every process still alive would otherwise turn a
+    service that stopped cleanly, and is only finishing its exit (threads joined, modules torn down),
+    into one that failed while stopping. A process that then does not exit is still killed."""
     try:
         body()
     except Exception as e:
@@ -141,6 +145,8 @@ def run_service(body: Callable[[], object], name: str) -> None:
             raise
         logging.getLogger(name).error("%s", lost)
         raise SystemExit(f"{name}: {lost}") from None
+    finally:
+        signal.signal(signal.SIGTERM, signal.SIG_IGN)
 
 
 def advertised(address: str, host: str | None) -> str:
