@@ -104,6 +104,14 @@ def build_parser() -> argparse.ArgumentParser:
         f"server, so that training keeps its share of the cores and the network (default "
         f"{DEFAULT_MIGRATION_RATE:g}; 0: no limit)",
     )
+    g.add_argument(
+        "--lookup-threads",
+        type=non_negative_int,
+        default=0,
+        help="threads per embedding server that copy lookups' rows into their replies off its event "
+        "loop, so that one server serves lookups on several cores (default 0: on the event loop, best "
+        "where the servers have no cores to spare, as on one machine)",
+    )
     g = r.add_argument_group("benchmarking")
     g.add_argument(
         "--system",

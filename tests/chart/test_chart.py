@@ -531,6 +531,12 @@ def test_migration_rate_reaches_the_servers(rate: float | None, tmp_path: Path) 
     assert emb["args"][emb["args"].index("--migration-rows-per-second") + 1] == str(rate or 0)
 
 
+@pytest.mark.parametrize("threads", [None, 3])
+def test_lookup_threads_reach_the_servers(threads: int | None) -> None:
+    docs = render(*(["--set", f"embeddingServer.lookupThreads={threads}"] if threads is not None else []))
+    assert check_consistency(docs)["embedding-server"][0].lookup_threads == (threads or 0)
+
+
 def test_gpu_values_ask_for_gpus_and_the_cuda_image() -> None:
     docs = render("-f", str(CHART / "ci" / "gpu-trainers.yaml"))
     pod = workloads(docs)["bagpipe-trainer"]["spec"]["template"]["spec"]
@@ -673,6 +679,7 @@ def test_values_that_do_not_fit_together_fail_helm_template(args: list[str], mes
         ("trainers:\n  replicaCount: 2\n", "Additional property trainers is not allowed"),
         ("oracleCacher:\n  replicaCount: 2\n", "oracleCacher.replicaCount"),
         ("embeddingServer:\n  migrationRowsPerSecond: -1\n", "migrationRowsPerSecond: Must be greater than"),
+        ("embeddingServer:\n  lookupThreads: -1\n", "lookupThreads: Must be greater than"),
         ("embeddingServer:\n  drain: {timeoutSeconds: 0}\n", "drain.timeoutSeconds: Must be greater than"),
         ("auth:\n  jobSecret: too-short\n", "auth.jobSecret: Does not match pattern"),
         ("auth:\n  existingSecret: Team_Auth\n", "auth.existingSecret: Does not match pattern"),

@@ -242,14 +242,19 @@ def test_criteo_tsv_run_starting_from_a_checkpoint_matches_reference(run_job, tm
     assert_same_model(second["final"], expected)
 
 
-@pytest.mark.parametrize("system", ["ideal", "no-cache"])
-def test_benchmark_baselines_also_match_synchronous_training(run_job, system: str) -> None:
+@pytest.mark.parametrize(("system", "lookup_threads"), [("ideal", 0), ("no-cache", 0), ("no-cache", 2)])
+def test_benchmark_baselines_also_match_synchronous_training(
+    run_job, system: str, lookup_threads: int
+) -> None:
     """The benchmark's ideal (shared-memory table) and no-cache (synchronous fetch, L=1) systems train
-    the same model, so comparing their speed with Bagpipe's is fair."""
+    the same model, so comparing their speed with Bagpipe's is fair. No-cache fetches and writes back
+    every batch's rows, so it also checks embedding servers that copy lookups off their event loop
+    (``--lookup-threads``), with each batch's lookups right behind the write-backs of the one before."""
     iterations = 10
+    options = {"lookup_threads": lookup_threads} if lookup_threads else {}
     summary, paths = run_job(
-        system,
-        *flags(trainers=2, iterations=iterations, system=system, optimizer="adagrad", lr="0.05"),
+        f"{system}-{lookup_threads}",
+        *flags(trainers=2, iterations=iterations, system=system, optimizer="adagrad", lr="0.05", **options),
     )
     if system == "no-cache":
         assert summary["lookahead"]["max"] == 1 and summary["cache_hit_rate"] == 0.0

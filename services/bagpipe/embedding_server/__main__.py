@@ -54,7 +54,9 @@ async def serve(cfg: EmbeddingServerConfig) -> None:
         logger.info("shard %d: restored %d rows of checkpoint %d", cfg.shard, restored, cfg.resume_batch)
     store.max_abs = cfg.max_abs_value
     store.warm_up()
-    server, port, control, health = await create_server(store, cfg.address, cfg.max_rows_per_request)
+    server, port, control, health = await create_server(
+        store, cfg.address, cfg.max_rows_per_request, cfg.lookup_threads
+    )
     control.address = serving.advertised(control.address, cfg.coordination.advertise_host)
     serving.stop_on_signals(control.stop)  # (before it registers: see stop_on_signals)
     registry.register("embedding_server", str(cfg.shard), control.address)

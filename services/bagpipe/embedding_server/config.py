@@ -13,6 +13,7 @@ from bagpipe.config_args import (
     add_table_args,
     coordination_of,
     non_negative_float,
+    non_negative_int,
     optimizer_argv,
     optimizer_config_of,
     parse_config,
@@ -48,6 +49,7 @@ class EmbeddingServerConfig:
     max_rows_per_request: int = MAX_ROWS_PER_RPC
     max_abs_value: float = DEFAULT_MAX_ABS
     model: str = "dlrm"
+    lookup_threads: int = 0
 
     @property
     def linear(self) -> bool:
@@ -65,6 +67,8 @@ class EmbeddingServerConfig:
             raise ValueError(f"initial_shards: must be >= 1, got {self.initial_shards}")
         if self.migration_rows_per_second < 0:
             raise ValueError(f"migration_rows_per_second: must be >= 0, got {self.migration_rows_per_second}")
+        if self.lookup_threads < 0:
+            raise ValueError(f"lookup_threads: must be >= 0, got {self.lookup_threads}")
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -99,6 +103,14 @@ def build_parser() -> argparse.ArgumentParser:
         help="re-sharding sends at most this many rows per second from this server (default 0: no "
         "limit), leaving the trainers' transfers their bandwidth",
     )
+    p.add_argument(
+        "--lookup-threads",
+        type=non_negative_int,
+        default=0,
+        help="threads that copy lookups' rows into their replies, off the event loop, so that lookups "
+        "run on several cores (default 0: on the event loop, which is best where the server has no core "
+        "to spare); write-backs wait for the copies in flight",
+    )
     p.add_argument("--address", default="127.0.0.1:0", help="host:port to listen on (port 0: any)")
     add_table_args(p)
     add_model_args(p, dense=False)
@@ -129,6 +141,7 @@ def _config(a: argparse.Namespace) -> EmbeddingServerConfig:
         max_rows_per_request=a.max_rows_per_request,
         max_abs_value=a.max_abs_value,
         model=a.model,
+        lookup_threads=a.lookup_threads,
     )
 
 
@@ -138,5 +151,6 @@ def argv(c: EmbeddingServerConfig) -> list[str]:
     out += ["--model", c.model, "--embedding-dim", str(c.embedding_dim)]
     out += ["--migration-rows-per-second", repr(c.migration_rows_per_second)]
     out += ["--max-rows-per-request", str(c.max_rows_per_request), "--max-abs-value", repr(c.max_abs_value)]
+    out += ["--lookup-threads", str(c.lookup_threads)]
     out += table_argv(c.data, c.table_rows) + optimizer_argv(c.optimizer, c.seed, c.init_from)
     return out + c.coordination.argv() + recovery_argv(c.checkpoint_dir, c.resume_batch)

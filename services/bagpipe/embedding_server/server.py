@@ -4,13 +4,22 @@ Handlers run on the asyncio loop and do not await between validating a request a
 so each lookup or write-back is atomic with respect to the others and a rejected one changes nothing.
 The same holds for the steps of a migration that touch rows (a chunk's copy, the seal, a received
 message): see ``core/shard_store.py`` for why no write is lost or applied twice.
+
+With ``lookup_threads``, a lookup is validated and its rows named on the loop as before, but the rows
+are copied into the reply on a thread of its own (the compiled gather releases the GIL), so a server
+with cores to spare serves several lookups at once. Every handler that changes rows then waits until
+no such copy is in flight, and no copy starts while one waits (``_Copies``): a lookup still sees each
+write-back whole or not at all.
 """
 
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 import time
+from collections.abc import AsyncIterator
+from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
 import grpc
@@ -37,13 +46,60 @@ MIGRATION_CHUNK_ROWS = 1 << 13
 RAW_REQUESTS = ("Lookup", "WriteBack")
 
 
+class _Copies:
+    """Lookups whose rows are being copied off the loop, and the handlers that change rows, which wait
+    for them: ``changing`` returns once no copy is in flight, and while any handler waits there, no
+    ``copying`` starts (so a steady stream of lookups cannot hold a write-back off)."""
+
+    def __init__(self) -> None:
+        self.in_flight = 0
+        self.changers = 0
+        self._none_in_flight = asyncio.Event()
+        self._none_in_flight.set()
+        self._no_changers = asyncio.Event()
+        self._no_changers.set()
+
+    @contextlib.asynccontextmanager
+    async def copying(self) -> AsyncIterator[None]:
+        while self.changers:
+            await self._no_changers.wait()
+        self.in_flight += 1
+        self._none_in_flight.clear()
+        try:
+            yield
+        finally:
+            self.in_flight -= 1
+            if not self.in_flight:
+                self._none_in_flight.set()
+
+    @contextlib.asynccontextmanager
+    async def changing(self) -> AsyncIterator[None]:
+        """(Without copies off the loop, returns at once: nothing awaits.)"""
+        self.changers += 1
+        self._no_changers.clear()
+        try:
+            while self.in_flight:
+                await self._none_in_flight.wait()
+            yield
+        finally:
+            self.changers -= 1
+            if not self.changers:
+                self._no_changers.set()
+
+
 class EmbeddingServicer(pb_grpc.EmbeddingServerServicer):
-    def __init__(self, store: ShardStore, max_rows: int = MAX_ROWS_PER_RPC) -> None:
+    def __init__(self, store: ShardStore, max_rows: int = MAX_ROWS_PER_RPC, lookup_threads: int = 0) -> None:
+        if lookup_threads < 0:
+            raise ValueError(f"lookup_threads: must be >= 0, got {lookup_threads}")
         self.store = store
         self.max_rows = max_rows
         self._peers: dict[int, grpc.aio.Channel] = {}
         self._rows_per_second = 0.0
         self._ready = asyncio.Event()
+        self._copies = _Copies()
+        self._pool = (
+            ThreadPoolExecutor(lookup_threads, thread_name_prefix="lookup") if lookup_threads else None
+        )
 
     def _check_version(self, version: int) -> None:
         """Requests name the shard-map version they were routed by; any other is refused (the client
@@ -78,38 +134,48 @@ class EmbeddingServicer(pb_grpc.EmbeddingServerServicer):
         stored, each followed by its state (``packed``): they are gathered straight into its bytes
         (``wire.Gather``), not into an array first, nor split into rows and state. A client that
         computes initial rows as this server does (the same ``init_fingerprint``) gets the rows still
-        initial as positions only, and, asked, whether every row of the shard is (``untouched``)."""
+        initial as positions only, and, asked, whether every row of the shard is (``untouched``).
+        With ``lookup_threads``, the rows are copied into the reply on one of those threads."""
         with metrics.LATENCY.labels("lookup").time():
-            self._check_version(request.shard_map_version)
-            self._check_size(request.keys)
-            keys = from_tensor(request.keys, "keys", np.int64, ndim=1)
-            fields: list[tuple[int, Any]]
-            packed: Gather
-            if request.init_fingerprint and request.init_fingerprint == self.store.fingerprint:
-                initial, packed = self.store.gather_changed(keys)
-                fields = [(3, packed), (4, initial)] if initial.size else [(3, packed)]
-                if request.ask_untouched:
-                    fields.append((5, self.store.untouched()))
-                metrics.INITIAL_ROWS.inc(initial.size)
-            else:
-                packed = self.store.rows(keys)
-                fields = [(3, packed)]
-            metrics.ROWS.labels("lookup").inc(keys.size)
-            metrics.REQUESTS.labels("lookup").inc()
-            metrics.BYTES.labels("lookup").inc(packed.nbytes)
-            return encode_message(fields)
+            if self._pool is None:
+                return encode_message(self._lookup(request))
+            async with self._copies.copying():
+                fields = self._lookup(request)
+                return await asyncio.get_running_loop().run_in_executor(self._pool, encode_message, fields)
+
+    def _lookup(self, request: pb.LookupRequest) -> list[tuple[int, Any]]:
+        """A lookup's reply as ``encode_message`` fields, its rows not yet copied (``wire.Gather``)."""
+        self._check_version(request.shard_map_version)
+        self._check_size(request.keys)
+        keys = from_tensor(request.keys, "keys", np.int64, ndim=1)
+        fields: list[tuple[int, Any]]
+        packed: Gather
+        if request.init_fingerprint and request.init_fingerprint == self.store.fingerprint:
+            initial, packed = self.store.gather_changed(keys)
+            fields = [(3, packed), (4, initial)] if initial.size else [(3, packed)]
+            if request.ask_untouched:
+                fields.append((5, self.store.untouched()))
+            metrics.INITIAL_ROWS.inc(initial.size)
+        else:
+            packed = self.store.rows(keys)
+            fields = [(3, packed)]
+        metrics.ROWS.labels("lookup").inc(keys.size)
+        metrics.REQUESTS.labels("lookup").inc()
+        metrics.BYTES.labels("lookup").inc(packed.nbytes)
+        return fields
 
     async def WriteBack(
         self, request: pb.WriteBackRequest, context: grpc.aio.ServicerContext
     ) -> pb.WriteBackResponse:  # noqa: N802
         with metrics.LATENCY.labels("write_back").time():
-            self._check_version(request.shard_map_version)
-            self._check_size(request.keys)
-            keys = from_tensor(request.keys, "keys", np.int64, ndim=1)
-            n = keys.size
-            rows = from_tensor(request.rows, "rows", np.float32, shape=(n, self.store.dim))
-            state = from_tensor(request.state, "state", np.float32, shape=(n, self.store.state_width))
-            self.store.write(keys, rows, state)
+            async with self._copies.changing():  # (then validated and applied without awaiting)
+                self._check_version(request.shard_map_version)
+                self._check_size(request.keys)
+                keys = from_tensor(request.keys, "keys", np.int64, ndim=1)
+                n = keys.size
+                rows = from_tensor(request.rows, "rows", np.float32, shape=(n, self.store.dim))
+                state = from_tensor(request.state, "state", np.float32, shape=(n, self.store.state_width))
+                self.store.write(keys, rows, state)
             metrics.ROWS.labels("write_back").inc(n)
             metrics.REQUESTS.labels("write_back").inc()
             metrics.BYTES.labels("write_back").inc(rows.nbytes + state.nbytes)
@@ -301,7 +367,8 @@ class EmbeddingServicer(pb_grpc.EmbeddingServerServicer):
         if m.ready:
             self._ready.set()
         await asyncio.wait_for(self._ready.wait(), serving.RPC_TIMEOUT_S)
-        self.store.finish_migration()
+        async with self._copies.changing():  # (no lookup's copy reads the old arrays past the switch)
+            self.store.finish_migration()
         await self._close_peers()
         seconds = time.perf_counter() - t0
         metrics.SHARD_MAP_VERSION.set(self.store.shard_map.version)
@@ -342,10 +409,13 @@ class EmbeddingServicer(pb_grpc.EmbeddingServerServicer):
 
 
 async def create_server(
-    store: ShardStore, address: str = "127.0.0.1:0", max_rows: int = MAX_ROWS_PER_RPC
+    store: ShardStore,
+    address: str = "127.0.0.1:0",
+    max_rows: int = MAX_ROWS_PER_RPC,
+    lookup_threads: int = 0,
 ) -> tuple[grpc.aio.Server, int, serving.ControlServicer, object]:
     """Starts a server for ``store`` on ``address``; returns (server, port, control, health)."""
-    servicer = EmbeddingServicer(store, max_rows)
+    servicer = EmbeddingServicer(store, max_rows, lookup_threads)
 
     def counters() -> dict[str, float]:
         return {"rows_held": float(store.rows_held), "shard": float(store.shard)}

@@ -78,6 +78,7 @@ def embedding_server(
         resume_batch=gen.start if resume and gen.checkpoint_dir else 0,
         migration_rows_per_second=getattr(args, "migration_rows_per_second", 0.0) or 0.0,
         model=args.model,
+        lookup_threads=getattr(args, "lookup_threads", 0) or 0,
     )
 
 

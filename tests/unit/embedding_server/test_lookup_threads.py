@@ -1,0 +1,110 @@
+"""Lookups whose rows are copied into the reply off the event loop (``--lookup-threads``): the same reply
+as on the loop, each sees a write-back whole or not at all, and a stream of lookups cannot hold a
+write-back off. The copy is held half done (``wire.Gather.into`` paused) to make the interleaving
+certain rather than likely."""
+
+from __future__ import annotations
+
+import asyncio
+import threading
+from typing import Any
+
+import numpy as np
+import pytest
+from bagpipe import wire
+from bagpipe.core.data import table_offsets
+from bagpipe.core.shard_map import ShardMap
+from bagpipe.core.shard_store import ShardStore
+from bagpipe.embedding_server import config as server_config
+from bagpipe.embedding_server.server import EmbeddingServicer
+from bagpipe.v1 import embedding_server_pb2 as pb
+from bagpipe.wire import from_tensor, to_tensor
+
+DIM = STATE = 4
+
+
+def _store() -> ShardStore:
+    offsets = table_offsets([400, 100])
+    shard_map = ShardMap.create(int(offsets[-1]), num_shards=1, num_buckets=8)
+    return ShardStore(shard_map, 0, offsets, dim=DIM, state_width=STATE, seed=0)
+
+
+def _lookup(keys: np.ndarray) -> pb.LookupRequest:
+    return pb.LookupRequest(shard_map_version=1, keys=to_tensor(keys))
+
+
+def _write(keys: np.ndarray, value: float) -> pb.WriteBackRequest:
+    rows = np.full((keys.size, DIM), value, dtype=np.float32)
+    state = np.full((keys.size, STATE), value, dtype=np.float32)
+    return pb.WriteBackRequest(
+        shard_map_version=1, keys=to_tensor(keys), rows=to_tensor(rows), state=to_tensor(state)
+    )
+
+
+def _rows(reply: bytes, n: int) -> np.ndarray:
+    packed = pb.LookupResponse.FromString(reply).packed
+    return from_tensor(packed, "packed", np.float32, shape=(n, DIM + STATE))
+
+
+def test_a_reply_copied_off_the_loop_is_the_reply_built_on_it() -> None:
+    keys = np.random.default_rng(0).permutation(500)[:300].astype(np.int64)
+
+    async def both() -> tuple[bytes, bytes]:
+        store = _store()
+        store.write(keys[:50], np.ones((50, DIM), np.float32), np.ones((50, STATE), np.float32))
+        on_loop = await EmbeddingServicer(store).Lookup(_lookup(keys), None)  # type: ignore[arg-type]
+        off_loop = await EmbeddingServicer(store, lookup_threads=2).Lookup(_lookup(keys), None)  # type: ignore[arg-type]
+        return on_loop, off_loop
+
+    on_loop, off_loop = asyncio.run(both())
+    assert on_loop == off_loop
+    assert (_rows(on_loop, keys.size)[:50] == 1).all()
+    with pytest.raises(ValueError, match="lookup_threads"):
+        EmbeddingServicer(_store(), lookup_threads=-1)
+
+
+def test_a_write_back_waits_for_the_copies_in_flight_and_holds_new_ones_off(monkeypatch: Any) -> None:
+    half, go = threading.Event(), threading.Event()
+    copy = wire.Gather.into
+
+    def paused(self: wire.Gather, out: np.ndarray) -> None:
+        rows = out.view(self.table.dtype).reshape(self.shape)
+        h = self.index.size // 2
+        rows[:h] = self.table[self.index[:h]]
+        half.set()
+        assert go.wait(30), "the test never let the copy finish"
+        rows[h:] = self.table[self.index[h:]]
+
+    keys = np.arange(500, dtype=np.int64)
+    store = _store()
+    before = store.gather(keys)
+
+    async def scenario() -> tuple[bytes, bytes]:
+        servicer = EmbeddingServicer(store, lookup_threads=2)
+        monkeypatch.setattr(wire.Gather, "into", paused)
+        first = asyncio.create_task(servicer.Lookup(_lookup(keys), None))  # type: ignore[arg-type]
+        assert await asyncio.to_thread(half.wait, 30)  # (its copy is half done, on a lookup thread)
+        write = asyncio.create_task(servicer.WriteBack(_write(keys, 7.0), None))  # type: ignore[arg-type]
+        await asyncio.sleep(0.05)
+        assert not write.done() and (store.gather(keys[:1]) != 7).all()  # waits for the copy
+        later = asyncio.create_task(servicer.Lookup(_lookup(keys), None))  # type: ignore[arg-type]
+        await asyncio.sleep(0.05)
+        assert servicer._copies.in_flight == 1  # the later lookup starts no copy while the write waits
+        monkeypatch.setattr(wire.Gather, "into", copy)
+        go.set()
+        reply = await first
+        await write
+        return reply, await later
+
+    first, later = asyncio.run(scenario())
+    assert np.array_equal(_rows(first, keys.size), before)  # all from before the write-back
+    assert (_rows(later, keys.size) == 7).all()  # all from after it
+
+
+def test_the_flag_round_trips_and_refuses_a_negative_count() -> None:
+    base = ["--shard", "0", "--embedding-dim", "4", "--table-rows", ",".join(["10"] * 26)]
+    cfg = server_config.parse([*base, "--lookup-threads", "3"])
+    assert cfg.lookup_threads == 3 and server_config.parse(server_config.argv(cfg)) == cfg
+    assert server_config.parse(base).lookup_threads == 0
+    with pytest.raises(SystemExit):
+        server_config.parse([*base, "--lookup-threads", "-1"])
