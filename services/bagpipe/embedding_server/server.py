@@ -141,7 +141,12 @@ class EmbeddingServicer(pb_grpc.EmbeddingServerServicer):
                 return encode_message(self._lookup(request))
             async with self._copies.copying():
                 fields = self._lookup(request)
-                return await asyncio.get_running_loop().run_in_executor(self._pool, encode_message, fields)
+                copy = asyncio.get_running_loop().run_in_executor(self._pool, encode_message, fields)
+                try:
+                    return await asyncio.shield(copy)
+                finally:
+                    if not copy.done():  # (the call was cancelled: the thread still reads the rows)
+                        await asyncio.wait([copy])
 
     def _lookup(self, request: pb.LookupRequest) -> list[tuple[int, Any]]:
         """A lookup's reply as ``encode_message`` fields, its rows not yet copied (``wire.Gather``)."""

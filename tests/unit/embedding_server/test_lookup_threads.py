@@ -101,6 +101,39 @@ def test_a_write_back_waits_for_the_copies_in_flight_and_holds_new_ones_off(monk
     assert (_rows(later, keys.size) == 7).all()  # all from after it
 
 
+def test_a_cancelled_lookup_holds_write_backs_off_until_its_copy_ends(monkeypatch: Any) -> None:
+    """A call cancelled (its client gone) while its rows are copied: the thread still reads them, so a
+    write-back still waits for it."""
+    half, go = threading.Event(), threading.Event()
+    copy = wire.Gather.into
+
+    def paused(self: wire.Gather, out: np.ndarray) -> None:
+        half.set()
+        assert go.wait(30), "the test never let the copy finish"
+        copy(self, out)
+
+    keys = np.arange(500, dtype=np.int64)
+    store = _store()
+
+    async def scenario() -> None:
+        servicer = EmbeddingServicer(store, lookup_threads=1)
+        monkeypatch.setattr(wire.Gather, "into", paused)
+        lookup = asyncio.create_task(servicer.Lookup(_lookup(keys), None))  # type: ignore[arg-type]
+        assert await asyncio.to_thread(half.wait, 30)
+        lookup.cancel()
+        write = asyncio.create_task(servicer.WriteBack(_write(keys, 7.0), None))  # type: ignore[arg-type]
+        await asyncio.sleep(0.05)
+        assert not lookup.done() and not write.done() and servicer._copies.in_flight == 1
+        go.set()
+        await write
+        with pytest.raises(asyncio.CancelledError):
+            await lookup
+        assert servicer._copies.in_flight == 0
+
+    asyncio.run(scenario())
+    assert (store.gather(keys) == 7).all()
+
+
 def test_the_flag_round_trips_and_refuses_a_negative_count() -> None:
     base = ["--shard", "0", "--embedding-dim", "4", "--table-rows", ",".join(["10"] * 26)]
     cfg = server_config.parse([*base, "--lookup-threads", "3"])
