@@ -140,11 +140,21 @@ class Gather:
             self.table.take(self.index, axis=0, out=rows, mode="wrap")
 
 
+def _gatherable(table: np.ndarray) -> bool:
+    return table.ndim == 2 and table.flags.c_contiguous
+
+
+def gather(table: np.ndarray, index: np.ndarray) -> Gather | np.ndarray:
+    """``table[index]`` as a message field: a :class:`Gather` where the table allows it (2-D and
+    C-contiguous), else the gathered array."""
+    return Gather(table, index) if _gatherable(table) else table[index]
+
+
 def _tensor_parts(number: int, array: np.ndarray | Gather) -> list[Any]:
     """Field ``number`` holding ``array`` as a ``Tensor`` (dtype = 1, shape = 2 packed, data = 3)."""
     data: np.ndarray | Gather
     if isinstance(array, Gather):
-        if not (array.table.ndim == 2 and array.table.flags.c_contiguous):
+        if not _gatherable(array.table):
             raise ValueError(f"Gather: the table must be 2-D and C-contiguous, got shape {array.table.shape}")
         dtype, data = _wire_dtype(array.table), array
     else:

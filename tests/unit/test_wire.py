@@ -9,7 +9,7 @@ import pytest
 from bagpipe.core.intrinsics import ROWS_AHEAD, gather_rows
 from bagpipe.errors import InvalidArgument
 from bagpipe.v1 import embedding_server_pb2 as pb
-from bagpipe.wire import Gather, decode_message, encode_message, from_tensor, to_tensor
+from bagpipe.wire import Gather, decode_message, encode_message, from_tensor, gather, to_tensor
 
 PACKED = np.arange(60, dtype=np.float32).reshape(5, 12)
 CASES = [
@@ -171,6 +171,9 @@ def test_rows_gathered_into_a_message_are_the_bytes_of_the_gathered_array(
     assert encode_message([(3, Gather(ints, np.array([2, 0])))]) == encode_message([(3, ints[[2, 0]])])
     with pytest.raises(ValueError, match="2-D and C-contiguous"):
         encode_message([(3, Gather(np.zeros((4, 6), np.float32)[:, ::2], np.arange(2)))])
+    strided = np.arange(24, dtype=np.float32).reshape(4, 6)[:, ::2]  # (``gather`` takes any table)
+    assert encode_message([(3, gather(strided, np.array([3, 1])))]) == encode_message([(3, strided[[3, 1]])])
+    assert isinstance(gather(table, np.array([1])), Gather)
 
 
 def test_the_compiled_gather_copies_the_rows_take_copies() -> None:

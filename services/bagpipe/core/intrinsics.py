@@ -7,7 +7,7 @@
 * ``fma(a, b, c)`` is ``a * b + c`` in float32 with one rounding, the way torch's CPU kernels add a
   scaled tensor (``add_(x, alpha=...)``, ``addcmul_``), so a compiled loop can give the same bits.
 
-``gather_rows`` is the first's use on an embedding server: a lookup's rows, read at random from a table
+``gather_rows`` uses ``load_early`` on an embedding server: a lookup's rows, read at random from a table
 of gigabytes, each loaded a few rows ahead of its copy.
 """
 
@@ -56,7 +56,7 @@ def fma(typingctx: Any, a: Any, b: Any, c: Any) -> Any:
     return sig, codegen
 
 
-# how many rows ahead ``gather_rows`` starts a row's load: 8 to 32 did equally well (bench/README.md)
+# how many rows ahead ``gather_rows`` starts a row's load: 4 to 128 did equally well (bench/README.md)
 ROWS_AHEAD = 16
 
 

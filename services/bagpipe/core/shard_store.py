@@ -249,7 +249,7 @@ class ShardStore:
 
     def gather(self, keys: np.ndarray) -> np.ndarray:
         """The rows of ``keys``, each followed by its state: ``[n, dim + state_width]``, a copy."""
-        return self.table.take(self.local_index(keys), axis=0)
+        return np.asarray(self.rows(keys))
 
     def rows(self, keys: np.ndarray) -> Gather:
         """``gather``, not yet done: a reply gathers the rows straight into its bytes (``wire.Gather``)."""

@@ -21,7 +21,7 @@ from bagpipe.core.shard_map import ShardMap
 from bagpipe.errors import InvalidArgument
 from bagpipe.v1 import embedding_server_pb2 as pb
 from bagpipe.v1 import embedding_server_pb2_grpc as pb_grpc
-from bagpipe.wire import Gather, decode_message, encode_message, from_tensor, serialized
+from bagpipe.wire import decode_message, encode_message, from_tensor, gather, serialized
 
 logger = logging.getLogger(__name__)
 
@@ -62,14 +62,6 @@ def _put_packed(rows, state, positions, packed):  # type: ignore[no-untyped-def]
             rows[p, j] = packed[i, j]
         for j in range(state.shape[1]):
             state[p, j] = packed[i, dim + j]
-
-
-def _rows(table: np.ndarray, part: np.ndarray) -> Any:
-    """``table[part]`` for a request, gathered straight into its bytes where the rows are a C-contiguous
-    float32 table (``wire.Gather``)."""
-    if table.ndim == 2 and table.dtype == np.float32 and table.flags.c_contiguous:
-        return Gather(table, part)
-    return table[part]
 
 
 class Moved(Exception):
@@ -355,7 +347,7 @@ class EmbeddingClient:
         def one(route: _Route, stub: Any, part: np.ndarray) -> None:
             version = route.shard_map.version
             request = encode_message(
-                [(1, version), (2, keys[part]), (3, _rows(rows, part)), (4, _rows(state, part))]
+                [(1, version), (2, keys[part]), (3, gather(rows, part)), (4, gather(state, part))]
             )
             stub.WriteBack(request, timeout=serving.RPC_TIMEOUT_S)
             self.bytes_sent += len(request)
