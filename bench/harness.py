@@ -21,7 +21,9 @@ logs, warm-up excluded) and their ratios, with Bagpipe's iteration-stage breakdo
 * ``skew``      top-1% share of accesses 90% .. 1% and Zipf alpha 1 .. 5: ideal, bagpipe and no-cache
                 at each point, as ``systems`` runs them (paper Figures 18 and 19).
 
-After the tables it prints issue 17's targets against the figures at hand.
+After the tables it prints issue 17's targets against the figures at hand, and the machine's speed
+before and after the sections (``machine_probe.py``: fixed compute, random-read and interpreter
+workloads), since the absolute targets move with the hour on a shared machine.
 
 ``--profile quick`` (``make bench``) takes about 18 minutes on 2 cores; ``--profile full`` uses the
 paper's DLRM (Table 2) and batch 16,384 where this machine can hold them, and takes hours here.
@@ -64,6 +66,7 @@ from bagpipe.config_args import (  # noqa: E402
     DEFAULT_TRANSFER_BATCHES,
 )
 from bagpipe.local.launcher import run as run_job  # noqa: E402
+from machine_probe import describe as describe_machine  # noqa: E402
 
 PROFILES: dict[str, dict[str, Any]] = {
     # DLRM of Table 2 scaled down: narrower MLPs, so that on 2 CPU cores compute and embedding traffic keep
@@ -269,11 +272,15 @@ def pooled(jobs: list[dict[str, Any]]) -> dict[str, Any]:
 
 
 def compare(label: str, profile: dict[str, Any], out: Path, *extra: str, repeats: int = 1) -> dict[str, Any]:
-    """The three systems one after the other, ``repeats`` times over (ideal, bagpipe, no-cache, ideal,
-    ...): a slow minute of the machine then falls on every system, not on one."""
+    """The three systems one after the other, ``repeats`` times over, every other round in reverse
+    (ideal, bagpipe, no-cache, no-cache, bagpipe, ideal, ...): a slow minute of the machine then falls on
+    every system, not on one, and a machine that slows down or speeds up steadily over the rounds gives
+    each system the same mean position in time (in a forward-only order the first system always runs
+    earliest)."""
     jobs: dict[str, list[dict[str, Any]]] = {s: [] for s in SYSTEMS}
     for r in range(repeats):
-        for s, flags in SYSTEMS.items():
+        order = list(SYSTEMS.items())
+        for s, flags in order if r % 2 == 0 else order[::-1]:
             name = f"{label}-{s}" + (f"-{r + 1}" if repeats > 1 else "")
             jobs[s].append(job(name, profile, out, *flags, *extra))
     runs = {s: pooled(js) for s, js in jobs.items()}
@@ -873,24 +880,36 @@ def main() -> None:
             "settings": profile,
             "seconds": time.perf_counter() - started,
             "machine": f"{platform.machine()}, {os.cpu_count()} cores",
-            "date": time.strftime("%Y-%m-%d"),
+            "date": time.strftime("%Y-%m-%d %H:%M"),
+            "machine_probe": machine,
         }
         (out / f"bench-{a.profile}.json").write_text(json.dumps({"meta": meta, **results}, indent=2))
         return meta
 
+    machine = {"before": in_own_process("machine_probe.py")}
+    log(f"machine probe before: {describe_machine(machine['before'])}")
     for name in a.only.split(","):
         log(f"section {name}")
         results[name] = SECTIONS[name](profile, out)
         save()  # after every section: one that fails later does not lose the others' figures
+    machine["after"] = in_own_process("machine_probe.py")
     meta = save()
     made = plots(results, out, a.profile)
     text = table(results)
     (out / f"bench-{a.profile}.md").write_text(
-        f"# bench ({a.profile}, {meta['date']}, {meta['machine']})\n\n{text}\n"
+        f"# bench ({a.profile}, {meta['date']}, {meta['machine']})\n\n"
+        f"The machine's speed (`bench/machine_probe.py`): before the sections "
+        f"{describe_machine(machine['before'])}; after them {describe_machine(machine['after'])}.\n\n"
+        f"{text}\n"
     )
     shutil.rmtree(out / "runs", ignore_errors=True)
     print(text)
     print("\nissue 17's targets:\n" + "\n".join(targets(results)))
+    print(
+        "\nthe machine's speed (bench/machine_probe.py, best of five; lower is faster):\n"
+        f"  before the sections: {describe_machine(machine['before'])}\n"
+        f"  after them:          {describe_machine(machine['after'])}"
+    )
     print(
         f"\nwrote {out}/bench-{a.profile}.json, bench-{a.profile}.md, {', '.join(made)} in "
         f"{meta['seconds']:.0f} s"
