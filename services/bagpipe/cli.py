@@ -108,9 +108,9 @@ def build_parser() -> argparse.ArgumentParser:
         "--lookup-threads",
         type=non_negative_int,
         default=0,
-        help="threads per embedding server that copy lookups' rows into their replies off its event "
-        "loop, so that one server serves lookups on several cores (default 0: on the event loop, best "
-        "where the servers have no cores to spare, as on one machine)",
+        help="threads per embedding server that work on rows off its event loop: lookups' rows copied "
+        "into their replies, several at once, and write-backs stored, one at a time (default 0: on the "
+        "event loop, best where the servers have no cores to spare, as on one machine)",
     )
     g = r.add_argument_group("benchmarking")
     g.add_argument(

@@ -35,8 +35,9 @@ WIDTH = DIM  # adagrad: one accumulator per element
 class Servers:
     """Embedding-server processes of one job (shard 0 coordinates re-sharding)."""
 
-    def __init__(self, workdir: Path, redis_url: str, job: str, rate: float) -> None:
+    def __init__(self, workdir: Path, redis_url: str, job: str, rate: float, lookup_threads: int = 0) -> None:
         self.workdir, self.redis_url, self.job, self.rate = workdir, redis_url, job, rate
+        self.lookup_threads = lookup_threads
         self.procs: dict[int, subprocess.Popen[bytes]] = {}
 
     def start(self, shard: int, initial: int = 2) -> None:
@@ -57,6 +58,7 @@ class Servers:
                     job=self.job,
                     log_level="INFO",
                     migration_rows_per_second=repr(self.rate),
+                    lookup_threads=self.lookup_threads,
                 ),
             ],
             stdout=log,
@@ -128,11 +130,13 @@ class Writer(threading.Thread):
             self.error = e
 
 
-@pytest.fixture
-def cluster(tmp_path: Path):
+@pytest.fixture(params=[0, 2], ids=["on-the-loop", "lookup-threads-2"])
+def cluster(tmp_path: Path, request: pytest.FixtureRequest):
+    """Servers that work on rows on their event loop, or on two threads (lookups copied, write-backs
+    stored, off the loop, while the migration's steps run on it)."""
     redis_server = RedisServer(tmp_path)
     job = "reshard-test"
-    servers = Servers(tmp_path, redis_server.url, job, rate=3000.0)
+    servers = Servers(tmp_path, redis_server.url, job, rate=3000.0, lookup_threads=request.param)
     registry = Registry(redis_server.url, job)
     try:
         yield servers, registry

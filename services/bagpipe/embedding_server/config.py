@@ -107,9 +107,9 @@ def build_parser() -> argparse.ArgumentParser:
         "--lookup-threads",
         type=non_negative_int,
         default=0,
-        help="threads that copy lookups' rows into their replies, off the event loop, so that lookups "
-        "run on several cores (default 0: on the event loop, which is best where the server has no core "
-        "to spare); write-backs wait for the copies in flight",
+        help="threads that work on rows off the event loop: lookups' rows copied into their replies, "
+        "several at once, and write-backs stored, one at a time, while no copy runs (default 0: on the "
+        "event loop, which is best where the server has no core to spare)",
     )
     p.add_argument("--address", default="127.0.0.1:0", help="host:port to listen on (port 0: any)")
     add_table_args(p)

@@ -1,15 +1,21 @@
 """The EmbeddingServer servicer and ``create_server``.
 
-Handlers run on the asyncio loop and do not await between validating a request and applying it,
-so each lookup or write-back is atomic with respect to the others and a rejected one changes nothing.
-The same holds for the steps of a migration that touch rows (a chunk's copy, the seal, a received
-message): see ``core/shard_store.py`` for why no write is lost or applied twice.
+Without threads (below), handlers run on the asyncio loop and do not await between validating a
+request and applying it, so each lookup or write-back is atomic with respect to the others and a
+rejected one changes nothing. The same holds for the steps of a migration that touch rows (a chunk's
+copy, the seal, a received message): see ``core/shard_store.py`` for why no write is lost or applied twice.
 
-With ``lookup_threads``, a lookup is validated and its rows named on the loop as before, but the rows
-are copied into the reply on a thread of its own (the compiled gather releases the GIL), so a server
-with cores to spare serves several lookups at once. Every handler that changes rows then waits until
-no such copy is in flight, and no copy starts while one waits (``_Copies``): a lookup still sees each
-write-back whole or not at all.
+With ``lookup_threads``, the work on rows moves off the loop, so that a server with cores to spare
+serves several lookups at once and keeps receiving and sending (about half of its work is gRPC's, on
+the loop) while rows are stored:
+* a lookup is validated and its rows named on the loop as before, but its rows are copied into the
+  reply on one of those threads (the compiled gather releases the GIL), several at once;
+* a write-back is validated on the loop and its rows checked and stored on one of them
+  (``_store_rows`` releases the GIL too), one write-back at a time, in the order they arrived.
+``_RowsGate`` keeps this exact: a write-back, and every other handler that reads or changes rows on
+the loop (a snapshot, a migration's steps), runs alone: it waits until no copy is in flight and no
+other such handler runs, and no copy starts while one waits. So a lookup still sees each write-back
+whole or not at all, and a snapshot or a migration never sees one half stored.
 """
 
 from __future__ import annotations
@@ -46,10 +52,12 @@ MIGRATION_CHUNK_ROWS = 1 << 13
 RAW_REQUESTS = ("Lookup", "WriteBack")
 
 
-class _Copies:
-    """Lookups whose rows are being copied off the loop, and the handlers that change rows, which wait
-    for them: ``changing`` returns once no copy is in flight, and while any handler waits there, no
-    ``copying`` starts (so a steady stream of lookups cannot hold a write-back off)."""
+class _RowsGate:
+    """Lookups whose rows are being copied off the loop (``copying``, any number at once), and the
+    handlers that store or read rows otherwise (``changing``, one at a time, in the order they came):
+    ``changing`` returns once no copy is in flight and no other handler holds it, and while any handler
+    waits there, no ``copying`` starts (so a steady stream of lookups cannot hold a write-back off).
+    Without threads nothing awaits here: every handler then runs whole within one step of the loop."""
 
     def __init__(self) -> None:
         self.in_flight = 0
@@ -58,6 +66,7 @@ class _Copies:
         self._none_in_flight.set()
         self._no_changers = asyncio.Event()
         self._no_changers.set()
+        self._alone = asyncio.Lock()
 
     @contextlib.asynccontextmanager
     async def copying(self) -> AsyncIterator[None]:
@@ -74,17 +83,28 @@ class _Copies:
 
     @contextlib.asynccontextmanager
     async def changing(self) -> AsyncIterator[None]:
-        """(Without copies off the loop, returns at once: nothing awaits.)"""
         self.changers += 1
         self._no_changers.clear()
         try:
-            while self.in_flight:
-                await self._none_in_flight.wait()
-            yield
+            async with self._alone:
+                while self.in_flight:
+                    await self._none_in_flight.wait()
+                yield
         finally:
             self.changers -= 1
             if not self.changers:
                 self._no_changers.set()
+
+
+async def _off_loop(pool: ThreadPoolExecutor, work: Any, *args: Any) -> Any:
+    """``work(*args)`` on ``pool``. A call cancelled meanwhile (its client gone) still waits for the
+    thread, which goes on with the rows, before the caller's gate is let go."""
+    done = asyncio.get_running_loop().run_in_executor(pool, work, *args)
+    try:
+        return await asyncio.shield(done)
+    finally:
+        if not done.done():
+            await asyncio.wait([done])
 
 
 class EmbeddingServicer(pb_grpc.EmbeddingServerServicer):
@@ -96,10 +116,8 @@ class EmbeddingServicer(pb_grpc.EmbeddingServerServicer):
         self._peers: dict[int, grpc.aio.Channel] = {}
         self._rows_per_second = 0.0
         self._ready = asyncio.Event()
-        self._copies = _Copies()
-        self._pool = (
-            ThreadPoolExecutor(lookup_threads, thread_name_prefix="lookup") if lookup_threads else None
-        )
+        self._gate = _RowsGate()
+        self._pool = ThreadPoolExecutor(lookup_threads, thread_name_prefix="rows") if lookup_threads else None
 
     def _check_version(self, version: int) -> None:
         """Requests name the shard-map version they were routed by; any other is refused (the client
@@ -139,14 +157,10 @@ class EmbeddingServicer(pb_grpc.EmbeddingServerServicer):
         with metrics.LATENCY.labels("lookup").time():
             if self._pool is None:
                 return encode_message(self._lookup(request))
-            async with self._copies.copying():
+            async with self._gate.copying():
                 fields = self._lookup(request)
-                copy = asyncio.get_running_loop().run_in_executor(self._pool, encode_message, fields)
-                try:
-                    return await asyncio.shield(copy)
-                finally:
-                    if not copy.done():  # (the call was cancelled: the thread still reads the rows)
-                        await asyncio.wait([copy])
+                reply: bytes = await _off_loop(self._pool, encode_message, fields)
+                return reply
 
     def _lookup(self, request: pb.LookupRequest) -> list[tuple[int, Any]]:
         """A lookup's reply as ``encode_message`` fields, its rows not yet copied (``wire.Gather``)."""
@@ -173,14 +187,17 @@ class EmbeddingServicer(pb_grpc.EmbeddingServerServicer):
         self, request: pb.WriteBackRequest, context: grpc.aio.ServicerContext
     ) -> pb.WriteBackResponse:  # noqa: N802
         with metrics.LATENCY.labels("write_back").time():
-            async with self._copies.changing():  # (then validated and applied without awaiting)
+            async with self._gate.changing():
                 self._check_version(request.shard_map_version)
                 self._check_size(request.keys)
                 keys = from_tensor(request.keys, "keys", np.int64, ndim=1)
                 n = keys.size
                 rows = from_tensor(request.rows, "rows", np.float32, shape=(n, self.store.dim))
                 state = from_tensor(request.state, "state", np.float32, shape=(n, self.store.state_width))
-                self.store.write(keys, rows, state)
+                if self._pool is None:
+                    self.store.write(keys, rows, state)
+                else:  # (checked whole before anything is stored, there as here)
+                    await _off_loop(self._pool, self.store.write, keys, rows, state)
             metrics.ROWS.labels("write_back").inc(n)
             metrics.REQUESTS.labels("write_back").inc()
             metrics.BYTES.labels("write_back").inc(rows.nbytes + state.nbytes)
@@ -195,8 +212,8 @@ class EmbeddingServicer(pb_grpc.EmbeddingServerServicer):
         if request.next_batch < 1:
             raise InvalidArgument("next_batch", f"must be >= 1, got {request.next_batch}")
         t0 = time.perf_counter()
-        # taken on the loop (atomic with respect to write-backs), written off it
-        keys, rows, state = self.store.take_changes()
+        async with self._gate.changing():  # (between write-backs), written out off the loop
+            keys, rows, state = self.store.take_changes()
         try:
             name, size = await asyncio.to_thread(
                 snapshots.write_rows,
@@ -208,7 +225,8 @@ class EmbeddingServicer(pb_grpc.EmbeddingServerServicer):
                 state,
             )
         except OSError as e:
-            self.store.keep_changes(keys)  # the next snapshot must still hold them
+            async with self._gate.changing():
+                self.store.keep_changes(keys)  # the next snapshot must still hold them
             raise FailedPrecondition(f"directory: cannot write the snapshot: {e}") from e
         metrics.SNAPSHOT_SECONDS.observe(time.perf_counter() - t0)
         metrics.SNAPSHOT_ROWS.inc(keys.size)
@@ -219,6 +237,10 @@ class EmbeddingServicer(pb_grpc.EmbeddingServerServicer):
     async def PrepareMigration(
         self, request: pb.PrepareMigrationRequest, context: grpc.aio.ServicerContext
     ) -> pb.PrepareMigrationResponse:  # noqa: N802
+        async with self._gate.changing():
+            return self._prepare(request)
+
+    def _prepare(self, request: pb.PrepareMigrationRequest) -> pb.PrepareMigrationResponse:
         try:
             new_map = ShardMap.from_json(request.shard_map)
         except (ValueError, KeyError, TypeError) as e:
@@ -318,7 +340,9 @@ class EmbeddingServicer(pb_grpc.EmbeddingServerServicer):
         sent = size = copied = 0
         if m.changes_layout:
             for start in range(0, m.staying.size, MIGRATION_CHUNK_ROWS):
-                m.copy_staying(m.staying[start : start + MIGRATION_CHUNK_ROWS])
+                async with self._gate.changing():
+                    self._still(m)
+                    m.copy_staying(m.staying[start : start + MIGRATION_CHUNK_ROWS])
                 copied += min(MIGRATION_CHUNK_ROWS, m.staying.size - start)
                 await asyncio.sleep(0)
         chunk = MIGRATION_CHUNK_ROWS  # throttled: about 20 chunks a second
@@ -326,9 +350,9 @@ class EmbeddingServicer(pb_grpc.EmbeddingServerServicer):
             chunk = int(min(MIGRATION_CHUNK_ROWS, max(64, self._rows_per_second / 20)))
         for dst, rows in m.leaving.items():
             for start in range(0, rows.size, chunk):
-                if self.store.migration is not m:
-                    raise FailedPrecondition("shard_map_version: the migration was aborted")
-                keys, w, st = self.store.read_rows(rows[start : start + chunk])
+                async with self._gate.changing():
+                    self._still(m)
+                    keys, w, st = self.store.read_rows(rows[start : start + chunk])
                 size += await self._send(m, dst, keys, w, st)
                 sent += keys.size
                 if self._rows_per_second:  # throttled: the trainers' transfers keep their bandwidth
@@ -342,6 +366,10 @@ class EmbeddingServicer(pb_grpc.EmbeddingServerServicer):
         )
         return pb.TransferResponse(rows_sent=sent, bytes_sent=size, rows_copied=copied)
 
+    def _still(self, m: Migration) -> None:
+        if self.store.migration is not m:
+            raise FailedPrecondition("shard_map_version: the migration was aborted")
+
     async def Receive(
         self, request: pb.ReceiveRequest, context: grpc.aio.ServicerContext
     ) -> pb.ReceiveResponse:  # noqa: N802
@@ -353,7 +381,9 @@ class EmbeddingServicer(pb_grpc.EmbeddingServerServicer):
         changed = (
             from_tensor(request.changed_keys, "changed_keys", np.int64, ndim=1) if request.last else None
         )
-        m.receive(int(request.from_shard), keys, rows, state, changed)
+        async with self._gate.changing():
+            m = self._migration(request.shard_map_version)  # (again: it may have ended meanwhile)
+            m.receive(int(request.from_shard), keys, rows, state, changed)
         metrics.MIGRATED_ROWS.labels("in").inc(n)
         metrics.MIGRATED_BYTES.labels("in").inc(rows.nbytes + state.nbytes)
         if m.ready:
@@ -361,18 +391,19 @@ class EmbeddingServicer(pb_grpc.EmbeddingServerServicer):
         return pb.ReceiveResponse(rows=n)
 
     async def Seal(self, request: pb.SealRequest, context: grpc.aio.ServicerContext) -> pb.SealResponse:  # noqa: N802
-        m = self._migration(request.shard_map_version)
-        if m.sealed:
-            raise FailedPrecondition(f"shard_map_version: {m.new_map.version} is already sealed")
         t0 = time.perf_counter()
-        last = m.seal() if m.changes_layout else {}
-        m.sealed = True  # from here on, requests are refused until the new arrays serve
+        async with self._gate.changing():  # (after the write-backs before it, whole)
+            m = self._migration(request.shard_map_version)
+            if m.sealed:
+                raise FailedPrecondition(f"shard_map_version: {m.new_map.version} is already sealed")
+            last = m.seal() if m.changes_layout else {}
+            m.sealed = True  # from here on, requests are refused until the new arrays serve
         resent = sum(k.size for k, _, _, _ in last.values())
         sizes = await asyncio.gather(*(self._send(m, d, k, w, st, c) for d, (k, w, st, c) in last.items()))
         if m.ready:
             self._ready.set()
         await asyncio.wait_for(self._ready.wait(), serving.RPC_TIMEOUT_S)
-        async with self._copies.changing():  # (no lookup's copy reads the old arrays past the switch)
+        async with self._gate.changing():  # (no lookup's copy reads the old arrays past the switch)
             self.store.finish_migration()
         await self._close_peers()
         seconds = time.perf_counter() - t0
@@ -391,13 +422,14 @@ class EmbeddingServicer(pb_grpc.EmbeddingServerServicer):
     async def AbortMigration(
         self, request: pb.AbortMigrationRequest, context: grpc.aio.ServicerContext
     ) -> pb.AbortMigrationResponse:  # noqa: N802
-        m = self.store.migration
-        if m is not None and m.new_map.version == request.shard_map_version:
-            if m.sealed:
-                raise FailedPrecondition(
-                    f"shard_map_version: {m.new_map.version} is sealed; it cannot be aborted"
-                )
-            self._abort()
+        async with self._gate.changing():
+            m = self.store.migration
+            if m is not None and m.new_map.version == request.shard_map_version:
+                if m.sealed:
+                    raise FailedPrecondition(
+                        f"shard_map_version: {m.new_map.version} is sealed; it cannot be aborted"
+                    )
+                self._abort()
         return pb.AbortMigrationResponse()
 
     def _abort(self) -> None:

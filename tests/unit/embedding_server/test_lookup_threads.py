@@ -1,11 +1,13 @@
-"""Lookups whose rows are copied into the reply off the event loop (``--lookup-threads``): the same reply
-as on the loop, each sees a write-back whole or not at all, and a stream of lookups cannot hold a
-write-back off. The copy is held half done (``wire.Gather.into`` paused) to make the interleaving
-certain rather than likely."""
+"""Lookups copied into the reply and write-backs stored off the event loop (``--lookup-threads``): the
+same replies and rows as on the loop, a lookup sees each write-back whole or not at all, write-backs
+apply one at a time in the order they came, a stream of lookups cannot hold a write-back off, and a
+refused write-back changes nothing. A copy or a write is held half done (``wire.Gather.into`` or
+``ShardStore.write`` paused) to make the interleaving certain rather than likely."""
 
 from __future__ import annotations
 
 import asyncio
+import tempfile
 import threading
 from typing import Any
 
@@ -17,6 +19,7 @@ from bagpipe.core.shard_map import ShardMap
 from bagpipe.core.shard_store import ShardStore
 from bagpipe.embedding_server import config as server_config
 from bagpipe.embedding_server.server import EmbeddingServicer
+from bagpipe.errors import InvalidArgument
 from bagpipe.v1 import embedding_server_pb2 as pb
 from bagpipe.wire import from_tensor, to_tensor
 
@@ -89,7 +92,7 @@ def test_a_write_back_waits_for_the_copies_in_flight_and_holds_new_ones_off(monk
         assert not write.done() and (store.gather(keys[:1]) != 7).all()  # waits for the copy
         later = asyncio.create_task(servicer.Lookup(_lookup(keys), None))  # type: ignore[arg-type]
         await asyncio.sleep(0.05)
-        assert servicer._copies.in_flight == 1  # the later lookup starts no copy while the write waits
+        assert servicer._gate.in_flight == 1  # the later lookup starts no copy while the write waits
         monkeypatch.setattr(wire.Gather, "into", copy)
         go.set()
         reply = await first
@@ -123,15 +126,111 @@ def test_a_cancelled_lookup_holds_write_backs_off_until_its_copy_ends(monkeypatc
         lookup.cancel()
         write = asyncio.create_task(servicer.WriteBack(_write(keys, 7.0), None))  # type: ignore[arg-type]
         await asyncio.sleep(0.05)
-        assert not lookup.done() and not write.done() and servicer._copies.in_flight == 1
+        assert not lookup.done() and not write.done() and servicer._gate.in_flight == 1
         go.set()
         await write
         with pytest.raises(asyncio.CancelledError):
             await lookup
-        assert servicer._copies.in_flight == 0
+        assert servicer._gate.in_flight == 0
 
     asyncio.run(scenario())
     assert (store.gather(keys) == 7).all()
+
+
+def test_write_backs_off_the_loop_store_what_the_loop_stores_and_refuse_the_same() -> None:
+    keys = np.random.default_rng(1).permutation(500)[:200].astype(np.int64)
+
+    async def both() -> tuple[ShardStore, ShardStore]:
+        on, off = _store(), _store()
+        for store, threads in ((on, 0), (off, 2)):
+            servicer = EmbeddingServicer(store, lookup_threads=threads)
+            await servicer.WriteBack(_write(keys, 3.0), None)  # type: ignore[arg-type]
+            bad = _write(keys[:10], 5.0)
+            bad.rows.CopyFrom(to_tensor(np.full((10, DIM), np.nan, dtype=np.float32)))
+            with pytest.raises(InvalidArgument, match="rows"):  # (raised on the thread, reported here)
+                await servicer.WriteBack(bad, None)  # type: ignore[arg-type]
+        return on, off
+
+    on, off = asyncio.run(both())
+    everything = np.arange(500, dtype=np.int64)
+    assert np.array_equal(on.gather(everything), off.gather(everything))
+    assert (off.gather(keys) == 3).all()  # the refused one changed nothing
+    assert np.array_equal(on.take_changes()[0], off.take_changes()[0])
+
+
+def test_a_write_back_off_the_loop_runs_alone(monkeypatch: Any) -> None:
+    """While a write-back's rows are stored on a thread (held half stored here), a lookup, a snapshot
+    and a second write-back wait. The snapshot and the second write-back then run in the order they
+    came, and the lookup after both (it waits while any handler that changes rows does)."""
+    half, go = threading.Event(), threading.Event()
+    keys = np.arange(500, dtype=np.int64)
+    store = _store()
+    write = store.write
+
+    def paused(k: np.ndarray, rows: np.ndarray, state: np.ndarray) -> None:
+        h = k.size // 2
+        write(k[:h], rows[:h], state[:h])
+        half.set()
+        assert go.wait(30), "the test never let the write finish"
+        write(k[h:], rows[h:], state[h:])
+
+    async def scenario(directory: str) -> tuple[bytes, Any]:
+        servicer = EmbeddingServicer(store, lookup_threads=2)
+        monkeypatch.setattr(store, "write", paused)
+        first = asyncio.create_task(servicer.WriteBack(_write(keys, 7.0), None))  # type: ignore[arg-type]
+        assert await asyncio.to_thread(half.wait, 30)  # (half its rows stored, on a thread)
+        lookup = asyncio.create_task(servicer.Lookup(_lookup(keys), None))  # type: ignore[arg-type]
+        snapshot = asyncio.create_task(
+            servicer.Snapshot(
+                pb.SnapshotRequest(shard_map_version=1, directory=directory, next_batch=1), None
+            )  # type: ignore[arg-type]
+        )
+        monkeypatch.setattr(store, "write", write)
+        second = asyncio.create_task(servicer.WriteBack(_write(keys[:100], 9.0), None))  # type: ignore[arg-type]
+        await asyncio.sleep(0.05)
+        assert not (lookup.done() or snapshot.done() or second.done())
+        assert servicer._gate.in_flight == 0 and servicer._gate.changers == 3
+        go.set()
+        await first
+        reply = await lookup
+        taken = await snapshot
+        await second
+        return reply, taken
+
+    with tempfile.TemporaryDirectory() as directory:
+        reply, taken = asyncio.run(scenario(directory))
+    rows = _rows(reply, keys.size)  # both write-backs whole: the waiting ones go before new copies
+    assert (rows[:100] == 9).all() and (rows[100:] == 7).all()
+    assert taken.rows == keys.size  # the snapshot took every row of the first (after it, before the second)
+    assert (store.gather(keys[:100]) == 9).all() and (store.gather(keys[100:]) == 7).all()
+
+
+def test_a_cancelled_write_back_holds_the_others_off_until_its_rows_are_stored(monkeypatch: Any) -> None:
+    half, go = threading.Event(), threading.Event()
+    keys = np.arange(500, dtype=np.int64)
+    store = _store()
+    write = store.write
+
+    def paused(k: np.ndarray, rows: np.ndarray, state: np.ndarray) -> None:
+        half.set()
+        assert go.wait(30), "the test never let the write finish"
+        write(k, rows, state)
+
+    async def scenario() -> bytes:
+        servicer = EmbeddingServicer(store, lookup_threads=1)
+        monkeypatch.setattr(store, "write", paused)
+        first = asyncio.create_task(servicer.WriteBack(_write(keys, 7.0), None))  # type: ignore[arg-type]
+        assert await asyncio.to_thread(half.wait, 30)
+        first.cancel()
+        lookup = asyncio.create_task(servicer.Lookup(_lookup(keys), None))  # type: ignore[arg-type]
+        await asyncio.sleep(0.05)
+        assert not first.done() and not lookup.done()
+        go.set()
+        with pytest.raises(asyncio.CancelledError):
+            await first
+        return await lookup
+
+    assert (_rows(asyncio.run(scenario()), keys.size) == 7).all()
 
 
 def test_the_flag_round_trips_and_refuses_a_negative_count() -> None:
