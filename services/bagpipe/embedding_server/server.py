@@ -103,8 +103,9 @@ async def _off_loop(pool: ThreadPoolExecutor, work: Any, *args: Any) -> Any:
     try:
         return await asyncio.shield(done)
     finally:
-        if not done.done():
-            await asyncio.wait([done])
+        while not done.done():  # (however often the call is cancelled meanwhile)
+            with contextlib.suppress(asyncio.CancelledError):
+                await asyncio.wait([done])
 
 
 class EmbeddingServicer(pb_grpc.EmbeddingServerServicer):
@@ -213,6 +214,7 @@ class EmbeddingServicer(pb_grpc.EmbeddingServerServicer):
             raise InvalidArgument("next_batch", f"must be >= 1, got {request.next_batch}")
         t0 = time.perf_counter()
         async with self._gate.changing():  # (between write-backs), written out off the loop
+            self._check_version(request.shard_map_version)  # (again: a switch may have begun meanwhile)
             keys, rows, state = self.store.take_changes()
         try:
             name, size = await asyncio.to_thread(
@@ -224,14 +226,19 @@ class EmbeddingServicer(pb_grpc.EmbeddingServerServicer):
                 rows,
                 state,
             )
-        except OSError as e:
-            async with self._gate.changing():
-                self.store.keep_changes(keys)  # the next snapshot must still hold them
-            raise FailedPrecondition(f"directory: cannot write the snapshot: {e}") from e
+        except BaseException as e:  # (a cancelled call too) the next snapshot must still hold them
+            await asyncio.shield(self._keep_changes(keys))
+            if isinstance(e, OSError):
+                raise FailedPrecondition(f"directory: cannot write the snapshot: {e}") from e
+            raise
         metrics.SNAPSHOT_SECONDS.observe(time.perf_counter() - t0)
         metrics.SNAPSHOT_ROWS.inc(keys.size)
         logger.info("snapshot for batch %d: %d changed rows, %d bytes", request.next_batch, keys.size, size)
         return pb.SnapshotResponse(file=name, rows=keys.size, bytes=size)
+
+    async def _keep_changes(self, keys: np.ndarray) -> None:
+        async with self._gate.changing():
+            self.store.keep_changes(keys)
 
     # ---- re-sharding
     async def PrepareMigration(
@@ -369,6 +376,8 @@ class EmbeddingServicer(pb_grpc.EmbeddingServerServicer):
     def _still(self, m: Migration) -> None:
         if self.store.migration is not m:
             raise FailedPrecondition("shard_map_version: the migration was aborted")
+        if m.sealed:
+            raise FailedPrecondition(f"shard_map_version: {m.new_map.version} is already sealed")
 
     async def Receive(
         self, request: pb.ReceiveRequest, context: grpc.aio.ServicerContext

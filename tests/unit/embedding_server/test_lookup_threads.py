@@ -14,6 +14,7 @@ from typing import Any
 import numpy as np
 import pytest
 from bagpipe import wire
+from bagpipe.core import snapshots
 from bagpipe.core.data import table_offsets
 from bagpipe.core.shard_map import ShardMap
 from bagpipe.core.shard_store import ShardStore
@@ -199,9 +200,12 @@ def test_a_write_back_off_the_loop_runs_alone(monkeypatch: Any) -> None:
 
     with tempfile.TemporaryDirectory() as directory:
         reply, taken = asyncio.run(scenario(directory))
+        with np.load(snapshots.path_of(directory, 1) / taken.file) as saved:
+            snapshot_keys, snapshot_rows = saved["keys"], saved["rows"]
     rows = _rows(reply, keys.size)  # both write-backs whole: the waiting ones go before new copies
     assert (rows[:100] == 9).all() and (rows[100:] == 7).all()
-    assert taken.rows == keys.size  # the snapshot took every row of the first (after it, before the second)
+    # the snapshot took every row of the first write-back, and ran before the second
+    assert np.array_equal(np.sort(snapshot_keys), keys) and (snapshot_rows == 7).all()
     assert (store.gather(keys[:100]) == 9).all() and (store.gather(keys[100:]) == 7).all()
 
 
@@ -217,7 +221,7 @@ def test_a_cancelled_write_back_holds_the_others_off_until_its_rows_are_stored(m
         write(k, rows, state)
 
     async def scenario() -> bytes:
-        servicer = EmbeddingServicer(store, lookup_threads=1)
+        servicer = EmbeddingServicer(store, lookup_threads=2)  # (a free thread: the lookup waits on the gate)
         monkeypatch.setattr(store, "write", paused)
         first = asyncio.create_task(servicer.WriteBack(_write(keys, 7.0), None))  # type: ignore[arg-type]
         assert await asyncio.to_thread(half.wait, 30)
@@ -228,9 +232,46 @@ def test_a_cancelled_write_back_holds_the_others_off_until_its_rows_are_stored(m
         go.set()
         with pytest.raises(asyncio.CancelledError):
             await first
-        return await lookup
+        reply = await lookup
+        assert servicer._gate.changers == 0 and servicer._gate.in_flight == 0
+        return reply
 
     assert (_rows(asyncio.run(scenario()), keys.size) == 7).all()
+
+
+@pytest.mark.parametrize("threads", [0, 2])
+def test_a_snapshot_cancelled_while_it_writes_keeps_its_rows_for_the_next(
+    monkeypatch: Any, threads: int
+) -> None:
+    """The rows a snapshot took are marked changed again when its file is not written: the call failed
+    or was cancelled (its client gone), so the next snapshot must hold them."""
+    started, go = threading.Event(), threading.Event()
+    keys = np.arange(0, 500, 5, dtype=np.int64)
+    store = _store()
+    write_rows = snapshots.write_rows
+
+    def slow(*args: Any) -> tuple[str, int]:
+        started.set()
+        assert go.wait(30), "the test never let the write finish"
+        return write_rows(*args)
+
+    async def scenario(directory: str) -> None:
+        servicer = EmbeddingServicer(store, lookup_threads=threads)
+        await servicer.WriteBack(_write(keys, 4.0), None)  # type: ignore[arg-type]
+        monkeypatch.setattr(snapshots, "write_rows", slow)
+        request = pb.SnapshotRequest(shard_map_version=1, directory=directory, next_batch=1)
+        call = asyncio.create_task(servicer.Snapshot(request, None))  # type: ignore[arg-type]
+        assert await asyncio.to_thread(started.wait, 30)
+        call.cancel()
+        go.set()
+        with pytest.raises(asyncio.CancelledError):
+            await call
+        await asyncio.sleep(0.05)  # (the shielded restore runs to its end)
+        assert servicer._gate.changers == 0
+
+    with tempfile.TemporaryDirectory() as directory:
+        asyncio.run(scenario(directory))
+    assert np.array_equal(np.sort(store.take_changes()[0]), keys)
 
 
 def test_the_flag_round_trips_and_refuses_a_negative_count() -> None:
