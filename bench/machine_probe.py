@@ -3,8 +3,8 @@
 The bench's machines are shared, and their speed moves by the hour: on 2026-11-25 the same code planned
 a batch in 2.66 ms at 16:37 and in 3.68 ms at 19:55, and TorchRec's compute reference took 22.1 and
 45.5 ms. The harness runs this probe before and after its sections, so that a run's figures can be set
-against the machine's speed at the time, and two runs against each other. Both workloads run on one
-core, and neither uses any Bagpipe code:
+against the machine's speed at the time, and two runs against each other. All three workloads run on
+one core, and none uses any Bagpipe code:
 
 * ``compute_ms``: 40 products of two 512 x 512 float32 matrices (BLAS, one thread), like a trainer's MLPs;
 * ``random_read_ms``: 2 M reads of 8 bytes at random positions of a 512 MB array, in sorted order, like

@@ -207,14 +207,13 @@ class EmbeddingServicer(pb_grpc.EmbeddingServerServicer):
     async def Snapshot(
         self, request: pb.SnapshotRequest, context: grpc.aio.ServicerContext
     ) -> pb.SnapshotResponse:  # noqa: N802
-        self._check_version(request.shard_map_version)
         if not request.directory:
             raise InvalidArgument("directory", "empty")
         if request.next_batch < 1:
             raise InvalidArgument("next_batch", f"must be >= 1, got {request.next_batch}")
         t0 = time.perf_counter()
         async with self._gate.changing():  # (between write-backs), written out off the loop
-            self._check_version(request.shard_map_version)  # (again: a switch may have begun meanwhile)
+            self._check_version(request.shard_map_version)  # (once no write-back or switch step runs)
             keys, rows, state = self.store.take_changes()
         try:
             name, size = await asyncio.to_thread(
@@ -341,8 +340,7 @@ class EmbeddingServicer(pb_grpc.EmbeddingServerServicer):
     ) -> pb.TransferResponse:  # noqa: N802
         """The bulk copy, chunk by chunk between the requests it serves (rows read in one loop step)."""
         m = self._migration(request.shard_map_version)
-        if m.sealed:
-            raise FailedPrecondition(f"shard_map_version: {m.new_map.version} is already sealed")
+        self._still(m)
         t0 = time.perf_counter()
         sent = size = copied = 0
         if m.changes_layout:
@@ -374,6 +372,7 @@ class EmbeddingServicer(pb_grpc.EmbeddingServerServicer):
         return pb.TransferResponse(rows_sent=sent, bytes_sent=size, rows_copied=copied)
 
     def _still(self, m: Migration) -> None:
+        """``m`` is still the migration under way, and not yet sealed."""
         if self.store.migration is not m:
             raise FailedPrecondition("shard_map_version: the migration was aborted")
         if m.sealed:
@@ -382,7 +381,6 @@ class EmbeddingServicer(pb_grpc.EmbeddingServerServicer):
     async def Receive(
         self, request: pb.ReceiveRequest, context: grpc.aio.ServicerContext
     ) -> pb.ReceiveResponse:  # noqa: N802
-        m = self._migration(request.shard_map_version)
         keys = from_tensor(request.keys, "keys", np.int64, ndim=1)
         n = keys.size
         rows = from_tensor(request.rows, "rows", np.float32, shape=(n, self.store.dim))
@@ -391,7 +389,7 @@ class EmbeddingServicer(pb_grpc.EmbeddingServerServicer):
             from_tensor(request.changed_keys, "changed_keys", np.int64, ndim=1) if request.last else None
         )
         async with self._gate.changing():
-            m = self._migration(request.shard_map_version)  # (again: it may have ended meanwhile)
+            m = self._migration(request.shard_map_version)  # (once no write-back runs)
             m.receive(int(request.from_shard), keys, rows, state, changed)
         metrics.MIGRATED_ROWS.labels("in").inc(n)
         metrics.MIGRATED_BYTES.labels("in").inc(rows.nbytes + state.nbytes)
@@ -403,8 +401,7 @@ class EmbeddingServicer(pb_grpc.EmbeddingServerServicer):
         t0 = time.perf_counter()
         async with self._gate.changing():  # (after the write-backs before it, whole)
             m = self._migration(request.shard_map_version)
-            if m.sealed:
-                raise FailedPrecondition(f"shard_map_version: {m.new_map.version} is already sealed")
+            self._still(m)
             last = m.seal() if m.changes_layout else {}
             m.sealed = True  # from here on, requests are refused until the new arrays serve
         resent = sum(k.size for k, _, _, _ in last.values())
