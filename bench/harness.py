@@ -182,6 +182,8 @@ def job(
         # caching and traffic is fair only without them; section systems measures their cost apart
         "--checkpoint-every",
         "0",
+        "--device",
+        profile.get("device", "auto"),
         *extra,
     ]
     t0 = time.perf_counter()
@@ -857,6 +859,16 @@ def targets(results: dict[str, Any]) -> list[str]:
     ]
 
 
+def gpus() -> str:
+    """The GPUs torch sees here, for the record of a run."""
+    import torch
+
+    if not torch.cuda.is_available():
+        return "no GPU"
+    names = [torch.cuda.get_device_name(i) for i in range(torch.cuda.device_count())]
+    return f"{len(names)} x {names[0]} (torch {torch.__version__})"
+
+
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--profile", choices=sorted(PROFILES), default="quick")
@@ -864,10 +876,16 @@ def main() -> None:
         "--only", default=",".join(SECTIONS), help=f"comma-separated sections of {', '.join(SECTIONS)}"
     )
     p.add_argument("--out", default=str(REPO / "bench" / "results"))
+    p.add_argument(
+        "--device",
+        choices=["auto", "cpu", "cuda"],
+        default="auto",
+        help="the trainers' device (bagpipe run --device); auto is CUDA where torch sees a GPU",
+    )
     a = p.parse_args()
     out = Path(a.out)
     out.mkdir(parents=True, exist_ok=True)
-    profile = PROFILES[a.profile]
+    profile = {**PROFILES[a.profile], "device": a.device}
     started = time.perf_counter()
     results: dict[str, Any] = {}
     previous = out / f"bench-{a.profile}.json"
@@ -879,7 +897,7 @@ def main() -> None:
             "profile": a.profile,
             "settings": profile,
             "seconds": time.perf_counter() - started,
-            "machine": f"{platform.machine()}, {os.cpu_count()} cores",
+            "machine": f"{platform.machine()}, {os.cpu_count()} cores, {gpus()}",
             "date": time.strftime("%Y-%m-%d %H:%M"),
             "machine_probe": machine,
         }

@@ -10,6 +10,7 @@ from __future__ import annotations
 from pathlib import Path
 
 import pytest
+import torch
 from bagpipe.core import checkpoint
 from bagpipe.core.data import SyntheticConfig, SyntheticSource, scaled_table_rows
 from bagpipe.core.files import CriteoConfig, CriteoTSVSource
@@ -261,3 +262,30 @@ def test_benchmark_baselines_also_match_synchronous_training(
     # as in bagpipe, the rows used for the first time are computed rather than fetched (or copied)
     assert 0 < summary["rows_fetched_first_per_iteration"] <= summary["rows_fetched_per_iteration"]
     assert_synchronous(paths, iterations, 64, "adagrad")
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="no CUDA device on this machine")
+@pytest.mark.parametrize(
+    ("system", "trainers"), [("bagpipe", 2), ("ideal", 2), ("no-cache", 2), ("bagpipe", 1)]
+)
+def test_cuda_trainers_match_synchronous_training(run_job, system: str, trainers: int) -> None:
+    """CUDA trainers (cache, model and all-reduces on the GPU) train the model the CPU reference does.
+    Two trainers on one GPU all-reduce through gloo, as the local launcher sets them up; with a GPU per
+    trainer it would be NCCL."""
+    lookahead = 8 if system == "bagpipe" else 1
+    iterations, batch = 12 + 2 * lookahead, 32 * trainers
+    options = {"lookahead": lookahead} if system == "bagpipe" else {"system": system}
+    summary, paths = run_job(
+        f"cuda-{system}-{trainers}",
+        *flags(
+            trainers=trainers,
+            iterations=iterations,
+            batch_size=batch,
+            optimizer="adagrad",
+            lr="0.05",
+            device="cuda",
+            **options,
+        ),
+    )
+    assert summary["iterations"] == iterations
+    assert_synchronous(paths, iterations, batch, "adagrad")

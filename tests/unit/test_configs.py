@@ -78,6 +78,7 @@ def test_trainer_round_trip() -> None:
             None,
             "cuda",
             data="avazu:/d/a.csv,/d/b.csv",
+            dist_backend="gloo",
         ),
     ]
     for cfg in cfgs:

@@ -126,6 +126,17 @@ def oracle(args: argparse.Namespace, gen: GenerationSpec) -> OracleConfig:
     )
 
 
+def dist_backend(args: argparse.Namespace) -> str:
+    """The local job's trainers all run on this host: where CUDA trainers outnumber its GPUs, some share
+    one, which NCCL refuses, so their process group is gloo (it all-reduces CUDA tensors too)."""
+    if args.device == "cpu":
+        return "auto"
+    import torch  # here only: the other services' configs need no torch
+
+    gpus = torch.cuda.device_count() if torch.cuda.is_available() else 0
+    return "gloo" if 0 < gpus < args.trainers else "auto"
+
+
 def trainer(args: argparse.Namespace, gen: GenerationSpec, rank: int, dist_init: str) -> TrainerConfig:
     """Trainer ``rank``; ``--system``: no-cache fetches synchronously, ideal uses a shared-memory table."""
     table_rows = table_rows_of(args)
@@ -141,6 +152,7 @@ def trainer(args: argparse.Namespace, gen: GenerationSpec, rank: int, dist_init:
         save_initial=args.save_initial if rank == 0 and gen.start == 0 else None,
         save_final=args.save_final if rank == 0 else None,
         device=args.device,
+        dist_backend=dist_backend(args),
         coordination=gen.coordination(args),
         data=args.data,
         cache_rows=args.cache_rows,

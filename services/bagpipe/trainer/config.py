@@ -28,6 +28,7 @@ from bagpipe.core.model import ModelConfig
 from bagpipe.core.optim import OptimizerConfig
 
 DEFAULT_COLLECTIVE_TIMEOUT_S = 120.0
+DIST_BACKENDS = ("auto", "nccl", "gloo")
 
 
 @dataclass(frozen=True)
@@ -46,6 +47,9 @@ class TrainerConfig:
     save_final: str | None
     device: str
     coordination: Coordination = Coordination()
+    # the process group's backend: auto is NCCL on CUDA and gloo on CPU; trainers that share a GPU
+    # (NCCL refuses two ranks on one device) all-reduce their CUDA tensors through gloo
+    dist_backend: str = "auto"
     data: str = "synthetic"  # the training data's source: its schema sizes the model's dense input
     cache_rows: int | None = None
     iteration_log: str | None = None
@@ -69,6 +73,10 @@ class TrainerConfig:
             raise ValueError(f"rank: must be in [0, {self.world_size}), got {self.rank}")
         if self.device not in ("auto", "cpu", "cuda"):
             raise ValueError(f"device: must be auto, cpu or cuda, got {self.device!r}")
+        if self.dist_backend not in DIST_BACKENDS:
+            raise ValueError(
+                f"dist_backend: must be one of {', '.join(DIST_BACKENDS)}, got {self.dist_backend!r}"
+            )
         if self.collective_timeout <= 0:
             raise ValueError(f"collective_timeout: must be > 0 seconds, got {self.collective_timeout}")
         if self.shared_table and self.checkpoint_dir:
@@ -86,7 +94,18 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--rank", type=int, required=True, help="this trainer's rank")
     p.add_argument("--world-size", type=int, required=True, help="number of trainers")
     p.add_argument("--dist-init", default="tcp://127.0.0.1:29500", help="torch.distributed init method")
-    p.add_argument("--device", default="auto", help="auto (CUDA when present), cpu or cuda")
+    p.add_argument(
+        "--device",
+        default="auto",
+        help="auto (CUDA when present), cpu or cuda; on CUDA, rank r uses GPU r mod the GPUs it sees",
+    )
+    p.add_argument(
+        "--dist-backend",
+        choices=DIST_BACKENDS,
+        default="auto",
+        help="the trainers' process group: auto is nccl on CUDA and gloo on CPU; gloo where trainers "
+        "share a GPU (NCCL refuses two ranks on one device)",
+    )
     p.add_argument(
         "--save-initial", default=None, help="rank 0 writes the initial interchange checkpoint here"
     )
@@ -154,6 +173,7 @@ def _config(a: argparse.Namespace) -> TrainerConfig:
         save_initial=a.save_initial,
         save_final=a.save_final,
         device=a.device,
+        dist_backend=a.dist_backend,
         coordination=coordination_of(a),
         data=a.data,
         cache_rows=a.cache_rows,
@@ -174,7 +194,16 @@ def _config(a: argparse.Namespace) -> TrainerConfig:
 def argv(c: TrainerConfig) -> list[str]:
     """The command line ``parse`` reads back to ``c`` (the launcher starts trainers with it)."""
     out = ["--rank", str(c.rank), "--world-size", str(c.world_size), "--dist-init", c.dist_init]
-    out += ["--device", c.device, "--fetch", c.fetch, "--transfer-batches", str(c.transfer_batches)]
+    out += [
+        "--device",
+        c.device,
+        "--dist-backend",
+        c.dist_backend,
+        "--fetch",
+        c.fetch,
+        "--transfer-batches",
+        str(c.transfer_batches),
+    ]
     out += ["--collective-timeout", repr(c.collective_timeout)]
     out += table_argv(c.data, c.table_rows) + model_argv(c.model)
     out += optimizer_argv(c.optimizer, c.seed, c.init_from) + c.coordination.argv()

@@ -297,18 +297,22 @@ class Pipeline:
             )
             if first.any():
                 rows, state = self.initial_of(keys[first])
-                self.cache.insert(
-                    self.cache.index(slots[first]), torch.from_numpy(rows), torch.from_numpy(state)
-                )
+                # no-cache fetches on the training thread while the prefetcher may grow the cache: a growth
+                # that swapped the tensors during a copy into the old ones would lose the rows
+                with self.cache.lock.shared():
+                    self.cache.insert(
+                        self.cache.index(slots[first]), torch.from_numpy(rows), torch.from_numpy(state)
+                    )
                 self.transfers["first_rows"] += int(rows.shape[0])
                 metrics.ROWS_COMPUTED.inc(int(rows.shape[0]))
                 keys, slots = keys[~first], slots[~first]
         if keys.size:
             # each reply straight into the cache: one copy of the rows on this side, not two
             for positions, rows, state in self.store.lookup_parts(keys):
-                self.cache.insert(
-                    self.cache.index(slots[positions]), torch.from_numpy(rows), torch.from_numpy(state)
-                )
+                with self.cache.lock.shared():
+                    self.cache.insert(
+                        self.cache.index(slots[positions]), torch.from_numpy(rows), torch.from_numpy(state)
+                    )
             self.transfers["lookup_calls"] += 1
 
     def _write_back(self) -> None:

@@ -11,6 +11,7 @@ from pathlib import Path
 from typing import Any
 
 import numpy as np
+import torch
 
 from bagpipe.codec import PlanArrays
 from bagpipe.core.row_store import RowStore
@@ -43,11 +44,16 @@ class IterationLog:
 class StageTimer:
     """Seconds per stage of one iteration (metrics.STAGES); ``mark`` closes the stage that just ran."""
 
-    def __init__(self) -> None:
+    def __init__(self, device: torch.device | None = None) -> None:
         self.seconds = dict.fromkeys(metrics.STAGES, 0.0)
+        # a CUDA stage ends when its kernels do, not when they are queued: without this, the GPU's time
+        # would fall on whichever later stage waits first (or, with one trainer, on none)
+        self._device = device if device is not None and device.type == "cuda" else None
         self.started = self._last = time.perf_counter()
 
     def mark(self, stage: str) -> None:
+        if self._device is not None:
+            torch.cuda.synchronize(self._device)
         now = time.perf_counter()
         self.seconds[stage] += now - self._last
         self._last = now

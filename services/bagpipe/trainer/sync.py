@@ -38,11 +38,9 @@ class _Background:
     writeback_slots: np.ndarray
 
 
-def init_process_group(
-    rank: int, world_size: int, init_method: str, device: torch.device, timeout_s: float
-) -> Any:
-    """Joins the trainers' process group; returns the second group background synchronisation uses."""
-    backend = "nccl" if device.type == "cuda" else "gloo"
+def init_process_group(rank: int, world_size: int, init_method: str, backend: str, timeout_s: float) -> Any:
+    """Joins the trainers' process group (``backend``: nccl or gloo, which also all-reduces CUDA tensors);
+    returns the second group background synchronisation uses."""
     # bounded: a lost peer fails the collective instead of hanging it for gloo's default 30 minutes
     timeout = timedelta(seconds=timeout_s)
     dist.init_process_group(

@@ -47,14 +47,32 @@ from bagpipe.v1 import oracle_cacher_pb2_grpc as opb_grpc
 logger = logging.getLogger(__name__)
 
 
+def trainer_device(choice: str, rank: int) -> torch.device:
+    """``--device``: CPU, or the GPU ``rank`` mod the GPUs this process sees (one GPU per trainer where
+    there are as many, each trainer on its own where a pod is given one)."""
+    if choice == "cpu" or (choice == "auto" and not torch.cuda.is_available()):
+        return torch.device("cpu")
+    if not torch.cuda.is_available():
+        raise RuntimeError("--device cuda: torch sees no CUDA device here")
+    return torch.device("cuda", rank % torch.cuda.device_count())
+
+
+def dist_backend(choice: str, device: torch.device) -> str:
+    """``--dist-backend``: auto is NCCL for CUDA trainers and gloo on CPU."""
+    if choice != "auto":
+        return choice
+    return "nccl" if device.type == "cuda" else "gloo"
+
+
 class Trainer:
     """One trainer process; ``run()`` trains until the oracle's last plan."""
 
     def __init__(self, config: TrainerConfig) -> None:
         self.config = config
         self.rank = config.rank
-        use_cuda = config.device == "cuda" or (config.device == "auto" and torch.cuda.is_available())
-        self.device = torch.device("cuda", torch.cuda.current_device()) if use_cuda else torch.device("cpu")
+        self.device = trainer_device(config.device, self.rank)
+        if self.device.type == "cuda":
+            torch.cuda.set_device(self.device)  # NCCL's barrier and object collectives use the current one
         self.registry = Registry(config.coordination.redis_url, config.coordination.job)
         self.offsets = table_offsets(config.table_rows)
         self.width = config.model.row_width  # floats per stored row (embedding, first-order weight)
@@ -205,7 +223,7 @@ class Trainer:
     # ---- the training step
     def step(self, batch: int) -> PlanArrays:
         """Trains ``batch``; returns its plan (``plan.last`` ends the run)."""
-        timer = StageTimer()
+        timer = StageTimer(self.device)
         plan = self.pipeline.next_plan(batch, timer)
         share, sync = plan.share, self.sync
         slots = self.cache.index(share.slots)
@@ -343,7 +361,11 @@ class Trainer:
         background_group = None
         if config.world_size > 1:
             background_group = init_process_group(
-                self.rank, config.world_size, config.dist_init, self.device, config.collective_timeout
+                self.rank,
+                config.world_size,
+                config.dist_init,
+                dist_backend(config.dist_backend, self.device),
+                config.collective_timeout,
             )
         if config.shared_table:
             self._use_shared_table()

@@ -172,3 +172,32 @@ def test_cache_growth_keeps_rows_and_waits_for_holders() -> None:
     fixed = EmbeddingCache(3, 3, CPU, capacity=4, fixed=True)
     with pytest.raises(ValueError, match="--cache-rows"):
         fixed.ensure_capacity(5)
+
+
+def test_device_and_backend_follow_the_gpus_this_host_has(monkeypatch: pytest.MonkeyPatch) -> None:
+    """``--device``: rank r on GPU r mod the GPUs seen; the local launcher puts trainers that would share a
+    GPU on gloo (NCCL refuses two ranks on one device), and leaves NCCL to trainers with a GPU each."""
+    from bagpipe import cli
+    from bagpipe.local import configs
+    from bagpipe.trainer.worker import dist_backend, trainer_device
+
+    def host(gpus: int) -> None:
+        monkeypatch.setattr(torch.cuda, "is_available", lambda: gpus > 0)
+        monkeypatch.setattr(torch.cuda, "device_count", lambda: gpus)
+
+    def launcher_backend(*flags: str) -> str:
+        return configs.dist_backend(cli.build_parser().parse_args(["run", *flags]))
+
+    host(0)
+    assert trainer_device("auto", 3) == CPU and trainer_device("cpu", 3) == CPU
+    with pytest.raises(RuntimeError, match="--device cuda: torch sees no CUDA device"):
+        trainer_device("cuda", 0)
+    assert launcher_backend("--trainers", "4") == "auto" and dist_backend("auto", CPU) == "gloo"
+    host(2)
+    assert trainer_device("cpu", 3) == CPU
+    assert [trainer_device("auto", r) for r in range(3)] == [torch.device("cuda", i) for i in (0, 1, 0)]
+    assert launcher_backend("--trainers", "2") == "auto"
+    assert launcher_backend("--trainers", "3") == "gloo"
+    assert launcher_backend("--trainers", "3", "--device", "cpu") == "auto"
+    assert dist_backend("auto", torch.device("cuda", 1)) == "nccl"
+    assert dist_backend("gloo", torch.device("cuda", 1)) == "gloo"
