@@ -18,6 +18,7 @@ from pathlib import Path
 import grpc
 import numpy as np
 import pytest
+import torch
 from bagpipe import security, serving
 from bagpipe.cli import build_parser
 from bagpipe.control.registry import Registry
@@ -364,6 +365,11 @@ def test_sigterm_stops_a_service_gracefully_with_exit_0(tmp_path: Path) -> None:
         (["--embedding-servers", "0"], "--embedding-servers: must be >= 1, got 0"),
         (["--hot-fraction", "0.1"], "--hot-fraction/hot-share: set both or neither"),
         (["--device", "tpu"], "--device: expected auto, cpu or cuda, got 'tpu'"),
+        *(
+            [(["--device", "cuda"], "--device: cuda, but torch sees no CUDA device here")]
+            if not torch.cuda.is_available()
+            else []
+        ),
         (["--lr", "-1"], "--lr: must be > 0, got -1.0"),
         (
             ["--embedding-dim", "8", "--bottom-mlp", "64,16"],
