@@ -305,44 +305,44 @@ def sh(*argv: str) -> None:
 @contextlib.contextmanager
 def limited_link(rate: str) -> Iterator[str | None]:
     """A network namespace joined by a veth pair whose both directions ``tc tbf`` limits to ``rate``.
-    Yields the namespace's name, or None (with the reason logged) where namespaces are not permitted."""
+    Yields the namespace's name, or None (with the reason logged) where it cannot be set up here: it
+    needs root, iproute2, and a kernel with network namespaces, veth pairs and the tbf qdisc."""
+    missing = [tool for tool in ("ip", "tc") if shutil.which(tool) is None]
+    if missing:
+        log(f"network-bound regime skipped: {' and '.join(missing)} not found (iproute2 is not installed)")
+        yield None
+        return
     subprocess.run(["ip", "netns", "del", NETNS], capture_output=True)
     try:
-        sh("ip", "netns", "add", NETNS)
-    except (subprocess.CalledProcessError, FileNotFoundError) as e:
+        set_up_link(rate)
+    except (subprocess.CalledProcessError, OSError) as e:
+        subprocess.run(["ip", "netns", "del", NETNS], capture_output=True)
         reason = getattr(e, "stderr", "") or str(e)
-        log(
-            f"network-bound regime skipped: cannot create a network namespace ({reason.strip()}); needs "
-            "root and iproute2"
-        )
+        log(f"network-bound regime skipped: cannot set up the limited link ({reason.strip()})")
         yield None
         return
     try:
-        sh("ip", "link", "add", HOST_IF, "type", "veth", "peer", "name", NS_IF)
-        sh("ip", "link", "set", NS_IF, "netns", NETNS)
-        sh("ip", "addr", "add", f"{HOST_IP}/24", "dev", HOST_IF)
-        sh("ip", "link", "set", HOST_IF, "up")
-        for cmd in (
-            ["ip", "addr", "add", f"{NS_IP}/24", "dev", NS_IF],
-            ["ip", "link", "set", NS_IF, "up"],
-            ["ip", "link", "set", "lo", "up"],
-        ):
-            sh("ip", "netns", "exec", NETNS, *cmd)
-        tbf = [
-            "root",
-            "tbf",
-            "rate",
-            rate,
-            "burst",
-            "4mb" if rate.startswith("10") else "1mb",
-            "latency",
-            "20ms",
-        ]
-        sh("tc", "qdisc", "add", "dev", HOST_IF, *tbf)
-        sh("ip", "netns", "exec", NETNS, "tc", "qdisc", "add", "dev", NS_IF, *tbf)
         yield NETNS
     finally:
         subprocess.run(["ip", "netns", "del", NETNS], capture_output=True)
+
+
+def set_up_link(rate: str) -> None:
+    sh("ip", "netns", "add", NETNS)
+    sh("ip", "link", "add", HOST_IF, "type", "veth", "peer", "name", NS_IF)
+    sh("ip", "link", "set", NS_IF, "netns", NETNS)
+    sh("ip", "addr", "add", f"{HOST_IP}/24", "dev", HOST_IF)
+    sh("ip", "link", "set", HOST_IF, "up")
+    for cmd in (
+        ["ip", "addr", "add", f"{NS_IP}/24", "dev", NS_IF],
+        ["ip", "link", "set", NS_IF, "up"],
+        ["ip", "link", "set", "lo", "up"],
+    ):
+        sh("ip", "netns", "exec", NETNS, *cmd)
+    burst = "4mb" if rate.startswith("10") else "1mb"
+    tbf = ["root", "tbf", "rate", rate, "burst", burst, "latency", "20ms"]
+    sh("tc", "qdisc", "add", "dev", HOST_IF, *tbf)
+    sh("ip", "netns", "exec", NETNS, "tc", "qdisc", "add", "dev", NS_IF, *tbf)
 
 
 # ---- sections
@@ -382,7 +382,10 @@ def section_network(profile: dict[str, Any], out: Path) -> dict[str, Any]:
     for rate in profile["rates"]:
         with limited_link(rate) as ns:
             if ns is None:
-                return {"skipped": "network namespaces are not permitted here (needs root and iproute2)"}
+                return {
+                    "skipped": "no limited link here: it needs root, iproute2, and network namespaces, veth "
+                    "and tbf in the kernel (the log says which was missing)"
+                }
             results[rate] = compare(
                 f"link-{rate}",
                 profile,
