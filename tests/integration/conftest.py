@@ -7,6 +7,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+import torch
 from bagpipe.cli import build_parser
 from bagpipe.local.launcher import run
 
@@ -30,6 +31,20 @@ TINY_MODEL = {
     "deepfm": ["--deep-mlp", "16,8"],
     "dcn": ["--deep-mlp", "16,8", "--cross-layers", "2"],
 }
+
+# Adam's first step moves an element by lr one way or the other, whatever the size of its gradient above
+# eps: where a gradient is a sum that cancels to rounding noise, its sign is the noise's. CUDA's kernels
+# round otherwise than the CPU reference: on an H200 (2026-11-26), DLRM with Adam on 3 trainers ended 0.006
+# from the reference in one element, exactly where the CPU reference itself lands with 1e-6 of relative
+# noise on its gradients. So on CUDA the runs with Adam take eps 1e-6, which bounds what a gradient of
+# rounding size can move (lr x gradient / eps) and leaves every gradient of real size as it was.
+CUDA_ADAM_EPS = 1e-6
+
+
+def adam_eps(optimizer: str) -> dict[str, float]:
+    """``eps`` for ``flags`` and ``OptimizerConfig``: 1e-6 for Adam where torch sees a GPU (the runs' trainers
+    use it), torch's default elsewhere."""
+    return {"eps": CUDA_ADAM_EPS} if optimizer == "adam" and torch.cuda.is_available() else {}
 
 
 class BackgroundRun:
@@ -105,5 +120,6 @@ def exact_flags(iterations: int, batch: int, optimizer: str, trainers: int = 2, 
         optimizer=optimizer,
         lr="0.05",
         checkpoint_every=5,
+        **adam_eps(optimizer),
         **extra,
     )

@@ -11,7 +11,7 @@ from bagpipe.core.model import ModelConfig
 from bagpipe.core.optim import OptimizerConfig
 from bagpipe.core.reference import train_reference
 
-from tests.integration.conftest import flags
+from tests.integration.conftest import adam_eps, flags
 from tests.integration.test_equivalence import MODEL, assert_same_model
 from tests.integration.test_evaluation import ROWS, criteo_tsv
 
@@ -75,6 +75,7 @@ def test_avazu_run_with_two_processors_matches_synchronous_training(run_job, tmp
             batch_size=batch,
             optimizer="adam",
             lr="0.01",
+            **adam_eps("adam"),
         ),
     )
     assert summary["iterations"] == 12
@@ -82,7 +83,10 @@ def test_avazu_run_with_two_processors_matches_synchronous_training(run_job, tmp
     assert len(initial["embeddings"]) == 22 and initial["dense"]["bottom_mlp.0.weight"].shape[1] == 1
     batches = [s for _, s in AvazuCSVSource(AvazuConfig((str(data),), AVAZU_ROWS)).batches(batch)]
     model = ModelConfig(num_dense=1, num_tables=22, embedding_dim=8, bottom_mlp=(16, 8), top_mlp=(16, 1))
-    assert_same_model(paths["final"], train_reference(initial, batches, model, OptimizerConfig("adam", 0.01)))
+    assert_same_model(
+        paths["final"],
+        train_reference(initial, batches, model, OptimizerConfig("adam", 0.01, **adam_eps("adam"))),
+    )
 
 
 def test_a_shuffled_run_with_two_processors_matches_synchronous_training(run_job, tmp_path: Path) -> None:

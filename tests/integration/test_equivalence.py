@@ -18,7 +18,7 @@ from bagpipe.core.model import ModelConfig
 from bagpipe.core.optim import OptimizerConfig
 from bagpipe.core.reference import train_reference
 
-from tests.integration.conftest import flags
+from tests.integration.conftest import adam_eps, flags
 
 TOLERANCE = 1e-4
 MODEL = ModelConfig(embedding_dim=8, bottom_mlp=(16, 8), top_mlp=(16, 1))
@@ -42,7 +42,10 @@ def assert_synchronous(
     """The run's final checkpoint is the model single-process synchronous training computes on its batches."""
     batches = synthetic_batches(iterations, batch)
     expected = train_reference(
-        checkpoint.load(paths["initial"]), batches, model, OptimizerConfig(optimizer, lr)
+        checkpoint.load(paths["initial"]),
+        batches,
+        model,
+        OptimizerConfig(optimizer, lr, **adam_eps(optimizer)),
     )
     assert_same_model(paths["final"], expected)
 

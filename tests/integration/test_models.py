@@ -24,7 +24,7 @@ from bagpipe.core.model import ModelConfig
 from bagpipe.core.optim import OptimizerConfig
 from bagpipe.core.reference import train_reference
 
-from tests.integration.conftest import flags
+from tests.integration.conftest import adam_eps, flags
 from tests.integration.test_equivalence import TOLERANCE, synthetic_batches
 
 SIZES = {
@@ -67,13 +67,17 @@ def test_model_and_optimizer_match_synchronous_training(
             lookahead=8,
             iterations=iterations,
             batch_size=batch,
+            **adam_eps(optimizer),
         ),
     )
     assert summary["iterations"] == iterations
     assert summary["rows_private_per_iteration"] > 0 and summary["rows_synced_background_per_iteration"] > 0
     assert summary["rows_handed_over"] > 0
     config = ModelConfig(embedding_dim=8, name=model, **SIZES[model])  # type: ignore[arg-type]
-    initial, optim = checkpoint.load(paths["initial"]), OptimizerConfig(optimizer, LR[optimizer])
+    initial, optim = (
+        checkpoint.load(paths["initial"]),
+        OptimizerConfig(optimizer, LR[optimizer], **adam_eps(optimizer)),
+    )
     batches = synthetic_batches(iterations, batch)
     expected = train_reference(initial, batches, config, optim)
     reordered = [
