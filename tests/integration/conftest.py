@@ -37,7 +37,7 @@ TINY_MODEL = {
 # round otherwise than the CPU reference: on an H200 (2026-11-26), DLRM with Adam on 3 trainers ended 0.006
 # from the reference in one element, exactly where the CPU reference itself lands with 1e-6 of relative
 # noise on its gradients. So on CUDA the runs with Adam take eps 1e-6, which bounds what a gradient of
-# rounding size can move (lr x gradient / eps) and leaves every gradient of real size as it was.
+# rounding size can move (lr x gradient / eps) and barely changes the step of a gradient of real size.
 CUDA_ADAM_EPS = 1e-6
 
 
