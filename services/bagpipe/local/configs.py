@@ -11,6 +11,8 @@ import argparse
 from dataclasses import dataclass
 from pathlib import Path
 
+import torch
+
 from bagpipe.config_args import Coordination, model_config_of, optimizer_config_of, table_rows_of
 from bagpipe.data_processor.config import DataProcessorConfig, SourceConfig
 from bagpipe.embedding_server.config import EmbeddingServerConfig
@@ -131,8 +133,6 @@ def dist_backend(args: argparse.Namespace) -> str:
     one, which NCCL refuses, so their process group is gloo (it all-reduces CUDA tensors too)."""
     if args.device == "cpu":
         return "auto"
-    import torch  # here only: the other services' configs need no torch
-
     gpus = torch.cuda.device_count() if torch.cuda.is_available() else 0
     return "gloo" if 0 < gpus < args.trainers else "auto"
 

@@ -38,6 +38,13 @@ class _Background:
     writeback_slots: np.ndarray
 
 
+def backend_for(choice: str, device: torch.device) -> str:
+    """``--dist-backend``: auto is NCCL for CUDA trainers and gloo on CPU."""
+    if choice != "auto":
+        return choice
+    return "nccl" if device.type == "cuda" else "gloo"
+
+
 def init_process_group(rank: int, world_size: int, init_method: str, backend: str, timeout_s: float) -> Any:
     """Joins the trainers' process group (``backend``: nccl or gloo, which also all-reduces CUDA tensors);
     returns the second group background synchronisation uses."""

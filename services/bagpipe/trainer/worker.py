@@ -41,7 +41,7 @@ from bagpipe.trainer.evaluation import HeldOut, append_eval, load_held_out
 from bagpipe.trainer.pipeline import Pipeline
 from bagpipe.trainer.shared_table import SharedTable
 from bagpipe.trainer.stats import StageTimer, TrainerStats
-from bagpipe.trainer.sync import Synchronizer, init_process_group
+from bagpipe.trainer.sync import Synchronizer, backend_for, init_process_group
 from bagpipe.v1 import oracle_cacher_pb2_grpc as opb_grpc
 
 logger = logging.getLogger(__name__)
@@ -55,13 +55,6 @@ def trainer_device(choice: str, rank: int) -> torch.device:
     if not torch.cuda.is_available():
         raise RuntimeError("--device cuda: torch sees no CUDA device here")
     return torch.device("cuda", rank % torch.cuda.device_count())
-
-
-def dist_backend(choice: str, device: torch.device) -> str:
-    """``--dist-backend``: auto is NCCL for CUDA trainers and gloo on CPU."""
-    if choice != "auto":
-        return choice
-    return "nccl" if device.type == "cuda" else "gloo"
 
 
 class Trainer:
@@ -364,7 +357,7 @@ class Trainer:
                 self.rank,
                 config.world_size,
                 config.dist_init,
-                dist_backend(config.dist_backend, self.device),
+                backend_for(config.dist_backend, self.device),
                 config.collective_timeout,
             )
         if config.shared_table:

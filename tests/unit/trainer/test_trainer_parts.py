@@ -9,6 +9,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
+from bagpipe import cli
 from bagpipe.config_args import Coordination
 from bagpipe.core.cache import EmbeddingCache
 from bagpipe.core.model import ModelConfig
@@ -16,12 +17,14 @@ from bagpipe.core.optim import OptimizerConfig, apply_rows
 from bagpipe.core.plans import SyncStep, TrainerPlan
 from bagpipe.core.row_store import RowStore
 from bagpipe.embedding_server.client import EmbeddingClient
+from bagpipe.local import configs
 from bagpipe.trainer import metrics
 from bagpipe.trainer.config import TrainerConfig
 from bagpipe.trainer.pipeline import Pipeline
 from bagpipe.trainer.shared_table import SharedTable
 from bagpipe.trainer.stats import StageTimer
-from bagpipe.trainer.sync import Synchronizer, gather_rows
+from bagpipe.trainer.sync import Synchronizer, backend_for, gather_rows
+from bagpipe.trainer.worker import trainer_device
 
 CPU = torch.device("cpu")
 
@@ -177,9 +180,6 @@ def test_cache_growth_keeps_rows_and_waits_for_holders() -> None:
 def test_device_and_backend_follow_the_gpus_this_host_has(monkeypatch: pytest.MonkeyPatch) -> None:
     """``--device``: rank r on GPU r mod the GPUs seen; the local launcher puts trainers that would share a
     GPU on gloo (NCCL refuses two ranks on one device), and leaves NCCL to trainers with a GPU each."""
-    from bagpipe import cli
-    from bagpipe.local import configs
-    from bagpipe.trainer.worker import dist_backend, trainer_device
 
     def host(gpus: int) -> None:
         monkeypatch.setattr(torch.cuda, "is_available", lambda: gpus > 0)
@@ -192,12 +192,12 @@ def test_device_and_backend_follow_the_gpus_this_host_has(monkeypatch: pytest.Mo
     assert trainer_device("auto", 3) == CPU and trainer_device("cpu", 3) == CPU
     with pytest.raises(RuntimeError, match="--device cuda: torch sees no CUDA device"):
         trainer_device("cuda", 0)
-    assert launcher_backend("--trainers", "4") == "auto" and dist_backend("auto", CPU) == "gloo"
+    assert launcher_backend("--trainers", "4") == "auto" and backend_for("auto", CPU) == "gloo"
     host(2)
     assert trainer_device("cpu", 3) == CPU
     assert [trainer_device("auto", r) for r in range(3)] == [torch.device("cuda", i) for i in (0, 1, 0)]
     assert launcher_backend("--trainers", "2") == "auto"
     assert launcher_backend("--trainers", "3") == "gloo"
     assert launcher_backend("--trainers", "3", "--device", "cpu") == "auto"
-    assert dist_backend("auto", torch.device("cuda", 1)) == "nccl"
-    assert dist_backend("gloo", torch.device("cuda", 1)) == "gloo"
+    assert backend_for("auto", torch.device("cuda", 1)) == "nccl"
+    assert backend_for("gloo", torch.device("cuda", 1)) == "gloo"
