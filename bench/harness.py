@@ -577,15 +577,25 @@ def section_skew(profile: dict[str, Any], out: Path) -> dict[str, Any]:
 TORCHREC_PYTHON = REPO / "bench" / ".venv-torchrec" / "bin" / "python"
 
 
+def trainers_device(profile: dict[str, Any]) -> str:
+    """The device the trainers run on: ``auto`` is CUDA where torch sees a GPU (as in ``bagpipe run``)."""
+    import torch
+
+    choice = profile.get("device", "auto")
+    return ("cuda" if torch.cuda.is_available() else "cpu") if choice == "auto" else choice
+
+
 def section_torchrec(profile: dict[str, Any], out: Path) -> dict[str, Any]:
     """TorchRec's per-trainer compute on the same data and model (its own venv: make bench-torchrec-env)."""
-    if not TORCHREC_PYTHON.exists():
-        reason = "bench/.venv-torchrec is missing: `make bench-torchrec-env` installs TorchRec 1.8 (~2 min)"
+    given = profile.get("torchrec_python")
+    python = Path(shutil.which(given) or given) if given else TORCHREC_PYTHON
+    if not python.exists():
+        reason = f"{python} is missing: `make bench-torchrec-env` installs TorchRec 1.8 (~2 min)"
         log(f"torchrec skipped: {reason}")
         return {"skipped": reason}
     model = dict(zip(profile["model"][::2], profile["model"][1::2], strict=True))
     argv = [
-        str(TORCHREC_PYTHON),
+        str(python),
         str(REPO / "bench" / "torchrec_reference.py"),
         "--batch-size",
         str(profile["batch"]),
@@ -601,6 +611,8 @@ def section_torchrec(profile: dict[str, Any], out: Path) -> dict[str, Any]:
         model["--top-mlp"],
         "--iterations",
         "60",
+        "--device",
+        trainers_device(profile),  # beside the trainers' own figures, on the same kind of device
     ]
     done = subprocess.run(argv, capture_output=True, text=True)
     if done.returncode != 0:
@@ -809,7 +821,8 @@ def table(results: dict[str, Any]) -> str:
     if tr.get("median_ms"):
         lines += [
             "",
-            f"TorchRec (FBGEMM table-batched embeddings, fused row-wise Adagrad), one trainer's slice of "
+            f"TorchRec (FBGEMM table-batched embeddings, fused row-wise Adagrad) on "
+            f"{tr.get('device', 'cpu')}, one trainer's slice of "
             f"{tr['samples_per_iteration']} samples, compute only, no communication: median "
             f"{tr['median_ms']:.1f} ms, p90 {tr['p90_ms']:.1f} ms per iteration.",
         ]
@@ -927,10 +940,16 @@ def main() -> None:
         default="auto",
         help="the trainers' device (bagpipe run --device); auto is CUDA where torch sees a GPU",
     )
+    p.add_argument(
+        "--torchrec-python",
+        default=None,
+        help="the interpreter that has TorchRec and FBGEMM (default bench/.venv-torchrec; for CUDA, one "
+        "with an fbgemm-gpu built for its torch)",
+    )
     a = p.parse_args()
     out = Path(a.out)
     out.mkdir(parents=True, exist_ok=True)
-    profile = {**PROFILES[a.profile], "device": a.device}
+    profile = {**PROFILES[a.profile], "device": a.device, "torchrec_python": a.torchrec_python}
     started = time.perf_counter()
     results: dict[str, Any] = {}
     previous = out / f"bench-{a.profile}.json"

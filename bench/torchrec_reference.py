@@ -6,6 +6,9 @@ torchrec 1.8.0; see ../shared/TOOLING.md), single process, on one trainer's slic
 same table sizes, embedding dimension and MLPs; its embedding tables are FBGEMM's table-batched
 embedding (the kernel TorchRec trains with) with a fused exact row-wise Adagrad, so no embedding ever
 crosses a network: this is TorchRec's per-trainer compute, the floor under any distributed setup.
+With ``--device cuda`` the tables and the MLPs live on the GPU (FBGEMM's CUDA kernels, which need the
+``fbgemm-gpu`` wheel built for the installed torch and CUDA) and each batch is copied there before its
+timing starts.
 
     bench/.venv-torchrec/bin/python bench/torchrec_reference.py --batch-size 2048 --trainers 2 ...
 """
@@ -37,9 +40,11 @@ def main() -> None:
     p.add_argument("--top-mlp", default="128,1")
     p.add_argument("--lr", type=float, default=0.05)
     p.add_argument("--iterations", type=int, default=60)
+    p.add_argument("--device", choices=["cpu", "cuda"], default="cpu")
     p.add_argument("--out", default=None)
     a = p.parse_args()
     torch.set_num_threads(1)
+    device = torch.device(a.device)
 
     from fbgemm_gpu.split_embedding_configs import EmbOptimType
     from fbgemm_gpu.split_table_batched_embeddings_ops_common import EmbeddingLocation, PoolingMode
@@ -53,16 +58,22 @@ def main() -> None:
     dim, tables = a.embedding_dim, len(rows)
     bottom = [int(x) for x in a.bottom_mlp.split(",")]
     top = [int(x) for x in a.top_mlp.split(",")]
+    where = (
+        (EmbeddingLocation.DEVICE, ComputeDevice.CUDA)
+        if device.type == "cuda"
+        else (EmbeddingLocation.HOST, ComputeDevice.CPU)
+    )
     tbe = SplitTableBatchedEmbeddingBagsCodegen(
-        [(n, dim, EmbeddingLocation.HOST, ComputeDevice.CPU) for n in rows],
+        [(n, dim, *where) for n in rows],
         optimizer=EmbOptimType.EXACT_ROWWISE_ADAGRAD,
         learning_rate=a.lr,
         eps=1e-10,
         pooling_mode=PoolingMode.SUM,
+        device=device,
     )
-    dense_arch = DenseArch(13, bottom)
-    interaction = InteractionArch(num_sparse_features=tables)
-    over = OverArch(dim + tables * (tables + 1) // 2, top)
+    dense_arch = DenseArch(13, bottom, device=device)
+    interaction = InteractionArch(num_sparse_features=tables).to(device)  # its triu_indices buffer
+    over = OverArch(dim + tables * (tables + 1) // 2, top, device=device)
     dense_params = list(dense_arch.parameters()) + list(over.parameters())
     opt = torch.optim.Adagrad(dense_params, lr=a.lr, eps=1e-10)
     source = SyntheticSource(SyntheticConfig(table_rows=tuple(rows)))
@@ -70,10 +81,11 @@ def main() -> None:
     times = []
     for b in range(a.iterations):
         s = source.batch(b, a.batch_size)
-        dense = torch.from_numpy(s.dense[:per].copy())
-        labels = torch.from_numpy(s.labels[:per].copy())
-        ids = torch.from_numpy(s.sparse[:per].T.reshape(-1).astype("int64"))  # table-major, one id per bag
-        offsets = torch.arange(0, tables * per + 1, dtype=torch.int64)
+        dense = torch.from_numpy(s.dense[:per].copy()).to(device)
+        labels = torch.from_numpy(s.labels[:per].copy()).to(device)
+        ids = torch.from_numpy(s.sparse[:per].T.reshape(-1).astype("int64")).to(device)  # table-major
+        offsets = torch.arange(0, tables * per + 1, dtype=torch.int64, device=device)  # one id per bag
+        sync(device)
         t0 = time.perf_counter()
         pooled = tbe(ids, offsets).view(per, tables, dim)
         x = dense_arch(dense)
@@ -85,6 +97,7 @@ def main() -> None:
         opt.zero_grad()
         loss.backward()  # TBE applies its fused row-wise Adagrad in the backward pass
         opt.step()
+        sync(device)
         times.append(time.perf_counter() - t0)
     warm = times[max(5, len(times) // 10) :]
     result = {
@@ -95,10 +108,17 @@ def main() -> None:
         "median_ms": 1000 * statistics.median(warm),
         "p90_ms": 1000 * sorted(warm)[int(0.9 * (len(warm) - 1))],
         "torch": torch.__version__,
+        "device": torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu",
     }
     if a.out:
         Path(a.out).write_text(json.dumps(result, indent=2))
     print(json.dumps(result))
+
+
+def sync(device: torch.device) -> None:
+    """Wait for the GPU's queued work, so a timing holds the kernels and not only their launches."""
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
 
 
 if __name__ == "__main__":
