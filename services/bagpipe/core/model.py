@@ -206,7 +206,9 @@ class _CompiledPairDots(torch.autograd.Function):
         return grad_bottom, grad_rows
 
 
-def pair_dots(bottom: torch.Tensor, rows: torch.Tensor, lower: torch.Tensor, upper: torch.Tensor) -> torch.Tensor:
+def pair_dots(
+    bottom: torch.Tensor, rows: torch.Tensor, lower: torch.Tensor, upper: torch.Tensor
+) -> torch.Tensor:
     """DLRM's dot interaction: the dots of every pair of [bottom [b, d], rows [b, t, d]], strictly lower
     triangle, in ``tril_indices`` order (``lower``/``upper``: see ``_PairDots``)."""
     if bottom.device.type == "cpu" and bottom.dtype == rows.dtype == torch.float32:
@@ -215,11 +217,26 @@ def pair_dots(bottom: torch.Tensor, rows: torch.Tensor, lower: torch.Tensor, upp
     return _PairDots.apply(features, lower, upper)  # type: ignore[no-any-return]
 
 
+@njit(cache=True, nogil=True)
+def _sum_rows(out, index, grad):  # type: ignore[no-untyped-def]
+    """out = 0, then out[index[n]] += grad[n] for n in order: ``index_add_``'s additions in its order
+    (the same bits), about four times as fast on the CPU for a batch's 26 k rows of 64."""
+    out[:] = 0
+    rows = out.shape[0]
+    for n in range(index.size):
+        r = index[n]
+        if r < 0 or r >= rows:
+            raise IndexError("batch_rows: an index is outside the rows")
+        o, g = out[r], grad[n]
+        for k in range(g.size):
+            o[k] += g[k]
+
+
 class _BatchRows(torch.autograd.Function):
     """``rows[inverse]`` ([u, w] by [b, t] -> [b, t, w]) whose backward sums the gradients into [u, w]
-    with ``index_add_`` rather than advanced indexing's ``index_put_`` with accumulation (both add in
-    the order of ``inverse``; on CPU the first is about twice as fast). On CUDA, where ``index_add_``
-    adds in no fixed order, the backward is advanced indexing's own."""
+    in the order of ``inverse``, as advanced indexing's ``index_put_`` with accumulation does: on the CPU
+    by a compiled loop (float32) or ``index_add_``, both faster. On CUDA, where ``index_add_`` adds in no
+    fixed order, the backward is advanced indexing's own."""
 
     @staticmethod
     def forward(  # type: ignore[override]
@@ -234,12 +251,17 @@ class _BatchRows(torch.autograd.Function):
         ctx: torch.autograd.function.FunctionCtx, grad: torch.Tensor
     ) -> tuple[torch.Tensor, None]:
         (inverse,) = ctx.saved_tensors  # type: ignore[attr-defined]
-        out = grad.new_zeros(ctx.num_rows, grad.shape[-1])  # type: ignore[attr-defined]
         flat = grad.reshape(-1, grad.shape[-1])
+        index = inverse.reshape(-1)
+        if not grad.is_cuda and grad.dtype == torch.float32 and index.dtype == torch.int64:
+            out = grad.new_empty(ctx.num_rows, grad.shape[-1])  # type: ignore[attr-defined]
+            _sum_rows(out.numpy(), index.contiguous().numpy(), flat.contiguous().numpy())
+            return out, None
+        out = grad.new_zeros(ctx.num_rows, grad.shape[-1])  # type: ignore[attr-defined]
         if grad.is_cuda:
-            out.index_put_((inverse.reshape(-1),), flat, accumulate=True)
+            out.index_put_((index,), flat, accumulate=True)
         else:
-            out.index_add_(0, inverse.reshape(-1), flat)
+            out.index_add_(0, index, flat)
         return out, None
 
 
