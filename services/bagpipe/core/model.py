@@ -198,10 +198,14 @@ class _CompiledPairDots(torch.autograd.Function):
     def backward(  # type: ignore[override]
         ctx: torch.autograd.function.FunctionCtx, grad: torch.Tensor
     ) -> tuple[torch.Tensor, torch.Tensor]:
-        bottom, rows = ctx.saved_tensors  # type: ignore[attr-defined]
+        bottom, rows = (t.detach() for t in ctx.saved_tensors)  # type: ignore[attr-defined]
         grad_bottom, grad_rows = torch.empty_like(bottom), torch.empty_like(rows)
         _pair_dots_backward(
-            bottom.numpy(), rows.numpy(), grad.contiguous().numpy(), grad_bottom.numpy(), grad_rows.numpy()
+            bottom.numpy(),
+            rows.numpy(),
+            grad.detach().contiguous().numpy(),
+            grad_bottom.numpy(),
+            grad_rows.numpy(),
         )
         return grad_bottom, grad_rows
 
@@ -255,7 +259,7 @@ class _BatchRows(torch.autograd.Function):
         index = inverse.reshape(-1)
         if not grad.is_cuda and grad.dtype == torch.float32 and index.dtype == torch.int64:
             out = grad.new_empty(ctx.num_rows, grad.shape[-1])  # type: ignore[attr-defined]
-            _sum_rows(out.numpy(), index.contiguous().numpy(), flat.contiguous().numpy())
+            _sum_rows(out.numpy(), index.contiguous().numpy(), flat.detach().contiguous().numpy())
             return out, None
         out = grad.new_zeros(ctx.num_rows, grad.shape[-1])  # type: ignore[attr-defined]
         if grad.is_cuda:
