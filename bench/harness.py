@@ -66,6 +66,7 @@ from bagpipe.config_args import (  # noqa: E402
     DEFAULT_TRANSFER_BATCHES,
 )
 from bagpipe.local.launcher import run as run_job  # noqa: E402
+from bagpipe.trainer.worker import trainer_device  # noqa: E402
 from machine_probe import describe as describe_machine  # noqa: E402
 
 PROFILES: dict[str, dict[str, Any]] = {
@@ -577,14 +578,6 @@ def section_skew(profile: dict[str, Any], out: Path) -> dict[str, Any]:
 TORCHREC_PYTHON = REPO / "bench" / ".venv-torchrec" / "bin" / "python"
 
 
-def trainers_device(profile: dict[str, Any]) -> str:
-    """The device the trainers run on: ``auto`` is CUDA where torch sees a GPU (as in ``bagpipe run``)."""
-    import torch
-
-    choice = profile.get("device", "auto")
-    return ("cuda" if torch.cuda.is_available() else "cpu") if choice == "auto" else choice
-
-
 def section_torchrec(profile: dict[str, Any], out: Path) -> dict[str, Any]:
     """TorchRec's per-trainer compute on the same data and model (its own venv: make bench-torchrec-env)."""
     given = profile.get("torchrec_python")
@@ -612,7 +605,8 @@ def section_torchrec(profile: dict[str, Any], out: Path) -> dict[str, Any]:
         "--iterations",
         "60",
         "--device",
-        trainers_device(profile),  # beside the trainers' own figures, on the same kind of device
+        # beside the trainers' own figures, on the kind of device they resolve to
+        trainer_device(profile.get("device", "auto"), 0).type,
     ]
     done = subprocess.run(argv, capture_output=True, text=True)
     if done.returncode != 0:

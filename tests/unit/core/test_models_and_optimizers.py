@@ -126,9 +126,9 @@ def test_row_layout_and_row_optimizer_equal_stock_pytorch(name: str, optimizer: 
 
 
 def test_the_batch_gather_and_dlrm_interaction_equal_autograd_through_stock_indexing() -> None:
-    """The trainer's own backward passes (a gather summed with ``index_add_``, the dot interaction
-    compiled on the CPU) against autograd through the stock expressions; the equivalence tests above
-    would not see a wrong one, since the reference runs the same model."""
+    """The trainer's own backward passes (a gather summed by a compiled loop in ``index_add_``'s order,
+    the dot interaction compiled on the CPU) against autograd through the stock expressions; the
+    equivalence tests above would not see a wrong one, since the reference runs the same model."""
     gen = torch.Generator().manual_seed(3)
     rows = torch.randn(11, 5, generator=gen, requires_grad=True)
     inverse = torch.randint(0, 11, (7, 3), generator=gen)
