@@ -115,7 +115,7 @@ def _store_rows(table, index, rows, state, max_abs, state_low, seen):  # type: i
     if bad >= 0:
         return bad
     for i in range(n):
-        r = index[i]
+        r = np.uint64(index[i])  # (unsigned: no wrap-around code per access)
         for j in range(dim):
             table[r, j] = rows[i, j]
         for j in range(width):
@@ -128,14 +128,16 @@ def _local_rows(keys, position, num_keys, num_buckets, rows_per_bucket, out):  #
     """``ShardStore.local_index`` in one pass: writes the local row of every key into ``out`` and returns
     -1, or returns the position of the first key out of ``[0, num_keys)`` or of a bucket not held here
     (``position`` -1). numpy's range check, bucket gather, check and index arithmetic took six passes."""
+    buckets = np.uint64(num_buckets)
     for i in range(keys.size):
         k = keys[i]
         if k < 0 or k >= num_keys:
             return i
-        p = position[k % num_buckets]
+        u = np.uint64(k)  # (in range: unsigned division and indexing, without Python's sign rules)
+        p = position[u % buckets]
         if p < 0:
             return i
-        out[i] = p * rows_per_bucket + k // num_buckets
+        out[i] = p * rows_per_bucket + np.int64(u // buckets)
     return -1
 
 

@@ -57,7 +57,7 @@ def _put_packed(rows, state, positions, packed):  # type: ignore[no-untyped-def]
     numpy's two scattering assignments from the strided halves took three times as long."""
     dim = rows.shape[1]
     for i in range(positions.size):
-        p = positions[i]
+        p = np.uint64(positions[i])  # (unsigned: no wrap-around code per access)
         for j in range(dim):
             rows[p, j] = packed[i, j]
         for j in range(state.shape[1]):
