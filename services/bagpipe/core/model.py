@@ -231,7 +231,7 @@ def _sum_rows(out, index, grad):  # type: ignore[no-untyped-def]
         r = index[n]
         if r < 0 or r >= rows:
             raise IndexError("batch_rows: an index is outside the rows")
-        o, g = out[r], grad[n]
+        o, g = out[np.uint64(r)], grad[n]  # (checked: unsigned, without wrap-around code)
         for k in range(g.size):
             o[k] += g[k]
 
