@@ -40,6 +40,8 @@ import torch.nn.functional as F
 from numba import njit
 from torch import nn
 
+from bagpipe.core.interaction import pair_dots_backward, pair_dots_forward
+
 # (re-exported: the configuration lives in model_config.py, which does not load torch)
 from bagpipe.core.model_config import (  # noqa: F401
     DEFAULT_CROSS_LAYERS,
@@ -126,62 +128,9 @@ class _PairDots(torch.autograd.Function):
         return torch.bmm(mirrored.view(b, f, f), x), None, None
 
 
-# The dot interaction on the CPU, compiled. With 1,024 samples of 27 features of 64 floats, a batched
-# product computes every pair twice (the full 27 x 27) in matrices too small for BLAS to run well, and
-# its backward mirrors the gradient into a square first: 12-13 ms of a trainer's 26 ms step. These loops
-# compute each pair of the lower triangle once, from the bottom output and the rows as they are (no
-# concatenation): about 7 ms for both. Each sample's loops are the same whatever the batch around it,
-# so a trainer's slice and the reference's whole batch give the same bits. The forward's sums may be
-# reassociated (``fastmath``: vector lanes), the same way in every process on one machine.
-@njit(cache=True, nogil=True, fastmath={"reassoc", "contract"})
-def _pair_dots_forward(bottom, rows, out):  # type: ignore[no-untyped-def]
-    """out[s] = the dots of sample s's features [bottom[s], rows[s, 0], ...], ``tril_indices`` order."""
-    samples, tables, dim = rows.shape
-    for s in range(samples):
-        p = 0
-        for i in range(tables):
-            xi = rows[s, i]
-            acc = np.float32(0)
-            for k in range(dim):
-                acc += xi[k] * bottom[s, k]
-            out[s, p] = acc
-            p += 1
-            for j in range(i):
-                xj = rows[s, j]
-                acc = np.float32(0)
-                for k in range(dim):
-                    acc += xi[k] * xj[k]
-                out[s, p] = acc
-                p += 1
-
-
-@njit(cache=True, nogil=True)
-def _pair_dots_backward(bottom, rows, grad, grad_bottom, grad_rows):  # type: ignore[no-untyped-def]
-    """The gradients of ``_pair_dots_forward``'s inputs from ``grad`` of its output (written, not added)."""
-    samples, tables, dim = rows.shape
-    grad_bottom[:] = 0
-    grad_rows[:] = 0
-    for s in range(samples):
-        gb = grad_bottom[s]
-        p = 0
-        for i in range(tables):
-            xi, gi = rows[s, i], grad_rows[s, i]
-            g = grad[s, p]
-            p += 1
-            for k in range(dim):
-                gi[k] += g * bottom[s, k]
-                gb[k] += g * xi[k]
-            for j in range(i):
-                g = grad[s, p]
-                p += 1
-                xj, gj = rows[s, j], grad_rows[s, j]
-                for k in range(dim):
-                    gi[k] += g * xj[k]
-                    gj[k] += g * xi[k]
-
-
 class _CompiledPairDots(torch.autograd.Function):
-    """``_PairDots`` of ``cat([bottom[:, None], rows], 1)`` on the CPU in float32, by the loops above."""
+    """``_PairDots`` of ``cat([bottom[:, None], rows], 1)`` on the CPU in float32, by the compiled loops of
+    core/interaction.py (no concatenation, each pair once, the backward's sums in registers)."""
 
     @staticmethod
     def forward(  # type: ignore[override]
@@ -191,7 +140,7 @@ class _CompiledPairDots(torch.autograd.Function):
         ctx.save_for_backward(bottom, rows)
         features = rows.shape[1] + 1
         out = bottom.new_empty(rows.shape[0], features * (features - 1) // 2)
-        _pair_dots_forward(bottom.detach().numpy(), rows.detach().numpy(), out.numpy())
+        pair_dots_forward(bottom.detach().numpy(), rows.detach().numpy(), out.numpy())
         return out
 
     @staticmethod
@@ -200,7 +149,7 @@ class _CompiledPairDots(torch.autograd.Function):
     ) -> tuple[torch.Tensor, torch.Tensor]:
         bottom, rows = (t.detach() for t in ctx.saved_tensors)  # type: ignore[attr-defined]
         grad_bottom, grad_rows = torch.empty_like(bottom), torch.empty_like(rows)
-        _pair_dots_backward(
+        pair_dots_backward(
             bottom.numpy(),
             rows.numpy(),
             grad.detach().contiguous().numpy(),

@@ -1,0 +1,65 @@
+"""The compiled dot interaction (core/interaction.py) against plain arithmetic: the backward's every element
+is one chain of fused multiply-adds over the features in order, whether a register tile of 32 or 8
+columns or the scalar loop for the columns short of a vector computes it."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+from bagpipe.core.interaction import pair_dots_backward, pair_dots_forward
+
+
+def _sample(tables: int, dim: int, samples: int = 5, seed: int = 3) -> tuple[np.ndarray, ...]:
+    rng = np.random.default_rng(seed + 100 * tables + dim)
+    bottom = rng.standard_normal((samples, dim), dtype=np.float32)
+    rows = rng.standard_normal((samples, tables, dim), dtype=np.float32)
+    grad = rng.standard_normal((samples, (tables + 1) * tables // 2), dtype=np.float32)
+    return bottom, rows, grad
+
+
+def _mirrored(grad: np.ndarray, features: int) -> np.ndarray:
+    g = np.zeros((grad.shape[0], features, features), dtype=np.float32)
+    lower, upper = np.tril_indices(features, -1)
+    g[:, lower, upper] = grad
+    g[:, upper, lower] = grad
+    return g
+
+
+# (26, 64): the quick profile's shapes, two tiles of 32 columns; 48: one tile of 32 and two of 8;
+# 12 and 37: vectors and a scalar tail; 4 and 5: under one vector; 25 and 2 tables: an even feature count
+SHAPES = [(26, 64), (26, 48), (25, 16), (3, 12), (2, 37), (26, 4), (1, 5)]
+
+
+@pytest.mark.parametrize(("tables", "dim"), SHAPES)
+def test_the_backward_is_one_fused_chain_per_element_in_feature_order(tables: int, dim: int) -> None:
+    bottom, rows, grad = _sample(tables, dim)
+    grad_bottom, grad_rows = np.full_like(bottom, np.nan), np.full_like(rows, np.nan)
+    pair_dots_backward(bottom, rows, grad, grad_bottom, grad_rows)
+    features = np.concatenate([bottom[:, None], rows], axis=1).astype(np.float64)
+    g = _mirrored(grad, tables + 1).astype(np.float64)
+    chain = np.zeros((bottom.shape[0], tables + 1, dim), dtype=np.float32)
+    # a product of float32s is exact in float64, so each step rounds its sum to float32 as a fused
+    # multiply-add does (but for a double rounding, which these values do not meet)
+    for b in range(tables + 1):
+        chain = (g[:, :, b, None] * features[:, None, b, :] + chain).astype(np.float32)
+    got = np.concatenate([grad_bottom[:, None], grad_rows], axis=1)
+    np.testing.assert_array_equal(got, chain)
+    np.testing.assert_allclose(got, np.einsum("sab,sbd->sad", g, features), rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize(("tables", "dim"), [(26, 64), (3, 12), (1, 5)])
+def test_the_forward_gives_every_lower_pair_in_tril_order(tables: int, dim: int) -> None:
+    bottom, rows, _ = _sample(tables, dim)
+    out = np.full((bottom.shape[0], (tables + 1) * tables // 2), np.nan, dtype=np.float32)
+    pair_dots_forward(bottom, rows, out)
+    features = np.concatenate([bottom[:, None], rows], axis=1).astype(np.float64)
+    lower, upper = np.tril_indices(tables + 1, -1)
+    want = np.einsum("sad,sbd->sab", features, features)[:, lower, upper]
+    np.testing.assert_allclose(out, want, rtol=1e-5, atol=1e-5)
+
+
+def test_a_tile_refuses_arrays_it_cannot_address() -> None:
+    bottom, rows, grad = _sample(2, 16)
+    grad_bottom, grad_rows = np.empty_like(bottom), np.empty_like(rows)
+    with pytest.raises(Exception, match="(?i)typing"):
+        pair_dots_backward(bottom, rows[:, :, ::2], grad, grad_bottom[:, :8], grad_rows[:, :, :8])
