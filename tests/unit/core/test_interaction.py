@@ -1,6 +1,8 @@
-"""The compiled dot interaction (core/interaction.py) against plain arithmetic: the backward's every element
-is one chain of fused multiply-adds over the features in order, whether a register tile of 32 or 8
-columns or the scalar loop for the columns short of a vector computes it."""
+"""The compiled dot interaction (core/interaction.py) against plain arithmetic, bit for bit: the backward's
+every element is one chain of fused multiply-adds over the features in order, whether a register tile of
+32 or 8 columns or the scalar loop for the columns short of a vector computes it; the forward's every dot
+is summed in 8 lanes, then across them, then over the columns short of a vector, whether a tile of 3 x 3
+pairs (overlapping or not) or the scalar loop computes it."""
 
 from __future__ import annotations
 
@@ -25,6 +27,12 @@ def _mirrored(grad: np.ndarray, features: int) -> np.ndarray:
     return g
 
 
+def _fused(chain: np.ndarray, x: np.ndarray, y: np.ndarray) -> np.ndarray:
+    """chain + x * y rounded once to float32, as a fused multiply-add (a product of float32s is exact in
+    float64; a double rounding, which these values do not meet, aside)."""
+    return (x.astype(np.float64) * y + chain).astype(np.float32)
+
+
 # (26, 64): the quick profile's shapes, two tiles of 32 columns; 48: one tile of 32 and two of 8;
 # 12 and 37: vectors and a scalar tail; 4 and 5: under one vector; 25 and 2 tables: an even feature count
 SHAPES = [(26, 64), (26, 48), (25, 16), (3, 12), (2, 37), (26, 4), (1, 5)]
@@ -38,24 +46,34 @@ def test_the_backward_is_one_fused_chain_per_element_in_feature_order(tables: in
     features = np.concatenate([bottom[:, None], rows], axis=1).astype(np.float64)
     g = _mirrored(grad, tables + 1).astype(np.float64)
     chain = np.zeros((bottom.shape[0], tables + 1, dim), dtype=np.float32)
-    # a product of float32s is exact in float64, so each step rounds its sum to float32 as a fused
-    # multiply-add does (but for a double rounding, which these values do not meet)
     for b in range(tables + 1):
-        chain = (g[:, :, b, None] * features[:, None, b, :] + chain).astype(np.float32)
+        chain = _fused(chain, g[:, :, b, None], features[:, None, b, :])
     got = np.concatenate([grad_bottom[:, None], grad_rows], axis=1)
     np.testing.assert_array_equal(got, chain)
     np.testing.assert_allclose(got, np.einsum("sab,sbd->sad", g, features), rtol=1e-5, atol=1e-5)
 
 
-@pytest.mark.parametrize(("tables", "dim"), [(26, 64), (3, 12), (1, 5)])
-def test_the_forward_gives_every_lower_pair_in_tril_order(tables: int, dim: int) -> None:
+# 3 tables: 4 features, the last block of three overlapping the first; 1 table: one pair, below a block
+@pytest.mark.parametrize(("tables", "dim"), [*SHAPES, (3, 64)])
+def test_the_forward_sums_each_pair_in_lanes_then_across_them_then_the_tail(tables: int, dim: int) -> None:
     bottom, rows, _ = _sample(tables, dim)
     out = np.full((bottom.shape[0], (tables + 1) * tables // 2), np.nan, dtype=np.float32)
     pair_dots_forward(bottom, rows, out)
-    features = np.concatenate([bottom[:, None], rows], axis=1).astype(np.float64)
+    features = np.concatenate([bottom[:, None], rows], axis=1)
     lower, upper = np.tril_indices(tables + 1, -1)
-    want = np.einsum("sad,sbd->sab", features, features)[:, lower, upper]
-    np.testing.assert_allclose(out, want, rtol=1e-5, atol=1e-5)
+    x, y = features[:, lower], features[:, upper]  # [samples, pairs, dim]
+    vectors = dim // 8
+    lanes = np.zeros(x.shape[:2] + (8,), dtype=np.float32)
+    for m in range(vectors):
+        lanes = _fused(lanes, x[..., m * 8 : m * 8 + 8], y[..., m * 8 : m * 8 + 8])
+    half = lanes[..., :4] + lanes[..., 4:]
+    quarter = half[..., :2] + half[..., 2:]
+    want = quarter[..., 0] + quarter[..., 1]
+    for k in range(vectors * 8, dim):
+        want = _fused(want, x[..., k], y[..., k])
+    np.testing.assert_array_equal(out, want)
+    dots = np.einsum("spd,spd->sp", x.astype(np.float64), y)
+    np.testing.assert_allclose(out, dots, rtol=1e-5, atol=1e-5)
 
 
 def test_a_tile_refuses_arrays_it_cannot_address() -> None:
