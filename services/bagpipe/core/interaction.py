@@ -29,7 +29,7 @@ import numpy as np
 from llvmlite import ir
 from numba import njit, types
 from numba.core import cgutils
-from numba.extending import intrinsic
+from numba.extending import intrinsic, overload
 
 from bagpipe.core.intrinsics import fma
 
@@ -40,43 +40,89 @@ _I64 = ir.IntType(64)
 _VEC = ir.VectorType(_F32, LANES)
 
 
+def _arrays_ok(arrays: tuple[Any, ...], index: Any) -> bool:
+    """The tiles' pointer arithmetic needs C-contiguous float32 arrays, and an index that is absent (None:
+    the sample's rows are rows[s]) or C-contiguous int64 (the sample's rows are rows[index[s]])."""
+    if any(not isinstance(t, types.Array) or t.layout != "C" or t.dtype != types.float32 for t in arrays):
+        return False
+    return isinstance(index, types.NoneType) or (
+        isinstance(index, types.Array) and index.layout == "C" and index.dtype == types.int64
+    )
+
+
+def _vector_fma(builder: Any) -> Any:
+    return cgutils.get_or_insert_function(builder.module, ir.FunctionType(_VEC, [_VEC] * 3), "llvm.fma.v8f32")
+
+
+class _Features:
+    """Addresses of sample s's features in LLVM code: feature 0 is ``first`` (bottom[s]), feature i the
+    sample's row i - 1, either ``rows[s, i - 1]`` or, with an index, ``rows[index[s, i - 1]]``."""
+
+    def __init__(
+        self, context: Any, builder: Any, first: Any, rows: Any, index: Any, s: Any, tables: Any
+    ) -> None:
+        self.builder, self.first, self.rows, self.index = builder, first, rows, index
+        self.first_row = builder.mul(s, tables)  # (the sample's first position in rows or in the index)
+        self.dim = builder.extract_value(first.shape, 0)
+
+    def row(self, t: Any) -> Any:
+        """The position in ``rows`` of the sample's row t."""
+        at = self.builder.add(self.first_row, t)
+        return at if self.index is None else self.builder.load(self.builder.gep(self.index.data, [at]))
+
+    def at(self, feature: Any, column: Any) -> Any:
+        """A pointer to column ``column`` of ``feature``."""
+        b = self.builder
+        to_first = b.gep(self.first.data, [column])
+        # (for feature 0, t is -1: with an index, the load reads the element before the sample's, which
+        # exists for every sample but the first; so the index is read only for features from 1 on)
+        t = b.sub(feature, _I64(1))
+        is_first = b.icmp_unsigned("==", feature, _I64(0))
+        row = self.row(b.select(is_first, _I64(0), t))
+        to_rows = b.gep(self.rows.data, [b.add(b.mul(row, self.dim), column)])
+        return b.select(is_first, to_first, to_rows)
+
+
 def _make_product_tile(features: int, vectors: int) -> Any:
-    """An intrinsic ``tile(g, bottom, rows, grad_bottom, grad_rows, s, a, c)``: for the sample's features
-    a .. a + ``features`` - 1 and the columns c .. c + 8 ``vectors`` - 1, the sum over b of g[a', b] x_b,
-    accumulated in registers in the order of b and stored into the gradients (feature 0's into
-    ``grad_bottom[s]``, feature i's into ``grad_rows[s, i - 1]``). Every index must be in range: the
-    caller's loops make them so, and nothing here checks."""
+    """An intrinsic ``tile(g, first, rows, index, s, grad_first, grad_rows, a, c)``: for the sample's
+    features a .. a + ``features`` - 1 and the columns c .. c + 8 ``vectors`` - 1, the sum over b of
+    g[a', b] x_b (``_Features`` says where x_b is), accumulated in registers in the order of b and stored
+    into ``grad_first`` (feature 0) and ``grad_rows[a' - 1]``. Every index must be in range: the
+    caller's loops and checks make them so, and nothing here checks."""
 
     @intrinsic
     def tile(
         typingctx: Any,
         g: Any,
-        bottom: Any,
+        first: Any,
         rows: Any,
-        grad_bottom: Any,
-        grad_rows: Any,
+        index: Any,
         s: Any,
+        grad_first: Any,
+        grad_rows: Any,
         a: Any,
         c: Any,
     ) -> Any:
-        arrays = (g, bottom, rows, grad_bottom, grad_rows)
-        if any(not isinstance(t, types.Array) or t.layout != "C" or t.dtype != types.float32 for t in arrays):
-            return None  # (a typing error: the pointer arithmetic below needs C-contiguous float32)
-        sig = types.void(*arrays, types.int64, types.int64, types.int64)
+        if not _arrays_ok((g, first, rows, grad_first, grad_rows), index):
+            return None  # (a typing error)
+        sig = types.void(g, first, rows, index, types.int64, grad_first, grad_rows, types.int64, types.int64)
 
         def codegen(context: Any, builder: Any, signature: Any, args: Any) -> Any:
-            ga, ba, ra, gba, gra = (
-                context.make_array(kind)(context, builder, value)
-                for kind, value in zip(signature.args[:5], args[:5], strict=True)
+            kinds = signature.args
+            ga, fa, ra, gfa, gra = (
+                context.make_array(kinds[i])(context, builder, args[i]) for i in (0, 1, 2, 5, 6)
             )
-            s_, a_, c_ = args[5:]
+            ia = (
+                None
+                if isinstance(kinds[3], types.NoneType)
+                else context.make_array(kinds[3])(context, builder, args[3])
+            )
+            s_, a_, c_ = args[4], args[7], args[8]
+            tables = builder.extract_value(gra.shape, 0)
+            at = _Features(context, builder, fa, ra, ia, s_, tables)
             vector_pointer = _VEC.as_pointer()
-            vector_fma = cgutils.get_or_insert_function(
-                builder.module, ir.FunctionType(_VEC, [_VEC] * 3), "llvm.fma.v8f32"
-            )
+            vector_fma = _vector_fma(builder)
             width = builder.extract_value(ga.shape, 1)  # (g is square: one row per feature)
-            tables = builder.extract_value(ra.shape, 1)
-            dim = builder.extract_value(ra.shape, 2)
             undef = ir.Constant(_VEC, None)
             splat = ir.Constant(ir.VectorType(_I32, LANES), [0] * LANES)
             # a slot per sum: LLVM keeps each in a register (mem2reg); the loop's stores never reach memory
@@ -89,26 +135,28 @@ def _make_product_tile(features: int, vectors: int) -> Any:
                     for v in range(vectors)
                 ]
                 for r in range(features):
-                    at = builder.add(builder.mul(builder.add(a_, _I64(r)), width), b)
-                    weight = builder.insert_element(undef, builder.load(builder.gep(ga.data, [at])), _I32(0))
+                    where = builder.add(builder.mul(builder.add(a_, _I64(r)), width), b)
+                    weight = builder.insert_element(
+                        undef, builder.load(builder.gep(ga.data, [where])), _I32(0)
+                    )
                     weights = builder.shuffle_vector(weight, undef, splat)
                     for v in range(vectors):
                         slot = sums[r * vectors + v]
                         builder.store(builder.call(vector_fma, [weights, xs[v], builder.load(slot)]), slot)
 
-            add_feature(builder.gep(ba.data, [builder.add(builder.mul(s_, dim), c_)]), _I64(0))
-            first_row = builder.mul(s_, tables)
+            add_feature(builder.gep(fa.data, [c_]), _I64(0))
             with cgutils.for_range(builder, tables) as loop:
                 t = loop.index
-                x = builder.gep(ra.data, [builder.add(builder.mul(builder.add(first_row, t), dim), c_)])
+                x = builder.gep(ra.data, [builder.add(builder.mul(at.row(t), at.dim), c_)])
                 add_feature(x, builder.add(t, _I64(1)))
             for r in range(features):
                 feature = builder.add(a_, _I64(r))
-                to_bottom = builder.gep(gba.data, [builder.add(builder.mul(s_, dim), c_)])
-                # (for feature 0 this address is a row before the sample's: chosen against, never stored to)
-                row = builder.add(first_row, builder.sub(feature, _I64(1)))
-                to_rows = builder.gep(gra.data, [builder.add(builder.mul(row, dim), c_)])
-                out = builder.select(builder.icmp_unsigned("==", feature, _I64(0)), to_bottom, to_rows)
+                to_first = builder.gep(gfa.data, [c_])
+                # (for feature 0 this address is a row before grad_rows: chosen against, never stored to)
+                to_rows = builder.gep(
+                    gra.data, [builder.add(builder.mul(builder.sub(feature, _I64(1)), at.dim), c_)]
+                )
+                out = builder.select(builder.icmp_unsigned("==", feature, _I64(0)), to_first, to_rows)
                 for v in range(vectors):
                     where = builder.bitcast(builder.gep(out, [_I64(LANES * v)]), vector_pointer)
                     builder.store(builder.load(sums[r * vectors + v]), where, align=4)
@@ -127,50 +175,42 @@ _tile_1x1 = _make_product_tile(1, 1)
 
 
 def _make_dots_tile(size: int) -> Any:
-    """An intrinsic ``tile(bottom, rows, out, s, a, b)``: the dots x_a' . x_b' of the sample's features
-    a' = a .. a + ``size`` - 1 and b' = b .. b + ``size`` - 1 over the columns that fill vectors of 8, each
-    summed in the 8 lanes in column order and the lanes then added as ``_lane_sum`` does, stored into
-    out[s] where a' > b' (the strictly lower triangle, ``tril_indices`` order). Every index must be in
-    range: the caller's loops make them so, and nothing here checks."""
+    """An intrinsic ``tile(first, rows, index, s, tables, out, a, b)``: the dots x_a' . x_b' of the
+    sample's features a' = a .. a + ``size`` - 1 and b' = b .. b + ``size`` - 1 (``_Features`` says where
+    they are) over the columns that fill vectors of 8, each summed in the 8 lanes in column order and the
+    lanes then added as ``_lane_sum`` does, stored into ``out`` (the sample's) where a' > b' (the strictly
+    lower triangle, ``tril_indices`` order). Every index must be in range: the caller's loops and checks
+    make them so, and nothing here checks."""
 
     @intrinsic
-    def tile(typingctx: Any, bottom: Any, rows: Any, out: Any, s: Any, a: Any, b: Any) -> Any:
-        arrays = (bottom, rows, out)
-        if any(not isinstance(t, types.Array) or t.layout != "C" or t.dtype != types.float32 for t in arrays):
-            return None  # (a typing error: the pointer arithmetic below needs C-contiguous float32)
-        sig = types.void(*arrays, types.int64, types.int64, types.int64)
+    def tile(
+        typingctx: Any, first: Any, rows: Any, index: Any, s: Any, tables: Any, out: Any, a: Any, b: Any
+    ) -> Any:
+        if not _arrays_ok((first, rows, out), index):
+            return None  # (a typing error)
+        sig = types.void(first, rows, index, types.int64, types.int64, out, types.int64, types.int64)
 
         def codegen(context: Any, builder: Any, signature: Any, args: Any) -> Any:
-            ba, ra, oa = (
-                context.make_array(kind)(context, builder, value)
-                for kind, value in zip(signature.args[:3], args[:3], strict=True)
+            kinds = signature.args
+            fa, ra, oa = (context.make_array(kinds[i])(context, builder, args[i]) for i in (0, 1, 5))
+            ia = (
+                None
+                if isinstance(kinds[2], types.NoneType)
+                else context.make_array(kinds[2])(context, builder, args[2])
             )
-            s_, a_, b_ = args[3:]
+            s_, tables, a_, b_ = args[3], args[4], args[6], args[7]
+            at = _Features(context, builder, fa, ra, ia, s_, tables)
             vector_pointer = _VEC.as_pointer()
-            vector_fma = cgutils.get_or_insert_function(
-                builder.module, ir.FunctionType(_VEC, [_VEC] * 3), "llvm.fma.v8f32"
-            )
-            tables = builder.extract_value(ra.shape, 1)
-            dim = builder.extract_value(ra.shape, 2)
-            pairs = builder.extract_value(oa.shape, 1)
-            first_row = builder.mul(s_, tables)
-
-            def feature_at(feature: Any) -> Any:
-                to_bottom = builder.gep(ba.data, [builder.mul(s_, dim)])
-                # (for feature 0 this address is a row before the sample's: chosen against, never read)
-                row = builder.add(first_row, builder.sub(feature, _I64(1)))
-                to_rows = builder.gep(ra.data, [builder.mul(row, dim)])
-                return builder.select(builder.icmp_unsigned("==", feature, _I64(0)), to_bottom, to_rows)
-
-            xa = [feature_at(builder.add(a_, _I64(r))) for r in range(size)]
-            xb = [feature_at(builder.add(b_, _I64(c))) for c in range(size)]
+            vector_fma = _vector_fma(builder)
+            xa = [at.at(builder.add(a_, _I64(r)), _I64(0)) for r in range(size)]
+            xb = [at.at(builder.add(b_, _I64(c)), _I64(0)) for c in range(size)]
             zeros = ir.Constant(_VEC, [0.0] * LANES)
             sums = [cgutils.alloca_once_value(builder, zeros) for _ in range(size * size)]
-            with cgutils.for_range(builder, builder.udiv(dim, _I64(LANES))) as loop:
-                at = builder.mul(loop.index, _I64(LANES))
+            with cgutils.for_range(builder, builder.udiv(at.dim, _I64(LANES))) as loop:
+                column = builder.mul(loop.index, _I64(LANES))
 
                 def load(x: Any) -> Any:
-                    return builder.load(builder.bitcast(builder.gep(x, [at]), vector_pointer), align=4)
+                    return builder.load(builder.bitcast(builder.gep(x, [column]), vector_pointer), align=4)
 
                 va, vb = [load(x) for x in xa], [load(x) for x in xb]
                 for r in range(size):
@@ -180,9 +220,7 @@ def _make_dots_tile(size: int) -> Any:
             undef, undef4 = ir.Constant(_VEC, None), ir.Constant(ir.VectorType(_F32, 4), None)
             for r in range(size):
                 row = builder.add(a_, _I64(r))
-                row_start = builder.add(
-                    builder.mul(s_, pairs), builder.lshr(builder.mul(row, builder.sub(row, _I64(1))), _I64(1))
-                )
+                row_start = builder.lshr(builder.mul(row, builder.sub(row, _I64(1))), _I64(1))
                 for c in range(size):
                     col = builder.add(b_, _I64(c))
                     v = builder.load(sums[r * size + c])
@@ -211,6 +249,75 @@ _DOTS = 3
 _dots_tile = _make_dots_tile(_DOTS)
 
 
+# Where the code differs between rows gathered per sample ([b, t, d], no index) and the batch's unique
+# rows read by index, numba picks the version by the index's type when it compiles (``overload``).
+def _row(rows, inverse, s, t):  # type: ignore[no-untyped-def]
+    """Sample s's row t: rows[s, t], or rows[inverse[s, t]] (the batch's unique rows)."""
+    return rows[s, t] if inverse is None else rows[inverse[s, t]]
+
+
+@overload(_row)
+def _row_compiled(rows, inverse, s, t):  # type: ignore[no-untyped-def]
+    if isinstance(inverse, types.NoneType):
+        return lambda rows, inverse, s, t: rows[s, t]
+    return lambda rows, inverse, s, t: rows[np.uint64(inverse[s, t])]  # (checked: no wrap-around code)
+
+
+def _prepare(rows, inverse, grad_rows):  # type: ignore[no-untyped-def]
+    """The number of tables. With an index: checks it against the unique rows (raising before anything is
+    written) and zeroes ``grad_rows`` (the unique rows' gradient, when it is not None)."""
+    raise NotImplementedError  # (compiled code only)
+
+
+@overload(_prepare)
+def _prepare_compiled(rows, inverse, grad_rows):  # type: ignore[no-untyped-def]
+    if isinstance(inverse, types.NoneType):
+        return lambda rows, inverse, grad_rows: rows.shape[1]
+
+    def indexed(rows, inverse, grad_rows):  # type: ignore[no-untyped-def]
+        for n in range(inverse.size):
+            r = inverse.flat[n]
+            if r < 0 or r >= rows.shape[0]:
+                raise IndexError("pair_dots: an index of the batch's rows is outside the rows")
+        if grad_rows is not None:
+            grad_rows[:] = 0
+        return inverse.shape[1]
+
+    return indexed
+
+
+def _sample_out(grad_rows, scratch, inverse, s):  # type: ignore[no-untyped-def]
+    """Where the backward puts sample s's row gradients: grad_rows[s], or a scratch to add from."""
+    raise NotImplementedError  # (compiled code only)
+
+
+@overload(_sample_out)
+def _sample_out_compiled(grad_rows, scratch, inverse, s):  # type: ignore[no-untyped-def]
+    if isinstance(inverse, types.NoneType):
+        return lambda grad_rows, scratch, inverse, s: grad_rows[s]
+    return lambda grad_rows, scratch, inverse, s: scratch
+
+
+def _add_sample(grad_rows, scratch, inverse, s):  # type: ignore[no-untyped-def]
+    """With an index: adds sample s's row gradients (``scratch``) into the unique rows' gradient, in the
+    order of its tables, as ``_sum_rows`` in core/model.py adds them (the same bits)."""
+    raise NotImplementedError  # (compiled code only)
+
+
+@overload(_add_sample)
+def _add_sample_compiled(grad_rows, scratch, inverse, s):  # type: ignore[no-untyped-def]
+    if isinstance(inverse, types.NoneType):
+        return lambda grad_rows, scratch, inverse, s: None
+
+    def indexed(grad_rows, scratch, inverse, s):  # type: ignore[no-untyped-def]
+        for t in range(scratch.shape[0]):
+            into = grad_rows[np.uint64(inverse[s, t])]  # (checked: unsigned, no wrap-around code)
+            for k in range(scratch.shape[1]):
+                into[k] += scratch[t, k]
+
+    return indexed
+
+
 @njit(cache=True, nogil=True)
 def _lane_sum(x, y, vectors):  # type: ignore[no-untyped-def]
     """x . y over the first ``vectors`` x 8 columns in the tile's order: lane l sums columns l, l + 8, ...
@@ -225,34 +332,37 @@ def _lane_sum(x, y, vectors):  # type: ignore[no-untyped-def]
 
 
 @njit(cache=True, nogil=True)
-def pair_dots_forward(bottom, rows, out):  # type: ignore[no-untyped-def]
-    """out[s] = the dots of sample s's features [bottom[s], rows[s, 0], ...], ``tril_indices`` order.
-    Every array is C-contiguous float32."""
-    samples, tables, dim = rows.shape
+def pair_dots_forward(bottom, rows, inverse, out):  # type: ignore[no-untyped-def]
+    """out[s] = the dots of sample s's features [bottom[s], its rows], ``tril_indices`` order. Its rows are
+    rows[s] ([b, t, d]) where ``inverse`` is None, else rows[inverse[s]] (the batch's unique rows [u, d]
+    and [b, t] positions in them, checked). Every array is C-contiguous, float32 but the int64 index."""
+    samples, dim = bottom.shape
+    tables = _prepare(rows, inverse, None)
     features = tables + 1
     vectors = dim // LANES
     blocks = (features + _DOTS - 1) // _DOTS
     for s in range(samples):
+        first, dots = bottom[s], out[s]
         if features >= _DOTS:
             # the last block starts at features - 3 and may overlap the one before: a pair computed twice
             # is the same bits both times
             for i in range(blocks):
                 a = min(i * _DOTS, features - _DOTS)
                 for j in range(i + 1):
-                    _dots_tile(bottom, rows, out, s, a, min(j * _DOTS, features - _DOTS))
+                    _dots_tile(first, rows, inverse, s, tables, dots, a, min(j * _DOTS, features - _DOTS))
         else:
             for i in range(1, features):
                 for j in range(i):
-                    x = bottom[s] if j == 0 else rows[s, j - 1]
-                    out[s, i * (i - 1) // 2 + j] = _lane_sum(rows[s, i - 1], x, vectors)
+                    x = first if j == 0 else _row(rows, inverse, s, j - 1)
+                    dots[i * (i - 1) // 2 + j] = _lane_sum(_row(rows, inverse, s, i - 1), x, vectors)
         for k in range(vectors * LANES, dim):  # the columns short of a vector, in order, after the lanes
             p = 0
             for i in range(tables):
-                xi = rows[s, i]
-                out[s, p] = fma(xi[k], bottom[s, k], out[s, p])
+                xi = _row(rows, inverse, s, i)[k]
+                dots[p] = fma(xi, first[k], dots[p])
                 p += 1
                 for j in range(i):
-                    out[s, p] = fma(xi[k], rows[s, j, k], out[s, p])
+                    dots[p] = fma(xi, _row(rows, inverse, s, j)[k], dots[p])
                     p += 1
 
 
@@ -269,34 +379,42 @@ def _mirror(grad, s, g):  # type: ignore[no-untyped-def]
 
 
 @njit(cache=True, nogil=True)
-def pair_dots_backward(bottom, rows, grad, grad_bottom, grad_rows):  # type: ignore[no-untyped-def]
-    """The gradients of ``pair_dots_forward``'s inputs from ``grad`` of its output (written, not added).
-    Every array is C-contiguous float32."""
-    samples, tables, dim = rows.shape
+def pair_dots_backward(bottom, rows, inverse, grad, grad_bottom, grad_rows):  # type: ignore[no-untyped-def]
+    """The gradients of ``pair_dots_forward``'s inputs from ``grad`` of its output. ``grad_bottom`` is
+    written. Where ``inverse`` is None, ``grad_rows`` ([b, t, d]) is written; else it is the unique rows'
+    ([u, d]): zeroed, then each sample's row gradients added into it in the order of the samples and,
+    within a sample, of its tables, as the batch gather's backward adds them (``_sum_rows`` in
+    core/model.py: the same bits). Every array is C-contiguous, float32 but the int64 index."""
+    samples, dim = bottom.shape
+    tables = _prepare(rows, inverse, grad_rows)
     features = tables + 1
     g = np.zeros((features, features), dtype=np.float32)
+    scratch = np.empty((tables, dim), dtype=np.float32)
     paired = features // 2 * 2
     wide = dim // (4 * LANES) * (4 * LANES)
     vectors = dim // LANES * LANES
     for s in range(samples):
         _mirror(grad, s, g)
+        first, grad_first = bottom[s], grad_bottom[s]
+        out = _sample_out(grad_rows, scratch, inverse, s)
         for c in range(0, wide, 4 * LANES):
             for a in range(0, paired, 2):
-                _tile_2x4(g, bottom, rows, grad_bottom, grad_rows, s, a, c)
+                _tile_2x4(g, first, rows, inverse, s, grad_first, out, a, c)
             if paired < features:
-                _tile_1x4(g, bottom, rows, grad_bottom, grad_rows, s, paired, c)
+                _tile_1x4(g, first, rows, inverse, s, grad_first, out, paired, c)
         for c in range(wide, vectors, LANES):
             for a in range(0, paired, 2):
-                _tile_2x1(g, bottom, rows, grad_bottom, grad_rows, s, a, c)
+                _tile_2x1(g, first, rows, inverse, s, grad_first, out, a, c)
             if paired < features:
-                _tile_1x1(g, bottom, rows, grad_bottom, grad_rows, s, paired, c)
+                _tile_1x1(g, first, rows, inverse, s, grad_first, out, paired, c)
         for k in range(vectors, dim):  # the columns short of a vector: the same chains, one at a time
             for a in range(features):
                 acc = np.float32(0)
-                acc = fma(g[a, 0], bottom[s, k], acc)
+                acc = fma(g[a, 0], first[k], acc)
                 for t in range(tables):
-                    acc = fma(g[a, t + 1], rows[s, t, k], acc)
+                    acc = fma(g[a, t + 1], _row(rows, inverse, s, t)[k], acc)
                 if a == 0:
-                    grad_bottom[s, k] = acc
+                    grad_first[k] = acc
                 else:
-                    grad_rows[s, a - 1, k] = acc
+                    out[a - 1, k] = acc
+        _add_sample(grad_rows, scratch, inverse, s)

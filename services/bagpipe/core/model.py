@@ -130,42 +130,65 @@ class _PairDots(torch.autograd.Function):
 
 class _CompiledPairDots(torch.autograd.Function):
     """``_PairDots`` of ``cat([bottom[:, None], rows], 1)`` on the CPU in float32, by the compiled loops of
-    core/interaction.py (no concatenation, each pair once, the backward's sums in registers)."""
+    core/interaction.py (no concatenation, each pair once, the sums in registers). With ``inverse``,
+    ``rows`` are the batch's unique rows and sample s's are rows[inverse[s]], read by index; their
+    gradient is summed straight into the unique rows, in the order ``_BatchRows``' backward sums it."""
 
     @staticmethod
     def forward(  # type: ignore[override]
-        ctx: torch.autograd.function.FunctionCtx, bottom: torch.Tensor, rows: torch.Tensor
+        ctx: torch.autograd.function.FunctionCtx,
+        bottom: torch.Tensor,
+        rows: torch.Tensor,
+        inverse: torch.Tensor | None,
     ) -> torch.Tensor:
         bottom, rows = bottom.contiguous(), rows.contiguous()
-        ctx.save_for_backward(bottom, rows)
-        features = rows.shape[1] + 1
-        out = bottom.new_empty(rows.shape[0], features * (features - 1) // 2)
-        pair_dots_forward(bottom.detach().numpy(), rows.detach().numpy(), out.numpy())
+        index = None if inverse is None else inverse.contiguous()
+        ctx.save_for_backward(bottom, rows, index)  # type: ignore[arg-type]  # (None is saved as None)
+        features = (rows.shape[1] if index is None else index.shape[1]) + 1
+        out = bottom.new_empty(bottom.shape[0], features * (features - 1) // 2)
+        pair_dots_forward(bottom.detach().numpy(), rows.detach().numpy(), _numpy(index), out.numpy())
         return out
 
     @staticmethod
     def backward(  # type: ignore[override]
         ctx: torch.autograd.function.FunctionCtx, grad: torch.Tensor
-    ) -> tuple[torch.Tensor, torch.Tensor]:
-        bottom, rows = (t.detach() for t in ctx.saved_tensors)  # type: ignore[attr-defined]
+    ) -> tuple[torch.Tensor, torch.Tensor, None]:
+        bottom, rows, index = ctx.saved_tensors  # type: ignore[attr-defined]
+        bottom, rows = bottom.detach(), rows.detach()
         grad_bottom, grad_rows = torch.empty_like(bottom), torch.empty_like(rows)
         pair_dots_backward(
             bottom.numpy(),
             rows.numpy(),
+            _numpy(index),
             grad.detach().contiguous().numpy(),
             grad_bottom.numpy(),
             grad_rows.numpy(),
         )
-        return grad_bottom, grad_rows
+        return grad_bottom, grad_rows, None
+
+
+def _numpy(index: torch.Tensor | None) -> np.ndarray | None:
+    return None if index is None else index.numpy()
 
 
 def pair_dots(
-    bottom: torch.Tensor, rows: torch.Tensor, lower: torch.Tensor, upper: torch.Tensor
+    bottom: torch.Tensor,
+    rows: torch.Tensor,
+    lower: torch.Tensor,
+    upper: torch.Tensor,
+    inverse: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """DLRM's dot interaction: the dots of every pair of [bottom [b, d], rows [b, t, d]], strictly lower
-    triangle, in ``tril_indices`` order (``lower``/``upper``: see ``_PairDots``)."""
-    if bottom.device.type == "cpu" and bottom.dtype == rows.dtype == torch.float32:
-        return _CompiledPairDots.apply(bottom, rows)  # type: ignore[no-any-return]
+    triangle, in ``tril_indices`` order (``lower``/``upper``: see ``_PairDots``). With ``inverse`` [b, t],
+    ``rows`` are the batch's unique rows [u, d] instead, sample s's being rows[inverse[s]]: the same as
+    passing ``batch_rows(rows, inverse)``, bit for bit, without making that [b, t, d] copy on the CPU."""
+    compiled = bottom.device.type == "cpu" and bottom.dtype == rows.dtype == torch.float32
+    if inverse is not None:
+        if compiled and inverse.device.type == "cpu" and inverse.dtype == torch.int64:
+            return _CompiledPairDots.apply(bottom, rows, inverse)  # type: ignore[no-any-return]
+        rows = batch_rows(rows, inverse)
+    if compiled:
+        return _CompiledPairDots.apply(bottom, rows, None)  # type: ignore[no-any-return]
     features = torch.cat([bottom.unsqueeze(1), rows], dim=1)
     return _PairDots.apply(features, lower, upper)  # type: ignore[no-any-return]
 
@@ -218,6 +241,17 @@ class _BatchRows(torch.autograd.Function):
         return out, None
 
 
+def batch_logits(
+    model: nn.Module, dense: torch.Tensor, rows: torch.Tensor, inverse: torch.Tensor
+) -> torch.Tensor:
+    """``model(dense, batch_rows(rows, inverse))``: a batch's logits from its unique rows [u, w] and
+    ``inverse`` [b, t] (positions in ``rows``), differentiable in ``rows``. DLRM reads the rows by index in
+    its interaction instead of gathering them first (``DLRM.forward_unique``): the same bits."""
+    if isinstance(model, DLRM):
+        return model.forward_unique(dense, rows, inverse)
+    return model(dense, batch_rows(rows, inverse))  # type: ignore[no-any-return]
+
+
 def batch_rows(rows: torch.Tensor, inverse: torch.Tensor) -> torch.Tensor:
     """The batch's rows [b, t, w] from its unique rows [u, w] and ``inverse`` [b, t] (positions in
     ``rows``); differentiable in ``rows``."""
@@ -242,8 +276,16 @@ class DLRM(_Model):
 
     def forward(self, dense: torch.Tensor, embedded: torch.Tensor) -> torch.Tensor:
         """dense [b, num_dense], embedded [b, num_tables, dim] -> logits [b]."""
+        return self.forward_unique(dense, embedded, None)
+
+    def forward_unique(
+        self, dense: torch.Tensor, rows: torch.Tensor, inverse: torch.Tensor | None
+    ) -> torch.Tensor:
+        """``forward(dense, batch_rows(rows, inverse))`` from the batch's unique rows [u, dim] and
+        ``inverse`` [b, num_tables] (with ``inverse`` None, ``rows`` are the batch's [b, num_tables, dim]).
+        The interaction reads the rows by index (``pair_dots``): the same bits, without the gathered copy."""
         x = _relu_all(self.bottom_mlp, dense)
-        dots = pair_dots(x, embedded, self._tril_lower, self._tril_upper)
+        dots = pair_dots(x, rows, self._tril_lower, self._tril_upper, inverse)
         z = torch.cat([x, dots], dim=1)
         for k, layer in enumerate(self.top_mlp):
             z = layer(z)

@@ -31,7 +31,7 @@ from bagpipe.core import checkpoint, snapshots
 from bagpipe.core.cache import EmbeddingCache
 from bagpipe.core.data import table_offsets
 from bagpipe.core.embedding_init import InitialRows
-from bagpipe.core.model import batch_loss, batch_rows, build_model
+from bagpipe.core.model import batch_logits, batch_loss, build_model
 from bagpipe.core.optim import restore_state, saved_state, steps_taken
 from bagpipe.core.row_store import RowStore
 from bagpipe.embedding_server.client import RESHARD_LOCK, EmbeddingClient
@@ -225,7 +225,7 @@ class Trainer:
         inverse = self.cache.index(share.inverse)
         with self.cache.lock.shared():
             rows = self.cache.weights.index_select(0, slots).requires_grad_()
-        loss = batch_loss(self.model(dense, batch_rows(rows, inverse)), labels, plan.global_batch_size)
+        loss = batch_loss(batch_logits(self.model, dense, rows, inverse), labels, plan.global_batch_size)
         timer.mark("forward")
         self.dense_opt.zero_grad(set_to_none=False)
         loss.backward()

@@ -9,6 +9,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 from bagpipe.core.interaction import pair_dots_backward, pair_dots_forward
+from bagpipe.core.model import _sum_rows
 
 
 def _sample(tables: int, dim: int, samples: int = 5, seed: int = 3) -> tuple[np.ndarray, ...]:
@@ -42,7 +43,7 @@ SHAPES = [(26, 64), (26, 48), (25, 16), (3, 12), (2, 37), (26, 4), (1, 5)]
 def test_the_backward_is_one_fused_chain_per_element_in_feature_order(tables: int, dim: int) -> None:
     bottom, rows, grad = _sample(tables, dim)
     grad_bottom, grad_rows = np.full_like(bottom, np.nan), np.full_like(rows, np.nan)
-    pair_dots_backward(bottom, rows, grad, grad_bottom, grad_rows)
+    pair_dots_backward(bottom, rows, None, grad, grad_bottom, grad_rows)
     features = np.concatenate([bottom[:, None], rows], axis=1).astype(np.float64)
     g = _mirrored(grad, tables + 1).astype(np.float64)
     chain = np.zeros((bottom.shape[0], tables + 1, dim), dtype=np.float32)
@@ -58,7 +59,7 @@ def test_the_backward_is_one_fused_chain_per_element_in_feature_order(tables: in
 def test_the_forward_sums_each_pair_in_lanes_then_across_them_then_the_tail(tables: int, dim: int) -> None:
     bottom, rows, _ = _sample(tables, dim)
     out = np.full((bottom.shape[0], (tables + 1) * tables // 2), np.nan, dtype=np.float32)
-    pair_dots_forward(bottom, rows, out)
+    pair_dots_forward(bottom, rows, None, out)
     features = np.concatenate([bottom[:, None], rows], axis=1)
     lower, upper = np.tril_indices(tables + 1, -1)
     x, y = features[:, lower], features[:, upper]  # [samples, pairs, dim]
@@ -80,4 +81,47 @@ def test_a_tile_refuses_arrays_it_cannot_address() -> None:
     bottom, rows, grad = _sample(2, 16)
     grad_bottom, grad_rows = np.empty_like(bottom), np.empty_like(rows)
     with pytest.raises(Exception, match="(?i)typing"):
-        pair_dots_backward(bottom, rows[:, :, ::2], grad, grad_bottom[:, :8], grad_rows[:, :, :8])
+        pair_dots_backward(bottom, rows[:, :, ::2], None, grad, grad_bottom[:, :8], grad_rows[:, :, :8])
+
+
+@pytest.mark.parametrize(("tables", "dim"), SHAPES)
+def test_reading_the_unique_rows_by_index_gives_the_same_bits_as_the_gathered_rows(
+    tables: int, dim: int
+) -> None:
+    """With the batch's unique rows and each sample's positions in them, the forward reads the same values
+    and the backward adds each sample's row gradients into the unique rows in the order the gather's
+    backward does (``_sum_rows``): both the same bits as gathering first."""
+    bottom, _, grad = _sample(tables, dim, samples=9)
+    rng = np.random.default_rng(tables * dim)
+    unique = rng.standard_normal((7, dim), dtype=np.float32)
+    inverse = rng.integers(0, unique.shape[0], (bottom.shape[0], tables))
+    rows = unique[inverse]  # [samples, tables, dim]
+    pairs = (tables + 1) * tables // 2
+    gathered, indexed = (np.full((bottom.shape[0], pairs), np.nan, dtype=np.float32) for _ in range(2))
+    pair_dots_forward(bottom, rows, None, gathered)
+    pair_dots_forward(bottom, unique, inverse, indexed)
+    np.testing.assert_array_equal(indexed, gathered)
+    grad_bottom, grad_rows = np.empty_like(bottom), np.empty_like(rows)
+    pair_dots_backward(bottom, rows, None, grad, grad_bottom, grad_rows)
+    summed = np.empty_like(unique)
+    _sum_rows(summed, inverse.reshape(-1), grad_rows.reshape(-1, dim))
+    grad_bottom_indexed, grad_unique = np.empty_like(bottom), np.full_like(unique, np.nan)
+    pair_dots_backward(bottom, unique, inverse, grad, grad_bottom_indexed, grad_unique)
+    np.testing.assert_array_equal(grad_bottom_indexed, grad_bottom)
+    np.testing.assert_array_equal(grad_unique, summed)
+
+
+def test_a_position_outside_the_unique_rows_is_refused_before_anything_is_written() -> None:
+    bottom, _, grad = _sample(3, 16)
+    unique = np.ones((4, 16), dtype=np.float32)
+    inverse = np.zeros((bottom.shape[0], 3), dtype=np.int64)
+    inverse[2, 1] = 4
+    out = np.full((bottom.shape[0], 6), 7.0, dtype=np.float32)
+    with pytest.raises(IndexError, match="outside the rows"):
+        pair_dots_forward(bottom, unique, inverse, out)
+    assert (out == 7.0).all()
+    grad_bottom, grad_unique = np.full_like(bottom, 7.0), np.full_like(unique, 7.0)
+    inverse[2, 1] = -1
+    with pytest.raises(IndexError, match="outside the rows"):
+        pair_dots_backward(bottom, unique, inverse, grad, grad_bottom, grad_unique)
+    assert (grad_bottom == 7.0).all() and (grad_unique == 7.0).all()

@@ -14,7 +14,15 @@ import numpy as np
 import pytest
 import torch
 from bagpipe.core import checkpoint
-from bagpipe.core.model import MODELS, ModelConfig, batch_loss, batch_rows, build_model, pair_dots
+from bagpipe.core.model import (
+    MODELS,
+    ModelConfig,
+    batch_logits,
+    batch_loss,
+    batch_rows,
+    build_model,
+    pair_dots,
+)
 from bagpipe.core.optim import (
     OPTIMIZERS,
     OptimizerConfig,
@@ -69,6 +77,32 @@ def test_a_samples_interaction_does_not_depend_on_the_batch_around_it() -> None:
     torch.testing.assert_close(whole.double(), batched.detach(), rtol=1e-5, atol=1e-5)
     for got, want in zip(grads, torch.autograd.grad(batched, as_double, weights.double()), strict=True):
         torch.testing.assert_close(got.double(), want, rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("name", MODELS)
+def test_a_batch_from_its_unique_rows_gives_the_bits_of_its_gathered_rows(name: str) -> None:
+    """``batch_logits`` (DLRM's interaction reading the unique rows by index, the other models gathering
+    first) against ``model(dense, batch_rows(rows, inverse))``: the same logits, and the same gradients
+    for the unique rows and every dense parameter."""
+    model_config = config(name)
+    model = build_model(model_config, seed=3)
+    gen = torch.Generator().manual_seed(4)
+    unique = torch.randn(11, model_config.row_width, generator=gen)
+    inverse = torch.randint(0, 11, (BATCH, TABLES), generator=gen)
+    dense = torch.rand(BATCH, 13, generator=gen)
+    outcomes = []
+    for logits_of in (
+        lambda rows: model(dense, batch_rows(rows, inverse)),
+        lambda rows: batch_logits(model, dense, rows, inverse),
+    ):
+        rows = unique.clone().requires_grad_()
+        logits = logits_of(rows)
+        grads = torch.autograd.grad(logits.square().sum(), [rows, *model.parameters()])
+        outcomes.append((logits.detach(), grads))
+    (want_logits, want_grads), (logits, grads) = outcomes
+    assert torch.equal(logits, want_logits)
+    for got, want in zip(grads, want_grads, strict=True):
+        assert torch.equal(got, want)
 
 
 @pytest.mark.parametrize("optimizer", OPTIMIZERS)
