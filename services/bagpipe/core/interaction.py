@@ -16,6 +16,12 @@ leaves LLVM's SLP vectoriser off, so the tiles are written as LLVM vector code (
 Each sample's loops are the same whatever batch surrounds it, so a trainer's slice and the reference's
 whole batch give the same bits (unit tests check both).
 
+A sample's rows come either as rows[s] of the batch's gathered rows [b, t, d], or by index from the
+batch's unique rows [u, d] (``inverse`` [b, t]): then no gathered copy is made, and the backward adds
+each sample's row gradients straight into the unique rows in the order the gather's backward adds them
+(``_sum_rows`` in core/model.py), so both give the same bits. Shapes and positions are checked before
+anything is read or written; the tiles themselves check nothing.
+
 At the quick profile's shapes (1,024 samples of 27 features of 64 floats), one core: the backward took
 5.9-7.4 ms as the loop adding each pair into both rows' gradients and 2.4-3.0 ms now; the forward
 1.9-2.1 ms as a loop per pair and 1.2-1.3 ms now (bench/README.md, "Trainer profile").
@@ -58,9 +64,7 @@ class _Features:
     """Addresses of sample s's features in LLVM code: feature 0 is ``first`` (bottom[s]), feature i the
     sample's row i - 1, either ``rows[s, i - 1]`` or, with an index, ``rows[index[s, i - 1]]``."""
 
-    def __init__(
-        self, context: Any, builder: Any, first: Any, rows: Any, index: Any, s: Any, tables: Any
-    ) -> None:
+    def __init__(self, builder: Any, first: Any, rows: Any, index: Any, s: Any, tables: Any) -> None:
         self.builder, self.first, self.rows, self.index = builder, first, rows, index
         self.first_row = builder.mul(s, tables)  # (the sample's first position in rows or in the index)
         self.dim = builder.extract_value(first.shape, 0)
@@ -74,8 +78,7 @@ class _Features:
         """A pointer to column ``column`` of ``feature``."""
         b = self.builder
         to_first = b.gep(self.first.data, [column])
-        # (for feature 0, t is -1: with an index, the load reads the element before the sample's, which
-        # exists for every sample but the first; so the index is read only for features from 1 on)
+        # (feature 0 has no row: it takes row 0's position, which every sample has, and does not use it)
         t = b.sub(feature, _I64(1))
         is_first = b.icmp_unsigned("==", feature, _I64(0))
         row = self.row(b.select(is_first, _I64(0), t))
@@ -119,7 +122,7 @@ def _make_product_tile(features: int, vectors: int) -> Any:
             )
             s_, a_, c_ = args[4], args[7], args[8]
             tables = builder.extract_value(gra.shape, 0)
-            at = _Features(context, builder, fa, ra, ia, s_, tables)
+            at = _Features(builder, fa, ra, ia, s_, tables)
             vector_pointer = _VEC.as_pointer()
             vector_fma = _vector_fma(builder)
             width = builder.extract_value(ga.shape, 1)  # (g is square: one row per feature)
@@ -199,7 +202,7 @@ def _make_dots_tile(size: int) -> Any:
                 else context.make_array(kinds[2])(context, builder, args[2])
             )
             s_, tables, a_, b_ = args[3], args[4], args[6], args[7]
-            at = _Features(context, builder, fa, ra, ia, s_, tables)
+            at = _Features(builder, fa, ra, ia, s_, tables)
             vector_pointer = _VEC.as_pointer()
             vector_fma = _vector_fma(builder)
             xa = [at.at(builder.add(a_, _I64(r)), _I64(0)) for r in range(size)]
@@ -263,25 +266,51 @@ def _row_compiled(rows, inverse, s, t):  # type: ignore[no-untyped-def]
     return lambda rows, inverse, s, t: rows[np.uint64(inverse[s, t])]  # (checked: no wrap-around code)
 
 
-def _prepare(rows, inverse, grad_rows):  # type: ignore[no-untyped-def]
-    """The number of tables. With an index: checks it against the unique rows (raising before anything is
-    written) and zeroes ``grad_rows`` (the unique rows' gradient, when it is not None)."""
+def _prepare(bottom, rows, inverse, dots, grad_bottom, grad_rows):  # type: ignore[no-untyped-def]
+    """Checks the arrays' shapes against each other and an index's positions against the unique rows,
+    raising before anything is read or written; then, with an index, zeroes the unique rows' gradient
+    (``grad_rows``, where it is not None). Returns the number of tables. ``dots`` is the forward's output
+    or the backward's incoming gradient, [samples, pairs]."""
     raise NotImplementedError  # (compiled code only)
 
 
-@overload(_prepare)
-def _prepare_compiled(rows, inverse, grad_rows):  # type: ignore[no-untyped-def]
-    if isinstance(inverse, types.NoneType):
-        return lambda rows, inverse, grad_rows: rows.shape[1]
+@njit(cache=True, nogil=True)
+def _check_outputs(bottom, rows, dots, grad_bottom, grad_rows, tables):  # type: ignore[no-untyped-def]
+    if dots.shape[0] != bottom.shape[0] or dots.shape[1] != (tables + 1) * tables // 2:
+        raise ValueError("pair_dots: the dots (or their gradient) must be [samples, pairs of features]")
+    if grad_bottom is not None and grad_bottom.shape != bottom.shape:
+        raise ValueError("pair_dots: the bottom output's gradient must have its shape")
+    if grad_rows is not None and grad_rows.shape != rows.shape:
+        raise ValueError("pair_dots: the rows' gradient must have the rows' shape")
 
-    def indexed(rows, inverse, grad_rows):  # type: ignore[no-untyped-def]
+
+@overload(_prepare)
+def _prepare_compiled(bottom, rows, inverse, dots, grad_bottom, grad_rows):  # type: ignore[no-untyped-def]
+    if isinstance(inverse, types.NoneType):
+
+        def gathered(bottom, rows, inverse, dots, grad_bottom, grad_rows):  # type: ignore[no-untyped-def]
+            samples, tables, dim = rows.shape
+            if bottom.shape[0] != samples or bottom.shape[1] != dim:
+                raise ValueError("pair_dots: bottom must be [samples, dim] for rows [samples, tables, dim]")
+            _check_outputs(bottom, rows, dots, grad_bottom, grad_rows, tables)
+            return tables
+
+        return gathered
+
+    def indexed(bottom, rows, inverse, dots, grad_bottom, grad_rows):  # type: ignore[no-untyped-def]
+        samples, tables = inverse.shape
+        if bottom.shape[0] != samples or bottom.shape[1] != rows.shape[1]:
+            raise ValueError(
+                "pair_dots: bottom must be [samples, dim] for an index [samples, tables] of rows [u, dim]"
+            )
+        _check_outputs(bottom, rows, dots, grad_bottom, grad_rows, tables)
         for n in range(inverse.size):
             r = inverse.flat[n]
             if r < 0 or r >= rows.shape[0]:
                 raise IndexError("pair_dots: an index of the batch's rows is outside the rows")
         if grad_rows is not None:
             grad_rows[:] = 0
-        return inverse.shape[1]
+        return tables
 
     return indexed
 
@@ -337,7 +366,7 @@ def pair_dots_forward(bottom, rows, inverse, out):  # type: ignore[no-untyped-de
     rows[s] ([b, t, d]) where ``inverse`` is None, else rows[inverse[s]] (the batch's unique rows [u, d]
     and [b, t] positions in them, checked). Every array is C-contiguous, float32 but the int64 index."""
     samples, dim = bottom.shape
-    tables = _prepare(rows, inverse, None)
+    tables = _prepare(bottom, rows, inverse, out, None, None)
     features = tables + 1
     vectors = dim // LANES
     blocks = (features + _DOTS - 1) // _DOTS
@@ -386,13 +415,13 @@ def pair_dots_backward(bottom, rows, inverse, grad, grad_bottom, grad_rows):  # 
     within a sample, of its tables, as the batch gather's backward adds them (``_sum_rows`` in
     core/model.py: the same bits). Every array is C-contiguous, float32 but the int64 index."""
     samples, dim = bottom.shape
-    tables = _prepare(rows, inverse, grad_rows)
+    tables = _prepare(bottom, rows, inverse, grad, grad_bottom, grad_rows)
     features = tables + 1
     g = np.zeros((features, features), dtype=np.float32)
     scratch = np.empty((tables, dim), dtype=np.float32)
     paired = features // 2 * 2
     wide = dim // (4 * LANES) * (4 * LANES)
-    vectors = dim // LANES * LANES
+    full = dim // LANES * LANES  # (the columns that fill vectors)
     for s in range(samples):
         _mirror(grad, s, g)
         first, grad_first = bottom[s], grad_bottom[s]
@@ -402,12 +431,12 @@ def pair_dots_backward(bottom, rows, inverse, grad, grad_bottom, grad_rows):  # 
                 _tile_2x4(g, first, rows, inverse, s, grad_first, out, a, c)
             if paired < features:
                 _tile_1x4(g, first, rows, inverse, s, grad_first, out, paired, c)
-        for c in range(wide, vectors, LANES):
+        for c in range(wide, full, LANES):
             for a in range(0, paired, 2):
                 _tile_2x1(g, first, rows, inverse, s, grad_first, out, a, c)
             if paired < features:
                 _tile_1x1(g, first, rows, inverse, s, grad_first, out, paired, c)
-        for k in range(vectors, dim):  # the columns short of a vector: the same chains, one at a time
+        for k in range(full, dim):  # the columns short of a vector: the same chains, one at a time
             for a in range(features):
                 acc = np.float32(0)
                 acc = fma(g[a, 0], first[k], acc)

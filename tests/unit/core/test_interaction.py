@@ -35,8 +35,9 @@ def _fused(chain: np.ndarray, x: np.ndarray, y: np.ndarray) -> np.ndarray:
 
 
 # (26, 64): the quick profile's shapes, two tiles of 32 columns; 48: one tile of 32 and two of 8;
-# 12 and 37: vectors and a scalar tail; 4 and 5: under one vector; 25 and 2 tables: an even feature count
-SHAPES = [(26, 64), (26, 48), (25, 16), (3, 12), (2, 37), (26, 4), (1, 5)]
+# 12 and 37: vectors and a scalar tail; 4 and 5: under one vector; 25 tables: an even feature count;
+# 1 table: one pair, below the forward's tiles of three features
+SHAPES = [(26, 64), (26, 48), (25, 16), (3, 12), (2, 37), (26, 4), (1, 5), (1, 37)]
 
 
 @pytest.mark.parametrize(("tables", "dim"), SHAPES)
@@ -123,5 +124,25 @@ def test_a_position_outside_the_unique_rows_is_refused_before_anything_is_writte
     grad_bottom, grad_unique = np.full_like(bottom, 7.0), np.full_like(unique, 7.0)
     inverse[2, 1] = -1
     with pytest.raises(IndexError, match="outside the rows"):
+        pair_dots_backward(bottom, unique, inverse, grad, grad_bottom, grad_unique)
+    assert (grad_bottom == 7.0).all() and (grad_unique == 7.0).all()
+
+
+def test_arrays_whose_shapes_disagree_are_refused_before_anything_is_written() -> None:
+    bottom, rows, grad = _sample(3, 16)  # 5 samples
+    unique = np.ones((4, 16), dtype=np.float32)
+    inverse = np.zeros((bottom.shape[0], 3), dtype=np.int64)
+    out = np.full((bottom.shape[0], 6), 7.0, dtype=np.float32)
+    for args in (
+        (bottom, unique, inverse[:4], out),  # an index for fewer samples than the bottom output has
+        (bottom, unique[:, :8].copy(), inverse, out),  # unique rows narrower than the bottom output
+        (bottom, rows[:4].copy(), None, out),  # rows for fewer samples
+        (bottom, unique, inverse, out[:, :5].copy()),  # room for fewer dots than the pairs
+    ):
+        with pytest.raises(ValueError, match="pair_dots: "):
+            pair_dots_forward(*args)
+        assert (args[-1] == 7.0).all()
+    grad_bottom, grad_unique = np.full_like(bottom, 7.0), np.full((5, 16), 7.0, dtype=np.float32)
+    with pytest.raises(ValueError, match="the rows' gradient"):
         pair_dots_backward(bottom, unique, inverse, grad, grad_bottom, grad_unique)
     assert (grad_bottom == 7.0).all() and (grad_unique == 7.0).all()
