@@ -26,6 +26,7 @@ import torch.distributed as dist
 
 from bagpipe.core.data import Samples
 from bagpipe.core.evaluation import logloss, roc_auc
+from bagpipe.core.model import batch_logits
 from bagpipe.core.row_store import RowStore
 
 logger = logging.getLogger(__name__)
@@ -115,11 +116,12 @@ class HeldOut:
                 keys = self.keys[lo : lo + SCORE_CHUNK]
                 unique, inverse = np.unique(keys, return_inverse=True)
                 rows, _ = store.lookup(unique)
-                rows_t = torch.from_numpy(rows).to(device)[
-                    torch.from_numpy(inverse.reshape(keys.shape)).to(device)
-                ]
+                rows_t = torch.from_numpy(rows).to(device)
+                index = torch.from_numpy(inverse.reshape(keys.shape).astype(np.int64)).to(device)
                 dense = torch.from_numpy(self.dense[lo : lo + SCORE_CHUNK]).to(device)
-                logits[lo : lo + keys.shape[0]] = model(dense, rows_t).float().cpu().numpy()
+                # (as in training: DLRM reads the rows by index, the other models gather them first)
+                scores = batch_logits(model, dense, rows_t, index)
+                logits[lo : lo + keys.shape[0]] = scores.float().cpu().numpy()
         if self.world_size > 1:
             shares: list[Any] = [None] * self.world_size
             dist.all_gather_object(shares, (logits, self.labels))
