@@ -60,6 +60,49 @@ def _vector_fma(builder: Any) -> Any:
     return cgutils.get_or_insert_function(builder.module, ir.FunctionType(_VEC, [_VEC] * 3), "llvm.fma.v8f32")
 
 
+def _open(context: Any, builder: Any, signature: Any, args: Any, index_at: int) -> tuple[Any, ...]:
+    """The intrinsic's array arguments as LLVM array structures (in order), and then its index argument's,
+    or None where the index is None; other arguments are left out."""
+    arrays = [
+        context.make_array(kind)(context, builder, value)
+        for i, (kind, value) in enumerate(zip(signature.args, args, strict=True))
+        if isinstance(kind, types.Array) and i != index_at
+    ]
+    kind = signature.args[index_at]
+    index = (
+        None
+        if isinstance(kind, types.NoneType)
+        else context.make_array(kind)(context, builder, args[index_at])
+    )
+    return (*arrays, index)
+
+
+def _load_vector(builder: Any, pointer: Any, offset: Any) -> Any:
+    """The 8 floats at ``pointer`` + ``offset`` (floats), as a vector."""
+    return builder.load(builder.bitcast(builder.gep(pointer, [offset]), _VEC.as_pointer()), align=4)
+
+
+def _register_sums(builder: Any, count: int) -> list[Any]:
+    """``count`` vector sums starting at zero: a slot each, which LLVM keeps in a register (mem2reg), so the
+    stores into them never reach memory."""
+    zeros = ir.Constant(_VEC, [0.0] * LANES)
+    return [cgutils.alloca_once_value(builder, zeros) for _ in range(count)]
+
+
+def _lane_total(builder: Any, v: Any) -> Any:
+    """The 8 lanes of ``v`` added as ``_lane_sum`` adds them: lanes l and l + 4, then those two apart."""
+    undef, undef4 = ir.Constant(_VEC, None), ir.Constant(ir.VectorType(_F32, 4), None)
+    half = builder.fadd(
+        builder.shuffle_vector(v, undef, ir.Constant(ir.VectorType(_I32, 4), [0, 1, 2, 3])),
+        builder.shuffle_vector(v, undef, ir.Constant(ir.VectorType(_I32, 4), [4, 5, 6, 7])),
+    )
+    quarter = builder.fadd(
+        builder.shuffle_vector(half, undef4, ir.Constant(ir.VectorType(_I32, 2), [0, 1])),
+        builder.shuffle_vector(half, undef4, ir.Constant(ir.VectorType(_I32, 2), [2, 3])),
+    )
+    return builder.fadd(builder.extract_element(quarter, _I32(0)), builder.extract_element(quarter, _I32(1)))
+
+
 class _Features:
     """Addresses of sample s's features in LLVM code: feature 0 is ``first`` (bottom[s]), feature i the
     sample's row i - 1, either ``rows[s, i - 1]`` or, with an index, ``rows[index[s, i - 1]]``."""
@@ -111,32 +154,20 @@ def _make_product_tile(features: int, vectors: int) -> Any:
         sig = types.void(g, first, rows, index, types.int64, grad_first, grad_rows, types.int64, types.int64)
 
         def codegen(context: Any, builder: Any, signature: Any, args: Any) -> Any:
-            kinds = signature.args
-            ga, fa, ra, gfa, gra = (
-                context.make_array(kinds[i])(context, builder, args[i]) for i in (0, 1, 2, 5, 6)
-            )
-            ia = (
-                None
-                if isinstance(kinds[3], types.NoneType)
-                else context.make_array(kinds[3])(context, builder, args[3])
-            )
+            ga, fa, ra, gfa, gra, ia = _open(context, builder, signature, args, index_at=3)
             s_, a_, c_ = args[4], args[7], args[8]
             tables = builder.extract_value(gra.shape, 0)
             at = _Features(builder, fa, ra, ia, s_, tables)
-            vector_pointer = _VEC.as_pointer()
+            # the sample's gradients: feature 0's in grad_first, feature i's in its own grad_rows[i - 1]
+            grads = _Features(builder, gfa, gra, None, _I64(0), tables)
             vector_fma = _vector_fma(builder)
             width = builder.extract_value(ga.shape, 1)  # (g is square: one row per feature)
             undef = ir.Constant(_VEC, None)
             splat = ir.Constant(ir.VectorType(_I32, LANES), [0] * LANES)
-            # a slot per sum: LLVM keeps each in a register (mem2reg); the loop's stores never reach memory
-            zeros = ir.Constant(_VEC, [0.0] * LANES)
-            sums = [cgutils.alloca_once_value(builder, zeros) for _ in range(features * vectors)]
+            sums = _register_sums(builder, features * vectors)
 
             def add_feature(x: Any, b: Any) -> None:
-                xs = [
-                    builder.load(builder.bitcast(builder.gep(x, [_I64(LANES * v)]), vector_pointer), align=4)
-                    for v in range(vectors)
-                ]
+                xs = [_load_vector(builder, x, _I64(LANES * v)) for v in range(vectors)]
                 for r in range(features):
                     where = builder.add(builder.mul(builder.add(a_, _I64(r)), width), b)
                     weight = builder.insert_element(
@@ -153,15 +184,9 @@ def _make_product_tile(features: int, vectors: int) -> Any:
                 x = builder.gep(ra.data, [builder.add(builder.mul(at.row(t), at.dim), c_)])
                 add_feature(x, builder.add(t, _I64(1)))
             for r in range(features):
-                feature = builder.add(a_, _I64(r))
-                to_first = builder.gep(gfa.data, [c_])
-                # (for feature 0 this address is a row before grad_rows: chosen against, never stored to)
-                to_rows = builder.gep(
-                    gra.data, [builder.add(builder.mul(builder.sub(feature, _I64(1)), at.dim), c_)]
-                )
-                out = builder.select(builder.icmp_unsigned("==", feature, _I64(0)), to_first, to_rows)
+                out = grads.at(builder.add(a_, _I64(r)), c_)
                 for v in range(vectors):
-                    where = builder.bitcast(builder.gep(out, [_I64(LANES * v)]), vector_pointer)
+                    where = builder.bitcast(builder.gep(out, [_I64(LANES * v)]), _VEC.as_pointer())
                     builder.store(builder.load(sums[r * vectors + v]), where, align=4)
             return context.get_dummy_value()
 
@@ -194,50 +219,27 @@ def _make_dots_tile(size: int) -> Any:
         sig = types.void(first, rows, index, types.int64, types.int64, out, types.int64, types.int64)
 
         def codegen(context: Any, builder: Any, signature: Any, args: Any) -> Any:
-            kinds = signature.args
-            fa, ra, oa = (context.make_array(kinds[i])(context, builder, args[i]) for i in (0, 1, 5))
-            ia = (
-                None
-                if isinstance(kinds[2], types.NoneType)
-                else context.make_array(kinds[2])(context, builder, args[2])
-            )
+            fa, ra, oa, ia = _open(context, builder, signature, args, index_at=2)
             s_, tables, a_, b_ = args[3], args[4], args[6], args[7]
             at = _Features(builder, fa, ra, ia, s_, tables)
-            vector_pointer = _VEC.as_pointer()
             vector_fma = _vector_fma(builder)
             xa = [at.at(builder.add(a_, _I64(r)), _I64(0)) for r in range(size)]
             xb = [at.at(builder.add(b_, _I64(c)), _I64(0)) for c in range(size)]
-            zeros = ir.Constant(_VEC, [0.0] * LANES)
-            sums = [cgutils.alloca_once_value(builder, zeros) for _ in range(size * size)]
+            sums = _register_sums(builder, size * size)
             with cgutils.for_range(builder, builder.udiv(at.dim, _I64(LANES))) as loop:
                 column = builder.mul(loop.index, _I64(LANES))
-
-                def load(x: Any) -> Any:
-                    return builder.load(builder.bitcast(builder.gep(x, [column]), vector_pointer), align=4)
-
-                va, vb = [load(x) for x in xa], [load(x) for x in xb]
+                va = [_load_vector(builder, x, column) for x in xa]
+                vb = [_load_vector(builder, x, column) for x in xb]
                 for r in range(size):
                     for c in range(size):
                         slot = sums[r * size + c]
                         builder.store(builder.call(vector_fma, [va[r], vb[c], builder.load(slot)]), slot)
-            undef, undef4 = ir.Constant(_VEC, None), ir.Constant(ir.VectorType(_F32, 4), None)
             for r in range(size):
                 row = builder.add(a_, _I64(r))
                 row_start = builder.lshr(builder.mul(row, builder.sub(row, _I64(1))), _I64(1))
                 for c in range(size):
                     col = builder.add(b_, _I64(c))
-                    v = builder.load(sums[r * size + c])
-                    half = builder.fadd(
-                        builder.shuffle_vector(v, undef, ir.Constant(ir.VectorType(_I32, 4), [0, 1, 2, 3])),
-                        builder.shuffle_vector(v, undef, ir.Constant(ir.VectorType(_I32, 4), [4, 5, 6, 7])),
-                    )
-                    quarter = builder.fadd(
-                        builder.shuffle_vector(half, undef4, ir.Constant(ir.VectorType(_I32, 2), [0, 1])),
-                        builder.shuffle_vector(half, undef4, ir.Constant(ir.VectorType(_I32, 2), [2, 3])),
-                    )
-                    dot = builder.fadd(
-                        builder.extract_element(quarter, _I32(0)), builder.extract_element(quarter, _I32(1))
-                    )
+                    dot = _lane_total(builder, builder.load(sums[r * size + c]))
                     with builder.if_then(builder.icmp_unsigned(">", row, col), likely=True):
                         builder.store(dot, builder.gep(oa.data, [builder.add(row_start, col)]))
             return context.get_dummy_value()
