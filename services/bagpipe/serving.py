@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import functools
+import gc
 import logging
 import signal
 from collections.abc import Callable, Sequence
@@ -147,6 +148,10 @@ def run_service(body: Callable[[], object], name: str) -> None:
         raise SystemExit(f"{name}: {lost}") from None
     finally:
         signal.signal(signal.SIGTERM, signal.SIG_IGN)
+        # what is left is never collected again but by the interpreter's own passes on the way out, which
+        # walked every object of the modules (numpy, numba, gRPC, torch): 0.9 s of a service's exit here.
+        # Frozen, those passes skip them; atexit handlers and the logging's flush still run
+        gc.freeze()
 
 
 def advertised(address: str, host: str | None) -> str:
