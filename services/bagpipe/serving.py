@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import functools
 import gc
 import logging
@@ -114,10 +115,21 @@ async def stop_gracefully(server: grpc.aio.Server, health_servicer: health.Healt
 def stop_on_signals(stop: asyncio.Event) -> None:
     """SIGTERM and SIGINT set ``stop``: the service stops gracefully and exits 0, as on Control.Shutdown (a
     pod stopping). Services call it before they register in Redis, so that a signal sent as soon as they
-    are visible finds the handler, not the default (exit -15, still registered)."""
+    are visible finds the handler, not the default (exit -15, still registered).
+
+    The handlers are the process's (``signal.signal``), not the event loop's: closing a loop puts back
+    the default action of the signals it handled, so a SIGTERM arriving between the end of the loop and
+    the end of ``run_service`` (a launcher stopping every process just after asking the services to shut
+    down) killed a service that was stopping cleanly. This handler outlives the loop and then does
+    nothing: the service is already on its way out."""
     loop = asyncio.get_running_loop()
+
+    def on_signal(signum: int, frame: object) -> None:
+        with contextlib.suppress(RuntimeError):  # (the loop is closed: stopping already)
+            loop.call_soon_threadsafe(stop.set)
+
     for sig in (signal.SIGTERM, signal.SIGINT):
-        loop.add_signal_handler(sig, stop.set)
+        signal.signal(sig, on_signal)
 
 
 def redis_lost(error: BaseException) -> str | None:
@@ -134,10 +146,10 @@ def redis_lost(error: BaseException) -> str | None:
 
 def run_service(body: Callable[[], object], name: str) -> None:
     """Runs a service's main body; a lost Redis ends it with one line naming Redis, not a traceback.
-    Once the body has returned, SIGTERM is ignored: closing the body's event loop put back SIGTERM's
-    default action (exit -15), and a launcher stopping every process still alive would otherwise turn a
-    service that stopped cleanly, and is only finishing its exit (threads joined, modules torn down),
-    into one that failed while stopping. A process that then does not exit is still killed."""
+    Once the body has returned, SIGTERM is ignored: the service stopped cleanly and is only finishing its
+    exit (threads joined, modules torn down), and a launcher stopping every process still alive must not
+    turn that into a failure while stopping (see ``stop_on_signals``). A process that then does not exit
+    is still killed."""
     try:
         body()
     except Exception as e:
