@@ -77,9 +77,14 @@ def _open(context: Any, builder: Any, signature: Any, args: Any, index_at: int) 
     return (*arrays, index)
 
 
+def _vector_at(builder: Any, pointer: Any, offset: Any) -> Any:
+    """A pointer to the 8 floats at ``pointer`` + ``offset`` (floats), as one vector."""
+    return builder.bitcast(builder.gep(pointer, [offset]), _VEC.as_pointer())
+
+
 def _load_vector(builder: Any, pointer: Any, offset: Any) -> Any:
     """The 8 floats at ``pointer`` + ``offset`` (floats), as a vector."""
-    return builder.load(builder.bitcast(builder.gep(pointer, [offset]), _VEC.as_pointer()), align=4)
+    return builder.load(_vector_at(builder, pointer, offset), align=4)
 
 
 def _register_sums(builder: Any, count: int) -> list[Any]:
@@ -186,7 +191,7 @@ def _make_product_tile(features: int, vectors: int) -> Any:
             for r in range(features):
                 out = grads.at(builder.add(a_, _I64(r)), c_)
                 for v in range(vectors):
-                    where = builder.bitcast(builder.gep(out, [_I64(LANES * v)]), _VEC.as_pointer())
+                    where = _vector_at(builder, out, _I64(LANES * v))
                     builder.store(builder.load(sums[r * vectors + v]), where, align=4)
             return context.get_dummy_value()
 

@@ -117,7 +117,7 @@ class HeldOut:
                 unique, inverse = np.unique(keys, return_inverse=True)
                 rows, _ = store.lookup(unique)
                 rows_t = torch.from_numpy(rows).to(device)
-                index = torch.from_numpy(inverse.reshape(keys.shape).astype(np.int64)).to(device)
+                index = torch.from_numpy(inverse.reshape(keys.shape).astype(np.int64, copy=False)).to(device)
                 dense = torch.from_numpy(self.dense[lo : lo + SCORE_CHUNK]).to(device)
                 # (as in training: DLRM reads the rows by index, the other models gather them first)
                 scores = batch_logits(model, dense, rows_t, index)
