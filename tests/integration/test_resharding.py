@@ -117,10 +117,7 @@ class Writer(threading.Thread):
                 rows = self.rng.standard_normal((keys.size, DIM)).astype(np.float32)
                 state = self.rng.random((keys.size, WIDTH)).astype(np.float32)
                 self.client.write_back(keys, rows, state)
-                # every other read as the trainers' prefetch reads (in parts, as the servers answer)
-                got_rows, got_state = (
-                    self.client.lookup(keys) if self.writes % 2 else _read_in_parts(self.client, keys)
-                )
+                got_rows, got_state = self._read(keys)
                 if not (np.array_equal(got_rows, rows) and np.array_equal(got_state, state)):
                     raise AssertionError(f"write {self.writes}: a read after the write does not see it")
                 for k, r, s in zip(keys.tolist(), rows, state, strict=True):
@@ -128,6 +125,20 @@ class Writer(threading.Thread):
                 self.writes += 1
         except BaseException as e:
             self.error = e
+
+    def _read(self, keys: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+        """In turn: as the trainers' prefetch reads (in parts, as the servers answer); ``lookup``; and two
+        ``lookup_async`` in flight at once, the second of the keys reversed, read in the other order."""
+        if self.writes % 3 == 0:
+            return _read_in_parts(self.client, keys)
+        if self.writes % 3 == 1:
+            return self.client.lookup(keys)
+        first, second = self.client.lookup_async(keys), self.client.lookup_async(keys[::-1].copy())
+        back_rows, back_state = second.result()
+        rows, state = first.result()
+        if not (np.array_equal(back_rows, rows[::-1]) and np.array_equal(back_state, state[::-1])):
+            raise AssertionError(f"write {self.writes}: two lookups in flight read different rows")
+        return rows, state
 
 
 @pytest.fixture(params=[0, 2], ids=["on-the-loop", "lookup-threads-2"])

@@ -97,6 +97,22 @@ class _Stub(pb_grpc.EmbeddingServerStub):
 
 
 Resolver = Callable[[], tuple["ShardMap | None", dict[int, str]]]
+# starts one shard's calls for the positions given (the last argument: the first shard of this round);
+# what it returns waits for them and gives the positions refused for their version
+_Start = Callable[["_Route", int, np.ndarray, bool], Callable[[], np.ndarray]]
+_Started = tuple["_Route", list[Callable[[], np.ndarray]]]
+
+
+class PendingLookup:
+    """A lookup in flight (``EmbeddingClient.lookup_async``)."""
+
+    def __init__(self, finish: Callable[[], tuple[np.ndarray, np.ndarray]]) -> None:
+        self._finish = finish
+
+    def result(self) -> tuple[np.ndarray, np.ndarray]:
+        """Waits for the replies; the rows and optimizer state of the keys, as ``lookup`` returns them.
+        Call it once."""
+        return self._finish()
 
 
 class EmbeddingClient:
@@ -175,19 +191,33 @@ class EmbeddingClient:
 
     def _each_shard(self, keys: np.ndarray, call: Callable[[_Route, int, np.ndarray], np.ndarray]) -> None:
         """Runs ``call(route, shard, positions)`` in parallel for the keys of each shard; ``call`` returns the
-        positions its server refused for their version, which go again under the map in force."""
-        pending: np.ndarray | None = None  # (None: every key, in order)
+        positions its server refused for their version, which go again under the map in force. The first
+        shard's call runs on this thread, the others' on the pool: a call that reaches one shard (one
+        server, or a write-back group of one shard's rows) hands nothing over."""
+
+        def start(route: _Route, shard: int, positions: np.ndarray, first: bool) -> Callable[[], np.ndarray]:
+            if first:
+                return functools.partial(call, route, shard, positions)
+            return self._pool.submit(call, route, shard, positions).result
+
+        self._finish_shards(keys, self._start_shards(keys, None, start), start)
+
+    def _start_shards(self, keys: np.ndarray, pending: np.ndarray | None, start: _Start) -> _Started:
+        """Starts the calls for the keys at ``pending`` (None: every key) under the map in force:
+        ``start(route, shard, positions, first)`` per shard that holds some, ``first`` for one of them."""
+        route = self._route
+        split = route.shard_map.split(keys if pending is None else keys[pending])
+        parts = [(s, p if pending is None else pending[p]) for s, p in enumerate(split) if p.size]
+        return route, [start(route, s, p, i == 0) for i, (s, p) in enumerate(parts)]
+
+    def _finish_shards(self, keys: np.ndarray, started: _Started, start: _Start) -> None:
+        """Waits for the calls ``_start_shards`` started, in order; the positions they return as refused for
+        their version go again under the map in force (a newer one, or the same once the servers switched)."""
         deadline = time.monotonic() + SWITCH_TIMEOUT_S
         wait = 0.005
-        while pending is None or pending.size:
-            route = self._route
-            split = route.shard_map.split(keys if pending is None else keys[pending])
-            parts = [(s, p if pending is None else pending[p]) for s, p in enumerate(split) if p.size]
-            # the first shard's call on this thread, the others' on the pool: a call that reaches one shard
-            # (one server, or a write-back group of one shard's rows) hands nothing over
-            futures = [self._pool.submit(call, route, s, p) for s, p in parts[1:]]
-            refused = [call(route, *parts[0])] if parts else []
-            refused += [f.result() for f in futures]
+        while True:
+            route, waits = started
+            refused = [w() for w in waits]
             pending = np.concatenate(refused) if refused else np.zeros(0, dtype=np.int64)
             if not pending.size:
                 return
@@ -205,6 +235,7 @@ class EmbeddingClient:
                     )
                 time.sleep(wait)
                 wait = min(0.5, 2 * wait)
+            started = self._start_shards(keys, pending, start)
 
     def _send(
         self,
@@ -242,6 +273,16 @@ class EmbeddingClient:
 
     def lookup(self, keys: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
         """Rows and optimizer state of ``keys`` (any order, distinct), as float32 arrays."""
+        return self._lookup_rows(keys, blocking_first=True).result()
+
+    def lookup_async(self, keys: np.ndarray) -> PendingLookup:
+        """``lookup``, sent now and read by ``result()``: each shard's request goes out before this returns,
+        so one thread can keep several lookups in flight. Every reply is read and copied into place on the
+        thread that asks for the result: no hand-over to a thread per lookup, whose wake-ups under the GIL
+        cost more CPU than the calls (bench/README.md, "Embedding server")."""
+        return self._lookup_rows(keys, blocking_first=False)
+
+    def _lookup_rows(self, keys: np.ndarray, blocking_first: bool) -> PendingLookup:
         rows = np.empty((keys.size, self.dim), dtype=np.float32)
         state = np.empty((keys.size, self.state_width), dtype=np.float32)
 
@@ -251,32 +292,41 @@ class EmbeddingClient:
         def put_packed(part: np.ndarray, packed: np.ndarray) -> None:
             _put_packed(rows, state, part, packed)  # (a reply's rows and state side by side: one pass)
 
-        self._lookup(keys, put, put_packed)
-        return rows, state
+        start = self._lookup_start(keys, put, put_packed, blocking_first)
+        started = self._start_shards(keys, None, start)
+
+        def finish() -> tuple[np.ndarray, np.ndarray]:
+            self._finish_shards(keys, started, start)
+            return rows, state
+
+        return PendingLookup(finish)
 
     def lookup_parts(self, keys: np.ndarray) -> list[tuple[np.ndarray, np.ndarray, np.ndarray]]:
         """``lookup`` as the servers answered it: per reply, the positions in ``keys`` it answers and their
         rows and state, read-only views of the reply. For a caller that copies the rows on anyway (the
         trainer's prefetch, into its cache), this saves gathering them into one array first."""
         parts: list[tuple[np.ndarray, np.ndarray, np.ndarray]] = []
-        self._lookup(keys, lambda *part: parts.append(part))  # (list.append: atomic across the calls)
+        start = self._lookup_start(keys, lambda *part: parts.append(part), None, blocking_first=True)
+        self._finish_shards(keys, self._start_shards(keys, None, start), start)
         return parts
 
-    def _lookup(
+    def _lookup_start(
         self,
         keys: np.ndarray,
         put: Callable[[np.ndarray, np.ndarray, np.ndarray], None],
-        put_packed: Callable[[np.ndarray, np.ndarray], None] | None = None,
-    ) -> None:
-        """Calls ``put(positions, rows, state)`` for each reply, from the threads that call the shards; with
-        ``put_packed``, ``put_packed(positions, packed)`` instead for rows that arrive each followed by its
-        state (``packed``, ``[n, dim + state_width]``)."""
+        put_packed: Callable[[np.ndarray, np.ndarray], None] | None,
+        blocking_first: bool,
+    ) -> _Start:
+        """How a lookup of ``keys`` starts its calls to one shard (see ``_start_shards``): it sends them as
+        futures and returns what waits for them, reads each reply and calls ``put(positions, rows,
+        state)``, or ``put_packed(positions, packed)`` for rows that arrive each followed by its state
+        (``packed``, ``[n, dim + state_width]``), on the waiting thread. With ``blocking_first``, the first
+        shard's calls are made when waited for, blocking: a lookup that reaches one shard then makes one
+        plain call on the calling thread, while the other shards' calls are in flight."""
 
         fingerprint = self.initial.fingerprint if self.initial is not None else 0
 
-        def one(route: _Route, stub: Any, part: np.ndarray) -> None:
-            request = encode_message([(1, route.shard_map.version), (2, keys[part]), (3, fingerprint)])
-            data = stub.Lookup(request, timeout=serving.RPC_TIMEOUT_S)
+        def take(part: np.ndarray, data: bytes) -> None:
             reply = decode_message(data, pb.LookupResponse.DESCRIPTOR)
             sent = part  # the positions whose rows the reply holds
             initial = self._initial_positions(reply.initial, part.size)
@@ -298,10 +348,64 @@ class EmbeddingClient:
                 rows = from_tensor(reply.rows, "rows", np.float32, shape=(sent.size, self.dim))
                 shape = (sent.size, self.state_width)
                 put(sent, rows, from_tensor(reply.state, "state", np.float32, shape=shape))
-            self.bytes_sent += len(request)
             self.bytes_received += len(data)
 
-        self._each_shard(keys, lambda r, s, p: self._send(r, s, p, "lookup", functools.partial(one, r)))
+        def start(route: _Route, shard: int, positions: np.ndarray, first: bool) -> Callable[[], np.ndarray]:
+            stub = route.stubs[shard]
+            calls = []
+            for begin in range(0, positions.size, MAX_ROWS_PER_RPC):
+                part = positions[begin : begin + MAX_ROWS_PER_RPC]
+                request = encode_message([(1, route.shard_map.version), (2, keys[part]), (3, fingerprint)])
+                self.bytes_sent += len(request)
+                sending = (
+                    None
+                    if first and blocking_first
+                    else stub.Lookup.future(request, timeout=serving.RPC_TIMEOUT_S)
+                )
+                calls.append((part, request, sending))
+
+            def wait() -> np.ndarray:
+                refused = []
+                for part, request, sending in calls:
+                    data = self._answer(route, shard, stub.Lookup, request, sending)
+                    if data is None:  # refused for its version, or the server is gone: routed again
+                        refused.append(part)
+                    else:
+                        take(part, data)
+                return np.concatenate(refused) if refused else positions[:0]
+
+            return wait
+
+        return start
+
+    def _answer(
+        self, route: _Route, shard: int, method: Any, request: bytes, sending: grpc.Future | None
+    ) -> bytes | None:
+        """The reply to ``request`` from ``shard``: ``sending``'s (a call in flight), or a blocking call's
+        when it is None. UNAVAILABLE is retried as every call is (``call_with_retry``); None when the
+        server refused the request for its shard-map version, or is gone under a newer map."""
+        what = f"lookup shard {shard}"
+        moved = functools.partial(self.refresh, route.shard_map.version)
+        try:
+            if sending is not None:
+                try:
+                    return sending.result()  # type: ignore[no-any-return]
+                except grpc.RpcError as e:
+                    if e.code() != grpc.StatusCode.UNAVAILABLE:
+                        raise
+                    if moved():
+                        return None
+                    logger.warning("%s: unavailable, retrying", what)
+                    time.sleep(0.1)
+            return call_with_retry(
+                functools.partial(method, request, timeout=serving.RPC_TIMEOUT_S), what, moved
+            )  # type: ignore[no-any-return]
+        except Moved:
+            return None
+        except grpc.RpcError as e:
+            if e.code() == grpc.StatusCode.FAILED_PRECONDITION:
+                return None
+            raise
 
     def _initial_positions(self, tensor: Any, n: int) -> np.ndarray:
         """A reply's ``initial`` (absent: none): ascending positions in ``[0, n)``, only for a client that

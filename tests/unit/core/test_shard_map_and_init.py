@@ -21,6 +21,19 @@ def test_every_key_has_exactly_one_local_row(shards: int) -> None:
         assert (sm.shard_of(p.astype(np.int64)) == s).all()
 
 
+@pytest.mark.parametrize("owners", [[0], [2], [0, 2], [0, 1, 2]])
+def test_split_gives_each_shard_its_keys_positions_in_order(owners: list[int]) -> None:
+    """One owning shard (a fresh one-server map, or what a scale-down leaves) takes a path without a
+    sort; its answer is the sorting path's: every position, in order, and nothing for the others."""
+    sm = ShardMap.create(num_keys=5000, num_shards=3, num_buckets=64).rebalance(owners)
+    keys = np.random.default_rng(0).permutation(5000)[:700].astype(np.int64)
+    parts = sm.split(keys)
+    assert sm.sole_shard == (owners[0] if len(owners) == 1 else -1)
+    assert len(parts) == sm.num_shards
+    for s, p in enumerate(parts):
+        assert np.array_equal(p, np.flatnonzero(sm.shard_of(keys) == s))
+
+
 def test_shard_map_round_trips_through_json() -> None:
     sm = ShardMap.create(500, 3)
     back = ShardMap.from_json(sm.to_json())
