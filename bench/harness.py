@@ -946,9 +946,13 @@ def main() -> None:
     profile = {**PROFILES[a.profile], "device": a.device, "torchrec_python": a.torchrec_python}
     started = time.perf_counter()
     results: dict[str, Any] = {}
+    section_dates: dict[str, str] = {}  # when each section's figures were measured
     previous = out / f"bench-{a.profile}.json"
-    if previous.exists():  # sections not run this time keep their last figures
-        results = {k: v for k, v in json.loads(previous.read_text()).items() if k in SECTIONS}
+    if previous.exists():  # sections not run this time keep their last figures, and their dates
+        last = json.loads(previous.read_text())
+        results = {k: v for k, v in last.items() if k in SECTIONS}
+        dated = last.get("meta", {}).get("section_dates", {})
+        section_dates = {k: dated.get(k, last.get("meta", {}).get("date", "?")) for k in results}
 
     def save() -> dict[str, Any]:
         meta = {
@@ -958,6 +962,7 @@ def main() -> None:
             "machine": f"{platform.machine()}, {os.cpu_count()} cores, {gpus()}",
             "date": time.strftime("%Y-%m-%d %H:%M"),
             "machine_probe": machine,
+            "section_dates": section_dates,
         }
         (out / f"bench-{a.profile}.json").write_text(json.dumps({"meta": meta, **results}, indent=2))
         return meta
@@ -967,6 +972,7 @@ def main() -> None:
     for name in a.only.split(","):
         log(f"section {name}")
         results[name] = SECTIONS[name](profile, out)
+        section_dates[name] = time.strftime("%Y-%m-%d %H:%M")
         save()  # after every section: one that fails later does not lose the others' figures
     machine["after"] = in_own_process("machine_probe.py")
     meta = save()
@@ -974,7 +980,9 @@ def main() -> None:
     text = table(results)
     (out / f"bench-{a.profile}.md").write_text(
         f"# bench ({a.profile}, {meta['date']}, {meta['machine']})\n\n"
-        f"The machine's speed (`bench/machine_probe.py`): before the sections "
+        f"Sections run this time: {a.only}. When each section's figures were measured: "
+        f"{', '.join(f'{k} {v}' for k, v in section_dates.items())}.\n\n"
+        f"The machine's speed (`bench/machine_probe.py`) this time: before the sections "
         f"{describe_machine(machine['before'])}; after them {describe_machine(machine['after'])}.\n\n"
         f"{text}\n"
     )
