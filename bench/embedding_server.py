@@ -108,7 +108,7 @@ def measure(
                 for t in workers:
                     t.join()
             else:  # one thread keeps ``concurrency`` lookups in flight, the oldest read first
-                in_flight = deque(client.lookup_async(pool[n]) for n in range(concurrency))
+                in_flight = deque(client.lookup_async(pool[n % len(pool)]) for n in range(concurrency))
                 n = concurrency
                 while in_flight:
                     rows, _ = in_flight.popleft().result()

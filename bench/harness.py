@@ -952,7 +952,8 @@ def main() -> None:
         last = json.loads(previous.read_text())
         results = {k: v for k, v in last.items() if k in SECTIONS}
         dated = last.get("meta", {}).get("section_dates", {})
-        section_dates = {k: dated.get(k, last.get("meta", {}).get("date", "?")) for k in results}
+        when = f"{last.get('meta', {}).get('date', '?')} or earlier"  # (results from before the dates)
+        section_dates = {k: dated.get(k, when) for k in results}
 
     def save() -> dict[str, Any]:
         meta = {

@@ -332,3 +332,53 @@ def test_lookups_leave_out_initial_rows_only_for_a_client_that_computes_them_ali
             asyncio.run_coroutine_threadsafe(server.stop(None), loop).result()
         loop.call_soon_threadsafe(loop.stop)
         thread.join(5)
+
+
+def test_lookups_in_flight_from_one_thread_answer_as_lookup_does(monkeypatch: pytest.MonkeyPatch) -> None:
+    """``lookup_async`` on two real servers: four lookups in flight from one thread, each shard's keys in
+    several calls (``MAX_ROWS_PER_RPC`` lowered to 16), from a client whose shard map is one version behind
+    the servers': every first call is refused for its version and sent again under the map the resolver
+    gives. Each answers the rows and state ``lookup`` does, in its keys' order, and answers it again
+    unchanged when asked twice."""
+    import threading
+
+    from bagpipe.embedding_server import client as client_module
+    from bagpipe.embedding_server.client import EmbeddingClient
+
+    offsets = table_offsets([300, 40, 7])
+    dim, width = 3, 3
+    older = ShardMap.create(int(offsets[-1]), 2, num_buckets=8)
+    newer = ShardMap(2, older.num_keys, 2, older.bucket_to_shard.copy())
+    stores = [ShardStore(newer, s, offsets, dim=dim, state_width=width, seed=5) for s in range(2)]
+    loop = asyncio.new_event_loop()
+    thread = threading.Thread(target=loop.run_forever, daemon=True)
+    thread.start()
+    servers = [asyncio.run_coroutine_threadsafe(create_embedding_server(st), loop).result() for st in stores]
+    addresses = {s: f"127.0.0.1:{servers[s][1]}" for s in range(2)}
+    current = EmbeddingClient(newer, addresses, dim, width)
+    behind = EmbeddingClient(older, addresses, dim, width, resolver=lambda: (newer, addresses))
+    try:
+        rng = np.random.default_rng(3)
+        written = rng.permutation(int(offsets[-1]))[:120].astype(np.int64)
+        rows = rng.standard_normal((written.size, dim)).astype(np.float32)
+        current.write_back(written, rows, np.abs(rows) + 1)
+        monkeypatch.setattr(client_module, "MAX_ROWS_PER_RPC", 16)
+        key_sets = [rng.permutation(int(offsets[-1]))[:size].astype(np.int64) for size in (200, 7, 347, 90)]
+        pending = [behind.lookup_async(keys) for keys in key_sets]
+        assert behind.shard_map.version == 1  # (nothing answered yet: sent under the old map)
+        for keys, lookup in zip(key_sets[::-1], pending[::-1], strict=True):
+            got = lookup.result()
+            want = current.lookup(keys)
+            assert all(np.array_equal(w, g) for w, g in zip(want, got, strict=True))
+            again = lookup.result()
+            assert all(a is g for a, g in zip(again, got, strict=True))
+        assert behind.refusals > 0 and behind.shard_map.version == 2
+        answered = current.lookup(written)
+        assert np.array_equal(answered[0], rows) and np.array_equal(answered[1], np.abs(rows) + 1)
+    finally:
+        for client in (current, behind):
+            client.close()
+        for server, *_ in servers:
+            asyncio.run_coroutine_threadsafe(server.stop(None), loop).result()
+        loop.call_soon_threadsafe(loop.stop)
+        thread.join(5)

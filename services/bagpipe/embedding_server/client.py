@@ -107,12 +107,16 @@ class PendingLookup:
     """A lookup in flight (``EmbeddingClient.lookup_async``)."""
 
     def __init__(self, finish: Callable[[], tuple[np.ndarray, np.ndarray]]) -> None:
-        self._finish = finish
+        self._finish: Callable[[], tuple[np.ndarray, np.ndarray]] | None = finish
+        self._result: tuple[np.ndarray, np.ndarray] | None = None
 
     def result(self) -> tuple[np.ndarray, np.ndarray]:
-        """Waits for the replies; the rows and optimizer state of the keys, as ``lookup`` returns them.
-        Call it once."""
-        return self._finish()
+        """Waits for the replies; the rows and optimizer state of the keys, as ``lookup`` returns them (the
+        same arrays on every call)."""
+        if self._finish is not None:
+            self._result, self._finish = self._finish(), None
+        assert self._result is not None
+        return self._result
 
 
 class EmbeddingClient:
@@ -354,12 +358,15 @@ class EmbeddingClient:
 
         def start(route: _Route, shard: int, positions: np.ndarray, first: bool) -> Callable[[], np.ndarray]:
             stub = route.stubs[shard]
-            calls = []
+            calls: list[tuple[np.ndarray, bytes, grpc.Future | None]] = []
             for begin in range(0, positions.size, MAX_ROWS_PER_RPC):
                 part = positions[begin : begin + MAX_ROWS_PER_RPC]
                 request = encode_message([(1, route.shard_map.version), (2, keys[part]), (3, fingerprint)])
-                self.bytes_sent += len(request)
-                sending = None if blocking else stub.Lookup.future(request, timeout=serving.RPC_TIMEOUT_S)
+                # (a shard's later parts, past MAX_ROWS_PER_RPC rows, go out one by one as the replies are
+                # read, so that one reply of that size at a time is in flight and held)
+                sending = (
+                    None if blocking or calls else stub.Lookup.future(request, timeout=serving.RPC_TIMEOUT_S)
+                )
                 calls.append((part, request, sending))
 
             def wait() -> np.ndarray:
@@ -369,6 +376,7 @@ class EmbeddingClient:
                     if data is None:  # refused for its version, or the server is gone: routed again
                         refused.append(part)
                     else:
+                        self.bytes_sent += len(request)
                         take(part, data)
                 return np.concatenate(refused) if refused else positions[:0]
 
@@ -380,8 +388,9 @@ class EmbeddingClient:
         self, route: _Route, shard: int, method: Any, request: bytes, sending: grpc.Future | None
     ) -> bytes | None:
         """The reply to ``request`` from ``shard``: ``sending``'s (a call in flight), or a blocking call's
-        when it is None. UNAVAILABLE is retried as every call is (``call_with_retry``); None when the
-        server refused the request for its shard-map version, or is gone under a newer map."""
+        when it is None. UNAVAILABLE is retried with backoff (a call in flight that failed so is followed by
+        ``call_with_retry``'s attempts); None when the server refused the request for its shard-map version,
+        or is gone under a newer map."""
         what = f"lookup shard {shard}"
         moved = functools.partial(self.refresh, route.shard_map.version)
         try:
