@@ -4,6 +4,9 @@ the oracle holds back a plan until the write-backs it depends on are durable."""
 from __future__ import annotations
 
 import asyncio
+import contextlib
+import threading
+from collections.abc import Iterator
 from pathlib import Path
 
 import grpc
@@ -270,13 +273,28 @@ def test_oracle_releases_a_plan_only_after_writebacks_of_batch_x_minus_l() -> No
     asyncio.run(_oracle_gates_plans())
 
 
+@contextlib.contextmanager
+def _served(stores: list[ShardStore]) -> Iterator[dict[int, str]]:
+    """Real embedding servers for ``stores`` on an event loop of their own thread; yields their addresses
+    by shard, and stops them after."""
+    loop = asyncio.new_event_loop()
+    thread = threading.Thread(target=loop.run_forever, daemon=True)
+    thread.start()
+    servers = [asyncio.run_coroutine_threadsafe(create_embedding_server(st), loop).result() for st in stores]
+    try:
+        yield {s: f"127.0.0.1:{servers[s][1]}" for s in range(len(stores))}
+    finally:
+        for server, *_ in servers:
+            asyncio.run_coroutine_threadsafe(server.stop(None), loop).result()
+        loop.call_soon_threadsafe(loop.stop)
+        thread.join(5)
+
+
 def test_lookups_leave_out_initial_rows_only_for_a_client_that_computes_them_alike() -> None:
     """Two real servers; clients that compute initial rows (the servers' fingerprint), that compute them
     otherwise (another seed), and that do not: every lookup answers the same rows and state, before and
     after write-backs, and only the first client is spared the rows still initial, and told that the
     servers are untouched (until the first write-back)."""
-    import threading
-
     from bagpipe.core.embedding_init import InitialRows
     from bagpipe.embedding_server.client import EmbeddingClient
 
@@ -284,54 +302,46 @@ def test_lookups_leave_out_initial_rows_only_for_a_client_that_computes_them_ali
     dim, width, seed = 5, 5, 11
     sm = ShardMap.create(int(offsets[-1]), 2, num_buckets=8)
     stores = [ShardStore(sm, s, offsets, dim=dim, state_width=width, seed=seed) for s in range(2)]
-    loop = asyncio.new_event_loop()
-    thread = threading.Thread(target=loop.run_forever, daemon=True)
-    thread.start()
-    servers = [asyncio.run_coroutine_threadsafe(create_embedding_server(st), loop).result() for st in stores]
-    addresses = {s: f"127.0.0.1:{servers[s][1]}" for s in range(2)}
-    plain = EmbeddingClient(sm, addresses, dim, width)
-    alike = EmbeddingClient(sm, addresses, dim, width, initial=InitialRows(offsets, dim, seed))
-    other = EmbeddingClient(sm, addresses, dim, width, initial=InitialRows(offsets, dim, seed + 1))
-    try:
-        rng = np.random.default_rng(0)
-        keys = rng.permutation(int(offsets[-1]))[:200].astype(np.int64)
-        want = plain.lookup(keys)
-        assert (want[1] == 0).all()  # (initial state)
-        # untouched: only a client that computes initial rows as the servers do may take their word for it
-        assert alike.untouched() and not other.untouched() and not plain.untouched()
-        computed = alike.initial_of(keys)
-        assert all(np.array_equal(w, g) for w, g in zip(want, computed, strict=True))
-        for client in (alike, other):
-            got = client.lookup(keys)
-            assert all(np.array_equal(w, g) for w, g in zip(want, got, strict=True))
-        assert alike.initial_rows == keys.size and other.initial_rows == 0
-        assert alike.bytes_received < plain.bytes_received / 4  # (positions: 8 bytes a row, not 40)
+    with _served(stores) as addresses:
+        plain = EmbeddingClient(sm, addresses, dim, width)
+        alike = EmbeddingClient(sm, addresses, dim, width, initial=InitialRows(offsets, dim, seed))
+        other = EmbeddingClient(sm, addresses, dim, width, initial=InitialRows(offsets, dim, seed + 1))
+        try:
+            rng = np.random.default_rng(0)
+            keys = rng.permutation(int(offsets[-1]))[:200].astype(np.int64)
+            want = plain.lookup(keys)
+            assert (want[1] == 0).all()  # (initial state)
+            # untouched: only a client that computes initial rows as the servers do may take their word for it
+            assert alike.untouched() and not other.untouched() and not plain.untouched()
+            computed = alike.initial_of(keys)
+            assert all(np.array_equal(w, g) for w, g in zip(want, computed, strict=True))
+            for client in (alike, other):
+                got = client.lookup(keys)
+                assert all(np.array_equal(w, g) for w, g in zip(want, got, strict=True))
+            assert alike.initial_rows == keys.size and other.initial_rows == 0
+            assert alike.bytes_received < plain.bytes_received / 4  # (positions: 8 bytes a row, not 40)
 
-        written = keys[::3]
-        rows = rng.standard_normal((written.size, dim)).astype(np.float32)
-        alike.write_back(written[:1], rows[:1], np.abs(rows[:1]) + 1)  # one row, on one of the servers
-        assert not alike.untouched()
-        alike.write_back(written, rows, np.abs(rows) + 1)
-        want = plain.lookup(keys)
-        assert np.array_equal(want[0][::3], rows) and np.array_equal(want[1][::3], np.abs(rows) + 1)
-        before = alike.initial_rows
-        got = alike.lookup(keys)
-        assert all(np.array_equal(w, g) for w, g in zip(want, got, strict=True))
-        assert alike.initial_rows - before == keys.size - written.size
-        # the prefetch's form: each position answered exactly once, by a reply or as an initial row
-        seen = np.zeros(keys.size, dtype=int)
-        for positions, part_rows, part_state in alike.lookup_parts(keys):
-            seen[positions] += 1
-            assert np.array_equal(part_rows, want[0][positions])
-            assert np.array_equal(part_state, want[1][positions])
-        assert (seen == 1).all()
-    finally:
-        for client in (plain, alike, other):
-            client.close()
-        for server, *_ in servers:
-            asyncio.run_coroutine_threadsafe(server.stop(None), loop).result()
-        loop.call_soon_threadsafe(loop.stop)
-        thread.join(5)
+            written = keys[::3]
+            rows = rng.standard_normal((written.size, dim)).astype(np.float32)
+            alike.write_back(written[:1], rows[:1], np.abs(rows[:1]) + 1)  # one row, on one of the servers
+            assert not alike.untouched()
+            alike.write_back(written, rows, np.abs(rows) + 1)
+            want = plain.lookup(keys)
+            assert np.array_equal(want[0][::3], rows) and np.array_equal(want[1][::3], np.abs(rows) + 1)
+            before = alike.initial_rows
+            got = alike.lookup(keys)
+            assert all(np.array_equal(w, g) for w, g in zip(want, got, strict=True))
+            assert alike.initial_rows - before == keys.size - written.size
+            # the prefetch's form: each position answered exactly once, by a reply or as an initial row
+            seen = np.zeros(keys.size, dtype=int)
+            for positions, part_rows, part_state in alike.lookup_parts(keys):
+                seen[positions] += 1
+                assert np.array_equal(part_rows, want[0][positions])
+                assert np.array_equal(part_state, want[1][positions])
+            assert (seen == 1).all()
+        finally:
+            for client in (plain, alike, other):
+                client.close()
 
 
 def test_lookups_in_flight_from_one_thread_answer_as_lookup_does(monkeypatch: pytest.MonkeyPatch) -> None:
@@ -340,8 +350,6 @@ def test_lookups_in_flight_from_one_thread_answer_as_lookup_does(monkeypatch: py
     the servers': every first call is refused for its version and sent again under the map the resolver
     gives. Each answers the rows and state ``lookup`` does, in its keys' order, and answers it again
     unchanged when asked twice."""
-    import threading
-
     from bagpipe.embedding_server import client as client_module
     from bagpipe.embedding_server.client import EmbeddingClient
 
@@ -350,35 +358,29 @@ def test_lookups_in_flight_from_one_thread_answer_as_lookup_does(monkeypatch: py
     older = ShardMap.create(int(offsets[-1]), 2, num_buckets=8)
     newer = ShardMap(2, older.num_keys, 2, older.bucket_to_shard.copy())
     stores = [ShardStore(newer, s, offsets, dim=dim, state_width=width, seed=5) for s in range(2)]
-    loop = asyncio.new_event_loop()
-    thread = threading.Thread(target=loop.run_forever, daemon=True)
-    thread.start()
-    servers = [asyncio.run_coroutine_threadsafe(create_embedding_server(st), loop).result() for st in stores]
-    addresses = {s: f"127.0.0.1:{servers[s][1]}" for s in range(2)}
-    current = EmbeddingClient(newer, addresses, dim, width)
-    behind = EmbeddingClient(older, addresses, dim, width, resolver=lambda: (newer, addresses))
-    try:
-        rng = np.random.default_rng(3)
-        written = rng.permutation(int(offsets[-1]))[:120].astype(np.int64)
-        rows = rng.standard_normal((written.size, dim)).astype(np.float32)
-        current.write_back(written, rows, np.abs(rows) + 1)
-        monkeypatch.setattr(client_module, "MAX_ROWS_PER_RPC", 16)
-        key_sets = [rng.permutation(int(offsets[-1]))[:size].astype(np.int64) for size in (200, 7, 347, 90)]
-        pending = [behind.lookup_async(keys) for keys in key_sets]
-        assert behind.shard_map.version == 1  # (nothing answered yet: sent under the old map)
-        for keys, lookup in zip(key_sets[::-1], pending[::-1], strict=True):
-            got = lookup.result()
-            want = current.lookup(keys)
-            assert all(np.array_equal(w, g) for w, g in zip(want, got, strict=True))
-            again = lookup.result()
-            assert all(a is g for a, g in zip(again, got, strict=True))
-        assert behind.refusals > 0 and behind.shard_map.version == 2
-        answered = current.lookup(written)
-        assert np.array_equal(answered[0], rows) and np.array_equal(answered[1], np.abs(rows) + 1)
-    finally:
-        for client in (current, behind):
-            client.close()
-        for server, *_ in servers:
-            asyncio.run_coroutine_threadsafe(server.stop(None), loop).result()
-        loop.call_soon_threadsafe(loop.stop)
-        thread.join(5)
+    with _served(stores) as addresses:
+        current = EmbeddingClient(newer, addresses, dim, width)
+        behind = EmbeddingClient(older, addresses, dim, width, resolver=lambda: (newer, addresses))
+        try:
+            rng = np.random.default_rng(3)
+            written = rng.permutation(int(offsets[-1]))[:120].astype(np.int64)
+            rows = rng.standard_normal((written.size, dim)).astype(np.float32)
+            current.write_back(written, rows, np.abs(rows) + 1)
+            monkeypatch.setattr(client_module, "MAX_ROWS_PER_RPC", 16)
+            key_sets = [
+                rng.permutation(int(offsets[-1]))[:size].astype(np.int64) for size in (200, 7, 347, 90)
+            ]
+            pending = [behind.lookup_async(keys) for keys in key_sets]
+            assert behind.shard_map.version == 1  # (nothing answered yet: sent under the old map)
+            for keys, lookup in zip(key_sets[::-1], pending[::-1], strict=True):
+                got = lookup.result()
+                want = current.lookup(keys)
+                assert all(np.array_equal(w, g) for w, g in zip(want, got, strict=True))
+                again = lookup.result()
+                assert all(a is g for a, g in zip(again, got, strict=True))
+            assert behind.refusals > 0 and behind.shard_map.version == 2
+            answered = current.lookup(written)
+            assert np.array_equal(answered[0], rows) and np.array_equal(answered[1], np.abs(rows) + 1)
+        finally:
+            for client in (current, behind):
+                client.close()
