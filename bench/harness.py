@@ -166,6 +166,7 @@ def job(
     argv = [
         "run",
         "--quiet",
+        "--no-report",  # (the harness reads the per-iteration logs and the summary)
         "--log-level",
         "WARNING",
         "--scale",

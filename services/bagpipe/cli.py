@@ -62,6 +62,12 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--save-final", default=None, help="write the final interchange checkpoint here")
     g.add_argument("--run-dir", default=None, help="where logs and the summary go (default runs/<time>)")
     g.add_argument("--quiet", action="store_true", help="no progress bar")
+    g.add_argument(
+        "--no-report",
+        action="store_true",
+        help="no report.html and plots at the end (scripted runs: the tests, the benchmarks); the summary, "
+        "metrics and checkpoints are written as always",
+    )
     g.add_argument("--log-level", default="INFO", help="services' logging level (default INFO)")
     add_cache_args(r)
     g = r.add_argument_group("failures and recovery")

@@ -77,15 +77,19 @@ class BackgroundRun:
 
 @pytest.fixture
 def run_job(tmp_path: Path):
-    """Runs ``bagpipe run`` with TINY defaults plus ``extra`` flags; returns (summary, paths)."""
+    """Runs ``bagpipe run`` with TINY defaults plus ``extra`` flags, without the report unless ``report``;
+    returns (summary, paths)."""
 
-    def _run(name: str, *extra: str, after_training: Any = None) -> tuple[dict[str, Any], dict[str, Path]]:
+    def _run(
+        name: str, *extra: str, after_training: Any = None, report: bool = False
+    ) -> tuple[dict[str, Any], dict[str, Path]]:
         paths = {"initial": tmp_path / f"{name}-initial.pt", "final": tmp_path / f"{name}-final.pt"}
         model = extra[extra.index("--model") + 1] if "--model" in extra else "dlrm"
         argv = [
             "run",
             *TINY,
             *TINY_MODEL[model],
+            *([] if report else ["--no-report"]),  # (a second of plotting a job; tests that read it ask)
             *extra,
             "--run-dir",
             str(tmp_path / name),

@@ -82,6 +82,7 @@ def test_held_out_logloss_and_auc_equal_a_direct_computation(run_job, tmp_path: 
             eval_data=f"criteo:{held_out}",
             eval_every=4,
         ),
+        report=True,
     )
     evals = summary["evaluations"]
     assert [e["batches"] for e in evals] == [4, 8, 10] and all(e["samples"] == 157 for e in evals)
@@ -109,7 +110,9 @@ def test_held_out_logloss_and_auc_equal_a_direct_computation(run_job, tmp_path: 
 
 
 def test_the_run_record_names_flags_code_and_packages(run_job) -> None:
-    summary, _ = run_job("record", "--iterations", "3", "--trainers", "1", "--embedding-servers", "1")
+    summary, _ = run_job(
+        "record", "--iterations", "3", "--trainers", "1", "--embedding-servers", "1", report=True
+    )
     run_dir = Path(summary["run_dir"])
     config = json.loads((run_dir / "config.json").read_text())
     record = config["_record"]

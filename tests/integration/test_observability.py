@@ -150,6 +150,7 @@ def test_every_service_serves_metrics_that_add_up_and_prometheus_scrapes_them(ru
         str(ITERATIONS),
         "--prometheus",
         after_training=lambda endpoints, prom: seen.update(check_live_services(endpoints, prom)),
+        report=True,
     )
     assert seen, "the checks ran while the services were up"
     run_dir = Path(summary["run_dir"])

@@ -105,7 +105,8 @@ def test_a_run_that_keeps_failing_gives_up_naming_the_component(run_job, tmp_pat
 
 def test_resume_continues_a_stopped_run_to_the_same_model(run_job, tmp_path: Path) -> None:
     """A run stopped after a checkpoint (its launcher killed) goes on with ``--resume`` from its last
-    checkpoint and ends with the model of an uninterrupted run."""
+    checkpoint and ends with the model of an uninterrupted run; the stopped run's ``--no-report`` does not
+    carry over to the resuming command, which writes the report."""
     from bagpipe.cli import build_parser
     from bagpipe.local.launcher import run
 
@@ -118,6 +119,9 @@ def test_resume_continues_a_stopped_run_to_the_same_model(run_job, tmp_path: Pat
             f.unlink()
         later.rmdir()
     Path(part["final"]).unlink()
+    assert not (run_dir / "report.html").exists()  # (run_job's runs: --no-report)
     summary = run(build_parser().parse_args(["run", "--resume", str(run_dir), "--quiet"]))
     assert summary["iterations"] == 24
+    # the report is the resuming command's choice (it asked for one), as the progress bar is
+    assert summary["report"] == str(run_dir / "report.html") and (run_dir / "report.html").is_file()
     assert_same_model(part["final"], checkpoint.load(whole["final"]))

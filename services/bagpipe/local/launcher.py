@@ -442,9 +442,11 @@ def _run(args: argparse.Namespace, after_training: AfterTraining | None = None) 
             summary["losses"] = _run_losses(run_dir)
         measured = max(1, stats[0]["iterations"] - cpu_from[0])
         summary["cpu_seconds_per_iteration"] = {k: v / measured for k, v in cpu_used.items()}
-        summary["report"] = str(run_dir / "report.html")
+        report = not getattr(args, "no_report", False)  # (flags saved before it have none)
+        summary["report"] = str(run_dir / "report.html") if report else None
         (run_dir / "summary.json").write_text(json.dumps(summary, indent=2))
-        write_report(run_dir, summary)
+        if report:
+            write_report(run_dir, summary)
         if prometheus is not None and args.prometheus_linger > 0:
             print(
                 f"prometheus stays up at {prometheus.url} for {args.prometheus_linger:.0f} s (Ctrl-C "
@@ -474,7 +476,8 @@ def resumed_args(args: argparse.Namespace) -> argparse.Namespace:
     saved = flags_of(json.loads(config.read_text()))
     merged = argparse.Namespace(**{**vars(args), **saved})
     merged.resume = args.resume
-    merged.quiet = args.quiet
+    merged.quiet = args.quiet  # (how this invocation shows and reports the run: its own flags)
+    merged.no_report = args.no_report
     for name in ("table_rows", "bottom_mlp", "top_mlp", "deep_mlp"):
         if isinstance(getattr(merged, name, None), list):
             setattr(merged, name, tuple(getattr(merged, name)))
