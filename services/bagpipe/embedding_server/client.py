@@ -68,6 +68,11 @@ class Moved(Exception):
     """The server did not answer, and a newer shard map than the request's is in force."""
 
 
+class _Refused(Exception):
+    """A server refused a request for its shard-map version, or is gone under a newer map: the request was
+    not applied, and goes again under the map in force."""
+
+
 class ShardMapChanged(RuntimeError):
     """Servers refused a request for its shard-map version, and no usable newer version came."""
 
@@ -255,18 +260,35 @@ class EmbeddingClient:
         for start in range(0, positions.size, MAX_ROWS_PER_RPC):
             part = positions[start : start + MAX_ROWS_PER_RPC]
             try:
-                call_with_retry(
-                    functools.partial(rpc, route.stubs[shard], part),
-                    f"{what} shard {shard}",
-                    lambda: self.refresh(route.shard_map.version),
-                )
-            except Moved:
+                self._call(route, f"{what} shard {shard}", functools.partial(rpc, route.stubs[shard], part))
+            except _Refused:
                 return positions[start:]
-            except grpc.RpcError as e:
-                if e.code() == grpc.StatusCode.FAILED_PRECONDITION:
-                    return positions[start:]
-                raise
         return positions[:0]
+
+    def _call(self, route: _Route, what: str, call: Callable[[], T], sending: grpc.Future | None = None) -> T:
+        """``call()``'s answer, or ``sending``'s (the same call, already in flight) when given. UNAVAILABLE
+        is retried with backoff (``call_with_retry``; after a call in flight that failed so, its attempts
+        follow). ``_Refused`` when the server refused the request for its shard-map version, or is gone
+        under a newer map: the request was not applied."""
+        moved = functools.partial(self.refresh, route.shard_map.version)
+        try:
+            if sending is not None:
+                try:
+                    return sending.result()  # type: ignore[no-any-return]
+                except grpc.RpcError as e:
+                    if e.code() != grpc.StatusCode.UNAVAILABLE:
+                        raise
+                    if moved():
+                        raise _Refused(what) from e
+                    logger.warning("%s: unavailable, retrying", what)
+                    time.sleep(0.1)
+            return call_with_retry(call, what, moved)
+        except Moved as e:
+            raise _Refused(what) from e
+        except grpc.RpcError as e:
+            if e.code() == grpc.StatusCode.FAILED_PRECONDITION:
+                raise _Refused(what) from e
+            raise
 
     def initial_of(self, keys: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
         """The initial rows of ``keys`` and their zero optimizer state, computed here (a store whose
@@ -280,10 +302,10 @@ class EmbeddingClient:
         return self._lookup_rows(keys, blocking=True).result()
 
     def lookup_async(self, keys: np.ndarray) -> PendingLookup:
-        """``lookup``, sent now and read by ``result()``: each shard's request goes out before this returns,
-        so one thread can keep several lookups in flight. Every reply is read and copied into place on the
-        thread that asks for the result: no hand-over to a thread per lookup, whose wake-ups under the GIL
-        cost more CPU than the calls (bench/README.md, "Embedding server")."""
+        """``lookup``, sent now and read by ``result()``: each shard's (first) request goes out before this
+        returns, so one thread can keep several lookups in flight. Every reply is read and copied into place
+        on the thread that asks for the result: no hand-over to a thread per lookup, whose wake-ups under the
+        GIL cost more CPU than the calls (bench/README.md, "Embedding server")."""
         return self._lookup_rows(keys, blocking=False)
 
     def _lookup_rows(self, keys: np.ndarray, blocking: bool) -> PendingLookup:
@@ -372,47 +394,19 @@ class EmbeddingClient:
             def wait() -> np.ndarray:
                 refused = []
                 for part, request, sending in calls:
-                    data = self._answer(route, shard, stub.Lookup, request, sending)
-                    if data is None:  # refused for its version, or the server is gone: routed again
+                    call = functools.partial(stub.Lookup, request, timeout=serving.RPC_TIMEOUT_S)
+                    try:
+                        data = self._call(route, f"lookup shard {shard}", call, sending)
+                    except _Refused:  # (not answered under this map: routed again)
                         refused.append(part)
-                    else:
-                        self.bytes_sent += len(request)
-                        take(part, data)
+                        continue
+                    self.bytes_sent += len(request)
+                    take(part, data)
                 return np.concatenate(refused) if refused else positions[:0]
 
             return wait if first or not blocking else self._pool.submit(wait).result
 
         return start
-
-    def _answer(
-        self, route: _Route, shard: int, method: Any, request: bytes, sending: grpc.Future | None
-    ) -> bytes | None:
-        """The reply to ``request`` from ``shard``: ``sending``'s (a call in flight), or a blocking call's
-        when it is None. UNAVAILABLE is retried with backoff (a call in flight that failed so is followed by
-        ``call_with_retry``'s attempts); None when the server refused the request for its shard-map version,
-        or is gone under a newer map."""
-        what = f"lookup shard {shard}"
-        moved = functools.partial(self.refresh, route.shard_map.version)
-        try:
-            if sending is not None:
-                try:
-                    return sending.result()  # type: ignore[no-any-return]
-                except grpc.RpcError as e:
-                    if e.code() != grpc.StatusCode.UNAVAILABLE:
-                        raise
-                    if moved():
-                        return None
-                    logger.warning("%s: unavailable, retrying", what)
-                    time.sleep(0.1)
-            return call_with_retry(
-                functools.partial(method, request, timeout=serving.RPC_TIMEOUT_S), what, moved
-            )  # type: ignore[no-any-return]
-        except Moved:
-            return None
-        except grpc.RpcError as e:
-            if e.code() == grpc.StatusCode.FAILED_PRECONDITION:
-                return None
-            raise
 
     def _initial_positions(self, tensor: Any, n: int) -> np.ndarray:
         """A reply's ``initial`` (absent: none): ascending positions in ``[0, n)``, only for a client that

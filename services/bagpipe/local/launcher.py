@@ -442,10 +442,9 @@ def _run(args: argparse.Namespace, after_training: AfterTraining | None = None) 
             summary["losses"] = _run_losses(run_dir)
         measured = max(1, stats[0]["iterations"] - cpu_from[0])
         summary["cpu_seconds_per_iteration"] = {k: v / measured for k, v in cpu_used.items()}
-        report = not getattr(args, "no_report", False)  # (flags saved before it have none)
-        summary["report"] = str(run_dir / "report.html") if report else None
+        summary["report"] = None if args.no_report else str(run_dir / "report.html")
         (run_dir / "summary.json").write_text(json.dumps(summary, indent=2))
-        if report:
+        if not args.no_report:
             write_report(run_dir, summary)
         if prometheus is not None and args.prometheus_linger > 0:
             print(
