@@ -295,9 +295,9 @@ class ShardStore:
     def write(self, keys: np.ndarray, rows: np.ndarray, state: np.ndarray) -> None:
         """Validates everything first, then stores: a bad request changes nothing.
 
-        One compiled pass checks every row and one stores them (``_store_rows``): the numpy checks
-        (a sort for duplicates, a dozen passes over the values) took 3.5 times as long. A refused request
-        is checked again by them, for the error that names the first bad key and value."""
+        Compiled passes check the keys for repeats, then every value, then store the rows (``_store_rows``):
+        the numpy checks (a sort for duplicates, a dozen passes over the values) took 3.5 times as long. A
+        refused request is checked again by them, for the error that names the first bad key and value."""
         index = self.local_index(keys)
         for name, values, width in (("rows", rows, self.dim), ("state", state, self.state_width)):
             if values.shape != (index.size, width):
