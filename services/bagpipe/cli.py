@@ -21,7 +21,7 @@ from bagpipe.config_args import (
     positive_int,
 )
 from bagpipe.control.detector import DEFAULT_TIMEOUT_S
-from bagpipe.core.optim import OPTIMIZERS
+from bagpipe.core.optim_config import OPTIMIZERS
 from bagpipe.data_processor.config import add_source_args
 
 # rows per second each embedding server sends while re-sharding a local run: there the services share the

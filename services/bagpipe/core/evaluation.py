@@ -9,6 +9,9 @@ from __future__ import annotations
 
 import numpy as np
 
+# the columns of a run's metrics/eval.csv (trainer 0 writes it, the launcher reads it)
+EVAL_FIELDS = ("batches", "samples", "logloss", "auc", "seconds")
+
 
 def logloss(logits: np.ndarray, labels: np.ndarray) -> float:
     """Mean binary cross-entropy of ``logits`` against 0/1 ``labels`` (numerically stable form)."""

@@ -11,8 +11,6 @@ import argparse
 from dataclasses import dataclass
 from pathlib import Path
 
-import torch
-
 from bagpipe.config_args import Coordination, model_config_of, optimizer_config_of, table_rows_of
 from bagpipe.data_processor.config import DataProcessorConfig, SourceConfig
 from bagpipe.embedding_server.config import EmbeddingServerConfig
@@ -128,11 +126,20 @@ def oracle(args: argparse.Namespace, gen: GenerationSpec) -> OracleConfig:
     )
 
 
+def gpu_nodes() -> bool:
+    """Whether this host has GPU device files (NVIDIA's, or AMD's for ROCm): without them, CUDA cannot
+    see a device, and the launcher need not import torch to count them."""
+    dev = Path("/dev")
+    return (dev / "kfd").exists() or any(dev.glob("nvidia[0-9]*"))
+
+
 def dist_backend(args: argparse.Namespace) -> str:
     """The local job's trainers all run on this host: where CUDA trainers outnumber its GPUs, some share
     one, which NCCL refuses, so their process group is gloo (it all-reduces CUDA tensors too)."""
-    if args.device == "cpu":
+    if args.device == "cpu" or not gpu_nodes():
         return "auto"
+    import torch  # (a second of the launcher's start-up, before anything spawns: only where GPUs may be)
+
     gpus = torch.cuda.device_count() if torch.cuda.is_available() else 0
     return "gloo" if 0 < gpus < args.trainers else "auto"
 

@@ -37,7 +37,6 @@ from bagpipe.embedding_server import config as embedding_server_config
 from bagpipe.local import configs
 from bagpipe.local.prometheus import PrometheusServer
 from bagpipe.local.record import RECORD_KEY, flags_of, read_evals, run_record
-from bagpipe.local.report import write_report
 from bagpipe.local.scaling import Scaler
 from bagpipe.local.validate import validate_run_args
 from bagpipe.oracle_cacher import config as oracle_config
@@ -445,6 +444,9 @@ def _run(args: argparse.Namespace, after_training: AfterTraining | None = None) 
         summary["report"] = None if args.no_report else str(run_dir / "report.html")
         (run_dir / "summary.json").write_text(json.dumps(summary, indent=2))
         if not args.no_report:
+            # matplotlib (0.4 s to import) only where a report is drawn, not before every job's spawn
+            from bagpipe.local.report import write_report
+
             write_report(run_dir, summary)
         if prometheus is not None and args.prometheus_linger > 0:
             print(

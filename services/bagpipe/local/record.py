@@ -15,7 +15,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-from bagpipe.trainer.evaluation import EVAL_FIELDS
+from bagpipe.core.evaluation import EVAL_FIELDS
 
 RECORD_KEY = "_record"  # config.json's key for everything that is not a flag
 PACKAGES = ("torch", "numpy", "grpcio", "protobuf", "redis", "prometheus-client", "matplotlib", "tqdm")

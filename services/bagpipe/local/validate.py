@@ -10,8 +10,6 @@ import argparse
 import os
 from pathlib import Path
 
-import torch
-
 from bagpipe.config_args import optimizer_config_of, table_rows_of
 from bagpipe.core.data import SyntheticConfig
 
@@ -54,8 +52,11 @@ def validate_run_args(args: argparse.Namespace) -> None:
         raise BadFlag("--lr", f"must be > 0, got {args.lr}")
     if args.device not in ("auto", "cpu", "cuda"):
         raise BadFlag("--device", f"expected auto, cpu or cuda, got {args.device!r}")
-    if args.device == "cuda" and not torch.cuda.is_available():
-        raise BadFlag("--device", "cuda, but torch sees no CUDA device here")
+    if args.device == "cuda":
+        import torch  # (only here: a second of every job's start-up otherwise)
+
+        if not torch.cuda.is_available():
+            raise BadFlag("--device", "cuda, but torch sees no CUDA device here")
     try:
         optimizer_config_of(args)
     except ValueError as e:

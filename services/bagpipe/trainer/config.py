@@ -24,8 +24,8 @@ from bagpipe.config_args import (
     table_argv,
     table_rows_of,
 )
-from bagpipe.core.model import ModelConfig
-from bagpipe.core.optim import OptimizerConfig
+from bagpipe.core.model_config import ModelConfig
+from bagpipe.core.optim_config import OptimizerConfig
 
 DEFAULT_COLLECTIVE_TIMEOUT_S = 120.0
 DIST_BACKENDS = ("auto", "nccl", "gloo")

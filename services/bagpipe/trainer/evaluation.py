@@ -25,7 +25,7 @@ import torch
 import torch.distributed as dist
 
 from bagpipe.core.data import Samples
-from bagpipe.core.evaluation import logloss, roc_auc
+from bagpipe.core.evaluation import EVAL_FIELDS, logloss, roc_auc
 from bagpipe.core.model import batch_logits
 from bagpipe.core.row_store import RowStore
 
@@ -34,7 +34,6 @@ logger = logging.getLogger(__name__)
 HELD_OUT_FIRST_BATCH = 1 << 40  # synthetic held-out samples come from batch numbers this far on
 DEFAULT_SYNTHETIC_SAMPLES = 16384
 SCORE_CHUNK = 8192  # samples scored per forward pass (bounds the memory of one lookup)
-EVAL_FIELDS = ("batches", "samples", "logloss", "auc", "seconds")  # columns of the run's metrics/eval.csv
 
 
 @dataclass(frozen=True)

@@ -181,7 +181,12 @@ def test_device_and_backend_follow_the_gpus_this_host_has(monkeypatch: pytest.Mo
     """``--device``: rank r on GPU r mod the GPUs seen; the local launcher puts trainers that would share a
     GPU on gloo (NCCL refuses two ranks on one device), and leaves NCCL to trainers with a GPU each."""
 
+    # the launcher looks for GPU device files before it imports torch to count GPUs: a host without them
+    # has no CUDA device for torch either
+    assert configs.gpu_nodes() or not torch.cuda.is_available()
+
     def host(gpus: int) -> None:
+        monkeypatch.setattr(configs, "gpu_nodes", lambda: gpus > 0)
         monkeypatch.setattr(torch.cuda, "is_available", lambda: gpus > 0)
         monkeypatch.setattr(torch.cuda, "device_count", lambda: gpus)
 
