@@ -77,8 +77,11 @@ PROFILES: dict[str, dict[str, Any]] = {
         "batch": 2048,
         "scale": "0.01",
         "iterations": 200,
-        # systems and network: each system's job twice, interleaved, pooled (compare)
-        "repeats": 2,
+        # systems and network: bagpipe's and the ideal's jobs six times, no-cache's twice, every other round
+        # in reverse order, pooled (compare). With two rounds each, bagpipe/ideal at a link moved by up to
+        # 8% between runs of the same code (0.91-1.08x), as a job's median moves by ~4% from job to job
+        "repeats": 6,
+        "no_cache_rounds": 2,
         "optimizer": ["--optimizer", "adagrad", "--lr", "0.05"],
         "lookaheads": [5, 10, 50, 100, 200, 300],
         "lookahead_extra": 40,
@@ -123,6 +126,7 @@ PROFILES: dict[str, dict[str, Any]] = {
         "scale": "0.1",
         "iterations": 300,
         "repeats": 1,
+        "no_cache_rounds": 1,
         "optimizer": ["--optimizer", "adagrad", "--lr", "0.05"],
         "lookaheads": [5, 10, 50, 100, 200, 300],
         "lookahead_extra": 100,
@@ -363,7 +367,13 @@ def set_up_link(rate: str) -> None:
 
 # ---- sections
 def section_systems(profile: dict[str, Any], out: Path) -> dict[str, Any]:
-    loopback = compare("loopback", profile, out, repeats=profile["repeats"])
+    loopback = compare(
+        "loopback",
+        profile,
+        out,
+        repeats=profile["repeats"],
+        rounds_of={"no-cache": profile["no_cache_rounds"]},
+    )
     every = str(DEFAULT_CHECKPOINT_EVERY)
     with_checkpoints = job(
         f"loopback-bagpipe-checkpoint-every-{every}", profile, out, "--checkpoint-every", every
@@ -411,6 +421,7 @@ def section_network(profile: dict[str, Any], out: Path) -> dict[str, Any]:
                 "--netns-addresses",
                 f"{HOST_IP},{NS_IP}",
                 repeats=profile["repeats"],
+                rounds_of={"no-cache": profile["no_cache_rounds"]},
             )
     return results
 
@@ -542,8 +553,10 @@ def section_skew(profile: dict[str, Any], out: Path) -> dict[str, Any]:
     points = []
     rounds = profile["skew_rounds"]
     for skew, kind, value, label, flags in settings:
-        # no-cache is not in the target: it runs in the first two rounds only
-        runs = compare(label, sized, out, *flags, repeats=rounds, rounds_of={"no-cache": 2})["systems"]
+        # no-cache is not in the target: it runs in the first rounds only
+        runs = compare(
+            label, sized, out, *flags, repeats=rounds, rounds_of={"no-cache": profile["no_cache_rounds"]}
+        )["systems"]
         paired = [
             b / i
             for b, i in zip(
