@@ -19,7 +19,6 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 
 import numpy as np
-from numba import njit
 
 logger = logging.getLogger(__name__)
 
@@ -310,73 +309,15 @@ class BatchArrays:
             raise ValueError(f"inverse: must have shape [{b}, tables], got {self.inverse.shape}")
 
 
-# a table of at most this many rows is deduplicated by marking its rows (4 B each of per-thread scratch),
-# a larger one by sorting its column
-MARK_ROWS = 1 << 22
-_scratch = threading.local()
-
-
-def _mark_scratch(rows: int) -> np.ndarray:
-    """This thread's zeroed int32 scratch of at least ``rows`` entries (``_dedup_columns`` leaves it zero):
-    a data processor builds the batches of concurrent streams on several threads."""
-    mark = getattr(_scratch, "mark", None)
-    if mark is None or mark.size < rows:
-        mark = _scratch.mark = np.zeros(rows, dtype=np.int32)
-    return mark
-
-
-@njit(cache=True, nogil=True)
-def _dedup_columns(sparse, offsets, mark, mark_rows):  # type: ignore[no-untyped-def]
-    """Per table ``t``: the sorted distinct rows of ``sparse[:, t]`` plus ``offsets[t]``, concatenated, and
-    each sample's index into them. Tables of at most ``mark_rows`` rows mark their rows in ``mark`` (as
-    many entries at least; zero on entry and on return) and sort only the distinct ones; larger tables
-    sort their column."""
-    b, tables = sparse.shape
-    inverse = np.empty((b, tables), dtype=np.int32)
-    keys = np.empty(b * tables, dtype=np.int64)
-    distinct = np.empty(b, dtype=np.int64)
-    n = 0
-    for t in range(tables):
-        if offsets[t + 1] - offsets[t] <= mark_rows:
-            u = 0
-            for i in range(b):
-                r = sparse[i, t]
-                if mark[r] == 0:
-                    mark[r] = 1
-                    distinct[u] = r
-                    u += 1
-            ordered = np.sort(distinct[:u])
-            for j in range(u):
-                mark[ordered[j]] = n + j + 1  # (1-based: 0 is unmarked)
-                keys[n + j] = ordered[j] + offsets[t]
-            for i in range(b):
-                inverse[i, t] = mark[sparse[i, t]] - 1
-            for j in range(u):
-                mark[ordered[j]] = 0
-            n += u
-        else:
-            column = sparse[:, t].copy()
-            order = np.argsort(column)
-            previous = -1
-            for k in range(b):
-                i = order[k]
-                if column[i] != previous:
-                    previous = column[i]
-                    keys[n] = previous + offsets[t]
-                    n += 1
-                inverse[i, t] = n - 1
-    return keys[:n].copy(), inverse
-
-
 def build_batch(number: int, samples: Samples, offsets: np.ndarray) -> BatchArrays:
     """Global keys of a batch (``sparse + offsets[:-1]``), deduplicated and sorted, with the inverse index.
 
     Deduplication runs per table: tables occupy disjoint, increasing key ranges, so concatenating the
-    per-table unique keys is already globally sorted. A compiled loop marks each table's rows in a
-    scratch array and sorts only the distinct ones (a sort of the column where a table has more rows than
-    the scratch): 0.2–0.9 ms for a batch of 2,048 samples of the 26 Kaggle tables (scale 0.01, Zipf 5 to
-    the flattest skew), against 2.4–4.4 ms for ``np.unique`` per column, on the data processors' and the
-    plan statistics' path. Rows outside their table are rejected.
+    per-table unique keys is already globally sorted. A compiled loop (``core/dedup``) marks each table's
+    rows in a scratch array and sorts only the distinct ones (a sort of the column where a table has more
+    rows than the scratch): 0.2–0.9 ms for a batch of 2,048 samples of the 26 Kaggle tables (scale 0.01,
+    Zipf 5 to the flattest skew), against 2.4–4.4 ms for ``np.unique`` per column, on the data processors'
+    and the plan statistics' path. Rows outside their table are rejected.
     """
     sparse = samples.sparse
     tables = sparse.shape[1]
@@ -384,14 +325,11 @@ def build_batch(number: int, samples: Samples, offsets: np.ndarray) -> BatchArra
         raise ValueError(f"offsets: must have shape [{tables + 1}], got {offsets.shape}")
     if sparse.size and ((sparse < 0).any() or (sparse >= np.diff(offsets)).any()):
         raise ValueError("sparse: row index outside its table")
-    rows = np.diff(offsets)
-    marked = rows[rows <= MARK_ROWS]
-    keys, inverse = _dedup_columns(
-        np.ascontiguousarray(sparse, dtype=np.int64),
-        offsets.astype(np.int64, copy=False),
-        _mark_scratch(int(marked.max()) if marked.size else 0),
-        MARK_ROWS,
-    )
+    # (numba only where batches are built: TorchRec's interpreter, bench/torchrec_reference.py, draws
+    # synthetic samples from this module without it)
+    from bagpipe.core import dedup
+
+    keys, inverse = dedup.table_columns(np.ascontiguousarray(sparse, dtype=np.int64), offsets)
     return BatchArrays(
         number=number,
         dense=samples.dense,

@@ -7,7 +7,7 @@ from pathlib import Path
 
 import numpy as np
 import pytest
-from bagpipe.core import data
+from bagpipe.core import dedup
 from bagpipe.core.data import (
     KAGGLE_TABLE_ROWS,
     NUM_DENSE,
@@ -213,11 +213,11 @@ def test_samples_reject_arrays_off_contract() -> None:
 # Batch key extraction
 
 
-@pytest.mark.parametrize("mark_rows", [data.MARK_ROWS, 50, 0])
+@pytest.mark.parametrize("mark_rows", [dedup.MARK_ROWS, 50, 0])
 def test_build_batch_round_trips_keys_and_inverse(monkeypatch: pytest.MonkeyPatch, mark_rows: int) -> None:
     """Tables deduplicated by marking rows, by sorting the column (more rows than ``MARK_ROWS``), and a
     batch with both kinds give the keys and inverse ``np.unique`` gives."""
-    monkeypatch.setattr(data, "MARK_ROWS", mark_rows)
+    monkeypatch.setattr(dedup, "MARK_ROWS", mark_rows)
     rows = SMALL_ROWS + (1, 3)
     offsets = table_offsets(rows)
     samples = SyntheticSource(SyntheticConfig(rows, seed=5)).batch(4, 300)
