@@ -532,10 +532,10 @@ def section_lookahead(profile: dict[str, Any], out: Path) -> dict[str, Any]:
 
 def section_skew(profile: dict[str, Any], out: Path) -> dict[str, Any]:
     """Each point's systems as ``compare`` runs them: bagpipe and the ideal in ``skew_rounds`` rounds (every
-    other one in reverse order), no-cache in the first two. A point's bagpipe/ideal is the ratio of the two
-    systems' medians over every round's iterations, as in the other sections; the spread is a max over min
-    of six of them, so each round more of the two systems narrows it. Each round's own ratio (two jobs one
-    after the other) is kept beside it, with the spread of their medians per point."""
+    other one in reverse order), no-cache in the first ``no_cache_rounds``. A point's bagpipe/ideal is the
+    ratio of the two systems' medians over every round's iterations, as in the other sections; the spread
+    is a max over min of six of them, so each round more of the two systems narrows it. Each round's own
+    ratio (two jobs one after the other) is kept beside it, with the spread of their medians per point."""
     sized = {**profile, "iterations": profile["skew_iterations"]}
     settings = [
         (

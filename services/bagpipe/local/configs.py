@@ -127,10 +127,10 @@ def oracle(args: argparse.Namespace, gen: GenerationSpec) -> OracleConfig:
 
 
 def gpu_nodes() -> bool:
-    """Whether this host has GPU device files (NVIDIA's, or AMD's for ROCm): without them, CUDA cannot
-    see a device, and the launcher need not import torch to count them."""
+    """Whether this host has GPU device files (NVIDIA's, AMD's for ROCm, or WSL2's GPU bridge): without
+    them, torch cannot see a CUDA device, and the launcher need not import it to count them."""
     dev = Path("/dev")
-    return (dev / "kfd").exists() or any(dev.glob("nvidia[0-9]*"))
+    return any((dev / name).exists() for name in ("kfd", "dxg")) or any(dev.glob("nvidia[0-9]*"))
 
 
 def dist_backend(args: argparse.Namespace) -> str:
