@@ -131,34 +131,138 @@ def apply_rows(
     weights.index_add_(0, index, m / v.sqrt().add_(config.epsilon), alpha=-_adam_step_size(config, step))
 
 
-def saved_state(
-    optimizer: torch.optim.Optimizer, params: Mapping[str, torch.Tensor]
-) -> dict[str, dict[str, Any]]:
+class DenseOptimizer:
+    """SGD, Adagrad or Adam for the trainer's dense parameters on the CPU: torch.optim's single-tensor
+    arithmetic (the path it takes for CPU tensors), the same operations in the same order, so the
+    results are the same to the bit (``tests/unit/core/test_dense_optimizer.py``), and the same state
+    per parameter (``state[p]``: Adagrad ``step``, ``sum``; Adam ``step``, ``exp_avg``, ``exp_avg_sq``).
+
+    Why not torch.optim itself: its ``add_param_group``, ``step`` and ``zero_grad`` import
+    ``torch._dynamo`` on first use, 1.1 s on an idle core and about 2 s while a job's services start
+    beside the trainer, which waits for nothing else then (bench/README.md, "Start-up"). Parameters on
+    a GPU keep torch.optim (``dense_optimizer``), whose foreach kernels the reference uses there too.
+    """
+
+    def __init__(self, config: OptimizerConfig, params: list[torch.nn.Parameter]) -> None:
+        self.config = config
+        self.params = list(params)
+        self.state: dict[torch.Tensor, dict[str, Any]] = {}
+        if config.name == "adagrad":  # (torch.optim.Adagrad makes its state up front, Adam on first use)
+            for p in self.params:
+                self.state[p] = {
+                    "step": torch.tensor(0.0),
+                    "sum": torch.zeros_like(p, memory_format=torch.preserve_format),
+                }
+
+    def zero_grad(self, set_to_none: bool = True) -> None:
+        for p in self.params:
+            if p.grad is None:
+                continue
+            if set_to_none:
+                p.grad = None
+                continue
+            if p.grad.grad_fn is not None:
+                p.grad.detach_()
+            else:
+                p.grad.requires_grad_(False)
+            p.grad.zero_()
+
+    @torch.no_grad()
+    def step(self) -> None:
+        """One step for every parameter with a gradient, as torch.optim's ``step()``."""
+        config = self.config
+        lr = config.lr
+        for p in self.params:
+            grad = p.grad
+            if grad is None:
+                continue
+            if config.name == "sgd":
+                p.add_(grad, alpha=-lr)
+            elif config.name == "adagrad":
+                state = self.state[p]
+                state["step"] += 1
+                total = state["sum"]
+                total.addcmul_(grad, grad, value=1)
+                p.addcdiv_(grad, total.sqrt().add_(config.epsilon), value=-lr)  # (lr_decay 0: lr itself)
+            else:
+                self._adam(p, grad)
+
+    def _adam(self, p: torch.Tensor, grad: torch.Tensor) -> None:
+        beta1, beta2 = (float(b) for b in self.config.betas)
+        state = self.state.get(p)
+        if state is None:
+            state = self.state[p] = {
+                "step": torch.tensor(0.0),
+                "exp_avg": torch.zeros_like(p, memory_format=torch.preserve_format),
+                "exp_avg_sq": torch.zeros_like(p, memory_format=torch.preserve_format),
+            }
+        state["step"] += 1
+        exp_avg, exp_avg_sq = state["exp_avg"], state["exp_avg_sq"]
+        exp_avg.lerp_(grad, 1 - beta1)
+        exp_avg_sq.mul_(beta2).addcmul_(grad, grad, value=1 - beta2)
+        step = state["step"].item()
+        step_size = self.config.lr / (1 - beta1**step)
+        denom = (exp_avg_sq.sqrt() / (1 - beta2**step) ** 0.5).add_(self.config.epsilon)
+        p.addcdiv_(exp_avg, denom, value=-step_size)
+
+
+Optimizer = torch.optim.Optimizer | DenseOptimizer
+
+
+def dense_optimizer(
+    config: OptimizerConfig, params: list[torch.nn.Parameter], device: torch.device
+) -> Optimizer:
+    """The trainer's optimizer for ``params``: ``DenseOptimizer`` on the CPU, torch.optim elsewhere."""
+    if device.type == "cpu":
+        return DenseOptimizer(config, params)
+    return config.dense_optimizer(params)
+
+
+def _kind(optimizer: Optimizer) -> str:
+    """Which arithmetic ``optimizer`` runs: sgd, adagrad, adam (dense) or sparse_adam."""
+    if isinstance(optimizer, DenseOptimizer):
+        return optimizer.config.name
+    for cls, kind in (
+        (torch.optim.SparseAdam, "sparse_adam"),
+        (torch.optim.Adam, "adam"),
+        (torch.optim.Adagrad, "adagrad"),
+    ):
+        if isinstance(optimizer, cls):
+            return kind
+    return "sgd"
+
+
+# per kind, the state entries a checkpoint keeps of each parameter (Adagrad's step is not kept: it
+# does not enter its arithmetic without lr_decay)
+_SAVED = {
+    "adagrad": ("sum",),
+    "adam": ("step", "exp_avg", "exp_avg_sq"),
+    "sparse_adam": ("step", "exp_avg", "exp_avg_sq"),
+}
+
+
+def saved_state(optimizer: Optimizer, params: Mapping[str, torch.Tensor]) -> dict[str, dict[str, Any]]:
     """The checkpoint's optimizer entries, ``{name: torch's state of that parameter}`` on the CPU
     (Adagrad: ``sum``; Adam: ``step``, ``exp_avg``, ``exp_avg_sq``; nothing for SGD)."""
+    kind = _kind(optimizer)
     out: dict[str, dict[str, Any]] = {}
     for name, p in params.items():
         state = optimizer.state.get(p, {})
         entries = {
             k: (v.detach().cpu().clone() if isinstance(v, torch.Tensor) else v)
             for k, v in state.items()
-            if k != "step" or isinstance(optimizer, (torch.optim.Adam, torch.optim.SparseAdam))
+            if k != "step" or kind in ("adam", "sparse_adam")
         }
         if entries:
             out[name] = entries
     return out
 
 
-def restore_state(
-    optimizer: torch.optim.Optimizer, params: Mapping[str, torch.Tensor], saved: Mapping[str, Any]
-) -> None:
+def restore_state(optimizer: Optimizer, params: Mapping[str, torch.Tensor], saved: Mapping[str, Any]) -> None:
     """Seeds the optimizer's state from a checkpoint's entries so training resumes exactly. Entries of
     another optimizer (an Adagrad checkpoint continued with Adam) are ignored: that one starts afresh."""
-    wanted = {
-        torch.optim.Adagrad: ("sum",),
-        torch.optim.Adam: ("step", "exp_avg", "exp_avg_sq"),
-        torch.optim.SparseAdam: ("step", "exp_avg", "exp_avg_sq"),
-    }.get(type(optimizer), ())
+    kind = _kind(optimizer)
+    wanted = _SAVED.get(kind, ())
     for name, p in params.items():
         entry = saved.get(name, {})
         if not wanted or not all(k in entry for k in wanted):
@@ -167,18 +271,20 @@ def restore_state(
         for k in wanted:
             v = entry[k]
             state[k] = v.clone().to(p.device) if isinstance(v, torch.Tensor) and k != "step" else v
-        if isinstance(optimizer, torch.optim.Adam):
+        if kind == "adam":
             state["step"] = torch.as_tensor(float(entry["step"]), dtype=torch.float32)
-        elif isinstance(optimizer, torch.optim.SparseAdam):
+        elif kind == "sparse_adam":
             state["step"] = int(entry["step"])
         else:
             state["step"] = torch.tensor(0.0)
         optimizer.state[p] = state
 
 
-def steps_taken(optimizer: torch.optim.Optimizer) -> int:
+def steps_taken(optimizer: Optimizer) -> int:
     """Adam's step count (the same for every dense parameter: each gets a gradient every step); 0 else."""
+    if _kind(optimizer) != "adam":
+        return 0
     for state in optimizer.state.values():
-        if "step" in state and isinstance(optimizer, torch.optim.Adam):
+        if "step" in state:
             return int(state["step"])
     return 0

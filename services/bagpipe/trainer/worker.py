@@ -32,7 +32,7 @@ from bagpipe.core.cache import EmbeddingCache
 from bagpipe.core.data import table_offsets
 from bagpipe.core.embedding_init import InitialRows
 from bagpipe.core.model import batch_logits, batch_loss, build_model
-from bagpipe.core.optim import restore_state, saved_state, steps_taken
+from bagpipe.core.optim import dense_optimizer, restore_state, saved_state, steps_taken
 from bagpipe.core.row_store import RowStore
 from bagpipe.embedding_server.client import RESHARD_LOCK, EmbeddingClient
 from bagpipe.trainer import metrics
@@ -72,7 +72,7 @@ class Trainer:
         self.state_width = config.optimizer.state_width(self.width)
         self.model = build_model(config.model, seed=config.seed).to(self.device)
         self.params = list(self.model.parameters())
-        self.dense_opt = config.optimizer.dense_optimizer(self.params)
+        self.dense_opt = dense_optimizer(config.optimizer, self.params, self.device)
         fixed = config.cache_rows is not None  # --cache-rows: a hard bound; otherwise it grows
         self.cache = EmbeddingCache(
             self.width, self.state_width, self.device, capacity=config.cache_rows or 1024, fixed=fixed
