@@ -139,8 +139,9 @@ class DenseOptimizer:
 
     Why not torch.optim itself: its ``add_param_group``, ``step`` and ``zero_grad`` import
     ``torch._dynamo`` on first use, 1.1 s on an idle core and about 2 s while a job's services start
-    beside the trainer, which waits for nothing else then (bench/README.md, "Start-up"). Parameters on
-    a GPU keep torch.optim (``dense_optimizer``), whose foreach kernels the reference uses there too.
+    beside the trainer, which waits for nothing else then (bench/README.md, "Start-up and the data
+    processors"). Parameters on a GPU keep torch.optim (``dense_optimizer``), whose foreach kernels the
+    reference uses there too.
     """
 
     def __init__(self, config: OptimizerConfig, params: list[torch.nn.Parameter]) -> None:
