@@ -290,18 +290,21 @@ def compare(
     out: Path,
     *extra: str,
     repeats: int = 1,
-    rounds_of: dict[str, int] | None = None,
 ) -> dict[str, Any]:
     """The three systems one after the other, ``repeats`` times over, every other round in reverse
     (ideal, bagpipe, no-cache, no-cache, bagpipe, ideal, ...): a slow minute of the machine then falls on
     every system, not on one, and a machine that slows down or speeds up steadily over the rounds gives
     each system the same mean position in time (in a forward-only order the first system always runs
-    earliest). ``rounds_of`` runs a system in fewer rounds (its first ones)."""
+    earliest). No-cache, which no bagpipe/ideal target depends on, runs in the profile's first
+    ``no_cache_rounds`` only."""
+    rounds = {s: repeats for s in SYSTEMS} | {
+        "no-cache": min(repeats, profile.get("no_cache_rounds", repeats))
+    }
     jobs: dict[str, list[dict[str, Any]]] = {s: [] for s in SYSTEMS}
     for r in range(repeats):
         order = list(SYSTEMS.items())
         for s, flags in order if r % 2 == 0 else order[::-1]:
-            if r >= (rounds_of or {}).get(s, repeats):
+            if r >= rounds[s]:
                 continue
             name = f"{label}-{s}" + (f"-{r + 1}" if repeats > 1 else "")
             jobs[s].append(job(name, profile, out, *flags, *extra))
@@ -367,13 +370,7 @@ def set_up_link(rate: str) -> None:
 
 # ---- sections
 def section_systems(profile: dict[str, Any], out: Path) -> dict[str, Any]:
-    loopback = compare(
-        "loopback",
-        profile,
-        out,
-        repeats=profile["repeats"],
-        rounds_of={"no-cache": profile["no_cache_rounds"]},
-    )
+    loopback = compare("loopback", profile, out, repeats=profile["repeats"])
     every = str(DEFAULT_CHECKPOINT_EVERY)
     with_checkpoints = job(
         f"loopback-bagpipe-checkpoint-every-{every}", profile, out, "--checkpoint-every", every
@@ -421,7 +418,6 @@ def section_network(profile: dict[str, Any], out: Path) -> dict[str, Any]:
                 "--netns-addresses",
                 f"{HOST_IP},{NS_IP}",
                 repeats=profile["repeats"],
-                rounds_of={"no-cache": profile["no_cache_rounds"]},
             )
     return results
 
@@ -554,9 +550,7 @@ def section_skew(profile: dict[str, Any], out: Path) -> dict[str, Any]:
     rounds = profile["skew_rounds"]
     for skew, kind, value, label, flags in settings:
         # no-cache is not in the target: it runs in the first rounds only
-        runs = compare(
-            label, sized, out, *flags, repeats=rounds, rounds_of={"no-cache": profile["no_cache_rounds"]}
-        )["systems"]
+        runs = compare(label, sized, out, *flags, repeats=rounds)["systems"]
         paired = [
             b / i
             for b, i in zip(
