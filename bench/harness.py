@@ -19,7 +19,8 @@ logs, warm-up excluded) and their ratios, with Bagpipe's iteration-stage breakdo
                 its resident memory against its rows and optimizer state;
 * ``lookahead`` L in {5, 10, 50, 100, 200, 300}: peak cache rows and time per iteration (paper Table 3);
 * ``skew``      top-1% share of accesses 90% .. 1% and Zipf alpha 1 .. 5: ideal, bagpipe and no-cache
-                at each point, as ``systems`` runs them (paper Figures 18 and 19).
+                at each point (paper Figures 18 and 19); bagpipe's and the ideal's jobs alive at once
+                and run in turns (``interleaved``), so that both meet the machine at the same speed.
 
 After the tables it prints issue 17's targets against the figures at hand, and the machine's speed
 before and after the sections (``machine_probe.py``: fixed compute, random-read and interpreter
@@ -41,6 +42,7 @@ import math
 import os
 import platform
 import shutil
+import signal
 import statistics
 import subprocess
 import sys
@@ -94,13 +96,12 @@ PROFILES: dict[str, dict[str, Any]] = {
         "model_iterations": 60,
         "hot_shares": [0.9, 0.4, 0.01],
         "zipf_alphas": [1.0, 3.0, 5.0],
-        # as many as the systems section: with 100, half of them carrying a transfer group, the same
-        # point's median moved by up to 11% between two runs of one system (2026-11-25, 16:20)
-        "skew_iterations": 200,
-        # bagpipe and the ideal per skew point (no-cache in two). Their jobs' medians vary by ~4% from
-        # one job to the next (the machine, not the system), so a point's ratio from three rounds each
-        # varied by ~3%, and the spread, a max over min of six such ratios, by as much as its target
-        "skew_rounds": 6,
+        # bagpipe's and the ideal's jobs run in turns (interleaved), three pairs a point, 400 iterations a
+        # job (280-300 of them measured: those inside a job's own slices). Run one after the other, six
+        # rounds of 200 still left a point's ratio ~4% off, and the spread, a max over min of six such
+        # ratios, as far off as its target: a job's median moved by up to a quarter with the machine
+        "skew_iterations": 400,
+        "skew_rounds": 3,
         "oracle": {
             "batches": [1024, 4096, 16384],
             "tables": [8, 13, 26],
@@ -162,14 +163,14 @@ def log(msg: str) -> None:
 
 
 # ---- one job
-def job(
+def job_argv(
     name: str, profile: dict[str, Any], out: Path, *extra: str, iterations: int | None = None
-) -> dict[str, Any]:
-    """Runs ``bagpipe run`` with the profile's model and data; returns timings and the breakdown."""
+) -> list[str]:
+    """``bagpipe run``'s arguments for a job of the profile's model and data, in ``out/runs/name``."""
     run_dir = out / "runs" / name
     shutil.rmtree(run_dir, ignore_errors=True)
     n = iterations or profile["iterations"]
-    argv = [
+    return [
         "run",
         "--quiet",
         "--no-report",  # (the harness reads the per-iteration logs and the summary)
@@ -197,21 +198,50 @@ def job(
         profile.get("device", "auto"),
         *extra,
     ]
+
+
+def job(
+    name: str, profile: dict[str, Any], out: Path, *extra: str, iterations: int | None = None
+) -> dict[str, Any]:
+    """Runs ``bagpipe run`` with the profile's model and data; returns timings and the breakdown."""
+    n = iterations or profile["iterations"]
+    argv = job_argv(name, profile, out, *extra, iterations=n)
     t0 = time.perf_counter()
     summary = run_job(build_parser().parse_args(argv))
+    run_dir = out / "runs" / name
     batches, per_iteration = iteration_times(run_dir)
     skip = max(5, len(per_iteration) // 10)
-    warm = per_iteration[skip:]
-    result = {
+    result = job_result(name, list(extra), n, summary, batches[skip:], per_iteration[skip:])
+    result["wall_s"] = time.perf_counter() - t0
+    log(
+        f"{name}: median {result['median_ms']:.1f} ms, p90 {result['p90_ms']:.1f} ms "
+        f"({result['wall_s']:.0f} s)"
+    )
+    return result
+
+
+def job_result(
+    name: str,
+    flags: list[str],
+    iterations: int,
+    summary: dict[str, Any],
+    batches: list[int],
+    seconds: list[float],
+    stage_seconds: dict[str, float] | None = None,
+) -> dict[str, Any]:
+    """A job's figures: the timings of the measured iterations (``batches``, ``seconds``) and, from its
+    summary, the rest; ``stage_seconds`` (per iteration) in place of the summary's where given."""
+    stages = summary["stage_seconds_per_iteration"] if stage_seconds is None else stage_seconds
+    return {
         "name": name,
-        "flags": list(extra),
-        "iterations": n,
-        "iteration_ms": [1000 * t for t in warm],
-        "iteration_batch": batches[skip:],
-        "median_ms": 1000 * statistics.median(warm),
-        "p90_ms": 1000 * sorted(warm)[int(0.9 * (len(warm) - 1))],
-        "mean_ms": 1000 * statistics.fmean(warm),
-        "stage_ms": {k: 1000 * v for k, v in summary["stage_seconds_per_iteration"].items()},
+        "flags": flags,
+        "iterations": iterations,
+        "iteration_ms": [1000 * t for t in seconds],
+        "iteration_batch": batches,
+        "median_ms": 1000 * statistics.median(seconds),
+        "p90_ms": 1000 * sorted(seconds)[int(0.9 * (len(seconds) - 1))],
+        "mean_ms": 1000 * statistics.fmean(seconds),
+        "stage_ms": {k: 1000 * v for k, v in stages.items()},
         "cache_hit_rate": summary["cache_hit_rate"],
         "rows_per_iteration": summary["rows_per_iteration"],
         "rows_fetched_per_iteration": summary["rows_fetched_per_iteration"],
@@ -222,13 +252,7 @@ def job(
         "cache_capacity_rows": summary["cache_capacity_rows"],
         "lookahead": summary["lookahead"],
         "cpu_ms": {k: 1000 * v for k, v in summary.get("cpu_seconds_per_iteration", {}).items()},
-        "wall_s": time.perf_counter() - t0,
     }
-    log(
-        f"{name}: median {result['median_ms']:.1f} ms, p90 {result['p90_ms']:.1f} ms "
-        f"({result['wall_s']:.0f} s)"
-    )
-    return result
 
 
 def iteration_times(run_dir: Path) -> tuple[list[int], list[float]]:
@@ -318,6 +342,165 @@ def compare(
         "no_cache_over_bagpipe_mean": runs["no-cache"]["mean_ms"] / runs["bagpipe"]["mean_ms"],
         "no_cache_over_bagpipe_p90": runs["no-cache"]["p90_ms"] / runs["bagpipe"]["p90_ms"],
     }
+
+
+# ---- two jobs in turns
+# a job runs alone for a slice of at least this long, or, if longer, of SLICE_ITERATIONS times the median
+# iteration of the slower job while both ran at once (about twice as many iterations alone)
+SLICE_S = 0.5
+SLICE_ITERATIONS = 10
+# each job's first iterations (an eighth, and at least HELD_AT), run at once by both, are not measured:
+# bagpipe's first 30-40 at the quick profile ran at up to twice the time of the rest, while its data
+# processors and oracle filled the lookahead window
+HELD_AT = 10
+# nor the first iterations of each slice: right after a thaw they took 1.2-1.6x as long (caches and
+# pages the other job had used), the third and later ones as long as the rest
+SETTLE = 2
+# a job held (frozen) until the other one has started runs on for a moment this often: its launcher's
+# failure detector (frozen with it) then sees progress, and never a trainer silent for its 10 s
+HOLD_THAW_EVERY_S, HOLD_THAW_S = 3.0, 0.2
+
+
+def trainer_rows(run_dir: Path) -> list[list[dict[str, str]]]:
+    """Each trainer's per-iteration log, as far as it is written."""
+    logs = []
+    for path in sorted((run_dir / "metrics").glob("trainer-*.csv")):
+        with open(path, newline="") as f:
+            logs.append([r for r in csv.DictReader(f) if None not in r.values()])  # (not a line half written)
+    return logs
+
+
+def iterations_done(run_dir: Path, trainers: int = 2) -> int:
+    """How many iterations every trainer has logged (0 before they all log)."""
+    paths = sorted((run_dir / "metrics").glob("trainer-*.csv"))
+    if len(paths) < trainers:
+        return 0
+    return min(max(0, p.read_bytes().count(b"\n") - 1) for p in paths)
+
+
+def in_slices(
+    logs: list[list[dict[str, str]]], slices: list[tuple[float, float]], skip: int
+) -> tuple[list[int], list[float], dict[str, float]]:
+    """The iterations after the first ``skip`` that every trainer ran wholly inside one of ``slices``
+    (wall-clock intervals in which its job ran alone), less the first ``SETTLE`` of each slice: their
+    batches, their times (the slowest trainer's: training is synchronous) and the mean of each stage over
+    them and the trainers. An iteration that spans a freeze is left out, so no frozen time counts."""
+    batches: list[int] = []
+    seconds: list[float] = []
+    stages: dict[str, list[float]] = {}
+    seen = [0] * len(slices)  # iterations so far inside each slice
+    for n, per_trainer in enumerate(zip(*logs, strict=False)):
+        start = min(float(r["time"]) - float(r["iteration_seconds"]) for r in per_trainer)
+        end = max(float(r["time"]) for r in per_trainer)
+        inside = next((k for k, (a, b) in enumerate(slices) if a <= start and end <= b), None)
+        if inside is None:
+            continue
+        seen[inside] += 1
+        if n < skip or seen[inside] <= SETTLE:
+            continue
+        batches.append(int(per_trainer[0]["batch"]))
+        seconds.append(max(float(r["iteration_seconds"]) for r in per_trainer))
+        for r in per_trainer:
+            for key, value in r.items():
+                if key.endswith("_seconds") and key != "iteration_seconds":
+                    stages.setdefault(key.removesuffix("_seconds"), []).append(float(value))
+    return batches, seconds, {k: statistics.fmean(v) for k, v in stages.items()}
+
+
+def interleaved(
+    pair: list[tuple[str, list[str]]], profile: dict[str, Any], out: Path
+) -> list[dict[str, Any]]:
+    """Two jobs (name, flags) alive at once and run in turns: each job's processes are frozen
+    (``SIGSTOP`` to its process group) while the other's run, for slices of ``SLICE_S`` or more. The
+    machine's speed on these shared cores moves by a quarter from one minute to the next, and by a tenth
+    within seconds; two jobs run one after the other meet different speeds, two run in turns the same.
+    Only iterations wholly inside their own job's slices count, from when both jobs are past their
+    first eighth (the one there first is held, frozen, for the other) until either ends.
+    Returns each job's figures as ``job`` does, its stages measured over the same iterations."""
+    procs: list[subprocess.Popen[bytes]] = []
+    run_dirs = [out / "runs" / name for name, _ in pair]
+    logs = []
+    t0 = time.perf_counter()
+    done = False
+    warm = max(HELD_AT, profile["iterations"] // 8)
+    try:
+        for (name, flags), run_dir in zip(pair, run_dirs, strict=True):
+            argv = job_argv(name, profile, out, *flags)
+            run_dir.mkdir(parents=True)
+            logs.append(open(run_dir.parent / f"{name}.log", "wb"))  # noqa: SIM115
+            procs.append(
+                subprocess.Popen(
+                    [sys.executable, "-m", "bagpipe.cli", *argv],
+                    stdout=logs[-1],
+                    stderr=subprocess.STDOUT,
+                    start_new_session=True,  # (its own process group: the launcher and every service)
+                )
+            )
+
+        def check() -> bool:
+            """True while both run; raises when one of them failed."""
+            for (name, _), p in zip(pair, procs, strict=True):
+                if p.poll() not in (None, 0):
+                    raise RuntimeError(f"{name} failed (exit {p.returncode}): see {out / 'runs' / name}.log")
+            return all(p.poll() is None for p in procs)
+
+        held: dict[int, float] = {}
+        while len(held) < 2 and check():
+            for i, run_dir in enumerate(run_dirs):
+                if i not in held and iterations_done(run_dir) >= warm:
+                    os.killpg(procs[i].pid, signal.SIGSTOP)
+                    held[i] = time.monotonic()
+                elif i in held and len(held) < 2 and time.monotonic() - held[i] > HOLD_THAW_EVERY_S:
+                    os.killpg(procs[i].pid, signal.SIGCONT)
+                    time.sleep(HOLD_THAW_S)
+                    os.killpg(procs[i].pid, signal.SIGSTOP)
+                    held[i] = time.monotonic()
+            time.sleep(0.05)
+        so_far = [
+            statistics.median(
+                float(r["iteration_seconds"]) for rows in trainer_rows(d) for r in rows[warm // 2 : warm]
+            )
+            for d in run_dirs
+        ]
+        slice_s = max(SLICE_S, SLICE_ITERATIONS * max(so_far))
+        slices: list[list[tuple[float, float]]] = [[], []]
+        turn = 0
+        while check():
+            os.killpg(procs[turn].pid, signal.SIGCONT)
+            start = time.time()
+            time.sleep(slice_s)
+            os.killpg(procs[turn].pid, signal.SIGSTOP)
+            slices[turn].append((start, time.time()))
+            turn = 1 - turn
+        done = True
+    finally:
+        for p in procs:
+            with contextlib.suppress(ProcessLookupError):
+                os.killpg(p.pid, signal.SIGCONT)
+                if not done:  # (the harness stopped, or the other job failed)
+                    os.killpg(p.pid, signal.SIGTERM)
+        for p in procs:
+            p.wait()
+        for f in logs:
+            f.close()
+    check()
+    wall = time.perf_counter() - t0
+    results = []
+    for (name, flags), run_dir, own in zip(pair, run_dirs, slices, strict=True):
+        batches, seconds, stages = in_slices(trainer_rows(run_dir), own, warm)
+        if not seconds:
+            raise RuntimeError(
+                f"{name}: no iteration ran wholly inside its slices ({len(own)} of {slice_s} s)"
+            )
+        summary = json.loads((run_dir / "summary.json").read_text())
+        result = job_result(name, flags, profile["iterations"], summary, batches, seconds, stages)
+        result.update(wall_s=wall, slices=len(own), slice_s=slice_s, measured_iterations=len(seconds))
+        log(
+            f"{name}: median {result['median_ms']:.1f} ms over {len(seconds)} iterations in {len(own)} "
+            f"slices of {slice_s:.2f} s, p90 {result['p90_ms']:.1f} ms ({wall:.0f} s for the pair)"
+        )
+        results.append(result)
+    return results
 
 
 # ---- the limited link
@@ -527,11 +710,11 @@ def section_lookahead(profile: dict[str, Any], out: Path) -> dict[str, Any]:
 
 
 def section_skew(profile: dict[str, Any], out: Path) -> dict[str, Any]:
-    """Each point's systems as ``compare`` runs them: bagpipe and the ideal in ``skew_rounds`` rounds (every
-    other one in reverse order), no-cache in the first ``no_cache_rounds``. A point's bagpipe/ideal is the
-    ratio of the two systems' medians over every round's iterations, as in the other sections; the spread
-    is a max over min of six of them, so each round more of the two systems narrows it. Each round's own
-    ratio (two jobs one after the other) is kept beside it, with the spread of their medians per point."""
+    """At each point, bagpipe and the ideal in ``skew_rounds`` pairs of jobs run in turns (``interleaved``;
+    the ideal's job first in every other pair), then no-cache alone in the first ``no_cache_rounds``. A
+    point's bagpipe/ideal is the ratio of the two systems' medians over every pair's measured iterations;
+    the spread is a max over min of six of them. Each pair's own ratio is kept beside it, with the spread
+    of their medians per point."""
     sized = {**profile, "iterations": profile["skew_iterations"]}
     settings = [
         (
@@ -549,15 +732,20 @@ def section_skew(profile: dict[str, Any], out: Path) -> dict[str, Any]:
     points = []
     rounds = profile["skew_rounds"]
     for skew, kind, value, label, flags in settings:
-        # no-cache is not in the target: it runs in the first rounds only
-        runs = compare(label, sized, out, *flags, repeats=rounds)["systems"]
-        paired = [
-            b / i
-            for b, i in zip(
-                runs["bagpipe"].get("repeat_medians_ms", [runs["bagpipe"]["median_ms"]]),
-                runs["ideal"].get("repeat_medians_ms", [runs["ideal"]["median_ms"]]),
-                strict=True,
+        jobs: dict[str, list[dict[str, Any]]] = {s: [] for s in SYSTEMS}
+        for r in range(rounds):
+            pair = [(s, [*SYSTEMS[s], *flags]) for s in ("ideal", "bagpipe")]
+            pair = pair if r % 2 == 0 else pair[::-1]
+            ran = interleaved([(f"{label}-{s}-{r + 1}", f) for s, f in pair], sized, out)
+            for (s, _), result in zip(pair, ran, strict=True):
+                jobs[s].append(result)
+        for r in range(min(rounds, profile.get("no_cache_rounds", rounds))):  # (not in the target)
+            jobs["no-cache"].append(
+                job(f"{label}-no-cache-{r + 1}", sized, out, *SYSTEMS["no-cache"], *flags)
             )
+        runs = {s: pooled(js) for s, js in jobs.items()}
+        paired = [
+            b["median_ms"] / i["median_ms"] for b, i in zip(jobs["bagpipe"], jobs["ideal"], strict=True)
         ]
         points.append(
             {
@@ -577,6 +765,7 @@ def section_skew(profile: dict[str, Any], out: Path) -> dict[str, Any]:
     return {
         "points": points,
         "rounds": rounds,
+        "interleaved": True,
         "bagpipe_spread": max(times) / min(times) - 1,
         "ideal_spread": max(ideal) / min(ideal) - 1,
         "bagpipe_over_ideal_spread": max(over) / min(over) - 1,
@@ -858,13 +1047,13 @@ def table(results: dict[str, Any]) -> str:
         ]
         sk = results["skew"]
         lines.append(
-            "\nThe medians pool every round's iterations; in brackets, each round's bagpipe over ideal "
-            "median. Across the skew "
-            f"sweep (max/min - 1): bagpipe's time varies by {100 * sk['bagpipe_spread']:.1f}% "
+            "\nBagpipe's and the ideal's jobs ran in turns, in pairs (no-cache's alone); the medians pool "
+            "every pair's measured iterations; in brackets, each pair's bagpipe over ideal median. Across "
+            f"the skew sweep (max/min - 1): bagpipe's time varies by {100 * sk['bagpipe_spread']:.1f}% "
             f"(paper: at most 13%), the ideal system's by {100 * sk['ideal_spread']:.1f}%, and "
             f"bagpipe/ideal by {100 * sk['bagpipe_over_ideal_spread']:.1f}% "
             f"({100 * sk.get('paired_bagpipe_over_ideal_spread', math.nan):.1f}% by the median of each "
-            "point's round ratios)."
+            "point's pair ratios)."
         )
     if "oracle" in results:
         lines += [

@@ -1,0 +1,55 @@
+"""The benchmark's measurement of two jobs run in turns (bench/harness.py, ``in_slices``): only the
+iterations a job ran wholly inside its own slices count, less the first ones of each slice."""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+import pytest
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "bench"))
+harness = pytest.importorskip("harness")
+
+
+def trainer_log(ends: list[float], seconds: float, forward: float) -> list[dict[str, str]]:
+    return [
+        {
+            "batch": str(b),
+            "time": str(end),
+            "iteration_seconds": str(seconds),
+            "forward_seconds": str(forward),
+            "loss": "0.5",
+        }
+        for b, end in enumerate(ends)
+    ]
+
+
+def test_counts_only_whole_iterations_inside_slices_after_each_slice_settles() -> None:
+    # iterations of 0.1 s ending at 1.15, 1.25, ...; the job ran alone in [1.0, 2.0] and [3.0, 4.0], which
+    # hold iterations 0-8 and 20-28 whole
+    ends = [1.15 + 0.1 * i for i in range(35)]
+    logs = [trainer_log(ends, 0.1, 0.04), trainer_log(ends, 0.1, 0.06)]
+    slices = [(1.0, 2.0), (3.0, 4.0)]
+    batches, seconds, stages = harness.in_slices(logs, slices, skip=0)
+    assert batches == [*range(9)][harness.SETTLE :] + [*range(20, 29)][harness.SETTLE :]
+    assert seconds == pytest.approx([0.1] * len(batches))
+    assert stages["forward"] == pytest.approx(0.05)  # both trainers, the counted iterations
+    assert set(stages) == {"forward"}
+
+
+def test_an_iteration_across_a_freeze_and_the_warm_up_do_not_count() -> None:
+    # the third iteration started before its slice (it spans the freeze): it is left out, and the
+    # slowest trainer's time is the iteration's
+    ends = [1.1, 1.2, 1.9, 2.0, 2.1, 2.2, 2.3, 2.4]
+    fast = trainer_log(ends, 0.1, 0.0)
+    slow = trainer_log(ends, 0.1, 0.0)
+    slow[2]["iteration_seconds"] = "0.8"
+    for r in slow[3:]:
+        r["iteration_seconds"] = "0.09"
+    batches, seconds, _ = harness.in_slices([fast, slow], [(1.5, 3.0)], skip=0)
+    assert 2 not in batches
+    assert batches == [3, 4, 5, 6, 7][harness.SETTLE :]
+    assert seconds == pytest.approx([0.1] * len(batches))
+    # the warm-up's iterations inside a slice settle it too
+    assert harness.in_slices([fast, slow], [(1.5, 3.0)], skip=6)[0] == [6, 7]
