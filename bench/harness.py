@@ -79,10 +79,12 @@ PROFILES: dict[str, dict[str, Any]] = {
         "batch": 2048,
         "scale": "0.01",
         "iterations": 200,
-        # systems and network: bagpipe's and the ideal's jobs six times, no-cache's twice, every other round
-        # in reverse order, pooled (compare). With two rounds each, bagpipe/ideal at a link moved by up to
-        # 8% between runs of the same code (0.91-1.08x), as a job's median moves by ~4% from job to job
-        "repeats": 6,
+        # systems, network and skew (compare): bagpipe's and the ideal's jobs run in turns (interleaved),
+        # three pairs of 400 iterations each (about 290-330 measured: those inside a job's own slices),
+        # no-cache's twice alone, pooled. Run one after the other, six rounds of 200 iterations still
+        # left a ratio ~4% off: a job's median moved by up to a quarter with the machine
+        "pair_iterations": 400,
+        "repeats": 3,
         "no_cache_rounds": 2,
         "optimizer": ["--optimizer", "adagrad", "--lr", "0.05"],
         "lookaheads": [5, 10, 50, 100, 200, 300],
@@ -93,14 +95,10 @@ PROFILES: dict[str, dict[str, Any]] = {
             "deepfm": ["--deep-mlp", "64,64,64"],
             "dcn": ["--deep-mlp", "256,128,64", "--cross-layers", "3"],
         },
-        "model_iterations": 60,
+        "model_iterations": 60,  # (no-cache's job; bagpipe's and the ideal's run in turns, a pair of 200)
+        "model_pair_iterations": 200,
         "hot_shares": [0.9, 0.4, 0.01],
         "zipf_alphas": [1.0, 3.0, 5.0],
-        # bagpipe's and the ideal's jobs run in turns (interleaved), three pairs a point, 400 iterations a
-        # job (280-300 of them measured: those inside a job's own slices). Run one after the other, six
-        # rounds of 200 still left a point's ratio ~4% off, and the spread, a max over min of six such
-        # ratios, as far off as its target: a job's median moved by up to a quarter with the machine
-        "skew_iterations": 400,
         "skew_rounds": 3,
         "oracle": {
             "batches": [1024, 4096, 16384],
@@ -126,6 +124,7 @@ PROFILES: dict[str, dict[str, Any]] = {
         "batch": 16384,
         "scale": "0.1",
         "iterations": 300,
+        "pair_iterations": 300,
         "repeats": 1,
         "no_cache_rounds": 1,
         "optimizer": ["--optimizer", "adagrad", "--lr", "0.05"],
@@ -139,6 +138,7 @@ PROFILES: dict[str, dict[str, Any]] = {
             "dcn": ["--deep-mlp", "1024,512,256", "--cross-layers", "3"],
         },
         "model_iterations": 200,
+        "model_pair_iterations": 200,
         "hot_shares": [0.9, 0.7, 0.4, 0.1, 0.01],
         "zipf_alphas": [1.0, 2.0, 3.0, 4.0, 5.0],
         "oracle": {
@@ -149,7 +149,6 @@ PROFILES: dict[str, dict[str, Any]] = {
             "target_timed": 200,
         },
         "rates": ["10gbit", "1gbit", "100mbit"],
-        "skew_iterations": 200,
         "skew_rounds": 3,
         "embedding_server": {"scale": 1.0, "keys": 16384, "concurrency": 4, "seconds": 60},
     },
@@ -315,26 +314,25 @@ def compare(
     *extra: str,
     repeats: int = 1,
 ) -> dict[str, Any]:
-    """The three systems one after the other, ``repeats`` times over, every other round in reverse
-    (ideal, bagpipe, no-cache, no-cache, bagpipe, ideal, ...): a slow minute of the machine then falls on
-    every system, not on one, and a machine that slows down or speeds up steadily over the rounds gives
-    each system the same mean position in time (in a forward-only order the first system always runs
-    earliest). No-cache, which no bagpipe/ideal target depends on, runs in the profile's first
-    ``no_cache_rounds`` only."""
-    rounds = {s: repeats for s in SYSTEMS} | {
-        "no-cache": min(repeats, profile.get("no_cache_rounds", repeats))
-    }
+    """Bagpipe and the ideal in ``repeats`` pairs of jobs alive at once and run in turns
+    (``interleaved``; the ideal's job first in every other pair), so that a slow spell of the machine
+    falls on both alike; then no-cache, which no bagpipe/ideal target depends on, alone, in the profile's
+    first ``no_cache_rounds``. Each system's jobs are pooled."""
     jobs: dict[str, list[dict[str, Any]]] = {s: [] for s in SYSTEMS}
     for r in range(repeats):
-        order = list(SYSTEMS.items())
-        for s, flags in order if r % 2 == 0 else order[::-1]:
-            if r >= rounds[s]:
-                continue
-            name = f"{label}-{s}" + (f"-{r + 1}" if repeats > 1 else "")
-            jobs[s].append(job(name, profile, out, *flags, *extra))
+        pair = [(s, [*SYSTEMS[s], *extra]) for s in ("ideal", "bagpipe")]
+        pair = pair if r % 2 == 0 else pair[::-1]
+        ran = interleaved([(f"{label}-{s}-{r + 1}", flags) for s, flags in pair], profile, out)
+        for (s, _), result in zip(pair, ran, strict=True):
+            jobs[s].append(result)
+    for r in range(min(repeats, profile.get("no_cache_rounds", repeats))):
+        jobs["no-cache"].append(job(f"{label}-no-cache-{r + 1}", profile, out, *SYSTEMS["no-cache"], *extra))
     runs = {s: pooled(js) for s, js in jobs.items()}
     return {
         "systems": runs,
+        "pair_ratios": [
+            b["median_ms"] / i["median_ms"] for b, i in zip(jobs["bagpipe"], jobs["ideal"], strict=True)
+        ],
         "bagpipe_over_ideal": runs["bagpipe"]["median_ms"] / runs["ideal"]["median_ms"],
         "no_cache_over_bagpipe": runs["no-cache"]["median_ms"] / runs["bagpipe"]["median_ms"],
         "bagpipe_over_ideal_p90": runs["bagpipe"]["p90_ms"] / runs["ideal"]["p90_ms"],
@@ -346,8 +344,12 @@ def compare(
 
 # ---- two jobs in turns
 # a job runs alone for a slice of at least this long, or, if longer, of SLICE_ITERATIONS times the median
-# iteration of the slower job while both ran at once (about twice as many iterations alone)
-SLICE_S = 0.5
+# iteration of the slower job while both ran at once (about twice as many iterations alone). With slices
+# of 0.5 s, bagpipe's iterations stayed 4-12% slower than the ideal's for the first eight after a thaw and
+# bagpipe/ideal came out at 1.07x at 1 Gbit/s (three pairs: 1.06-1.08x); with 2 s slices, 1.02x (pairs
+# 0.99-1.05x): a thaw costs bagpipe more than the ideal, likely its gRPC connections restarting from TCP's
+# initial window after an idle spell (net.ipv4.tcp_slow_start_after_idle), so slices are long
+SLICE_S = 2.0
 SLICE_ITERATIONS = 10
 # each job's first iterations (an eighth, and at least HELD_AT), run at once by both, are not measured:
 # bagpipe's first 30-40 at the quick profile ran at up to twice the time of the rest, while its data
@@ -422,10 +424,11 @@ def interleaved(
     logs = []
     t0 = time.perf_counter()
     done = False
-    warm = max(HELD_AT, profile["iterations"] // 8)
+    iterations = profile["pair_iterations"]
+    warm = max(HELD_AT, iterations // 8)
     try:
         for (name, flags), run_dir in zip(pair, run_dirs, strict=True):
-            argv = job_argv(name, profile, out, *flags)
+            argv = job_argv(name, profile, out, *flags, iterations=iterations)
             run_dir.mkdir(parents=True)
             logs.append(open(run_dir.parent / f"{name}.log", "wb"))  # noqa: SIM115
             procs.append(
@@ -493,7 +496,7 @@ def interleaved(
                 f"{name}: no iteration ran wholly inside its slices ({len(own)} of {slice_s} s)"
             )
         summary = json.loads((run_dir / "summary.json").read_text())
-        result = job_result(name, flags, profile["iterations"], summary, batches, seconds, stages)
+        result = job_result(name, flags, iterations, summary, batches, seconds, stages)
         result.update(wall_s=wall, slices=len(own), slice_s=slice_s, measured_iterations=len(seconds))
         log(
             f"{name}: median {result['median_ms']:.1f} ms over {len(seconds)} iterations in {len(own)} "
@@ -555,13 +558,20 @@ def set_up_link(rate: str) -> None:
 def section_systems(profile: dict[str, Any], out: Path) -> dict[str, Any]:
     loopback = compare("loopback", profile, out, repeats=profile["repeats"])
     every = str(DEFAULT_CHECKPOINT_EVERY)
-    with_checkpoints = job(
-        f"loopback-bagpipe-checkpoint-every-{every}", profile, out, "--checkpoint-every", every
+    # what consistent checkpoints cost: bagpipe with and without them, a pair run in turns
+    without, with_checkpoints = interleaved(
+        [
+            ("loopback-bagpipe-without-checkpoints", []),
+            (f"loopback-bagpipe-checkpoint-every-{every}", ["--checkpoint-every", every]),
+        ],
+        profile,
+        out,
     )
     loopback["bagpipe_with_checkpoints"] = {
         "checkpoint_every": DEFAULT_CHECKPOINT_EVERY,
         **with_checkpoints,
-        "over_bagpipe": with_checkpoints["median_ms"] / loopback["systems"]["bagpipe"]["median_ms"],
+        "without_median_ms": without["median_ms"],
+        "over_bagpipe": with_checkpoints["median_ms"] / without["median_ms"],
     }
     return {"loopback": loopback}
 
@@ -578,6 +588,7 @@ def section_models(profile: dict[str, Any], out: Path) -> dict[str, Any]:
             **profile,
             "model": profile["model"] if model == "dlrm" else dim,
             "iterations": profile["model_iterations"],
+            "pair_iterations": profile["model_pair_iterations"],
         }
         results[model] = compare(f"model-{model}", sized, out, "--model", model, *flags)
     return results
@@ -710,12 +721,10 @@ def section_lookahead(profile: dict[str, Any], out: Path) -> dict[str, Any]:
 
 
 def section_skew(profile: dict[str, Any], out: Path) -> dict[str, Any]:
-    """At each point, bagpipe and the ideal in ``skew_rounds`` pairs of jobs run in turns (``interleaved``;
-    the ideal's job first in every other pair), then no-cache alone in the first ``no_cache_rounds``. A
-    point's bagpipe/ideal is the ratio of the two systems' medians over every pair's measured iterations;
+    """Each point's systems as ``compare`` runs them, in ``skew_rounds`` pairs. A point's bagpipe/ideal is
+    the ratio of the two systems' medians over every pair's measured iterations, as in the other sections;
     the spread is a max over min of six of them. Each pair's own ratio is kept beside it, with the spread
     of their medians per point."""
-    sized = {**profile, "iterations": profile["skew_iterations"]}
     settings = [
         (
             f"top 1% = {100 * share:g}%",
@@ -732,28 +741,15 @@ def section_skew(profile: dict[str, Any], out: Path) -> dict[str, Any]:
     points = []
     rounds = profile["skew_rounds"]
     for skew, kind, value, label, flags in settings:
-        jobs: dict[str, list[dict[str, Any]]] = {s: [] for s in SYSTEMS}
-        for r in range(rounds):
-            pair = [(s, [*SYSTEMS[s], *flags]) for s in ("ideal", "bagpipe")]
-            pair = pair if r % 2 == 0 else pair[::-1]
-            ran = interleaved([(f"{label}-{s}-{r + 1}", f) for s, f in pair], sized, out)
-            for (s, _), result in zip(pair, ran, strict=True):
-                jobs[s].append(result)
-        for r in range(min(rounds, profile.get("no_cache_rounds", rounds))):  # (not in the target)
-            jobs["no-cache"].append(
-                job(f"{label}-no-cache-{r + 1}", sized, out, *SYSTEMS["no-cache"], *flags)
-            )
-        runs = {s: pooled(js) for s, js in jobs.items()}
-        paired = [
-            b["median_ms"] / i["median_ms"] for b, i in zip(jobs["bagpipe"], jobs["ideal"], strict=True)
-        ]
+        compared = compare(label, profile, out, *flags, repeats=rounds)
+        runs, paired = compared["systems"], compared["pair_ratios"]
         points.append(
             {
                 "skew": skew,
                 "kind": kind,
                 "value": value,
                 **runs,
-                "bagpipe_over_ideal": runs["bagpipe"]["median_ms"] / runs["ideal"]["median_ms"],
+                "bagpipe_over_ideal": compared["bagpipe_over_ideal"],
                 "round_ratios": paired,
                 "paired_bagpipe_over_ideal": statistics.median(paired),
             }
@@ -952,7 +948,8 @@ def table(results: dict[str, Any]) -> str:
                 "All systems above run without consistent checkpoints (the ideal system cannot take them). "
                 f"Bagpipe on loopback with one every {checkpointed['checkpoint_every']} batches (the default "
                 f"of `bagpipe run`): median {checkpointed['median_ms']:.1f} ms, "
-                f"{checkpointed['over_bagpipe']:.2f}x its time without; embedding servers' CPU "
+                f"{checkpointed['over_bagpipe']:.2f}x its time without them in the same pair of jobs run in "
+                f"turns ({checkpointed.get('without_median_ms', math.nan):.1f} ms); embedding servers' CPU "
                 f"{checkpointed['cpu_ms'].get('embedding-server', 0.0):.1f} ms per iteration.",
             ]
         lines += [
