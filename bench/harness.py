@@ -1,8 +1,9 @@
 """``make bench``: Bagpipe side by side with the ideal and no-cache systems, and the paper's sweeps.
 
-Every comparison runs in one invocation on the same data and model, one system after the other, and
-reports medians and p90s of the per-iteration time (the trainers' own clocks, from their per-iteration
-logs, warm-up excluded) and their ratios, with Bagpipe's iteration-stage breakdown. Sections:
+Every comparison runs in one invocation on the same data and model (bagpipe's and the ideal's jobs in
+turns, ``interleaved``; no-cache's alone), and reports medians and p90s of the per-iteration time (the
+trainers' own clocks, from their per-iteration logs, warm-up excluded) and their ratios, with Bagpipe's
+iteration-stage breakdown. Sections:
 
 * ``systems``   ideal / bagpipe / no-cache on loopback (2 trainers, 2 embedding servers), and what
                 Bagpipe's consistent checkpoints cost (every job elsewhere runs without them, as the
@@ -26,7 +27,7 @@ After the tables it prints issue 17's targets against the figures at hand, and t
 before and after the sections (``machine_probe.py``: fixed compute, random-read and interpreter
 workloads), since the absolute targets move with the hour on a shared machine.
 
-``--profile quick`` (``make bench``) takes about 18 minutes on 2 cores; ``--profile full`` uses the
+``--profile quick`` (``make bench``) takes about 30 minutes on 2 cores; ``--profile full`` uses the
 paper's DLRM (Table 2) and batch 16,384 where this machine can hold them, and takes hours here.
 Results: ``bench/results/bench-<profile>.json``, ``bench/results/*.png`` and a Markdown table
 ``bench/results/bench-<profile>.md``.
