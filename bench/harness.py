@@ -255,15 +255,22 @@ def job_result(
     }
 
 
-def iteration_times(run_dir: Path) -> tuple[list[int], list[float]]:
-    """Per iteration, its batch and the slowest trainer's time (training is synchronous)."""
-    columns, batches = [], []
+def trainer_rows(run_dir: Path) -> list[list[dict[str, str]]]:
+    """Each trainer's per-iteration log, as far as it is written."""
+    logs = []
     for path in sorted((run_dir / "metrics").glob("trainer-*.csv")):
         with open(path, newline="") as f:
-            rows = list(csv.DictReader(f))
-        columns.append([float(r["iteration_seconds"]) for r in rows])
-        batches = [int(r["batch"]) for r in rows]
-    return batches, [max(values) for values in zip(*columns, strict=True)]
+            logs.append([r for r in csv.DictReader(f) if None not in r.values()])  # (not a line half written)
+    return logs
+
+
+def iteration_times(run_dir: Path) -> tuple[list[int], list[float]]:
+    """Per iteration, its batch and the slowest trainer's time (training is synchronous)."""
+    per_iteration = list(zip(*trainer_rows(run_dir), strict=True))
+    return (
+        [int(rows[0]["batch"]) for rows in per_iteration],
+        [max(float(r["iteration_seconds"]) for r in rows) for rows in per_iteration],
+    )
 
 
 def by_phase(result: dict[str, Any], period: int = DEFAULT_TRANSFER_BATCHES) -> list[dict[str, float]]:
@@ -364,15 +371,6 @@ SETTLE = 2
 HOLD_THAW_EVERY_S, HOLD_THAW_S = 3.0, 0.2
 
 
-def trainer_rows(run_dir: Path) -> list[list[dict[str, str]]]:
-    """Each trainer's per-iteration log, as far as it is written."""
-    logs = []
-    for path in sorted((run_dir / "metrics").glob("trainer-*.csv")):
-        with open(path, newline="") as f:
-            logs.append([r for r in csv.DictReader(f) if None not in r.values()])  # (not a line half written)
-    return logs
-
-
 def iterations_done(run_dir: Path, trainers: int = 2) -> int:
     """How many iterations every trainer has logged (0 before they all log)."""
     paths = sorted((run_dir / "metrics").glob("trainer-*.csv"))
@@ -422,7 +420,7 @@ def interleaved(
     Returns each job's figures as ``job`` does, its stages measured over the same iterations."""
     procs: list[subprocess.Popen[bytes]] = []
     run_dirs = [out / "runs" / name for name, _ in pair]
-    logs = []
+    outputs = []
     t0 = time.perf_counter()
     done = False
     iterations = profile["pair_iterations"]
@@ -431,11 +429,11 @@ def interleaved(
         for (name, flags), run_dir in zip(pair, run_dirs, strict=True):
             argv = job_argv(name, profile, out, *flags, iterations=iterations)
             run_dir.mkdir(parents=True)
-            logs.append(open(run_dir.parent / f"{name}.log", "wb"))  # noqa: SIM115
+            outputs.append(open(run_dir.parent / f"{name}.log", "wb"))  # noqa: SIM115
             procs.append(
                 subprocess.Popen(
                     [sys.executable, "-m", "bagpipe.cli", *argv],
-                    stdout=logs[-1],
+                    stdout=outputs[-1],
                     stderr=subprocess.STDOUT,
                     start_new_session=True,  # (its own process group: the launcher and every service)
                 )
@@ -485,7 +483,7 @@ def interleaved(
                     os.killpg(p.pid, signal.SIGTERM)
         for p in procs:
             p.wait()
-        for f in logs:
+        for f in outputs:
             f.close()
     check()
     wall = time.perf_counter() - t0
