@@ -2,9 +2,14 @@
 
 from __future__ import annotations
 
-from bagpipe.control.detector import Detector, Observation, ScrapeSource
+import urllib.parse
+import urllib.request
+from typing import Any
+
+from bagpipe.control.detector import FINISHED, PROGRESS, Detector, Observation, ScrapeSource
 from bagpipe.local.launcher import free_port
 from bagpipe.metrics_http import MetricsServer
+from prometheus_client.parser import text_string_to_metric_families
 
 
 class Script:
@@ -78,5 +83,46 @@ def test_scrape_source_reads_liveness_and_progress_from_real_metrics_endpoints()
         assert seen["trainer/0"].reachable and seen["trainer/0"].progress is not None
         assert not seen["trainer/1"].reachable
         source.close()
+    finally:
+        server.stop()
+
+
+def test_a_scrape_that_names_series_gets_only_those_and_the_detector_asks_for_its_two() -> None:
+    server = MetricsServer("127.0.0.1:0", "trainer")
+    try:
+        with urllib.request.urlopen(f"http://{server.address}/metrics", timeout=10) as r:
+            whole = {f.name for f in text_string_to_metric_families(r.read().decode())}
+        assert {PROGRESS, FINISHED, "bagpipe_trainer_alive_timestamp_seconds"} <= whole and len(whole) > 10
+        query = urllib.parse.urlencode(
+            [("name[]", PROGRESS), ("name[]", "bagpipe_trainer_alive_timestamp_seconds")]
+        )
+        with urllib.request.urlopen(f"http://{server.address}/metrics?{query}", timeout=10) as r:
+            assert r.headers["Content-Type"].startswith("text/plain")
+            named = {f.name for f in text_string_to_metric_families(r.read().decode())}
+        assert named == {PROGRESS, "bagpipe_trainer_alive_timestamp_seconds"}
+        # a name no series has: an empty exposition, not an error
+        with urllib.request.urlopen(
+            f"http://{server.address}/metrics?name[]=no_such_series", timeout=10
+        ) as r:
+            assert r.status == 200 and not list(text_string_to_metric_families(r.read().decode()))
+
+        seen: list[str] = []
+        handler = server._server.RequestHandlerClass
+        original = handler.do_GET
+
+        def record(self: Any) -> None:
+            seen.append(self.path)
+            original(self)
+
+        handler.do_GET = record  # type: ignore[method-assign]
+        source = ScrapeSource(lambda: {"trainer/0": server.address})
+        try:
+            assert source.observe()["trainer/0"].progress is not None
+        finally:
+            source.close()
+        assert len(seen) == 1 and urllib.parse.parse_qs(seen[0].partition("?")[2])["name[]"] == [
+            PROGRESS,
+            FINISHED,
+        ]
     finally:
         server.stop()
