@@ -363,6 +363,11 @@ SLICE_ITERATIONS = 10
 # bagpipe's first 30-40 at the quick profile ran at up to twice the time of the rest, while its data
 # processors and oracle filled the lookahead window
 HELD_AT = 10
+# nor those until its data processors have built every batch: they build all of a 400-iteration job's
+# batches (3.1-3.4 s of CPU) in its first 60-75 iterations, and which job's window that work reaches
+# depends on how soon its trainers start (the ideal's fill a shared table first), so each job is held
+# only once its data processors' CPU has not moved for DATA_QUIET_S (or it is halfway through)
+DATA_QUIET_S = 1.0
 # nor the first iterations of each slice: right after a thaw they took 1.2-1.6x as long (caches and
 # pages the other job had used), the third and later ones as long as the rest
 SETTLE = 2
@@ -377,6 +382,54 @@ def iterations_done(run_dir: Path, trainers: int = 2) -> int:
     if len(paths) < trainers:
         return 0
     return min(max(0, p.read_bytes().count(b"\n") - 1) for p in paths)
+
+
+def group_members(pgid: int, needle: bytes) -> list[Path]:
+    """The ``/proc/<pid>/stat`` of each process in process group ``pgid`` whose command line holds
+    ``needle`` (Linux)."""
+    found = []
+    for stat in Path("/proc").glob("[0-9]*/stat"):
+        try:
+            group = int(stat.read_text().rsplit(")", 1)[1].split()[2])
+            if group == pgid and needle in (stat.parent / "cmdline").read_bytes():
+                found.append(stat)
+        except (OSError, IndexError, ValueError):  # (a process that ended meanwhile)
+            continue
+    return found
+
+
+def cpu_seconds(stats: list[Path]) -> float:
+    """User + system CPU seconds of the processes whose ``/proc/<pid>/stat`` these are (0 for ended ones)."""
+    total = 0.0
+    for stat in stats:
+        try:
+            fields = stat.read_text().rsplit(")", 1)[1].split()
+        except OSError:
+            continue
+        total += (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+    return total
+
+
+class Quiet:
+    """Whether a job's data processors are done: their CPU has not moved for ``DATA_QUIET_S``. Called
+    every poll while the job starts; finds the processes (in the job's process group) once they exist."""
+
+    def __init__(self, pgid: int) -> None:
+        self.pgid = pgid
+        self.stats: list[Path] = []
+        self.looked = -math.inf
+        self.cpu = 0.0
+        self.since = time.monotonic()
+
+    def __call__(self) -> bool:
+        now = time.monotonic()
+        if not self.stats and now - self.looked >= 0.5:
+            self.looked = now
+            self.stats = group_members(self.pgid, b"bagpipe.data_processor")
+        cpu = cpu_seconds(self.stats)
+        if cpu != self.cpu:
+            self.cpu, self.since = cpu, now
+        return cpu > 0 and now - self.since >= DATA_QUIET_S
 
 
 def in_slices(
@@ -416,7 +469,8 @@ def interleaved(
     machine's speed on these shared cores moves by a quarter from one minute to the next, and by a tenth
     within seconds; two jobs run one after the other meet different speeds, two run in turns the same.
     Only iterations wholly inside their own job's slices count, from when both jobs are past their
-    first eighth (the one there first is held, frozen, for the other) until either ends.
+    first eighth and their data processors have built every batch (the one there first is held, frozen,
+    for the other) until either ends.
     Returns each job's figures as ``job`` does, its stages measured over the same iterations."""
     procs: list[subprocess.Popen[bytes]] = []
     run_dirs = [out / "runs" / name for name, _ in pair]
@@ -447,11 +501,16 @@ def interleaved(
             return all(p.poll() is None for p in procs)
 
         held: dict[int, float] = {}
+        measured_from = [warm, warm]  # the iteration each job was held at: its measured ones follow
+        quiet = [Quiet(p.pid) for p in procs]
         while len(held) < 2 and check():
             for i, run_dir in enumerate(run_dirs):
-                if i not in held and iterations_done(run_dir) >= warm:
+                ready = i not in held and quiet[i]()  # (every poll: it times the processors' last work)
+                done_so_far = iterations_done(run_dir) if i not in held else 0
+                if i not in held and done_so_far >= warm and (ready or done_so_far >= iterations // 2):
                     os.killpg(procs[i].pid, signal.SIGSTOP)
                     held[i] = time.monotonic()
+                    measured_from[i] = iterations_done(run_dir)
                 elif i in held and len(held) < 2 and time.monotonic() - held[i] > HOLD_THAW_EVERY_S:
                     os.killpg(procs[i].pid, signal.SIGCONT)
                     time.sleep(HOLD_THAW_S)
@@ -488,18 +547,20 @@ def interleaved(
     check()
     wall = time.perf_counter() - t0
     results = []
-    for (name, flags), run_dir, own in zip(pair, run_dirs, slices, strict=True):
-        batches, seconds, stages = in_slices(trainer_rows(run_dir), own, warm)
+    for (name, flags), run_dir, own, skip in zip(pair, run_dirs, slices, measured_from, strict=True):
+        batches, seconds, stages = in_slices(trainer_rows(run_dir), own, skip)
         if not seconds:
             raise RuntimeError(
                 f"{name}: no iteration ran wholly inside its slices ({len(own)} of {slice_s} s)"
             )
         summary = json.loads((run_dir / "summary.json").read_text())
         result = job_result(name, flags, iterations, summary, batches, seconds, stages)
-        result.update(wall_s=wall, slices=len(own), slice_s=slice_s, measured_iterations=len(seconds))
+        result.update(wall_s=wall, slices=len(own), slice_s=slice_s, measured_from=skip)
+        result["measured_iterations"] = len(seconds)
         log(
-            f"{name}: median {result['median_ms']:.1f} ms over {len(seconds)} iterations in {len(own)} "
-            f"slices of {slice_s:.2f} s, p90 {result['p90_ms']:.1f} ms ({wall:.0f} s for the pair)"
+            f"{name}: median {result['median_ms']:.1f} ms over {len(seconds)} iterations from the "
+            f"{skip}th in {len(own)} slices of {slice_s:.2f} s, p90 {result['p90_ms']:.1f} ms "
+            f"({wall:.0f} s for the pair)"
         )
         results.append(result)
     return results
