@@ -68,6 +68,7 @@ from bagpipe.config_args import (  # noqa: E402
     DEFAULT_MAX_LOOKAHEAD,
     DEFAULT_TRANSFER_BATCHES,
 )
+from bagpipe.local.launcher import children_matching, process_cpu_seconds  # noqa: E402
 from bagpipe.local.launcher import run as run_job  # noqa: E402
 from bagpipe.trainer.worker import trainer_device  # noqa: E402
 from machine_probe import describe as describe_machine  # noqa: E402
@@ -391,49 +392,23 @@ def iterations_done(run_dir: Path, trainers: int = 2) -> int:
     return min(max(0, p.read_bytes().count(b"\n") - 1) for p in paths)
 
 
-def group_members(pgid: int, needle: bytes) -> list[Path]:
-    """The ``/proc/<pid>/stat`` of each process in process group ``pgid`` whose command line holds
-    ``needle`` (Linux)."""
-    found = []
-    for stat in Path("/proc").glob("[0-9]*/stat"):
-        try:
-            group = int(stat.read_text().rsplit(")", 1)[1].split()[2])
-            if group == pgid and needle in (stat.parent / "cmdline").read_bytes():
-                found.append(stat)
-        except (OSError, IndexError, ValueError):  # (a process that ended meanwhile)
-            continue
-    return found
-
-
-def cpu_seconds(stats: list[Path]) -> float:
-    """User + system CPU seconds of the processes whose ``/proc/<pid>/stat`` these are (0 for ended ones)."""
-    total = 0.0
-    for stat in stats:
-        try:
-            fields = stat.read_text().rsplit(")", 1)[1].split()
-        except OSError:
-            continue
-        total += (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
-    return total
-
-
 class Quiet:
     """Whether a job's data processors are done: their CPU has not moved for ``DATA_QUIET_S``. Called
-    every poll while the job starts; finds the processes (in the job's process group) once they exist."""
+    every poll while the job starts; finds them (children of its launcher, ``launcher``) once they exist."""
 
-    def __init__(self, pgid: int) -> None:
-        self.pgid = pgid
-        self.stats: list[Path] = []
+    def __init__(self, launcher: int) -> None:
+        self.launcher = launcher
+        self.pids: list[int] = []
         self.looked = -math.inf
         self.cpu = 0.0
         self.since = time.monotonic()
 
     def __call__(self) -> bool:
         now = time.monotonic()
-        if not self.stats and now - self.looked >= 0.5:
+        if not self.pids and now - self.looked >= 0.5:
             self.looked = now
-            self.stats = group_members(self.pgid, b"bagpipe.data_processor")
-        cpu = cpu_seconds(self.stats)
+            self.pids = children_matching("bagpipe.data_processor", self.launcher)
+        cpu = sum(process_cpu_seconds(pid) or 0.0 for pid in self.pids)
         if cpu != self.cpu:
             self.cpu, self.since = cpu, now
         return cpu > 0 and now - self.since >= DATA_QUIET_S
@@ -512,13 +487,14 @@ def interleaved(
         quiet = [Quiet(p.pid) for p in procs]
         while len(held) < 2 and check():
             for i, run_dir in enumerate(run_dirs):
-                ready = i not in held and quiet[i]()  # (every poll: it times the processors' last work)
-                done_so_far = iterations_done(run_dir) if i not in held else 0
-                if i not in held and done_so_far >= warm and (ready or done_so_far >= iterations // 2):
-                    os.killpg(procs[i].pid, signal.SIGSTOP)
-                    held[i] = time.monotonic()
-                    measured_from[i] = iterations_done(run_dir)
-                elif i in held and len(held) < 2 and time.monotonic() - held[i] > HOLD_THAW_EVERY_S:
+                if i not in held:
+                    ready = quiet[i]()  # (every poll: it times the processors' last work)
+                    logged = iterations_done(run_dir)
+                    if logged >= warm and (ready or logged >= iterations // 2):
+                        os.killpg(procs[i].pid, signal.SIGSTOP)
+                        held[i] = time.monotonic()
+                        measured_from[i] = iterations_done(run_dir)  # (frozen: no more will come)
+                elif len(held) < 2 and time.monotonic() - held[i] > HOLD_THAW_EVERY_S:
                     os.killpg(procs[i].pid, signal.SIGCONT)
                     time.sleep(HOLD_THAW_S)
                     os.killpg(procs[i].pid, signal.SIGSTOP)

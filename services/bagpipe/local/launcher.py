@@ -177,15 +177,8 @@ class LocalJob:
 
     def cpu_seconds(self) -> dict[str, float]:
         """User + system CPU seconds each live process has used so far (Linux ``/proc``; empty elsewhere)."""
-        tick = os.sysconf("SC_CLK_TCK") if hasattr(os, "sysconf") else 100
-        out = {}
-        for p in self.processes:
-            try:
-                fields = Path(f"/proc/{p.proc.pid}/stat").read_text().rsplit(")", 1)[1].split()
-            except (OSError, IndexError):
-                continue
-            out[p.name] = (int(fields[11]) + int(fields[12])) / tick  # utime, stime
-        return out
+        used = {p.name: process_cpu_seconds(p.proc.pid) for p in self.processes}
+        return {name: seconds for name, seconds in used.items() if seconds is not None}
 
     def kill_all(self) -> None:
         """SIGKILL (a frozen process ignores SIGTERM): the next generation replaces every process."""
@@ -204,6 +197,17 @@ class LocalJob:
                 p.proc.wait(10)
             except subprocess.TimeoutExpired:
                 p.proc.kill()
+
+
+def process_cpu_seconds(pid: int) -> float | None:
+    """User + system CPU seconds process ``pid`` has used so far (Linux ``/proc``; None where unreadable:
+    ended, or not Linux)."""
+    try:
+        fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    except (OSError, IndexError):
+        return None
+    tick = os.sysconf("SC_CLK_TCK") if hasattr(os, "sysconf") else 100
+    return (int(fields[11]) + int(fields[12])) / tick  # utime, stime
 
 
 def children_matching(pattern: str, parent: int | None = None) -> list[int]:
