@@ -397,6 +397,35 @@ def iterations_done(run_dir: Path, trainers: int = 2) -> int:
     return min(max(0, p.read_bytes().count(b"\n") - 1) for p in paths)
 
 
+SERVICE_MODULES = {
+    "trainer": "bagpipe.trainer",
+    "embedding-server": "bagpipe.embedding_server",
+    "data-processor": "bagpipe.data_processor",
+    "oracle-cacher": "bagpipe.oracle_cacher",
+}
+
+
+def service_cpu(launcher: int) -> dict[str, float]:
+    """CPU seconds each kind of service of a job (children of its launcher, ``launcher``) has used so
+    far, summed as the launcher's summary sums them (``cpu_seconds_at_end``)."""
+    return {
+        kind: sum(process_cpu_seconds(pid) or 0.0 for pid in children_matching(module, launcher))
+        for kind, module in SERVICE_MODULES.items()
+    }
+
+
+def cpu_ms_since(
+    at_hold: dict[str, float], summary: dict[str, Any], iterations_since: int
+) -> dict[str, float] | None:
+    """Each kind of service's CPU ms an iteration from when a job was held (``at_hold``) to its end
+    (the summary's ``cpu_seconds_at_end``), over the ``iterations_since`` it ran in between; None when
+    either reading is missing (then the summary's whole-job figure stands)."""
+    at_end = summary.get("cpu_seconds_at_end")
+    if not at_end or not at_hold or iterations_since < 1:
+        return None
+    return {k: 1000 * (at_end[k] - at_hold.get(k, 0.0)) / iterations_since for k in at_end}
+
+
 class Quiet:
     """Whether a job's data processors are done: their CPU has not moved for ``DATA_QUIET_S``. Called
     every poll while the job starts; finds them (children of its launcher, ``launcher``) once they exist."""
@@ -489,6 +518,7 @@ def interleaved(
 
         held: dict[int, float] = {}
         measured_from = [warm, warm]  # the iteration each job was held at: its measured ones follow
+        cpu_at_hold: list[dict[str, float]] = [{}, {}]  # its services' CPU then
         quiet = [Quiet(p.pid) for p in procs]
         while len(held) < 2 and check():
             for i, run_dir in enumerate(run_dirs):
@@ -499,6 +529,7 @@ def interleaved(
                         os.killpg(procs[i].pid, signal.SIGSTOP)
                         held[i] = time.monotonic()
                         measured_from[i] = iterations_done(run_dir)  # (frozen: no more will come)
+                        cpu_at_hold[i] = service_cpu(procs[i].pid)
                 elif len(held) < 2 and time.monotonic() - held[i] > HOLD_THAW_EVERY_S:
                     os.killpg(procs[i].pid, signal.SIGCONT)
                     time.sleep(HOLD_THAW_S)
@@ -535,7 +566,9 @@ def interleaved(
     check()
     wall = time.perf_counter() - t0
     results = []
-    for (name, flags), run_dir, own, skip in zip(pair, run_dirs, slices, measured_from, strict=True):
+    for (name, flags), run_dir, own, skip, cpu_then in zip(
+        pair, run_dirs, slices, measured_from, cpu_at_hold, strict=True
+    ):
         batches, seconds, stages = in_slices(trainer_rows(run_dir), own, skip)
         if not seconds:
             raise RuntimeError(
@@ -544,6 +577,11 @@ def interleaved(
         summary = json.loads((run_dir / "summary.json").read_text())
         result = job_result(name, flags, iterations, summary, batches, seconds, stages)
         result.update(wall_s=wall, slices=len(own), slice_s=slice_s, measured_from=skip)
+        # CPU over the same span as the timings (from the hold on), not from the job's first iteration:
+        # the data processors' start-up work falls before it in both systems alike
+        since_hold = cpu_ms_since(cpu_then, summary, summary["iterations"] - skip)
+        if since_hold is not None:
+            result["cpu_ms_whole_job"], result["cpu_ms"] = result["cpu_ms"], since_hold
         result["measured_iterations"] = len(seconds)
         log(
             f"{name}: median {result['median_ms']:.1f} ms over {len(seconds)} iterations from the "

@@ -83,3 +83,38 @@ def test_a_job_counts_as_warm_once_its_data_processors_have_stopped_using_cpu(mo
         for p in (proc, other):
             p.kill()
             p.wait()
+
+
+def test_service_cpu_is_summed_by_kind_from_the_launchers_children() -> None:
+    """``service_cpu`` reads each kind's CPU from the children of the launcher whose command line names
+    its module, as the launcher's summary sums it; other children count for nothing."""
+    burn = "import time\nt = time.process_time()\nwhile time.process_time() - t < 0.3: pass\ntime.sleep(60)"
+    # (this process stands for the launcher)
+    children = [
+        subprocess.Popen([sys.executable, "-c", burn, "bagpipe.trainer", "--rank", str(r)]) for r in range(2)
+    ]
+    children.append(subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)", "elsewhere"]))
+    try:
+        deadline = time.monotonic() + 20
+        cpu = harness.service_cpu(os.getpid())
+        while time.monotonic() < deadline and cpu["trainer"] < 0.6:
+            time.sleep(0.05)
+            cpu = harness.service_cpu(os.getpid())
+        assert cpu["trainer"] >= 0.6  # both trainers' CPU
+        assert set(cpu) == set(harness.SERVICE_MODULES)
+        assert cpu["embedding-server"] == cpu["data-processor"] == cpu["oracle-cacher"] == 0.0
+    finally:
+        for p in children:
+            p.kill()
+            p.wait()
+
+
+def test_cpu_is_counted_from_the_hold_to_the_end_of_the_job() -> None:
+    """A job's CPU an iteration is its services' CPU at its end (the launcher's summary) less their CPU
+    when it was held, over the iterations in between; without either reading, nothing is made up."""
+    summary = {"cpu_seconds_at_end": {"trainer": 9.0, "data-processor": 3.5}}
+    at_hold = {"trainer": 5.0, "data-processor": 3.5, "embedding-server": 0.0}
+    assert harness.cpu_ms_since(at_hold, summary, 200) == {"trainer": 20.0, "data-processor": 0.0}
+    assert harness.cpu_ms_since({}, summary, 200) is None
+    assert harness.cpu_ms_since(at_hold, {}, 200) is None
+    assert harness.cpu_ms_since(at_hold, summary, 0) is None

@@ -421,7 +421,8 @@ def _run(args: argparse.Namespace, after_training: AfterTraining | None = None) 
         bar.close()
         assert generation is not None
         job, registry = generation.job, generation.registry
-        cpu_used = _cpu_by_service(cpu_from[1], job.cpu_seconds())
+        cpu_at_end = job.cpu_seconds()
+        cpu_used = _cpu_by_service(cpu_from[1], cpu_at_end)
         stats = [registry.get_json(f"stats:{r}") for r in range(args.trainers)]
         endpoints = registry.metrics_endpoints()  # (servers may have joined or left)
         _save_scrapes(run_dir / "metrics", endpoints)
@@ -445,6 +446,8 @@ def _run(args: argparse.Namespace, after_training: AfterTraining | None = None) 
             summary["losses"] = _run_losses(run_dir)
         measured = max(1, stats[0]["iterations"] - cpu_from[0])
         summary["cpu_seconds_per_iteration"] = {k: v / measured for k, v in cpu_used.items()}
+        # (each kind's CPU since its processes started, as training ended: to measure a span of your own)
+        summary["cpu_seconds_at_end"] = _cpu_by_service({}, cpu_at_end)
         summary["report"] = None if args.no_report else str(run_dir / "report.html")
         (run_dir / "summary.json").write_text(json.dumps(summary, indent=2))
         if not args.no_report:
