@@ -114,7 +114,7 @@ PROFILES: dict[str, dict[str, Any]] = {
             # the target's point, the best of two processes' six replays each (a new planner each time,
             # the same batches): on 2026-11-27 the same code planned 3.61 M samples/s end to end in make
             # bench at 07:12 and 7.19 and 5.74 M alone twenty minutes later; one replay times 0.5 s of
-            # planning, and a neighbour on the host slows it by 40-60% for a second at a time
+            # planning, and the same planner slows by 40-60% for a second at a time with no CPU lost
             "target_repeats": 2,
             "target_replays": 6,
             "target_timed": 200,  # the target's point (batch 16,384, 26 tables, L=200), as the bench alone
