@@ -20,8 +20,9 @@ The batches are generated once and planned ``--replays`` times, each time by a n
 empty state, and the fastest replay is reported (every one is kept in the JSON). On this shared machine
 the same planner's time a batch rises by 40-60% for a second or so at a time with no other process
 running here and none of its CPU time lost (``/proc/self/schedstat``), most likely from other guests
-on the host sharing its caches and memory (this VM has no hardware counters to show it). One replay times 0.5 s of planning, so one burst can halve its figure; a second
-generation of the batches (30 s) would cost more than five replays.
+on the host sharing its caches and memory (this VM has no hardware counters to show it). One replay
+times 0.5 s of planning, so one burst can halve its figure; a second generation of the batches (30 s)
+would cost more than five replays.
 
     .venv/bin/python bench/oracle_throughput.py [--batch-size 16384 --lookahead 200 --timed 200]
 """
