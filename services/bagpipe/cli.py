@@ -22,6 +22,7 @@ from bagpipe.config_args import (
 )
 from bagpipe.control.detector import DEFAULT_TIMEOUT_S
 from bagpipe.core.optim_config import OPTIMIZERS
+from bagpipe.cpu_priority import PRIORITIES
 from bagpipe.data_processor.config import add_source_args
 
 # rows per second each embedding server sends while re-sharding a local run: there the services share the
@@ -117,6 +118,16 @@ def build_parser() -> argparse.ArgumentParser:
         help="threads per embedding server that work on rows off its event loop: lookups' rows copied "
         "into their replies, several at once, and write-backs stored, one at a time (default 0: on the "
         "event loop, best where the servers have no cores to spare, as on one machine)",
+    )
+    g.add_argument(
+        "--embedding-server-priority",
+        choices=["auto", *PRIORITIES],
+        default="auto",
+        help="CPU priority of the embedding servers, which share this machine's cores with the trainers: "
+        "idle runs them only on cores the trainers leave idle (Linux SCHED_IDLE), where a prefetching "
+        "trainer, which needs their answers batches later, loses nothing to them; normal, as every other "
+        "process; auto (default): idle, but normal with --system no-cache, whose trainers wait for every "
+        "fetch",
     )
     g = r.add_argument_group("benchmarking")
     g.add_argument(

@@ -101,6 +101,7 @@ def test_embedding_server_round_trip() -> None:
         max_rows_per_request=4096,
         max_abs_value=1e3,
         model="deepfm",
+        cpu_priority="idle",
     )
     assert embedding_server.parse(embedding_server.argv(cfg)) == cfg
     plain = EmbeddingServerConfig(0, 1, ROWS, 16, OptimizerConfig(), 0, None, "127.0.0.1:0")
@@ -210,6 +211,8 @@ def test_bagpipe_run_starts_each_service_with_the_config_it_built(flags: list[st
     assert trainer_cfg.model.name == args.model and trainer_cfg.optimizer.name == args.optimizer
     netns = built[1][1]
     assert isinstance(netns, EmbeddingServerConfig) and netns.address == "10.9.0.2:0"
+    # the servers share the trainers' cores: idle priority, but the no-cache baseline waits for each fetch
+    assert netns.cpu_priority == ("normal" if system == "no-cache" else "idle")
     assert netns.coordination.redis_url == "redis://10.9.0.1:6399/0" and netns.checkpoint_dir is None
 
 
@@ -217,3 +220,28 @@ def test_a_bad_value_names_its_flag(capsys: pytest.CaptureFixture[str]) -> None:
     with pytest.raises(SystemExit):
         oracle.parse(["--batch-size", "10", "--trainers", "3"])
     assert "--batch-size: must be a positive multiple of trainers (3), got 10" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize(
+    ("flags", "priority"),
+    [
+        ([], "idle"),
+        (["--embedding-server-priority", "normal"], "normal"),
+        (["--system", "no-cache"], "normal"),
+        (["--system", "no-cache", "--embedding-server-priority", "idle"], "idle"),
+        (["--system", "ideal"], "idle"),
+    ],
+)
+def test_the_embedding_servers_priority_follows_the_flag_and_the_system(
+    flags: list[str], priority: str, tmp_path: Path
+) -> None:
+    args = cli.build_parser().parse_args(["run", *flags])
+    spec = configs.GenerationSpec("redis://127.0.0.1:6399/0", "job-x", 0, 0, tmp_path / "ck", tmp_path)
+    cfg = configs.embedding_server(args, spec, 0, resume=False)
+    assert cfg.cpu_priority == priority
+    assert embedding_server.parse(embedding_server.argv(cfg)) == cfg
+
+
+def test_an_unknown_priority_is_refused() -> None:
+    with pytest.raises(ValueError, match="cpu_priority: one of normal, idle, got 'low'"):
+        EmbeddingServerConfig(0, 1, ROWS, 16, OptimizerConfig(), 0, None, "127.0.0.1:0", cpu_priority="low")

@@ -6,7 +6,7 @@ import asyncio
 import logging
 import sys
 
-from bagpipe import allocator, serving
+from bagpipe import allocator, cpu_priority, serving
 from bagpipe.control.registry import Registry
 from bagpipe.core import snapshots
 from bagpipe.core.data import table_offsets
@@ -96,6 +96,8 @@ async def serve(cfg: EmbeddingServerConfig) -> None:
 def main(argv: list[str] | None = None) -> None:
     cfg = parse(argv)
     serving.configure_logging(cfg.coordination.log_level)
+    said = cpu_priority.apply(cfg.cpu_priority)  # (before gRPC starts its threads: they inherit it)
+    (logger.info if cpu_priority.policy_of(0) == cfg.cpu_priority else logger.warning)("%s", said)
     allocator.keep_freed_buffers()
     serving.run_service(lambda: asyncio.run(serve(cfg)), "bagpipe.embedding_server")
 

@@ -26,6 +26,7 @@ from bagpipe.config_args import (
 from bagpipe.core.model_config import LINEAR_MODELS, row_width
 from bagpipe.core.optim_config import OptimizerConfig
 from bagpipe.core.shard_store import DEFAULT_MAX_ABS
+from bagpipe.cpu_priority import PRIORITIES
 from bagpipe.embedding_server.client import MAX_ROWS_PER_RPC
 
 
@@ -50,6 +51,7 @@ class EmbeddingServerConfig:
     max_abs_value: float = DEFAULT_MAX_ABS
     model: str = "dlrm"
     lookup_threads: int = 0
+    cpu_priority: str = "normal"  # cpu_priority.PRIORITIES
 
     @property
     def linear(self) -> bool:
@@ -69,6 +71,8 @@ class EmbeddingServerConfig:
             raise ValueError(f"migration_rows_per_second: must be >= 0, got {self.migration_rows_per_second}")
         if self.lookup_threads < 0:
             raise ValueError(f"lookup_threads: must be >= 0, got {self.lookup_threads}")
+        if self.cpu_priority not in PRIORITIES:
+            raise ValueError(f"cpu_priority: one of {', '.join(PRIORITIES)}, got {self.cpu_priority!r}")
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -111,6 +115,14 @@ def build_parser() -> argparse.ArgumentParser:
         "several at once, and write-backs stored, one at a time, while no copy runs (default 0: on the "
         "event loop, which is best where the server has no core to spare)",
     )
+    p.add_argument(
+        "--cpu-priority",
+        choices=PRIORITIES,
+        default="normal",
+        help="normal (default), or idle: every thread of this server runs only on cores that other "
+        "processes leave idle (Linux SCHED_IDLE), for a server that shares its cores with trainers, "
+        "which prefetch batches ahead and so need its answers later (bagpipe run sets it)",
+    )
     p.add_argument("--address", default="127.0.0.1:0", help="host:port to listen on (port 0: any)")
     add_table_args(p)
     add_model_args(p, dense=False)
@@ -142,6 +154,7 @@ def _config(a: argparse.Namespace) -> EmbeddingServerConfig:
         max_abs_value=a.max_abs_value,
         model=a.model,
         lookup_threads=a.lookup_threads,
+        cpu_priority=a.cpu_priority,
     )
 
 
@@ -151,6 +164,6 @@ def argv(c: EmbeddingServerConfig) -> list[str]:
     out += ["--model", c.model, "--embedding-dim", str(c.embedding_dim)]
     out += ["--migration-rows-per-second", repr(c.migration_rows_per_second)]
     out += ["--max-rows-per-request", str(c.max_rows_per_request), "--max-abs-value", repr(c.max_abs_value)]
-    out += ["--lookup-threads", str(c.lookup_threads)]
+    out += ["--lookup-threads", str(c.lookup_threads), "--cpu-priority", c.cpu_priority]
     out += table_argv(c.data, c.table_rows) + optimizer_argv(c.optimizer, c.seed, c.init_from)
     return out + c.coordination.argv() + recovery_argv(c.checkpoint_dir, c.resume_batch)

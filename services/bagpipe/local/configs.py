@@ -79,7 +79,17 @@ def embedding_server(
         migration_rows_per_second=getattr(args, "migration_rows_per_second", 0.0) or 0.0,
         model=args.model,
         lookup_threads=getattr(args, "lookup_threads", 0) or 0,
+        cpu_priority=embedding_server_priority(args),
     )
+
+
+def embedding_server_priority(args: argparse.Namespace) -> str:
+    """``--embedding-server-priority``; auto: idle, but normal for the no-cache baseline, whose trainers
+    wait for each fetch (its servers are on the critical path, and idle ones would slow it unfairly)."""
+    priority = getattr(args, "embedding_server_priority", "auto") or "auto"
+    if priority == "auto":
+        return "normal" if system(args) == "no-cache" else "idle"
+    return str(priority)
 
 
 def data_processor(args: argparse.Namespace, gen: GenerationSpec, index: int) -> DataProcessorConfig:

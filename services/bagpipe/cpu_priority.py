@@ -1,0 +1,44 @@
+"""A service's CPU priority, for processes that share cores with the trainers (``bagpipe run`` puts every
+process of a job on one machine).
+
+``idle`` moves every thread of the process into Linux's ``SCHED_IDLE`` class: it runs on the cores the
+other processes leave idle, and when it wakes it does not preempt a running one. Bagpipe's embedding
+servers can take that place. A trainer prefetches rows batches ahead of its compute and needs a
+write-back to be durable only before a later plan reads those rows again, so a server that answers a
+little later costs it nothing. A server that preempts a trainer in the middle of its step holds back
+every trainer, since they all-reduce after each step. ``SCHED_IDLE`` does not starve a thread either:
+when every core is busy it still gets a small share of them (weight 3, where a thread at nice 0 has
+1024). See bench/README.md, "Embedding servers at idle priority", for what it changes.
+"""
+
+from __future__ import annotations
+
+import os
+
+PRIORITIES = ("normal", "idle")
+
+
+def apply(priority: str) -> str:
+    """Gives every thread of this process ``priority`` (threads started later inherit it from the thread
+    that starts them); returns one line saying what was done, or why it could not be."""
+    if priority not in PRIORITIES:
+        raise ValueError(f"cpu priority: one of {', '.join(PRIORITIES)}, got {priority!r}")
+    if priority == "normal":
+        return "CPU priority normal"
+    if not hasattr(os, "SCHED_IDLE") or not hasattr(os, "sched_setscheduler"):
+        return "CPU priority idle is not available on this platform (no SCHED_IDLE): running at normal"
+    tasks = "/proc/self/task"
+    tids = [int(t) for t in os.listdir(tasks)] if os.path.isdir(tasks) else [0]
+    for tid in tids:
+        try:
+            os.sched_setscheduler(tid, os.SCHED_IDLE, os.sched_param(0))
+        except ProcessLookupError:  # (a thread that ended meanwhile)
+            continue
+        except OSError as e:
+            return f"CPU priority idle: not permitted here ({e.strerror}): running at normal"
+    return f"CPU priority idle: SCHED_IDLE on {len(tids)} threads, and on every thread started later"
+
+
+def policy_of(tid: int) -> str:
+    """``idle`` or ``normal`` (any other class) for thread or process ``tid`` (0: the calling thread)."""
+    return "idle" if os.sched_getscheduler(tid) == getattr(os, "SCHED_IDLE", -1) else "normal"
