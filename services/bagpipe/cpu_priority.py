@@ -36,7 +36,8 @@ def apply(priority: str) -> str:
             continue
         except OSError as e:
             return f"CPU priority idle: not permitted here ({e.strerror}): running at normal"
-    return f"CPU priority idle: SCHED_IDLE on {len(tids)} threads, and on every thread started later"
+    threads = f"{len(tids)} thread{'' if len(tids) == 1 else 's'}"
+    return f"CPU priority idle: SCHED_IDLE on {threads}, and on every thread started later"
 
 
 def policy_of(tid: int) -> str:
