@@ -29,17 +29,22 @@ def apply(priority: str) -> str:
         return "CPU priority idle is not available on this platform (no SCHED_IDLE): running at normal"
     tasks = "/proc/self/task"
     tids = [int(t) for t in os.listdir(tasks)] if os.path.isdir(tasks) else [0]
+    done = 0
     for tid in tids:
         try:
             os.sched_setscheduler(tid, os.SCHED_IDLE, os.sched_param(0))
         except ProcessLookupError:  # (a thread that ended meanwhile)
             continue
         except OSError as e:
-            return f"CPU priority idle: not permitted here ({e.strerror}): running at normal"
-    threads = f"{len(tids)} thread{'' if len(tids) == 1 else 's'}"
+            return f"CPU priority idle: not permitted here ({e.strerror}): {done} of {len(tids)} threads idle"
+        done += 1
+    threads = f"{done} thread{'' if done == 1 else 's'}"
     return f"CPU priority idle: SCHED_IDLE on {threads}, and on every thread started later"
 
 
 def policy_of(tid: int) -> str:
-    """``idle`` or ``normal`` (any other class) for thread or process ``tid`` (0: the calling thread)."""
-    return "idle" if os.sched_getscheduler(tid) == getattr(os, "SCHED_IDLE", -1) else "normal"
+    """``idle`` or ``normal`` (any other class) for thread or process ``tid`` (0: the calling thread);
+    ``normal`` where the platform has no scheduling classes to read."""
+    if not hasattr(os, "SCHED_IDLE") or not hasattr(os, "sched_getscheduler"):
+        return "normal"
+    return "idle" if os.sched_getscheduler(tid) == os.SCHED_IDLE else "normal"

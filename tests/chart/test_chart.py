@@ -537,12 +537,6 @@ def test_lookup_threads_reach_the_servers(threads: int | None) -> None:
     assert check_consistency(docs)["embedding-server"][0].lookup_threads == (threads or 0)
 
 
-@pytest.mark.parametrize("priority", [None, "idle"])
-def test_the_cpu_priority_reaches_the_servers(priority: str | None) -> None:
-    docs = render(*(["--set", f"embeddingServer.cpuPriority={priority}"] if priority is not None else []))
-    assert check_consistency(docs)["embedding-server"][0].cpu_priority == (priority or "normal")
-
-
 def test_gpu_values_ask_for_gpus_and_the_cuda_image() -> None:
     docs = render("-f", str(CHART / "ci" / "gpu-trainers.yaml"))
     pod = workloads(docs)["bagpipe-trainer"]["spec"]["template"]["spec"]
@@ -686,10 +680,6 @@ def test_values_that_do_not_fit_together_fail_helm_template(args: list[str], mes
         ("oracleCacher:\n  replicaCount: 2\n", "oracleCacher.replicaCount"),
         ("embeddingServer:\n  migrationRowsPerSecond: -1\n", "migrationRowsPerSecond: Must be greater than"),
         ("embeddingServer:\n  lookupThreads: -1\n", "lookupThreads: Must be greater than"),
-        (
-            "embeddingServer:\n  cpuPriority: low\n",
-            "embeddingServer.cpuPriority: embeddingServer.cpuPriority must be one of",
-        ),
         ("embeddingServer:\n  drain: {timeoutSeconds: 0}\n", "drain.timeoutSeconds: Must be greater than"),
         ("auth:\n  jobSecret: too-short\n", "auth.jobSecret: Does not match pattern"),
         ("auth:\n  existingSecret: Team_Auth\n", "auth.existingSecret: Does not match pattern"),

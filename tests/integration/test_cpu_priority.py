@@ -20,8 +20,12 @@ pytestmark = pytest.mark.skipif(not hasattr(os, "SCHED_IDLE"), reason="SCHED_IDL
 
 def _policies(pid: int) -> dict[int, str]:
     """Each live thread of ``pid``: idle or normal."""
-    out = {}
-    for task in Path(f"/proc/{pid}/task").iterdir():
+    out: dict[int, str] = {}
+    try:
+        tasks = list(Path(f"/proc/{pid}/task").iterdir())
+    except FileNotFoundError:  # (the process ended meanwhile: the test's counts then fail)
+        return out
+    for task in tasks:
         try:
             out[int(task.name)] = cpu_priority.policy_of(int(task.name))
         except ProcessLookupError:  # (a thread that ended meanwhile)

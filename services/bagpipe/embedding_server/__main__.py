@@ -97,7 +97,8 @@ def main(argv: list[str] | None = None) -> None:
     cfg = parse(argv)
     serving.configure_logging(cfg.coordination.log_level)
     said = cpu_priority.apply(cfg.cpu_priority)  # (before gRPC starts its threads: they inherit it)
-    (logger.info if cpu_priority.policy_of(0) == cfg.cpu_priority else logger.warning)("%s", said)
+    failed = cfg.cpu_priority == "idle" and cpu_priority.policy_of(0) != "idle"
+    (logger.warning if failed else logger.info)("%s", said)
     allocator.keep_freed_buffers()
     serving.run_service(lambda: asyncio.run(serve(cfg)), "bagpipe.embedding_server")
 
