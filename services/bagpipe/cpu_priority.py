@@ -16,6 +16,8 @@ from __future__ import annotations
 import os
 
 PRIORITIES = ("normal", "idle")
+# Linux's scheduling classes, which os offers only where the platform has them
+_CLASSES = hasattr(os, "SCHED_IDLE") and hasattr(os, "sched_setscheduler")
 
 
 def apply(priority: str) -> str:
@@ -25,7 +27,7 @@ def apply(priority: str) -> str:
         raise ValueError(f"cpu priority: one of {', '.join(PRIORITIES)}, got {priority!r}")
     if priority == "normal":
         return "CPU priority normal"
-    if not hasattr(os, "SCHED_IDLE") or not hasattr(os, "sched_setscheduler"):
+    if not _CLASSES:
         return "CPU priority idle is not available on this platform (no SCHED_IDLE): running at normal"
     tasks = "/proc/self/task"
     tids = [int(t) for t in os.listdir(tasks)] if os.path.isdir(tasks) else [0]
@@ -45,6 +47,6 @@ def apply(priority: str) -> str:
 def policy_of(tid: int) -> str:
     """``idle`` or ``normal`` (any other class) for thread or process ``tid`` (0: the calling thread);
     ``normal`` where the platform has no scheduling classes to read."""
-    if not hasattr(os, "SCHED_IDLE") or not hasattr(os, "sched_getscheduler"):
+    if not _CLASSES:
         return "normal"
     return "idle" if os.sched_getscheduler(tid) == os.SCHED_IDLE else "normal"

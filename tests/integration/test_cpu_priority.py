@@ -14,6 +14,7 @@ from bagpipe import cpu_priority
 from bagpipe.local.launcher import children_matching
 
 from tests.integration.conftest import BackgroundRun, flags
+from tests.integration.test_recovery import _trained
 
 pytestmark = pytest.mark.skipif(not hasattr(os, "SCHED_IDLE"), reason="SCHED_IDLE is Linux's")
 
@@ -33,11 +34,6 @@ def _policies(pid: int) -> dict[int, str]:
     return out
 
 
-def _trained(run_dir: Path) -> int:
-    log = run_dir / "metrics" / "trainer-0.csv"
-    return max(0, len(log.read_text().splitlines()) - 1) if log.exists() else 0
-
-
 @pytest.mark.parametrize(("extra", "servers"), [([], "idle"), (["--system", "no-cache"], "normal")])
 def test_the_servers_of_a_run_train_at_their_priority(
     run_job, tmp_path: Path, extra: list[str], servers: str
@@ -48,9 +44,7 @@ def test_the_servers_of_a_run_train_at_their_priority(
     while _trained(tmp_path / name) < 20 and job.alive() and time.monotonic() < deadline:
         time.sleep(0.01)
     assert job.alive(), "the run ended before it could be looked at"
-    seen = {}
-    for pid in children_matching("bagpipe.embedding_server"):
-        seen[pid] = _policies(pid)
+    seen = {pid: _policies(pid) for pid in children_matching("bagpipe.embedding_server")}
     trainers = {pid: _policies(pid) for pid in children_matching("bagpipe.trainer")}
     summary, _ = job.result()
     assert summary["iterations"] == 400
@@ -66,7 +60,7 @@ def test_idle_reaches_every_thread_and_those_started_later() -> None:
     script = (
         "import threading\n"
         "from bagpipe import cpu_priority\n"
-        "early = threading.Event(); done = threading.Event()\n"
+        "done = threading.Event()\n"
         "t = threading.Thread(target=done.wait); t.start()\n"
         "said = cpu_priority.apply('idle')\n"
         "late = []\n"
