@@ -13,6 +13,7 @@ from bagpipe.config_args import (
     DEFAULT_CHECKPOINT_EVERY,
     DEFAULT_TRANSFER_BATCHES,
     add_cache_args,
+    add_checkpoint_chain_args,
     add_eval_args,
     add_model_args,
     non_negative_float,
@@ -95,6 +96,7 @@ def build_parser() -> argparse.ArgumentParser:
         default=3,
         help="recoveries from failures before the run gives up (default 3)",
     )
+    add_checkpoint_chain_args(r)
     g.add_argument(
         "--resume",
         default=None,

@@ -367,6 +367,28 @@ def add_recovery_args(p: argparse.ArgumentParser) -> None:
     )
 
 
+def add_checkpoint_chain_args(p: argparse.ArgumentParser) -> None:
+    """How many checkpoints are kept, and how often one is full (trainer rank 0 writes them)."""
+    from bagpipe.core import snapshots
+
+    g = p.add_argument_group("checkpoint chain")
+    g.add_argument(
+        "--keep-checkpoints",
+        type=positive_int,
+        default=snapshots.DEFAULT_KEEP,
+        help="complete checkpoints kept; older ones are removed, except the links the kept ones stand on "
+        f"(default {snapshots.DEFAULT_KEEP})",
+    )
+    g.add_argument(
+        "--checkpoint-full-every",
+        type=positive_int,
+        default=snapshots.DEFAULT_FULL_EVERY,
+        help="every this many checkpoints one is full (every row not initial), so a restore reads at most "
+        f"this many files a server however long the run (default {snapshots.DEFAULT_FULL_EVERY}; "
+        "1: every one full)",
+    )
+
+
 def parse_config(
     parser: argparse.ArgumentParser,
     argv: list[str] | None,

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import json
 import logging
+import threading
 import time
 from collections.abc import Iterator
 from contextlib import contextmanager
@@ -19,6 +20,10 @@ from bagpipe import security
 from bagpipe.core.shard_map import ShardMap
 
 logger = logging.getLogger(__name__)
+
+
+class LockLost(RuntimeError):
+    """A lock expired while its holder's block ran: someone else may have taken it meanwhile."""
 
 
 def _text(value: str | bytes) -> str:
@@ -132,18 +137,50 @@ class Registry:
             owner,
         )
 
+    def renew_lock(self, name: str, owner: str, ttl: float) -> bool:
+        """Extends lock ``name`` to ``ttl`` seconds from now if ``owner`` still holds it."""
+        return bool(
+            self._redis.eval(
+                "if redis.call('get', KEYS[1]) == ARGV[1] then "
+                "return redis.call('pexpire', KEYS[1], ARGV[2]) end return 0",
+                1,
+                self._key("lock", name),
+                owner,
+                int(ttl * 1000),
+            )
+        )
+
     @contextmanager
     def locked(self, name: str, owner: str, ttl: float = 120.0, timeout: float = 300.0) -> Iterator[None]:
-        """Holds lock ``name`` for the block, waiting up to ``timeout`` seconds for it."""
+        """Holds lock ``name`` for the block, waiting up to ``timeout`` seconds for it. A thread renews it
+        every third of ``ttl`` while the block runs, so a slow block keeps it (and a dead holder's expires);
+        LockLost at the block's end if it lapsed meanwhile (Redis unreachable for ``ttl``)."""
         deadline = time.monotonic() + timeout
         while not self.try_lock(name, owner, ttl):
             if time.monotonic() > deadline:
                 raise TimeoutError(f"lock {name}: held by someone else for {timeout:g} s")
             time.sleep(0.01)
+        stop, lost = threading.Event(), threading.Event()
+
+        def renew() -> None:
+            while not stop.wait(ttl / 3):
+                try:
+                    if not self.renew_lock(name, owner, ttl):
+                        lost.set()
+                        return
+                except redis.RedisError as e:  # (the next try may reach it before the ttl runs out)
+                    logger.warning("lock %s: could not renew: %s", name, e)
+
+        renewer = threading.Thread(target=renew, name=f"lock-{name}", daemon=True)
+        renewer.start()
         try:
             yield
         finally:
+            stop.set()
+            renewer.join()
             self.unlock(name, owner)
+        if lost.is_set():
+            raise LockLost(f"lock {name}: lapsed while {owner} held it (not renewed within {ttl:g} s)")
 
     def add_reshard(self, record: dict[str, Any]) -> None:
         self._redis.rpush(self._key("reshards"), json.dumps(record))

@@ -33,6 +33,7 @@ from numba import njit
 from bagpipe import allocator
 from bagpipe.core.embedding_init import fingerprint, init_rows
 from bagpipe.core.shard_map import ShardMap
+from bagpipe.core.snapshots import Gathered
 from bagpipe.errors import InvalidArgument
 from bagpipe.wire import Gather
 
@@ -341,6 +342,18 @@ class ShardStore:
         index = np.flatnonzero(self._changed)
         self._changed[index] = False
         return self.keys_of(index), self.weights[index], self.state[index]
+
+    def take_all(self) -> tuple[np.ndarray, Gathered, Gathered]:
+        """Global keys of every row no longer initial, and their rows and state as views gathered only as
+        they are read (a full snapshot writes them a chunk at a time, with no write in between: no copy of
+        the shard); forgets the changes, as ``take_changes`` does."""
+        index = np.flatnonzero(~self._initial)
+        self._changed[:] = False
+        return self.keys_of(index), Gathered(self.weights, index), Gathered(self.state, index)
+
+    def keep_all(self) -> None:
+        """Marks every row no longer initial changed again (a full snapshot could not be written)."""
+        self._changed |= ~self._initial
 
     def keep_changes(self, keys: np.ndarray) -> None:
         """Marks ``keys`` changed again (a snapshot of them could not be written)."""

@@ -34,19 +34,25 @@ RESHARD_LOCK = "reshard"
 T = TypeVar("T")
 
 
-def call_with_retry(fn: Callable[[], T], what: str, moved: Callable[[], bool] | None = None) -> T:
+def call_with_retry(
+    fn: Callable[[], T],
+    what: str,
+    moved: Callable[[], bool] | None = None,
+    retry: tuple[grpc.StatusCode, ...] = (grpc.StatusCode.UNAVAILABLE,),
+) -> T:
     """Retries only UNAVAILABLE (server restarting), with backoff; every call has a deadline. With ``moved``
     (is there a newer shard map?), an unavailable server that the map no longer needs (drained and gone)
-    raises ``Moved`` instead, so the caller routes the request again."""
+    raises ``Moved`` instead, so the caller routes the request again. An idempotent call may name more
+    codes to ``retry`` (DEADLINE_EXCEEDED: its reply was lost or late)."""
     for attempt in range(_RETRIES):
         try:
             return fn()
         except grpc.RpcError as e:
             if e.code() == grpc.StatusCode.UNAVAILABLE and moved is not None and moved():
                 raise Moved(what) from e
-            if e.code() != grpc.StatusCode.UNAVAILABLE or attempt == _RETRIES - 1:
+            if e.code() not in retry or attempt == _RETRIES - 1:
                 raise
-            logger.warning("%s: unavailable, retrying (%d/%d)", what, attempt + 1, _RETRIES)
+            logger.warning("%s: %s, retrying (%d/%d)", what, e.code().name.lower(), attempt + 1, _RETRIES)
             time.sleep(0.1 * 2**attempt)
     raise AssertionError("unreachable")
 
@@ -459,20 +465,25 @@ class EmbeddingClient:
 
         self._each_shard(keys, lambda r, s, p: self._send(r, s, p, "write-back", functools.partial(one, r)))
 
-    def snapshot(self, directory: str, next_batch: int) -> list[tuple[str, int, int]]:
-        """Has every shard write its changed rows into the checkpoint ``next_batch`` of ``directory``, in
-        parallel; returns (file, rows, bytes) per shard. The caller holds the re-sharding lock
-        (``RESHARD_LOCK``), so the map in force cannot change meanwhile."""
+    def snapshot(self, directory: str, next_batch: int, full: bool = False) -> list[tuple[str, int, int]]:
+        """Has every shard write its changed rows (``full``: every row not initial) into the checkpoint
+        ``next_batch`` of ``directory``, in parallel; returns (file, rows, bytes) per shard. The caller holds
+        the re-sharding lock (``RESHARD_LOCK``), so the map in force cannot change meanwhile. A retried call
+        is answered as the first was (the servers' Snapshot is idempotent)."""
         self.refresh()
         route = self._route
 
         def one(shard: int) -> tuple[str, int, int]:
             request = pb.SnapshotRequest(
-                shard_map_version=route.shard_map.version, directory=directory, next_batch=next_batch
+                shard_map_version=route.shard_map.version,
+                directory=directory,
+                next_batch=next_batch,
+                full=full,
             )
             reply = call_with_retry(
                 lambda: route.stubs[shard].Snapshot(request, timeout=serving.RPC_TIMEOUT_S),
                 f"snapshot shard {shard}",
+                retry=(grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED),
             )
             return reply.file, reply.rows, reply.bytes
 

@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import functools
 import logging
 import time
 from collections.abc import AsyncIterator
@@ -96,7 +97,7 @@ class _RowsGate:
                 self._no_changers.set()
 
 
-async def _off_loop(pool: ThreadPoolExecutor, work: Any, *args: Any) -> Any:
+async def _off_loop(pool: ThreadPoolExecutor | None, work: Any, *args: Any) -> Any:
     """``work(*args)`` on ``pool``. A call cancelled meanwhile (its client gone) still waits for the
     thread, which goes on with the rows, before the caller's gate is let go."""
     done = asyncio.get_running_loop().run_in_executor(pool, work, *args)
@@ -119,6 +120,8 @@ class EmbeddingServicer(pb_grpc.EmbeddingServerServicer):
         self._ready = asyncio.Event()
         self._gate = _RowsGate()
         self._pool = ThreadPoolExecutor(lookup_threads, thread_name_prefix="rows") if lookup_threads else None
+        # the last Snapshot asked for, (directory, next_batch, full), and its reply to come
+        self._last_snapshot: tuple[tuple[str, int, bool], asyncio.Future[pb.SnapshotResponse]] | None = None
 
     def _check_version(self, version: int) -> None:
         """Requests name the shard-map version they were routed by; any other is refused (the client
@@ -207,32 +210,64 @@ class EmbeddingServicer(pb_grpc.EmbeddingServerServicer):
     async def Snapshot(
         self, request: pb.SnapshotRequest, context: grpc.aio.ServicerContext
     ) -> pb.SnapshotResponse:  # noqa: N802
+        """Idempotent: a retry of the last snapshot (its reply lost, or the first call still writing) gets
+        the first call's answer. Taking the changes again would write an empty file over its rows."""
         if not request.directory:
             raise InvalidArgument("directory", "empty")
         if request.next_batch < 1:
             raise InvalidArgument("next_batch", f"must be >= 1, got {request.next_batch}")
-        t0 = time.perf_counter()
-        async with self._gate.changing():  # (between write-backs), written out off the loop
-            self._check_version(request.shard_map_version)  # (once no write-back or switch step runs)
-            keys, rows, state = self.store.take_changes()
+        key = (request.directory, request.next_batch, request.full)
+        if self._last_snapshot is not None and self._last_snapshot[0] == key:
+            return await asyncio.shield(self._last_snapshot[1])
+        done: asyncio.Future[pb.SnapshotResponse] = asyncio.get_running_loop().create_future()
+        done.add_done_callback(lambda f: f.cancelled() or f.exception())  # (a failure no retry awaited)
+        self._last_snapshot = (key, done)
         try:
-            name, size = await asyncio.to_thread(
-                snapshots.write_rows,
-                request.directory,
-                request.next_batch,
-                self.store.shard,
-                keys,
-                rows,
-                state,
-            )
-        except BaseException as e:  # (a cancelled call too) the next snapshot must still hold them
-            await asyncio.shield(self._keep_changes(keys))
-            if isinstance(e, OSError):
-                raise FailedPrecondition(f"directory: cannot write the snapshot: {e}") from e
+            reply = await self._snapshot(request)
+        except BaseException as e:
+            if self._last_snapshot is not None and self._last_snapshot[1] is done:
+                self._last_snapshot = None  # (a retry after a failure writes again)
+            done.set_exception(e if isinstance(e, Exception) else FailedPrecondition("snapshot cancelled"))
             raise
+        done.set_result(reply)
+        return reply
+
+    async def _snapshot(self, request: pb.SnapshotRequest) -> pb.SnapshotResponse:
+        t0 = time.perf_counter()
+        write = functools.partial(
+            snapshots.write_rows, request.directory, request.next_batch, self.store.shard, full=request.full
+        )
+        if request.full:  # every row not initial, written from the table itself while no write can come
+            async with self._gate.changing():
+                self._check_version(request.shard_map_version)
+                keys, gathered, gathered_state = self.store.take_all()
+                try:
+                    name, size = await _off_loop(None, write, keys, gathered, gathered_state)
+                except BaseException as e:
+                    self.store.keep_all()
+                    if isinstance(e, OSError):
+                        raise FailedPrecondition(f"directory: cannot write the snapshot: {e}") from e
+                    raise
+        else:
+            async with self._gate.changing():  # (between write-backs), written out off the loop
+                self._check_version(request.shard_map_version)  # (once no write-back or switch step runs)
+                keys, rows, state = self.store.take_changes()
+            try:
+                name, size = await asyncio.to_thread(write, keys, rows, state)
+            except BaseException as e:  # (a cancelled call too) the next snapshot must still hold them
+                await asyncio.shield(self._keep_changes(keys))
+                if isinstance(e, OSError):
+                    raise FailedPrecondition(f"directory: cannot write the snapshot: {e}") from e
+                raise
         metrics.SNAPSHOT_SECONDS.observe(time.perf_counter() - t0)
         metrics.SNAPSHOT_ROWS.inc(keys.size)
-        logger.info("snapshot for batch %d: %d changed rows, %d bytes", request.next_batch, keys.size, size)
+        logger.info(
+            "%s snapshot for batch %d: %d rows, %d bytes",
+            "full" if request.full else "incremental",
+            request.next_batch,
+            keys.size,
+            size,
+        )
         return pb.SnapshotResponse(file=name, rows=keys.size, bytes=size)
 
     async def _keep_changes(self, keys: np.ndarray) -> None:

@@ -179,6 +179,8 @@ def trainer(args: argparse.Namespace, gen: GenerationSpec, rank: int, dist_init:
         transfer_batches=args.transfer_batches,
         checkpoint_dir=gen.checkpoint_dir,
         resume_batch=gen.start if gen.checkpoint_dir else 0,
+        keep_checkpoints=args.keep_checkpoints,
+        checkpoint_full_every=args.checkpoint_full_every,
         collective_timeout=max(60.0, 6 * args.failure_timeout),
         eval_data=getattr(args, "eval_data", None),
         eval_every=args.eval_every if getattr(args, "eval_data", None) else 0,

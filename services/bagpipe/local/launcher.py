@@ -259,6 +259,7 @@ class ComponentFailure(Exception):
         self.component = component
         self.kind = kind  # "exited", "gone" or "stuck"
         self.detail = detail
+        self.exit_code: int | None = None  # (exited)
         self.detected_at = time.time()
 
 
@@ -391,10 +392,14 @@ def _run(args: argparse.Namespace, after_training: AfterTraining | None = None) 
                 cpu_from = _watch(generation, redis_server, detector, bar, failures, scaler, prometheus)
                 break
             except ComponentFailure as failure:
+                final = (
+                    len(failures) + 1 > args.max_restarts
+                    or failure.exit_code == snapshots.EXIT_CHECKPOINT_FAILED
+                )
                 logger.warning("generation %d: %s", number, failure.detail)
                 print(
                     f"failure: {failure.component} {failure.detail}; "
-                    f"{'giving up' if len(failures) + 1 > args.max_restarts else 'recovering'}",
+                    f"{'giving up' if final else 'recovering'}",
                     file=sys.stderr,
                 )
                 generation.job.kill_all()
@@ -410,9 +415,13 @@ def _run(args: argparse.Namespace, after_training: AfterTraining | None = None) 
                     redis_server.stop()
                     redis_server = RedisServer(run_dir, extra_bind=extra_bind)
                 never_trained = number == 0 and not record["trained_batches"]
-                if never_trained or len(failures) > args.max_restarts:
+                no_checkpoint = failure.exit_code == snapshots.EXIT_CHECKPOINT_FAILED
+                if never_trained or no_checkpoint or len(failures) > args.max_restarts:
                     why = (
-                        "before training began (a setup error is not retried)"
+                        "writing a checkpoint (not retried: a replay would fail the same way; resume with "
+                        f"--resume {run_dir} once the directory has room)"
+                        if no_checkpoint
+                        else "before training began (a setup error is not retried)"
                         if never_trained
                         else f"after {args.max_restarts} restarts (--max-restarts)"
                     )
@@ -603,7 +612,9 @@ def _raise_if_failed(job: LocalJob, redis_server: RedisServer | None = None) -> 
         raise _redis_exited(redis_server)
     bad = job.failed()
     if bad is not None:
-        raise ComponentFailure(bad.name, "exited", f"exited with {bad.proc.returncode}", bad.log)
+        failure = ComponentFailure(bad.name, "exited", f"exited with {bad.proc.returncode}", bad.log)
+        failure.exit_code = bad.proc.returncode
+        raise failure
 
 
 def _member_process(member: str) -> str:

@@ -9,8 +9,9 @@ import sys
 import threading
 
 from bagpipe import allocator, serving
+from bagpipe.core.snapshots import EXIT_CHECKPOINT_FAILED
 from bagpipe.trainer.config import parse
-from bagpipe.trainer.worker import Trainer
+from bagpipe.trainer.worker import CheckpointFailed, Trainer
 
 logger = logging.getLogger("bagpipe.trainer")
 
@@ -43,6 +44,10 @@ def main(argv: list[str] | None = None) -> None:
     except BaseException as e:
         trainer.close()
         http.stop()
+        if isinstance(e, CheckpointFailed):  # one line naming the directory; not to be retried
+            logger.error("rank %d: %s", cfg.rank, e)
+            print(f"trainer {cfg.rank}: {e}", file=sys.stderr)
+            raise SystemExit(EXIT_CHECKPOINT_FAILED) from None
         lost = serving.redis_lost(e) if isinstance(e, Exception) else None
         if lost is not None:  # one line naming Redis, not a thread's traceback
             logger.error("rank %d: %s", cfg.rank, lost)

@@ -8,6 +8,7 @@ from dataclasses import dataclass
 from bagpipe.config_args import (
     DEFAULT_TRANSFER_BATCHES,
     Coordination,
+    add_checkpoint_chain_args,
     add_coordination_args,
     add_eval_args,
     add_model_args,
@@ -24,6 +25,7 @@ from bagpipe.config_args import (
     table_argv,
     table_rows_of,
 )
+from bagpipe.core import snapshots
 from bagpipe.core.model_config import ModelConfig
 from bagpipe.core.optim_config import OptimizerConfig
 
@@ -58,6 +60,8 @@ class TrainerConfig:
     transfer_batches: int = DEFAULT_TRANSFER_BATCHES
     checkpoint_dir: str | None = None
     resume_batch: int = 0
+    keep_checkpoints: int = snapshots.DEFAULT_KEEP
+    checkpoint_full_every: int = snapshots.DEFAULT_FULL_EVERY
     collective_timeout: float = DEFAULT_COLLECTIVE_TIMEOUT_S
     eval_data: str | None = None
     eval_every: int = 0
@@ -67,6 +71,10 @@ class TrainerConfig:
     def __post_init__(self) -> None:
         if self.transfer_batches < 1:
             raise ValueError(f"transfer_batches: must be >= 1, got {self.transfer_batches}")
+        if self.keep_checkpoints < 1:
+            raise ValueError(f"keep_checkpoints: must be >= 1, got {self.keep_checkpoints}")
+        if self.checkpoint_full_every < 1:
+            raise ValueError(f"checkpoint_full_every: must be >= 1, got {self.checkpoint_full_every}")
         if self.cache_rows is not None and self.cache_rows < 1:
             raise ValueError(f"cache_rows: must be >= 1, got {self.cache_rows}")
         if not 0 <= self.rank < self.world_size:
@@ -152,6 +160,7 @@ def build_parser() -> argparse.ArgumentParser:
     add_eval_args(p)
     add_coordination_args(p)
     add_recovery_args(p)
+    add_checkpoint_chain_args(p)
     return p
 
 
@@ -183,6 +192,8 @@ def _config(a: argparse.Namespace) -> TrainerConfig:
         transfer_batches=a.transfer_batches,
         checkpoint_dir=a.checkpoint_dir,
         resume_batch=a.resume_batch,
+        keep_checkpoints=a.keep_checkpoints,
+        checkpoint_full_every=a.checkpoint_full_every,
         collective_timeout=a.collective_timeout,
         eval_data=a.eval_data,
         eval_every=a.eval_every,
@@ -208,6 +219,12 @@ def argv(c: TrainerConfig) -> list[str]:
     out += table_argv(c.data, c.table_rows) + model_argv(c.model)
     out += optimizer_argv(c.optimizer, c.seed, c.init_from) + c.coordination.argv()
     out += recovery_argv(c.checkpoint_dir, c.resume_batch)
+    out += [
+        "--keep-checkpoints",
+        str(c.keep_checkpoints),
+        "--checkpoint-full-every",
+        str(c.checkpoint_full_every),
+    ]
     for flag, value in (
         ("--save-initial", c.save_initial),
         ("--save-final", c.save_final),

@@ -1,5 +1,10 @@
 """Prometheus metrics of the trainer (the one place their names are defined)."""
 
+import threading
+import time
+from collections.abc import Iterator
+from contextlib import contextmanager
+
 from prometheus_client import Counter, Gauge, Histogram
 
 STAGES = (
@@ -82,3 +87,23 @@ SHARD_MAP_REFUSALS = Counter(
     "bagpipe_trainer_shard_map_refusals_total",
     "Transfers a server refused for their shard-map version while re-sharding (routed again and retried)",
 )
+
+
+@contextmanager
+def heartbeat_while(what: str, every: float = 1.0) -> Iterator[None]:
+    """Keeps ``HEARTBEAT`` going through a long step between two batches (a checkpoint, an evaluation, the
+    final export): the failure detector must not take it for a hang. Each part of such a step has a deadline
+    of its own (RPCs, the re-sharding lock, the collectives' timeout), so a real hang inside it still ends."""
+    stop = threading.Event()
+
+    def beat() -> None:
+        while not stop.wait(every):
+            HEARTBEAT.set(time.time())
+
+    beater = threading.Thread(target=beat, name=f"heartbeat-{what}", daemon=True)
+    beater.start()
+    try:
+        yield
+    finally:
+        stop.set()
+        beater.join()

@@ -20,6 +20,7 @@ import time
 from pathlib import Path
 from typing import Any
 
+import grpc
 import numpy as np
 import torch
 import torch.distributed as dist
@@ -45,6 +46,10 @@ from bagpipe.trainer.sync import Synchronizer, backend_for, init_process_group
 from bagpipe.v1 import oracle_cacher_pb2_grpc as opb_grpc
 
 logger = logging.getLogger(__name__)
+
+
+class CheckpointFailed(Exception):
+    """A recovery checkpoint could not be written (a full disk); the message names where."""
 
 
 def trainer_device(choice: str, rank: int) -> torch.device:
@@ -78,6 +83,7 @@ class Trainer:
             self.width, self.state_width, self.device, capacity=config.cache_rows or 1024, fixed=fixed
         )
         self.start_batch = config.resume_batch
+        self._last_checkpoint = config.resume_batch  # the checkpoint the next one follows (0: none yet)
         self.step_base = 0  # optimizer steps before batch 0 (Adam's bias correction counts from there)
         # the oracle binds this rank to this process
         self._token = [(security.TRAINER_KEY, secrets.token_hex(16))]
@@ -265,6 +271,10 @@ class Trainer:
         out of the snapshot. The rows stay cached: training goes on as if nothing happened.
         """
         directory = self.config.checkpoint_dir  # (None: a flush for an evaluation only)
+        with metrics.heartbeat_while("checkpoint"):
+            self._flush_and_seal(plan, directory)
+
+    def _flush_and_seal(self, plan: PlanArrays, directory: str | None) -> None:
         assert (
             self.store is not None and plan.checkpoint_keys is not None and plan.checkpoint_slots is not None
         )
@@ -292,12 +302,46 @@ class Trainer:
         self.registry.put_json("checkpoint", {"next_batch": batch + 1, "time": time.time()})
 
     def _seal_checkpoint(self, directory: str, next_batch: int) -> dict[str, float]:
-        """(Rank 0.) The servers' snapshots, the dense part, then the manifest that makes it count."""
+        """(Rank 0.) The servers' snapshots, the dense part, the manifest that makes it count, then the
+        pruning of old checkpoints. A checkpoint that cannot be written (a full disk) is removed and
+        CheckpointFailed names the directory (the trainer exits with ``snapshots.EXIT_CHECKPOINT_FAILED``):
+        the complete ones before it are untouched, and replaying would only fail the same way."""
+        previous = self._last_checkpoint
+        try:
+            full = snapshots.full_due(directory, previous, self.config.checkpoint_full_every)
+            written = self._write_checkpoint(directory, next_batch, previous, full)
+        except (OSError, grpc.RpcError) as e:
+            if isinstance(e, grpc.RpcError) and not (
+                e.code() == grpc.StatusCode.FAILED_PRECONDITION
+                and (e.details() or "").startswith("directory:")
+            ):
+                raise  # (a server gone: the failure detector's case, not the disk's)
+            snapshots.discard(directory, next_batch)
+            why = e.details() if isinstance(e, grpc.RpcError) else str(e)
+            logger.error("checkpoint %d not written: %s", next_batch, why)
+            raise CheckpointFailed(
+                f"checkpoint {next_batch} could not be written to {directory}: {why}; "
+                f"the complete checkpoints before it are intact (latest: {previous or 'none'})"
+            ) from None
+        self._last_checkpoint = next_batch
+        try:
+            removed = snapshots.prune(directory, self.config.keep_checkpoints)
+        except OSError as e:  # (an old checkpoint left behind costs disk, not correctness)
+            logger.warning("checkpoints in %s not pruned: %s", directory, e)
+        else:
+            if removed:
+                logger.info("pruned checkpoints %s (keeping %d)", removed, self.config.keep_checkpoints)
+        return written
+
+    def _write_checkpoint(
+        self, directory: str, next_batch: int, previous: int, full: bool
+    ) -> dict[str, float]:
         # recovery checkpoints are the servers' files (the shared-memory ideal system writes none)
         assert self.servers is not None and self.store is self.servers
-        # the map in force stays fixed while the servers write (a re-sharding switch waits for this lock)
+        # the map in force stays fixed while the servers write (a re-sharding switch waits for this lock,
+        # which is renewed while they do)
         with self.registry.locked(RESHARD_LOCK, f"checkpoint-{self.config.coordination.job}-{next_batch}"):
-            files = self.servers.snapshot(directory, next_batch)
+            files = self.servers.snapshot(directory, next_batch, full)
         snapshots.write_dense(
             directory,
             next_batch,
@@ -316,6 +360,8 @@ class Trainer:
             directory,
             next_batch,
             {
+                "previous": previous,
+                "full": full,
                 "row_files": [f[0] for f in files],
                 "rows": rows,
                 "bytes": size,
@@ -324,7 +370,13 @@ class Trainer:
                 "trainers": self.config.world_size,
             },
         )
-        logger.info("checkpoint %d complete: %d changed rows, %d bytes", next_batch, rows, size)
+        logger.info(
+            "checkpoint %d complete (%s): %d rows, %d bytes",
+            next_batch,
+            "full" if full else f"after {previous}",
+            rows,
+            size,
+        )
         return {"rows": float(rows), "bytes": float(size)}
 
     def _evaluate(self, trained: int) -> float:
@@ -392,12 +444,13 @@ class Trainer:
         metrics.HEARTBEAT.set(time.time())
         if config.world_size > 1:
             dist.barrier()  # every trainer's write-backs are durable
-        if self.held_out is not None and not (
-            self.held_out.results and self.held_out.results[-1].batch == batch + 1
-        ):
-            self._evaluate(batch + 1)
-        if config.save_final and self.rank == 0:
-            self.export_checkpoint(config.save_final, batch + 1, {"steps": batch + 1})
+        with metrics.heartbeat_while("final evaluation and export"):
+            if self.held_out is not None and not (
+                self.held_out.results and self.held_out.results[-1].batch == batch + 1
+            ):
+                self._evaluate(batch + 1)
+            if config.save_final and self.rank == 0:
+                self.export_checkpoint(config.save_final, batch + 1, {"steps": batch + 1})
         stats = self.statistics(elapsed)
         self.registry.put_json(f"stats:{self.rank}", stats)
         metrics.FINISHED.set(1)

@@ -52,14 +52,16 @@ class WriteBackResponse(_message.Message):
     def __init__(self, rows: _Optional[int] = ...) -> None: ...
 
 class SnapshotRequest(_message.Message):
-    __slots__ = ("shard_map_version", "directory", "next_batch")
+    __slots__ = ("shard_map_version", "directory", "next_batch", "full")
     SHARD_MAP_VERSION_FIELD_NUMBER: _ClassVar[int]
     DIRECTORY_FIELD_NUMBER: _ClassVar[int]
     NEXT_BATCH_FIELD_NUMBER: _ClassVar[int]
+    FULL_FIELD_NUMBER: _ClassVar[int]
     shard_map_version: int
     directory: str
     next_batch: int
-    def __init__(self, shard_map_version: _Optional[int] = ..., directory: _Optional[str] = ..., next_batch: _Optional[int] = ...) -> None: ...
+    full: bool
+    def __init__(self, shard_map_version: _Optional[int] = ..., directory: _Optional[str] = ..., next_batch: _Optional[int] = ..., full: _Optional[bool] = ...) -> None: ...
 
 class SnapshotResponse(_message.Message):
     __slots__ = ("file", "rows", "bytes")

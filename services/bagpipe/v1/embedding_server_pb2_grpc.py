@@ -94,9 +94,11 @@ class EmbeddingServerServicer:
         raise NotImplementedError('Method not implemented!')
 
     def Snapshot(self, request, context):
-        """Writes the rows changed since the previous snapshot (keys, rows, state) into a checkpoint directory,
-        as one file named after the shard, and starts tracking changes afresh. Incremental, like Check-N-Run:
-        a checkpoint is the run's initial rows plus every snapshot up to it, in order.
+        """Writes the rows changed since the previous snapshot (keys, rows, state), or every row not initial
+        (full), into a checkpoint directory as one file named after the shard, fsynced, and starts tracking
+        changes afresh. Incremental, like Check-N-Run: a checkpoint is its newest full snapshot (or the run's
+        initial rows) plus every snapshot after it, in order. Idempotent: a retry of the last request gets
+        the same answer.
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')

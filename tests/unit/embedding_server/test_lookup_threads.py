@@ -250,10 +250,10 @@ def test_a_snapshot_cancelled_while_it_writes_keeps_its_rows_for_the_next(
     store = _store()
     write_rows = snapshots.write_rows
 
-    def slow(*args: Any) -> tuple[str, int]:
+    def slow(*args: Any, **kwargs: Any) -> tuple[str, int]:
         started.set()
         assert go.wait(30), "the test never let the write finish"
-        return write_rows(*args)
+        return write_rows(*args, **kwargs)
 
     async def scenario(directory: str) -> None:
         servicer = EmbeddingServicer(store, lookup_threads=threads)
