@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import logging
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any, TypeVar
@@ -297,6 +298,25 @@ def non_negative_int(text: str) -> int:
     return int(_number(text, int, 0, inclusive=True))
 
 
+def batch_or_latest(text: str) -> int | str:
+    """A batch number (>= 0), or ``latest``: the newest complete checkpoint in --checkpoint-dir."""
+    return "latest" if text == "latest" else non_negative_int(text)
+
+
+def resolve_latest(value: int | str, checkpoint_dir: str | None, flag: str) -> int:
+    """``batch_or_latest``'s value as a batch: ``latest`` is the newest complete checkpoint in
+    ``checkpoint_dir`` (0 when there is none yet: a run's first start)."""
+    if value != "latest":
+        return int(value)
+    from bagpipe.core import snapshots
+
+    if not checkpoint_dir:
+        raise SystemExit(f"{flag} latest: needs --checkpoint-dir")
+    found = snapshots.latest(checkpoint_dir) or 0
+    logging.getLogger(__name__).info("%s latest: %s", flag, found or f"no checkpoint in {checkpoint_dir}")
+    return found
+
+
 def positive_float(text: str) -> float:
     return float(_number(text, float, 0, inclusive=False))
 
@@ -360,10 +380,10 @@ def add_recovery_args(p: argparse.ArgumentParser) -> None:
     )
     g.add_argument(
         "--resume-batch",
-        type=non_negative_int,
+        type=batch_or_latest,
         default=0,
         help="begin at this batch from the complete checkpoint of that name in --checkpoint-dir "
-        "(0: from the start)",
+        "(0: from the start; latest: from the newest complete one, or the start when there is none)",
     )
 
 
@@ -408,7 +428,9 @@ def parse_config(
 
 
 def check_resume(args: argparse.Namespace) -> None:
-    """--resume-batch needs the complete checkpoint it names; fails early, naming what is missing."""
+    """--resume-batch needs the complete checkpoint it names, and its whole chain; fails early, naming
+    what is missing. ``latest`` becomes the newest complete checkpoint's batch."""
+    args.resume_batch = resolve_latest(args.resume_batch, args.checkpoint_dir, "--resume-batch")
     if not args.resume_batch:
         return
     from bagpipe.core import snapshots
@@ -420,3 +442,7 @@ def check_resume(args: argparse.Namespace) -> None:
             f"--resume-batch: no complete checkpoint {args.resume_batch} in {args.checkpoint_dir} "
             f"(complete: {snapshots.complete(args.checkpoint_dir) or 'none'})"
         )
+    try:
+        snapshots.files_of(args.checkpoint_dir, args.resume_batch)
+    except snapshots.BrokenChain as e:
+        raise SystemExit(f"--resume-batch: {e}") from None

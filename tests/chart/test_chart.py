@@ -651,7 +651,10 @@ TWENTY_SIX_ROWS = "training.tableRows={" + ",".join(["9"] * 26) + "}"
         (["trainer.replicaCount=65", "training.batchSize=6500"], "at most 64 trainers"),
         (["training.iterations=0"], "synthetic data is endless"),
         (["training.data=criteo:/data/day_0.tsv"], "set training.dataVolume.claimName"),
-        (["training.resumeBatch=100"], "training.resumeBatch needs training.checkpointEvery"),
+        (
+            ["training.resumeBatch=100", "training.checkpointEvery=0"],
+            "training.resumeBatch needs training.checkpointEvery",
+        ),
         (["persistence.enabled=false"], "training.saveFinal needs persistence.enabled"),
         (
             ["trainer.image.variant=cuda", "trainer.device=cpu"],
@@ -705,7 +708,7 @@ def test_external_redis_needs_a_url() -> None:
     assert out.returncode != 0 and "set externalRedis.url" in out.stderr
 
 
-def render_notes(tmp_path: Path, *args: str) -> str:
+def render_notes(tmp_path: Path, *args: str, crds: bool = True) -> str:
     """NOTES.txt as helm renders it (helm template prints no notes: it goes through a ConfigMap here)."""
     chart = tmp_path / "chart"
     shutil.copytree(CHART, chart)
@@ -714,7 +717,7 @@ def render_notes(tmp_path: Path, *args: str) -> str:
     (chart / "templates" / "zz-notes.yaml").write_text(
         f"apiVersion: v1\nkind: ConfigMap\nmetadata:\n  name: notes\ndata:\n  notes: |\n{body}\n"
     )
-    (doc,) = render("--show-only", "templates/zz-notes.yaml", *args, chart=chart)
+    (doc,) = render("--show-only", "templates/zz-notes.yaml", *args, chart=chart, crds=crds)
     return str(doc["data"]["notes"])
 
 

@@ -114,8 +114,15 @@ command: ["bagpipe", {{ .service | default .component | quote }}]
 {{- if and $t.eval.data (ne $t.eval.data "synthetic") (not $t.dataVolume.claimName) -}}
 {{- fail (printf "training.eval.data=%s reads a file: set training.dataVolume.claimName (mounted at /data)" $t.eval.data) -}}
 {{- end -}}
-{{- if and $t.resumeBatch (not $t.checkpointEvery) -}}
+{{- if and (ne (toString $t.resumeBatch) "latest") (ne (toString $t.resumeBatch) "0") (not $t.checkpointEvery) -}}
 {{- fail "training.resumeBatch needs training.checkpointEvery (the checkpoints it resumes from)" -}}
+{{- end -}}
+{{- $interval := toString .Values.trainer.metrics.interval -}}
+{{- if regexMatch "^[0-9]+s$" $interval -}}
+{{- $stale := .Values.prometheus.rules.heartbeatStaleSeconds | int64 -}}
+{{- if lt $stale (mul 2 (trimSuffix "s" $interval | int64)) -}}
+{{- fail (printf "prometheus.rules.heartbeatStaleSeconds=%d is below twice the scrape interval (trainer.metrics.interval=%s): a healthy trainer's heartbeat would look stale between scrapes" $stale $interval) -}}
+{{- end -}}
 {{- end -}}
 {{- if and (eq (.Values.trainer.image.variant | default "cpu") "cuda") (eq .Values.trainer.device "cpu") -}}
 {{- fail "trainer.image.variant=cuda with trainer.device=cpu: use device auto or cuda (or the cpu image)" -}}
@@ -187,9 +194,29 @@ command: ["bagpipe", {{ .service | default .component | quote }}]
 {{- define "bagpipe.checkpointArgs" -}}
 {{- if .Values.training.checkpointEvery }}
 - --checkpoint-dir
-- {{ include "bagpipe.runPath" (list . (printf "checkpoints/%s" .Release.Name) "training.checkpointEvery") | quote }}
+- {{ include "bagpipe.checkpointDir" . | quote }}
 - --resume-batch
-- {{ .Values.training.resumeBatch | int64 | quote }}
+- {{ include "bagpipe.resumeBatch" . | quote }}
+{{- end }}
+{{- end -}}
+
+{{/* The job's recovery checkpoints on the run's volume */}}
+{{- define "bagpipe.checkpointDir" -}}
+{{- include "bagpipe.runPath" (list . (printf "checkpoints/%s" .Release.Name) "training.checkpointEvery") -}}
+{{- end -}}
+
+{{/* training.resumeBatch as a flag's value: latest, or a batch number */}}
+{{- define "bagpipe.resumeBatch" -}}
+{{- if eq (toString .Values.training.resumeBatch) "latest" -}}latest{{- else -}}{{ .Values.training.resumeBatch | int64 }}{{- end -}}
+{{- end -}}
+
+{{/* Trainers: how many checkpoints are kept and how often one is full (rank 0 writes them) */}}
+{{- define "bagpipe.checkpointChainArgs" -}}
+{{- if .Values.training.checkpointEvery }}
+- --keep-checkpoints
+- {{ .Values.training.keepCheckpoints | int64 | quote }}
+- --checkpoint-full-every
+- {{ .Values.training.checkpointFullEvery | int64 | quote }}
 {{- end }}
 {{- end -}}
 

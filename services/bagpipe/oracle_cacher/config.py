@@ -13,9 +13,11 @@ from bagpipe.config_args import (
     add_cache_args,
     add_coordination_args,
     add_table_args,
+    batch_or_latest,
     coordination_of,
     non_negative_int,
     parse_config,
+    resolve_latest,
     table_argv,
     table_rows_of,
 )
@@ -113,9 +115,15 @@ def build_parser() -> argparse.ArgumentParser:
     )
     p.add_argument(
         "--start-batch",
-        type=non_negative_int,
+        type=batch_or_latest,
         default=0,
-        help="plan from this batch on (a run resumed from the checkpoint of that name)",
+        help="plan from this batch on (a run resumed from the checkpoint of that name; latest: the newest "
+        "complete one in --checkpoint-dir, or 0 when there is none)",
+    )
+    p.add_argument(
+        "--checkpoint-dir",
+        default=None,
+        help="the job's recovery checkpoints (read only, for --start-batch latest)",
     )
     add_table_args(p)
     add_coordination_args(p)
@@ -144,7 +152,7 @@ def _config(a: argparse.Namespace) -> OracleConfig:
         data=a.data,
         checkpoint_every=a.checkpoint_every,
         eval_every=a.eval_every,
-        start_batch=a.start_batch,
+        start_batch=resolve_latest(a.start_batch, a.checkpoint_dir, "--start-batch"),
     )
 
 
