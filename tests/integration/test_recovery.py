@@ -125,3 +125,57 @@ def test_resume_continues_a_stopped_run_to_the_same_model(run_job, tmp_path: Pat
     # the report is the resuming command's choice (it asked for one), as the progress bar is
     assert summary["report"] == str(run_dir / "report.html") and (run_dir / "report.html").is_file()
     assert_same_model(part["final"], checkpoint.load(whole["final"]))
+
+
+def test_a_long_run_killed_late_restores_from_a_bounded_chain_and_is_exact(run_job, tmp_path: Path) -> None:
+    """Checkpoints every 5 batches, every third one full, the newest two kept: a trainer killed late in the
+    run is recovered from a chain of at most three files a server, and the model is the synchronous one."""
+    from bagpipe.core import snapshots
+
+    iterations, batch = 70, 64
+    summary, paths = run_with_failure(
+        run_job,
+        tmp_path,
+        "long",
+        "bagpipe.trainer --rank 1",
+        signal.SIGKILL,
+        52,
+        *exact_flags(iterations, batch, "adagrad", failure_timeout=3),
+        *flags(checkpoint_full_every=3, keep_checkpoints=2, log_level="INFO"),  # (the restore is logged)
+    )
+    recovery = summary["recovery"]
+    assert recovery["failures_detected"] == 1 and recovery["failures"][0]["resumed_at_batch"] >= 45, recovery
+    directory = tmp_path / "long" / "checkpoints"
+    done = snapshots.complete(directory)
+    assert len(done) <= 2 + 3 and done[-1] >= iterations - 5, done  # (pruned: the newest two, their links)
+    assert all(len(snapshots.files_of(directory, n)) <= 3 * 2 for n in done)
+    # what each restarted server read: the chain of the checkpoint the job resumed from
+    restored = []
+    for shard in (0, 1):
+        log = (tmp_path / "long" / "logs" / f"embedding-server-{shard}.log").read_text()
+        restored += [line for line in log.splitlines() if "restored" in line and "files" in line]
+    assert len(restored) == 2, restored
+    for line in restored:
+        files = int(line.split(" from ")[1].split()[0])
+        assert 1 <= files <= 3 * 2, line
+    assert_synchronous(paths, iterations, batch, "adagrad")
+
+
+def test_a_slow_evaluation_is_not_taken_for_a_failure(run_job, tmp_path: Path) -> None:
+    """A held-out evaluation far longer than --failure-timeout: the trainers' heartbeat goes on through
+    it (and through the checkpoints and the final export), so the detector records no failure."""
+    summary, _ = run_job(
+        "slow-eval",
+        *flags(
+            iterations=20,
+            checkpoint_every=5,
+            eval_data="synthetic",
+            eval_samples=1500000,
+            eval_every=10,
+            failure_timeout=1,
+        ),
+    )
+    assert len(summary["evaluations"]) == 2
+    slowest = max(e["seconds"] for e in summary["evaluations"])
+    assert slowest > 2, f"the evaluation took {slowest:.2f} s: not slow enough to test anything"
+    assert summary["recovery"]["failures_detected"] == 0, summary["recovery"]

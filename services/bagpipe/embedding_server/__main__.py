@@ -50,8 +50,19 @@ async def serve(cfg: EmbeddingServerConfig) -> None:
             raise SystemExit(f"--init-from {cfg.init_from}: {e}") from None
     if cfg.resume_batch:
         assert cfg.checkpoint_dir is not None
-        restored = store.restore(snapshots.row_deltas(cfg.checkpoint_dir, cfg.resume_batch))
-        logger.info("shard %d: restored %d rows of checkpoint %d", cfg.shard, restored, cfg.resume_batch)
+        try:
+            files = snapshots.files_of(cfg.checkpoint_dir, cfg.resume_batch)
+            restored = store.restore(snapshots.row_deltas(cfg.checkpoint_dir, cfg.resume_batch))
+        except snapshots.BrokenChain as e:
+            raise SystemExit(f"--resume-batch {cfg.resume_batch}: {e}") from None
+        logger.info(
+            "shard %d: restored %d rows of checkpoint %d from %d files (chain %s)",
+            cfg.shard,
+            restored,
+            cfg.resume_batch,
+            len(files),
+            snapshots.chain(cfg.checkpoint_dir, cfg.resume_batch),
+        )
     store.max_abs = cfg.max_abs_value
     store.warm_up()
     server, port, control, health = await create_server(
