@@ -40,7 +40,7 @@ logger = logging.getLogger(__name__)
 MANIFEST = "COMPLETE"
 DENSE = "dense.pt"
 DEFAULT_KEEP = 3  # complete checkpoints kept (and the links they stand on)
-DEFAULT_FULL_EVERY = 8  # at most this many incremental links after a full checkpoint
+DEFAULT_FULL_EVERY = 8  # every this many checkpoints one is full: a chain is at most this many links
 # the exit status of a trainer whose checkpoint could not be written (EX_IOERR, a full disk): not retried,
 # since a replay would fail the same way (the launcher gives up; the chart's Job fails by its
 # podFailurePolicy), and the complete checkpoints before it are intact to resume from

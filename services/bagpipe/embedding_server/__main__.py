@@ -56,12 +56,11 @@ async def serve(cfg: EmbeddingServerConfig) -> None:
         except snapshots.BrokenChain as e:
             raise SystemExit(f"--resume-batch {cfg.resume_batch}: {e}") from None
         logger.info(
-            "shard %d: restored %d rows of checkpoint %d from %d files (chain %s)",
+            "shard %d: restored %d rows of checkpoint %d from %d files",
             cfg.shard,
             restored,
             cfg.resume_batch,
             len(files),
-            snapshots.chain(cfg.checkpoint_dir, cfg.resume_batch),
         )
     store.max_abs = cfg.max_abs_value
     store.warm_up()
