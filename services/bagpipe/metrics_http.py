@@ -2,6 +2,9 @@
 
 A small threaded ``http.server`` beside the service's gRPC server (the trainer has only this one).
 ``/healthz`` answers 200 while the process is responsive and its health callable reports no failure;
+``/healthz?max_silence=SECONDS`` also answers 503 when this process's trainer heartbeat
+(``bagpipe_trainer_heartbeat_timestamp_seconds``, once it has one) is older than that, unless it has
+finished: a trainer hung inside a live process still answers HTTP, so a liveness probe needs this to see it;
 ``/readyz`` answers 200 once the service has said it is ready (listening, registered).
 ``/metrics?name[]=A&name[]=B`` serves only the series named (as Prometheus's own client does): the
 failure detector reads two series a second from every service, and rendering and parsing the whole
@@ -28,6 +31,38 @@ STOP_POLL_S = 0.05  # how often the serving thread looks for a stop request
 
 
 _ALIVE: dict[str, Gauge] = {}
+
+HEARTBEAT = "bagpipe_trainer_heartbeat_timestamp_seconds"
+FINISHED = "bagpipe_trainer_finished"
+
+
+def heartbeat_silence(max_silence: float) -> str | None:
+    """What is wrong when this process's trainer heartbeat is over ``max_silence`` seconds old; None when it
+    is not, or the process has no heartbeat (not a trainer, or one that has not trained yet: 0), or it has
+    finished (its heartbeat stops then)."""
+    values = {
+        s.name: s.value
+        for f in REGISTRY.restricted_registry([HEARTBEAT, FINISHED]).collect()
+        for s in f.samples
+    }
+    beat = values.get(HEARTBEAT, 0.0)
+    if beat <= 0 or values.get(FINISHED, 0.0) >= 1:
+        return None
+    silence = time.time() - beat
+    if silence <= max_silence:
+        return None
+    return f"no progress for {silence:.1f} s (heartbeat older than max_silence={max_silence:g} s)"
+
+
+def _max_silence(query: str) -> float | None:
+    """``max_silence`` from a query string (None: absent); ValueError when it is not a number >= 0."""
+    given = urllib.parse.parse_qs(query).get("max_silence")
+    if not given:
+        return None
+    value = float(given[-1])
+    if not value >= 0:  # (also NaN)
+        raise ValueError(given[-1])
+    return value
 
 
 def _alive_gauge(service: str) -> Gauge:
@@ -64,7 +99,14 @@ class MetricsServer:
                     registry = REGISTRY.restricted_registry(names) if names else REGISTRY
                     self._send(200, generate_latest(registry), CONTENT_TYPE_LATEST)
                 elif path == "/healthz":
+                    try:
+                        max_silence = _max_silence(query)
+                    except ValueError:
+                        self._send(400, b"max_silence: expected seconds, a number >= 0\n")
+                        return
                     problem = owner._health()
+                    if problem is None and max_silence is not None:
+                        problem = heartbeat_silence(max_silence)
                     self._send(503 if problem else 200, (problem or "ok").encode() + b"\n")
                 elif path == "/readyz":
                     ready = owner.ready.is_set()

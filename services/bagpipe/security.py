@@ -141,9 +141,17 @@ def new_secret() -> str:
     return secrets.token_urlsafe(32)
 
 
+_generation: list[tuple[str, str]] = []
+
+
+def set_generation(generation: str) -> None:
+    """Every later call of this process carries ``generation`` (a trainer's: control/generation.py)."""
+    _generation[:] = [("bagpipe-generation", generation)]
+
+
 def call_metadata() -> list[tuple[str, str]]:
     secret = job_secret()
-    return [(SECRET_KEY, secret)] if secret else []
+    return ([(SECRET_KEY, secret)] if secret else []) + _generation
 
 
 def _authorized(metadata: Any, secret: str) -> bool:
@@ -152,6 +160,20 @@ def _authorized(metadata: Any, secret: str) -> bool:
             given = value if isinstance(value, str) else value.decode(errors="replace")
             return hmac.compare_digest(given.encode(), secret.encode())
     return False
+
+
+Fence = Callable[[Any], "str | None"]
+_fence: Fence | None = None
+CONTROL_PREFIX = "/bagpipe.v1.Control/"  # (the launcher's and the controller's calls: never fenced)
+
+
+def set_fence(fence: Fence | None) -> None:
+    """Every later call of this process's server (but health and Control) is first shown to ``fence``, with
+    its call metadata; a reason it returns refuses the call with FAILED_PRECONDITION. A service follows
+    the job's generations with it (control/generation.py): it refuses trainers until it holds the
+    generation's state, and those of a generation that is over."""
+    global _fence
+    _fence = fence
 
 
 class ServerGuard(grpc.aio.ServerInterceptor):
@@ -169,7 +191,8 @@ class ServerGuard(grpc.aio.ServerInterceptor):
         if handler is None or details.method.startswith(OPEN_PREFIX):
             return handler  # (the health servicer's handlers are synchronous: left as they are)
         denied = self.secret is not None and not _authorized(details.invocation_metadata, self.secret)
-        return _wrap(handler, denied)
+        fenced = not details.method.startswith(CONTROL_PREFIX)
+        return _wrap(handler, denied, fenced)
 
 
 class _Undecodable:
@@ -189,7 +212,7 @@ def _decoder(decode: Any) -> Any:
     return safe
 
 
-async def _admit(request: Any, context: grpc.aio.ServicerContext, denied: bool) -> None:
+async def _admit(request: Any, context: grpc.aio.ServicerContext, denied: bool, fenced: bool = False) -> None:
     if denied:
         await context.abort(
             grpc.StatusCode.UNAUTHENTICATED,
@@ -197,16 +220,20 @@ async def _admit(request: Any, context: grpc.aio.ServicerContext, denied: bool) 
         )
     if isinstance(request, _Undecodable):
         await context.abort(grpc.StatusCode.INVALID_ARGUMENT, "request: not a valid message for this method")
+    if fenced and _fence is not None:
+        refused = _fence(context.invocation_metadata())
+        if refused is not None:
+            await context.abort(grpc.StatusCode.FAILED_PRECONDITION, refused)
 
 
-def _wrap(handler: grpc.RpcMethodHandler, denied: bool) -> grpc.RpcMethodHandler:
+def _wrap(handler: grpc.RpcMethodHandler, denied: bool, fenced: bool = False) -> grpc.RpcMethodHandler:
     decode = _decoder(handler.request_deserializer)
     encode = handler.response_serializer
     if handler.unary_unary is not None:
         inner = handler.unary_unary
 
         async def unary(request: Any, context: grpc.aio.ServicerContext) -> Any:
-            await _admit(request, context, denied)
+            await _admit(request, context, denied, fenced)
             try:
                 return await inner(request, context)
             except BagpipeError as e:
@@ -219,7 +246,7 @@ def _wrap(handler: grpc.RpcMethodHandler, denied: bool) -> grpc.RpcMethodHandler
         inner_stream = handler.unary_stream
 
         async def stream(request: Any, context: grpc.aio.ServicerContext) -> Any:
-            await _admit(request, context, denied)
+            await _admit(request, context, denied, fenced)
             try:
                 async for item in inner_stream(request, context):
                     yield item

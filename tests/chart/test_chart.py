@@ -44,7 +44,10 @@ PARSERS = {
     "oracle-cacher": "bagpipe.oracle_cacher.config",
     "trainer": "bagpipe.trainer.config",
     "embedding-server": "bagpipe.embedding_server.config",
+    "controller": "bagpipe.controller.config",
 }
+# how each container starts: the one image's entry point, `bagpipe <service>`, but the controller's module
+COMMANDS = {"controller": ["python", "-m", "bagpipe.controller"]}
 AUTH_SECRET = "bagpipe-auth"  # the chart's Secret: the job's secret and the bundled Redis's password
 JOB_SECRET_ENV, REDIS_PASSWORD_ENV = "BAGPIPE_JOB_SECRET", "BAGPIPE_REDIS_PASSWORD"
 # mutual TLS: the variables the services read their PEM files' paths from, and cert-manager's Secret keys
@@ -342,7 +345,7 @@ def check_consistency(docs: list[dict[str, Any]]) -> dict[str, Any]:
         env_names = {e["name"]: e for e in container["env"]}
         assert env_names["POD_IP"]["valueFrom"]["fieldRef"]["fieldPath"] == "status.podIP"
         fake_env = {"POD_IP": "10.1.2.3"}
-        assert container["command"] == ["bagpipe", container["name"]], "the one image: bagpipe <service>"
+        assert container["command"] == COMMANDS.get(container["name"], ["bagpipe", container["name"]])
         if load["kind"] == "StatefulSet":
             ref = env_names["POD_INDEX"]["valueFrom"]["fieldRef"]["fieldPath"]
             assert ref == "metadata.labels['apps.kubernetes.io/pod-index']", (
@@ -372,9 +375,10 @@ def check_consistency(docs: list[dict[str, Any]]) -> dict[str, Any]:
                     assert container[probe]["httpGet"] == {"path": "/readyz", "port": "metrics"}, probe
             else:
                 assert pod["spec"]["containers"][0]["readinessProbe"]["grpc"]["port"] == ports["grpc"]
-        else:  # the trainer: HTTP readiness on its metrics port
+        elif container["name"] == "trainer":  # HTTP readiness on its metrics port
             assert container["readinessProbe"]["httpGet"] == {"path": "/readyz", "port": "metrics"}
-        assert container["livenessProbe"]["httpGet"]["path"] == "/healthz"
+        liveness = container["livenessProbe"]["httpGet"]
+        assert urlparse(liveness["path"]).path == "/healthz" and liveness["port"] == "metrics"
         redis = urlparse(args.redis)
         if redis.hostname in services:
             assert services[redis.hostname]["spec"]["ports"][0]["port"] == redis.port
@@ -436,6 +440,14 @@ def check_consistency(docs: list[dict[str, Any]]) -> dict[str, Any]:
     assert emb_cfg.optimizer == trainer_cfg.optimizer
     # an evaluation point is a flush the oracle plans
     assert oracle_cfg.eval_every == (trainer_cfg.eval_every if trainer_cfg.eval_data else 0)
+    if "controller" in configs:  # it watches the members the workloads run and releases real workloads
+        controller_cfg = configs["controller"][0]
+        assert controller_cfg.trainers == replicas(trainer_load)
+        assert controller_cfg.data_processors == replicas(dp_load)
+        assert controller_cfg.checkpoint_dir == trainer_args.checkpoint_dir
+        for target in controller_cfg.release:
+            kind, _, name = target.partition("/")
+            assert loads[name]["kind"].lower() == kind, target
     # torch.distributed rendezvous: trainer 0 through the trainers' headless Service
     job = trainer_load["metadata"]["name"]
     subdomain = trainer_load["spec"]["template"]["spec"]["subdomain"]
@@ -559,8 +571,9 @@ def test_one_image_from_the_registry_for_every_service() -> None:
     docs = render("--set", "image.registry=registry.example.com/team/", "--set", "image.tag=1.2.3")
     images = {c["image"] for c in bagpipe_containers(docs).values()}
     assert images == {"registry.example.com/team/bagpipe:1.2.3"}
-    commands = {c["command"][1] for c in bagpipe_containers(docs).values()}
-    assert commands == {"data-processor", "oracle-cacher", "embedding-server", "trainer", "probe"}
+    commands = {tuple(c["command"]) for c in bagpipe_containers(docs).values()}
+    services = ("data-processor", "oracle-cacher", "embedding-server", "trainer", "probe")
+    assert commands == {*(("bagpipe", s) for s in services), ("python", "-m", "bagpipe.controller")}
 
 
 def test_the_trainers_are_a_job_that_completes_and_writes_the_model_to_the_run_volume() -> None:
@@ -742,13 +755,15 @@ def test_dashboard_configmap_carries_the_dashboard() -> None:
     assert json.loads(cm["data"]["bagpipe.json"]) == shipped
 
 
-def test_network_policies_and_no_rbac() -> None:
+def test_network_policies_and_rbac_only_for_the_controller() -> None:
     docs = render()
     policies = by_kind(docs, "NetworkPolicy")
-    assert set(policies) == {
-        f"bagpipe-{c}" for c in ("data-processor", "oracle-cacher", "trainer", "embedding-server", "redis")
-    }
-    for policy in policies.values():
+    components = ("data-processor", "oracle-cacher", "trainer", "embedding-server", "redis", "controller")
+    assert set(policies) == {f"bagpipe-{c}" for c in components}
+    for name, policy in policies.items():
+        if name == "bagpipe-controller":  # (it serves only metrics)
+            assert [r["ports"] for r in policy["spec"]["ingress"]] == [[{"port": 9400, "protocol": "TCP"}]]
+            continue
         peers = policy["spec"]["ingress"][0]["from"]
         assert peers == [
             {
@@ -760,15 +775,25 @@ def test_network_policies_and_no_rbac() -> None:
                 }
             }
         ]
-    # RBAC only for what the code calls: no Bagpipe process calls the Kubernetes API, so no rights at all
-    code = "\n".join(p.read_text() for p in (REPO / "services").rglob("*.py"))
-    assert "import kubernetes" not in code and "from kubernetes" not in code
-    for kind in ("Role", "RoleBinding", "ClusterRole", "ClusterRoleBinding"):
+    # RBAC only for what the code calls: the controller alone calls the Kubernetes API (its own account and
+    # Role, tests/chart/test_controller.py); every other pod's account has no rights and mounts no token
+    callers = {
+        str(p.relative_to(REPO))
+        for p in (REPO / "services").rglob("*.py")
+        if "import kubernetes" in p.read_text() or "from kubernetes" in p.read_text()
+    }
+    assert callers == {"services/bagpipe/controller/kubernetes.py"}
+    for kind in ("Role", "RoleBinding"):
+        assert set(by_kind(docs, kind)) == {"bagpipe-controller"}, kind
+    for kind in ("ClusterRole", "ClusterRoleBinding"):
         assert not by_kind(docs, kind), kind
-    (account,) = by_kind(docs, "ServiceAccount").values()
-    assert account["automountServiceAccountToken"] is False
+    accounts = by_kind(docs, "ServiceAccount")
+    assert set(accounts) == {"bagpipe", "bagpipe-controller"}
+    assert accounts["bagpipe"]["automountServiceAccountToken"] is False
     for name, pod in pod_specs(docs).items():
-        assert not pod.get("automountServiceAccountToken"), name
+        controller = name == "bagpipe-controller"
+        assert pod["serviceAccountName"] == ("bagpipe-controller" if controller else "bagpipe"), name
+        assert pod["automountServiceAccountToken"] is controller, name
     assert {d["kind"] for d in docs} >= {"PodDisruptionBudget", "ServiceAccount", "Pod"}
 
 
@@ -780,6 +805,7 @@ JOB_CONTAINERS = {
     "bagpipe-embedding-server/embedding-server",
     "bagpipe-oracle-cacher/oracle-cacher",
     "bagpipe-data-processor/data-processor",
+    "bagpipe-controller/controller",
     "bagpipe-test/probe",
 }
 
@@ -1042,7 +1068,11 @@ def test_tls_mounts_the_secret_in_every_container_and_probes_readyz() -> None:
                 assert "grpc" not in container[probe], (name, probe)
                 assert container[probe]["httpGet"]["port"] == "metrics" and metrics, (name, probe)
         for probe in ("startupProbe", "readinessProbe"):
-            if probe in container and name != "bagpipe-trainer/trainer":  # (its startup asks /healthz)
+            # (the trainer's and the controller's startup ask /healthz)
+            if probe in container and name not in {
+                "bagpipe-trainer/trainer",
+                "bagpipe-controller/controller",
+            }:
                 assert container[probe]["httpGet"]["path"] == "/readyz", (name, probe)
     # the bundled Redis neither speaks nor needs it
     (redis,) = pods["bagpipe-redis"]["containers"]

@@ -343,13 +343,18 @@ key: {{ .key }}
 {{- include "bagpipe.tlsEnv" . }}
 {{- end -}}
 
-{{/* env every container gets: its pod IP (advertised in Redis), in StatefulSets its ordinal, and the job's
-     credentials (the preStop drain hook inherits them) */}}
+{{/* env every container gets: its pod IP (advertised in Redis), its pod's name (registered, so the controller
+     can delete the pod: a Job pod's hostname is <job>-<index>, not its name), in StatefulSets its ordinal,
+     and the job's credentials (the preStop drain hook inherits them) */}}
 {{- define "bagpipe.env" -}}
 - name: POD_IP
   valueFrom:
     fieldRef:
       fieldPath: status.podIP
+- name: POD_NAME
+  valueFrom:
+    fieldRef:
+      fieldPath: metadata.name
 {{- if eq (toString .ordinal) "job" }}
 - name: POD_INDEX
   valueFrom:
@@ -398,7 +403,7 @@ livenessProbe:
 {{- end -}}
 
 {{- define "bagpipe.podCommon" -}}
-serviceAccountName: {{ include "bagpipe.serviceAccountName" .root }}
+serviceAccountName: {{ .serviceAccountName | default (include "bagpipe.serviceAccountName" .root) }}
 automountServiceAccountToken: {{ .automount | default false }}
 securityContext:
   {{- toYaml .root.Values.podSecurityContext | nindent 2 }}
@@ -454,4 +459,20 @@ spec:
 {{- else if $enabled -}}
 true
 {{- end -}}
+{{- end -}}
+
+{{/* The controller's --release targets, [{kind, name}] as JSON: the serving tiers it scales to zero once
+     the job has finished, Redis last; none with controller.release off. Its Role names exactly these. */}}
+{{- define "bagpipe.controller.releaseTargets" -}}
+{{- $targets := list -}}
+{{- if .Values.controller.release -}}
+{{- $full := include "bagpipe.fullname" . -}}
+{{- $targets = append $targets (dict "kind" "statefulset" "name" (printf "%s-embedding-server" $full)) -}}
+{{- $targets = append $targets (dict "kind" "deployment" "name" (printf "%s-oracle-cacher" $full)) -}}
+{{- $targets = append $targets (dict "kind" "deployment" "name" (printf "%s-data-processor" $full)) -}}
+{{- if .Values.redis.enabled -}}
+{{- $targets = append $targets (dict "kind" "statefulset" "name" (printf "%s-redis" $full)) -}}
+{{- end -}}
+{{- end -}}
+{{- toJson $targets -}}
 {{- end -}}

@@ -178,7 +178,12 @@ class Detector:
             mark, _ = self._mark[member]
             if obs.progress is not None and obs.progress != mark:
                 self._mark[member] = (obs.progress, now)
-        gone = [Failure(m, "gone", now - t) for m, t in self._seen.items() if now - t > self.timeout]
+        # (a trainer that finished may exit: a Job's pod does)
+        gone = [
+            Failure(m, "gone", now - t)
+            for m, t in self._seen.items()
+            if now - t > self.timeout and m not in self._finished
+        ]
         if gone:
             return sorted(gone, key=lambda f: -f.silent_seconds)
         if not all(self._reachable.get(m, True) for m in self._seen):

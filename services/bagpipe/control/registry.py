@@ -189,6 +189,81 @@ class Registry:
         """Every completed or failed re-sharding of the job, oldest first."""
         return [json.loads(r) for r in self._redis.lrange(self._key("reshards"), 0, -1)]
 
+    # generations (control/generation.py): the controller writes them, every member follows
+    def generation_record(self) -> dict[str, str]:
+        return self._hash(self._key("generation"))
+
+    def begin_generation(self, record: dict[str, str]) -> None:
+        """Makes ``record`` the generation in force and forgets the trainers' progress of the last one (the
+        new one starts over from its checkpoint)."""
+        with self._redis.pipeline() as pipe:
+            pipe.delete(self._key("generation"), self._key("progress"), self._key("heartbeat"))
+            pipe.hset(self._key("generation"), mapping=dict(record))  # type: ignore[arg-type]
+            pipe.execute()
+
+    def set_generation_state(self, generation: str, state: str, reason: str = "") -> bool:
+        """Moves generation ``generation`` to ``state``, if it is still the one in force."""
+        return bool(
+            self._redis.eval(
+                "if redis.call('hget', KEYS[1], 'id') == ARGV[1] then "
+                "redis.call('hset', KEYS[1], 'state', ARGV[2], 'reason', ARGV[3]) return 1 end return 0",
+                1,
+                self._key("generation"),
+                generation,
+                state,
+                reason,
+            )
+        )
+
+    def announce(self, member: str, incarnation: str, where: dict[str, Any]) -> None:
+        """``member`` (``service/name``) is now process ``incarnation``, at ``where`` (host, pid, pod)."""
+        pipe = self._redis.pipeline(transaction=False)
+        pipe.hset(self._key("incarnations"), member, incarnation)
+        pipe.hset(self._key("whereabouts"), member, json.dumps(where))
+        pipe.execute()
+
+    def forget_member(self, member: str) -> None:
+        """Drops ``member`` (a pod replaced under another name) from everything the controller watches."""
+        service, name = member.split("/", 1)
+        pipe = self._redis.pipeline(transaction=False)
+        pipe.hdel(self._key("incarnations"), member)
+        pipe.hdel(self._key("whereabouts"), member)
+        pipe.hdel(self._key("metrics"), member)
+        pipe.hdel(self._key("members", service), name)
+        pipe.execute()
+
+    def incarnations(self) -> dict[str, str]:
+        return self._hash(self._key("incarnations"))
+
+    def incarnation_of(self, member: str) -> str | None:
+        value = self._redis.hget(self._key("incarnations"), member)
+        return _text(value) if value is not None else None
+
+    def whereabouts(self, member: str) -> dict[str, Any]:
+        value = self._redis.hget(self._key("whereabouts"), member)
+        return json.loads(_text(value)) if value else {}
+
+    def ack(self, generation: str, member: str, incarnation: str) -> None:
+        """``member`` holds generation ``generation``'s starting state (rolled back, rewound)."""
+        key = self._key("acks", generation)
+        pipe = self._redis.pipeline(transaction=False)
+        pipe.hset(key, member, incarnation)
+        pipe.expire(key, 86400)
+        pipe.execute()
+
+    def acks(self, generation: str) -> dict[str, str]:
+        return self._hash(self._key("acks", generation))
+
+    def add_failure(self, record: dict[str, Any]) -> int:
+        """Appends a failure the controller handled; returns its index."""
+        return int(self._redis.rpush(self._key("failures"), json.dumps(record))) - 1
+
+    def update_failure(self, index: int, record: dict[str, Any]) -> None:
+        self._redis.lset(self._key("failures"), index, json.dumps(record))
+
+    def failures(self) -> list[dict[str, Any]]:
+        return [json.loads(r) for r in self._redis.lrange(self._key("failures"), 0, -1)]
+
     # progress and liveness
     def set_progress(self, rank: int, batch: int) -> None:
         pipe = self._redis.pipeline(transaction=False)

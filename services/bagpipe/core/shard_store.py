@@ -19,6 +19,13 @@ of the leaving rows), and once every old owner's last rows are in, the new array
 (``finish``). So a write is never lost, and never applied twice: it lands in the current arrays and is
 carried over by exactly one copy, the last one after it. The transient cost is the new arrays beside the
 old ones (at most the shard's size again).
+
+The undo log (``track_undo``) lets a server roll back in place to a recent checkpoint (``undo_to``) without
+reading a file: per checkpoint since the oldest one still wanted, a segment holds the value (and initial
+flag) at that checkpoint of every row written after it, saved by the first write to the row in the segment.
+It costs one boolean gather per write-back, plus a copy of the rows new to the segment, and memory in
+proportion to the rows written since the oldest kept checkpoint. Whatever rewrites rows wholesale (a restore,
+a loaded checkpoint, a migration that replaces the arrays) invalidates it.
 """
 
 from __future__ import annotations
@@ -164,6 +171,27 @@ def _local_rows(keys, position, num_keys, num_buckets, rows_per_bucket, out):  #
     return -1
 
 
+class _UndoSegment:
+    """The values at checkpoint ``baseline`` of the rows first written after it: local rows, their packed rows
+    and initial flags, one chunk per write that brought rows new to the segment (concatenated only by a
+    roll-back, so that a write-back pays no copy of what is already logged)."""
+
+    __slots__ = ("baseline", "index", "packed", "initial", "rows")
+
+    def __init__(self, baseline: int) -> None:
+        self.baseline = baseline
+        self.index: list[np.ndarray] = []
+        self.packed: list[np.ndarray] = []
+        self.initial: list[np.ndarray] = []
+        self.rows = 0
+
+    def add(self, index: np.ndarray, packed: np.ndarray, initial: np.ndarray) -> None:
+        self.index.append(index)
+        self.packed.append(packed)
+        self.initial.append(initial)
+        self.rows += index.size
+
+
 class ShardStore:
     """Rows and optimizer state of shard ``shard`` of ``shard_map``."""
 
@@ -203,6 +231,8 @@ class ShardStore:
         self.migration: Migration | None = None
         self.max_abs = DEFAULT_MAX_ABS  # a written value beyond this is refused (--max-abs-value)
         self.non_negative: slice | None = None  # state columns that must be >= 0 (None: all)
+        self._undo: list[_UndoSegment] | None = None  # oldest first, the last one logging (None: off)
+        self._undo_logged = np.zeros(0, dtype=bool)  # local rows the last segment holds
 
     def load_checkpoint(
         self, ckpt: Mapping[str, Any], state_keys: tuple[str, ...], embedding_dim: int, linear: bool
@@ -228,6 +258,7 @@ class ShardStore:
                     f"got {tuple(saved[0].shape)}"
                 )
             loaded.append((t, table, saved))
+        self._invalidate_undo()  # (only now: a refused checkpoint changed nothing)
         for t, table, saved in loaded:  # (all checked first: a bad checkpoint changes nothing)
             mine = np.flatnonzero((local_keys >= self.offsets[t]) & (local_keys < self.offsets[t + 1]))
             index = torch.from_numpy(local_keys[mine] - self.offsets[t])
@@ -304,6 +335,15 @@ class ShardStore:
             if values.shape != (index.size, width):
                 shape = list(values.shape)
                 raise InvalidArgument(name, f"shape {shape} for {index.size} keys of width {width}")
+        if self._undo is not None:
+            # Before the store: a row's value at the segment's checkpoint is the one it holds now. If the
+            # write is then refused, the logged value is the unchanged one, which a roll-back restores to
+            # itself (and a repeated key, refused, logs the same value twice): harmless.
+            logged = self._undo_logged[index]
+            if not logged.all():
+                new = index[~logged]
+                self._undo[-1].add(new, self.table[new], self._initial[new])
+                self._undo_logged[new] = True
         if self._seen.size * 8 < self.table.shape[0]:
             self._seen = np.zeros((self.table.shape[0] + 7) // 8, dtype=np.uint8)
         state_low = np.full(self.state_width, -_FLOAT32_MAX, dtype=np.float32)
@@ -362,6 +402,7 @@ class ShardStore:
     def restore(self, deltas: Iterable[tuple[int, np.ndarray, np.ndarray, np.ndarray]]) -> int:
         """Applies checkpoint row files in order (``snapshots.row_deltas``), keeping the keys of this shard;
         returns the rows restored. The state they produce is the snapshot baseline (nothing is changed)."""
+        self._invalidate_undo()  # (first: a delta refused part way leaves the earlier ones applied)
         restored = 0
         for _, keys, rows, state in deltas:
             if rows.shape[1:] != (self.dim,) or state.shape[1:] != (self.state_width,):
@@ -381,6 +422,84 @@ class ShardStore:
             self._initial[index] = False
             restored += mine.size
         return restored
+
+    # ---- undo log
+    def track_undo(self, batch: int) -> None:
+        """Starts an undo log (dropping any earlier one) whose baseline is checkpoint ``batch``: the shard
+        holds that checkpoint's rows now (0 for a fresh shard, or the checkpoint it was restored from)."""
+        self._undo = [_UndoSegment(batch)]
+        self._undo_logged = np.zeros(self.table.shape[0], dtype=bool)
+
+    def undo_checkpoint(self, batch: int) -> None:
+        """This server takes its snapshot for checkpoint ``batch`` now: later writes log into a new segment
+        whose baseline it is. Nothing without ``track_undo``; ValueError for a batch before the last one.
+
+        Again for the same batch (a snapshot retried after a failure, perhaps with writes in between: the
+        checkpoint holds the rows of the retry), the baseline moves to now: the rows logged since the first
+        try held their values at the checkpoint before it, so they join its segment."""
+        if self._undo is None:
+            return
+        current = self._undo[-1]
+        if batch < current.baseline:
+            raise ValueError(f"undo checkpoint {batch} after checkpoint {current.baseline}")
+        for chunk in current.index:  # (only the rows logged: no pass over the shard per checkpoint)
+            self._undo_logged[chunk] = False
+        if batch == current.baseline:
+            self._undo.pop()
+            if self._undo and current.rows:
+                older = self._undo[-1]
+                have = np.zeros(self.table.shape[0], dtype=bool)
+                for chunk in older.index:
+                    have[chunk] = True
+                index = np.concatenate(current.index)
+                new = ~have[index]
+                older.add(
+                    index[new], np.concatenate(current.packed)[new], np.concatenate(current.initial)[new]
+                )
+        self._undo.append(_UndoSegment(batch))
+
+    def forget_undo_before(self, batch: int) -> None:
+        """Drops the segments of checkpoints before ``batch`` (complete: nobody rolls back further). The
+        last segment stays whatever its baseline: the writes log into it."""
+        if self._undo is not None:
+            self._undo = [s for s in self._undo[:-1] if s.baseline >= batch] + self._undo[-1:]
+
+    def can_undo_to(self, batch: int) -> bool:
+        return self._undo is not None and any(s.baseline == batch for s in self._undo)
+
+    @property
+    def undo_rows(self) -> int:
+        """Rows the undo log holds (a row is held once per segment it was written in)."""
+        return sum(s.rows for s in self._undo) if self._undo is not None else 0
+
+    def undo_to(self, batch: int) -> int:
+        """Rolls back in place to checkpoint ``batch``: every row written since gets back its value and
+        initial flag at it, and no row counts as changed (the shard equals the checkpoint, the next
+        snapshot's baseline). Returns the rows restored; ValueError if ``can_undo_to(batch)`` is false or a
+        migration is under way."""
+        if self.migration is not None:
+            raise ValueError(f"cannot undo to checkpoint {batch}: a migration is under way")
+        if self._undo is None or not self.can_undo_to(batch):
+            raise ValueError(f"cannot undo to checkpoint {batch}: the undo log does not reach it")
+        undone = [s for s in self._undo if s.baseline >= batch and s.rows]
+        # newest first, so that an older segment's value (the earlier state) overrides a newer one's; within
+        # a segment a row repeats only with the same value (a refused write): any order of stores will do
+        for s in reversed(undone):
+            index = np.concatenate(s.index)
+            self.table[index] = np.concatenate(s.packed)
+            self._initial[index] = np.concatenate(s.initial)
+        restored = np.unique(np.concatenate([c for s in undone for c in s.index])).size if undone else 0
+        self._undo = [s for s in self._undo if s.baseline < batch] + [_UndoSegment(batch)]
+        self._undo_logged[:] = False
+        self._changed[:] = False
+        return int(restored)
+
+    def _invalidate_undo(self) -> None:
+        """Rows rewritten wholesale: the log no longer holds their values at any checkpoint."""
+        if self._undo is not None:
+            logger.info("undo log dropped: the rows were rewritten wholesale")
+        self._undo = None
+        self._undo_logged = np.zeros(0, dtype=bool)
 
     # ---- re-sharding
     def adopt(self, shard_map: ShardMap) -> None:
@@ -431,6 +550,7 @@ class ShardStore:
             self._position, self._owned = m.position, m.new_map.buckets_of(self.shard)
             self.table, self.weights, self.state, self._changed = m.table, m.weights, m.state, m.changed
             self._initial = m.initial
+            self._invalidate_undo()  # (it indexes the old arrays)
             self.rows_held = int((m.new_map.local_keys(self.shard) >= 0).sum())
         self.migration = None
 

@@ -7,7 +7,10 @@ import logging
 import socket
 import sys
 
+import redis
+
 from bagpipe import allocator, serving
+from bagpipe.control.generation import Follower, Generation, Membership, follow_until_stopped
 from bagpipe.control.registry import Registry
 from bagpipe.data_processor.config import DataProcessorConfig, parse
 from bagpipe.data_processor.server import create_server
@@ -19,6 +22,14 @@ async def serve(cfg: DataProcessorConfig) -> None:
     registry = Registry(cfg.coordination.redis_url, cfg.coordination.job)
     # local runs number processors; in a Deployment each pod registers under its own name
     member = str(cfg.index) if cfg.index is not None else socket.gethostname()
+    membership = Membership(registry, "data_processor", member)
+    membership.announce()
+
+    async def nothing_to_undo(generation: Generation) -> str:
+        return "batches are drawn by number: nothing to rewind here"
+
+    # stateless: any generation is this one's; it follows them only to restart once Redis loses it
+    follower = Follower(membership, nothing_to_undo, adopt=lambda generation: True)
     http = serving.start_metrics(
         cfg.coordination.metrics_address,
         "data_processor",
@@ -33,12 +44,16 @@ async def serve(cfg: DataProcessorConfig) -> None:
     registry.register("data_processor", member, control.address)
     http.ready.set()
     logger.info("data processor %s serving %s on %s", member, cfg.source.data, control.address)
-    await control.stop.wait()
+    restart = await follow_until_stopped(follower, control.stop)
     try:
         registry.unregister("data_processor", member)
+    except redis.RedisError:  # (Redis gone: nothing to unregister from)
+        pass
     finally:  # (the server stops even when Redis is gone)
         await serving.stop_gracefully(server, health)
         http.stop()
+    if restart is not None:
+        raise restart
 
 
 def main(argv: list[str] | None = None) -> None:

@@ -6,7 +6,10 @@ import asyncio
 import logging
 import sys
 
-from bagpipe import allocator, cpu_priority, serving
+import redis
+
+from bagpipe import allocator, cpu_priority, security, serving
+from bagpipe.control.generation import Follower, Generation, Membership, Restart
 from bagpipe.control.registry import Registry
 from bagpipe.core import snapshots
 from bagpipe.core.data import table_offsets
@@ -14,13 +17,51 @@ from bagpipe.core.shard_map import ShardMap
 from bagpipe.core.shard_store import ShardStore
 from bagpipe.embedding_server.config import EmbeddingServerConfig, parse
 from bagpipe.embedding_server.resharder import Resharder
-from bagpipe.embedding_server.server import create_server
+from bagpipe.embedding_server.server import EmbeddingServicer, create_server
 
 logger = logging.getLogger("bagpipe.embedding_server")
 
 
+def build_store(cfg: EmbeddingServerConfig, shard_map: ShardMap, batch: int) -> ShardStore:
+    """This shard under ``shard_map``, holding checkpoint ``batch``'s rows: the seed's initial rows (or
+    ``--init-from``'s), then the checkpoint chain up to ``batch`` (none for 0)."""
+    offsets = table_offsets(cfg.table_rows)
+    width = cfg.optimizer.state_width(cfg.row_width)
+    store = ShardStore(shard_map, cfg.shard, offsets, cfg.row_width, width, cfg.seed)
+    store.non_negative = cfg.optimizer.non_negative_columns(cfg.row_width)
+    if cfg.init_from:
+        from bagpipe.core import checkpoint  # (loads torch, which the server needs for nothing else)
+
+        ckpt = checkpoint.load(cfg.init_from)
+        try:
+            store.load_checkpoint(ckpt, cfg.optimizer.state_keys, cfg.embedding_dim, cfg.linear)
+        except ValueError as e:
+            raise SystemExit(f"--init-from {cfg.init_from}: {e}") from None
+    if batch:
+        if cfg.checkpoint_dir is None:
+            raise SystemExit(f"checkpoint {batch}: this server has no --checkpoint-dir")
+        try:
+            files = snapshots.files_of(cfg.checkpoint_dir, batch)
+            restored = store.restore(snapshots.row_deltas(cfg.checkpoint_dir, batch))
+        except snapshots.BrokenChain as e:
+            raise SystemExit(f"checkpoint {batch}: {e}") from None
+        logger.info(
+            "shard %d: restored %d rows of checkpoint %d from %d files",
+            cfg.shard,
+            restored,
+            batch,
+            len(files),
+        )
+    store.max_abs = cfg.max_abs_value
+    if cfg.checkpoint_dir:  # (without checkpoints a roll-back goes to batch 0: a new shard, no log)
+        store.track_undo(batch)
+    return store
+
+
 async def serve(cfg: EmbeddingServerConfig) -> None:
     registry = Registry(cfg.coordination.redis_url, cfg.coordination.job)
+    membership = Membership(registry, "embedding_server", str(cfg.shard))
+    membership.announce()  # (first: the controller learns of a restart before the shard is loaded)
     http = serving.start_metrics(
         cfg.coordination.metrics_address,
         "embedding_server",
@@ -37,35 +78,36 @@ async def serve(cfg: EmbeddingServerConfig) -> None:
             f"shard map in Redis has {shard_map.num_keys} keys, this server's tables {int(offsets[-1])}: "
             "other --table-rows than the job's?"
         )
-    width = cfg.optimizer.state_width(cfg.row_width)
-    store = ShardStore(shard_map, cfg.shard, offsets, cfg.row_width, width, cfg.seed)
-    store.non_negative = cfg.optimizer.non_negative_columns(cfg.row_width)
-    if cfg.init_from:
-        from bagpipe.core import checkpoint  # (loads torch, which the server needs for nothing else)
-
-        ckpt = checkpoint.load(cfg.init_from)
-        try:
-            store.load_checkpoint(ckpt, cfg.optimizer.state_keys, cfg.embedding_dim, cfg.linear)
-        except ValueError as e:
-            raise SystemExit(f"--init-from {cfg.init_from}: {e}") from None
-    if cfg.resume_batch:
-        assert cfg.checkpoint_dir is not None
-        try:
-            files = snapshots.files_of(cfg.checkpoint_dir, cfg.resume_batch)
-            restored = store.restore(snapshots.row_deltas(cfg.checkpoint_dir, cfg.resume_batch))
-        except snapshots.BrokenChain as e:
-            raise SystemExit(f"--resume-batch {cfg.resume_batch}: {e}") from None
-        logger.info(
-            "shard %d: restored %d rows of checkpoint %d from %d files",
-            cfg.shard,
-            restored,
-            cfg.resume_batch,
-            len(files),
-        )
-    store.max_abs = cfg.max_abs_value
+    store = build_store(cfg, shard_map, cfg.resume_batch)
     store.warm_up()
+    servicer = EmbeddingServicer(store, cfg.max_rows_per_request, cfg.lookup_threads)
+
+    def rebuild(batch: int) -> ShardStore:
+        current = registry.shard_map()
+        assert current is not None
+        built = build_store(cfg, current, batch)
+        built.warm_up()
+        return built
+
+    async def roll_back(generation: Generation) -> str:
+        current = await asyncio.to_thread(registry.shard_map)
+        assert current is not None
+        return await servicer.roll_back(generation.start_batch, current.version, rebuild)
+
+    def adopt(generation: Generation) -> bool:
+        """A server that holds no buckets (one joining by a scale-up) has no rows to take back."""
+        return servicer.store.rows_held == 0
+
+    follower = Follower(
+        membership,
+        roll_back,
+        f"holds checkpoint {cfg.resume_batch}; waiting for the controller to roll the job back to it",
+        adopt,
+    )
+    security.set_fence(follower.refusal)
+    servicer.fence = follower.refusal
     server, port, control, health = await create_server(
-        store, cfg.address, cfg.max_rows_per_request, cfg.lookup_threads
+        store, cfg.address, cfg.max_rows_per_request, cfg.lookup_threads, servicer
     )
     control.address = serving.advertised(control.address, cfg.coordination.advertise_host)
     serving.stop_on_signals(control.stop)  # (before it registers: see stop_on_signals)
@@ -80,22 +122,36 @@ async def serve(cfg: EmbeddingServerConfig) -> None:
     )
     coordinator = None
     fatal: list[BaseException] = []
+
+    async def stop_on(error: BaseException) -> None:
+        fatal.append(error)
+        control.stop.set()
+
     if cfg.shard == 0:  # the re-sharding coordinator (shard 0 is the last a StatefulSet removes)
-
-        async def stop_on(error: BaseException) -> None:
-            fatal.append(error)
-            control.stop.set()
-
         resharder = Resharder(registry, cfg.migration_rows_per_second)
         coordinator = asyncio.create_task(resharder.run(control.stop, stop_on), name="resharder")
+    following = asyncio.create_task(follower.run(control.stop), name="generations")
+
+    def followed(task: asyncio.Task[None]) -> None:
+        if not task.cancelled() and task.exception() is not None:
+            fatal.append(task.exception())  # type: ignore[arg-type]
+            control.stop.set()
+
+    following.add_done_callback(followed)
     await control.stop.wait()
+    following.cancel()
     if coordinator is not None:
         await coordinator
     try:
         registry.unregister("embedding_server", str(cfg.shard))
+    except redis.RedisError:  # (Redis gone: nothing to unregister from)
+        pass
     finally:  # (the server stops even when Redis is gone)
         await serving.stop_gracefully(server, health)
         http.stop()
+    if fatal and isinstance(fatal[0], Restart):
+        logger.warning("%s: starting again", fatal[0].why)
+        raise fatal[0]
     if fatal:
         raise SystemExit(
             f"re-sharding failed between two shard-map versions ({fatal[0]}): "

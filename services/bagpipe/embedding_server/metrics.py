@@ -57,3 +57,7 @@ RESHARD_SECONDS = Histogram(
 BUCKETS_MOVED = Counter(
     "bagpipe_embedding_server_buckets_moved_total", "Buckets moved by re-sharding (coordinator)"
 )
+UNDO_ROWS = Gauge(
+    "bagpipe_embedding_server_undo_rows",
+    "Rows the undo log holds (their values at the newest checkpoints, for an in-place roll-back)",
+)

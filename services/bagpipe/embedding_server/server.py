@@ -25,7 +25,7 @@ import contextlib
 import functools
 import logging
 import time
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
@@ -122,6 +122,9 @@ class EmbeddingServicer(pb_grpc.EmbeddingServerServicer):
         self._pool = ThreadPoolExecutor(lookup_threads, thread_name_prefix="rows") if lookup_threads else None
         # the last Snapshot asked for, (directory, next_batch, full), and its reply to come
         self._last_snapshot: tuple[tuple[str, int, bool], asyncio.Future[pb.SnapshotResponse]] | None = None
+        # why a write-back with this call metadata is refused (control/generation.py), checked again once
+        # it holds the rows gate: one let in before a roll-back began must not land after it
+        self.fence: Callable[[Any], str | None] | None = None
 
     def _check_version(self, version: int) -> None:
         """Requests name the shard-map version they were routed by; any other is refused (the client
@@ -192,6 +195,9 @@ class EmbeddingServicer(pb_grpc.EmbeddingServerServicer):
     ) -> pb.WriteBackResponse:  # noqa: N802
         with metrics.LATENCY.labels("write_back").time():
             async with self._gate.changing():
+                refused = self.fence(context.invocation_metadata()) if self.fence is not None else None
+                if refused is not None:
+                    raise FailedPrecondition(refused)
                 self._check_version(request.shard_map_version)
                 self._check_size(request.keys)
                 keys = from_tensor(request.keys, "keys", np.int64, ndim=1)
@@ -241,6 +247,7 @@ class EmbeddingServicer(pb_grpc.EmbeddingServerServicer):
             async with self._gate.changing():
                 self._check_version(request.shard_map_version)
                 keys, gathered, gathered_state = self.store.take_all()
+                self._undo_from(request.directory, request.next_batch)
                 try:
                     name, size = await _off_loop(None, write, keys, gathered, gathered_state)
                 except BaseException as e:
@@ -252,6 +259,7 @@ class EmbeddingServicer(pb_grpc.EmbeddingServerServicer):
             async with self._gate.changing():  # (between write-backs), written out off the loop
                 self._check_version(request.shard_map_version)  # (once no write-back or switch step runs)
                 keys, rows, state = self.store.take_changes()
+                self._undo_from(request.directory, request.next_batch)
             try:
                 name, size = await asyncio.to_thread(write, keys, rows, state)
             except BaseException as e:  # (a cancelled call too) the next snapshot must still hold them
@@ -269,6 +277,37 @@ class EmbeddingServicer(pb_grpc.EmbeddingServerServicer):
             size,
         )
         return pb.SnapshotResponse(file=name, rows=keys.size, bytes=size)
+
+    def _undo_from(self, directory: str, next_batch: int) -> None:
+        """(At a snapshot's cut.) The writes from now on are undone back to checkpoint ``next_batch``; those
+        before the newest complete checkpoint will never be (a roll-back goes to the newest)."""
+        self.store.undo_checkpoint(next_batch)
+        self.store.forget_undo_before(snapshots.latest(directory) or 0)
+        metrics.UNDO_ROWS.set(self.store.undo_rows)
+
+    async def roll_back(self, batch: int, version: int, rebuild: Callable[[int], ShardStore]) -> str:
+        """Takes this shard back to checkpoint ``batch`` under shard-map ``version`` (the one in force):
+        from the undo log when it reaches that far under that map (no file is read), else a shard built
+        anew by ``rebuild`` (the seed, then the checkpoint chain). A migration under way is dropped (its
+        coordinator tries again later). Returns what it did, for the log."""
+        async with self._gate.changing():
+            t0 = time.perf_counter()
+            if self.store.migration is not None:
+                self._abort()
+            self._last_snapshot = None
+            same_map = self.store.shard_map.version == version
+            if batch == 0 and same_map and self.store.untouched():
+                said = "every row still initial"
+            elif self.store.can_undo_to(batch) and same_map:
+                rows = self.store.undo_to(batch)
+                said = f"undid {rows} rows in memory"
+            else:
+                self.store = await _off_loop(None, rebuild, batch)
+                said = f"rebuilt {self.store.rows_held} rows from the checkpoints"
+            metrics.UNDO_ROWS.set(self.store.undo_rows)
+            metrics.ROWS_HELD.set(self.store.rows_held)
+            metrics.SHARD_MAP_VERSION.set(self.store.shard_map.version)
+            return f"{said} in {time.perf_counter() - t0:.2f} s"
 
     async def _keep_changes(self, keys: np.ndarray) -> None:
         async with self._gate.changing():
@@ -491,12 +530,14 @@ async def create_server(
     address: str = "127.0.0.1:0",
     max_rows: int = MAX_ROWS_PER_RPC,
     lookup_threads: int = 0,
+    servicer: EmbeddingServicer | None = None,
 ) -> tuple[grpc.aio.Server, int, serving.ControlServicer, object]:
-    """Starts a server for ``store`` on ``address``; returns (server, port, control, health)."""
-    servicer = EmbeddingServicer(store, max_rows, lookup_threads)
+    """Starts a server for ``store`` (or ``servicer``'s) on ``address``; returns (server, port, control,
+    health)."""
+    servicer = servicer or EmbeddingServicer(store, max_rows, lookup_threads)
 
     def counters() -> dict[str, float]:
-        return {"rows_held": float(store.rows_held), "shard": float(store.shard)}
+        return {"rows_held": float(servicer.store.rows_held), "shard": float(servicer.store.shard)}
 
     server, port, control, health = await serving.create_server(
         address,

@@ -4,7 +4,6 @@ local processes on loopback, a progress bar, and a summary at the end."""
 from __future__ import annotations
 
 import argparse
-import contextlib
 import csv
 import json
 import logging
@@ -29,8 +28,10 @@ import redis
 from tqdm import tqdm
 
 from bagpipe import security, serving
-from bagpipe.control.detector import Detector, PrometheusSource, ScrapeSource
+from bagpipe.control.generation import DONE, FAILED, current
 from bagpipe.control.registry import Registry
+from bagpipe.controller.config import ControllerConfig
+from bagpipe.controller.config import argv as controller_argv
 from bagpipe.core import snapshots
 from bagpipe.data_processor import config as data_processor_config
 from bagpipe.embedding_server import config as embedding_server_config
@@ -47,15 +48,16 @@ from bagpipe.v1 import control_pb2, control_pb2_grpc
 logger = logging.getLogger(__name__)
 
 
-def rendezvous_url(run_dir: Path, generation: int) -> str:
-    """The trainers' ``init_process_group`` URL for ``generation``: a file store, not a TCP port (a port
-    picked free here may be taken by another service's listener before rank 0 binds it), a new file per
-    generation (a store file is never reused). The path is absolute: in ``file://runs/x`` a relative
-    run directory would be read as a host name, and the trainers would wait on a file nobody writes."""
+def rendezvous_url(run_dir: Path) -> str:
+    """The trainers' ``--dist-init``: a file store, not a TCP port (a port picked free here may be taken by
+    another service's listener before rank 0 binds it). Each generation meets in a file of its own (the
+    trainers add its id: a store file is never reused). The path is absolute: in ``file://runs/x`` a
+    relative run directory would be read as a host name, and the trainers would wait on a file nobody
+    writes."""
     rendezvous = run_dir.resolve() / "rendezvous"
     rendezvous.mkdir(parents=True, exist_ok=True)
     # (not Path.as_uri(): torch reads the path without undoing percent-encoding)
-    return f"file://{rendezvous / f'generation-{generation}-{uuid.uuid4().hex[:8]}'}"
+    return f"file://{rendezvous / 'store'}"
 
 
 def free_port() -> int:
@@ -96,26 +98,33 @@ class RedisServer:
             conf.chmod(0o600)
             conf.write_text(f"requirepass {password}\n")
             config = [str(conf)]
-        self.proc = subprocess.Popen(
-            [
-                find_redis_server(),
-                *config,
-                "--port",
-                str(self.port),
-                "--bind",
-                *bind,
-                "--protected-mode",
-                "no",
-                "--save",
-                "",
-                "--appendonly",
-                "no",
-                "--dir",
-                str(workdir),
-            ],
-            stdout=self.log,
-            stderr=subprocess.STDOUT,
-        )
+        self.command = [
+            find_redis_server(),
+            *config,
+            "--port",
+            str(self.port),
+            "--bind",
+            *bind,
+            "--protected-mode",
+            "no",
+            "--save",
+            "",
+            "--appendonly",
+            "no",
+            "--dir",
+            str(workdir),
+        ]
+        self.proc = subprocess.Popen(self.command, stdout=self.log, stderr=subprocess.STDOUT)
+        self.restarts = 0
+        self._wait_ready()
+
+    def restart(self) -> None:
+        """The same server again (same port and password, empty: it keeps nothing), as a kubelet would."""
+        self.restarts += 1
+        self.proc = subprocess.Popen(self.command, stdout=self.log, stderr=subprocess.STDOUT)
+        self._wait_ready()
+
+    def _wait_ready(self) -> None:
         deadline = time.monotonic() + 20
         while True:
             try:
@@ -140,6 +149,9 @@ class Process:
     name: str
     proc: subprocess.Popen[bytes]
     log: Path
+    command: list[str] = field(default_factory=list)
+    env: dict[str, str] = field(default_factory=dict)
+    restarts: int = 0
 
 
 @dataclass
@@ -156,17 +168,14 @@ class LocalJob:
         log = self.run_dir / "logs" / f"{name}.log"
         env = dict(os.environ, PYTHONUNBUFFERED="1", OMP_NUM_THREADS=os.environ.get("OMP_NUM_THREADS", "1"))
         command = [*(prefix or []), sys.executable, "-m", module, *argv]
-        with open(log, "ab") as out:  # a restarted process goes on in the same log
-            out.write(
-                f"---- {time.strftime('%Y-%m-%d %H:%M:%S')} {' '.join(command[-2:])} ----\n".encode()
-                if out.tell()
-                else b""
-            )
-            out.flush()
-            proc = subprocess.Popen(command, stdout=out, stderr=subprocess.STDOUT, env=env)
-        p = Process(name, proc, log)
+        p = Process(name, _start(command, log, env), log, command, env)
         self.processes.append(p)
         return p
+
+    def restart(self, p: Process) -> None:
+        """``p`` again with the same command line, as a kubelet restarts a pod's container."""
+        p.restarts += 1
+        p.proc = _start(p.command, p.log, p.env)
 
     def failed(self) -> Process | None:
         for p in self.processes:
@@ -197,6 +206,17 @@ class LocalJob:
                 p.proc.wait(10)
             except subprocess.TimeoutExpired:
                 p.proc.kill()
+
+
+def _start(command: list[str], log: Path, env: dict[str, str]) -> subprocess.Popen[bytes]:
+    with open(log, "ab") as out:  # a restarted process goes on in the same log
+        out.write(
+            f"---- {time.strftime('%Y-%m-%d %H:%M:%S')} {' '.join(command[-2:])} ----\n".encode()
+            if out.tell()
+            else b""
+        )
+        out.flush()
+        return subprocess.Popen(command, stdout=out, stderr=subprocess.STDOUT, env=env)
 
 
 def process_cpu_seconds(pid: int) -> float | None:
@@ -263,20 +283,6 @@ class ComponentFailure(Exception):
         self.detected_at = time.time()
 
 
-@dataclass
-class Generation:
-    """One incarnation of the job's processes; a failure ends it and the next resumes from a checkpoint."""
-
-    number: int
-    start_batch: int
-    job_name: str
-    registry: Registry
-    job: LocalJob
-    trainers: list[Process]
-    trained_before: int  # rows in rank 0's iteration log when it started
-    started_at: float = field(default_factory=time.time)
-
-
 def checkpoint_every(args: argparse.Namespace) -> int:
     """Batches between consistent checkpoints (0: none; the shared-memory 'ideal' system has none)."""
     if getattr(args, "system", "bagpipe") == "ideal":
@@ -310,10 +316,13 @@ def run(args: argparse.Namespace, after_training: AfterTraining | None = None) -
 def _run(args: argparse.Namespace, after_training: AfterTraining | None = None) -> dict[str, Any]:
     """Runs one local job to the end and returns its summary (raises on failure).
 
-    The launcher is also the job's supervisor: when a process dies, freezes or stops making progress
-    (the failure detector reads the services' metrics), every process is stopped and the job goes on in
-    a new generation from the last complete checkpoint, replaying the batches after it: the final model
-    is the one the run would have computed without the failure. At most ``--max-restarts`` times.
+    The launcher does what a kubelet and the chart's workloads do in a cluster, and decides nothing: it
+    starts Redis, the controller (``python -m bagpipe.controller``) and every service with fixed command
+    lines, and starts again any process that exits with a failure, with the same command line. The
+    controller detects failures (from the local Prometheus with ``--prometheus``, else from the services'
+    /metrics) and recovers the job in place through Redis: the embedding servers and the oracle roll back
+    to the last complete checkpoint without restarting, the trainers rejoin, and the final model is the
+    one the run would have computed without the failure. At most ``--max-restarts`` times.
 
     ``after_training`` is called with every service's /metrics address (and the local Prometheus, if
     any) once training is over and before the services stop: tests scrape the live services there.
@@ -342,102 +351,30 @@ def _run(args: argparse.Namespace, after_training: AfterTraining | None = None) 
     netns = getattr(args, "embedding_server_netns", None)
     extra_bind = args.netns_addresses.split(",")[0] if netns else None
     redis_server = RedisServer(run_dir, extra_bind=extra_bind)
-    base_name = f"local-{uuid.uuid4().hex[:8]}"
+    job_name = f"local-{uuid.uuid4().hex[:8]}"
+    registry = Registry(redis_server.url, job_name)
     prometheus: PrometheusServer | None = None
-    detector: Detector | None = None
-    generation: Generation | None = None
-    failures: list[dict[str, Any]] = []
+    job: LocalJob | None = None
     bar = tqdm(
         total=args.iterations or None, unit="it", desc="training", disable=args.quiet, dynamic_ncols=True
     )
     scaler = Scaler(run_dir, args.embedding_servers)
     try:
-        number = 0
-        while True:
-            args.embedding_servers = scaler.servers  # (a restart during scaling starts with the target)
-            start = 0
-            if checkpoint_every(args):
-                start = snapshots.latest(checkpoints) or 0
-                snapshots.discard_after(checkpoints, start)
-            generation = _start_generation(
-                args, run_dir, redis_server, f"{base_name}-g{number}", number, start, checkpoints
-            )
-            try:
-                services = args.embedding_servers + args.data_processors + 1 + args.trainers
-                endpoints = _wait_for_endpoints(generation, redis_server, services)
-                if args.prometheus:
-                    if prometheus is None:
-                        prometheus = PrometheusServer(
-                            run_dir / "prometheus", endpoints, args.prometheus_port or free_port()
-                        )
-                        print(
-                            f"prometheus: {prometheus.url} (scraping {len(endpoints)} services)",
-                            file=sys.stderr,
-                        )
-                    else:
-                        prometheus.retarget(endpoints)
-                if detector is not None:
-                    detector.close()
-                source: ScrapeSource | PrometheusSource = (
-                    PrometheusSource(prometheus.url)
-                    if prometheus is not None
-                    else ScrapeSource(generation.registry.metrics_endpoints)
-                )
-                detector = Detector(
-                    source, args.failure_timeout
-                )  # one per generation: new members, new ports
-                detector.expect(endpoints)
-                if failures:
-                    failures[-1]["restarted_seconds"] = time.time() - failures[-1]["detected_at"]
-                cpu_from = _watch(generation, redis_server, detector, bar, failures, scaler, prometheus)
-                break
-            except ComponentFailure as failure:
-                final = (
-                    len(failures) + 1 > args.max_restarts
-                    or failure.exit_code == snapshots.EXIT_CHECKPOINT_FAILED
-                )
-                logger.warning("generation %d: %s", number, failure.detail)
-                print(
-                    f"failure: {failure.component} {failure.detail}; "
-                    f"{'giving up' if final else 'recovering'}",
-                    file=sys.stderr,
-                )
-                generation.job.kill_all()
-                # (recorded once the generation is stopped: the others may have trained on, and even completed
-                # a checkpoint, between the detection and the kill)
-                record = _record_failure(failure, generation, run_dir, bar)
-                failures.append(record)
-                with contextlib.suppress(redis.RedisError):  # (Redis may be what failed)
-                    scaler.records += generation.registry.reshards()
-                scaler.finish_by_recovery()
-                generation.registry.close()
-                if failure.component == "redis" or redis_server.proc.poll() is not None:
-                    redis_server.stop()
-                    redis_server = RedisServer(run_dir, extra_bind=extra_bind)
-                never_trained = number == 0 and not record["trained_batches"]
-                no_checkpoint = failure.exit_code == snapshots.EXIT_CHECKPOINT_FAILED
-                if never_trained or no_checkpoint or len(failures) > args.max_restarts:
-                    why = (
-                        "writing a checkpoint (not retried: a replay would fail the same way; resume with "
-                        f"--resume {run_dir} once the directory has room)"
-                        if no_checkpoint
-                        else "before training began (a setup error is not retried)"
-                        if never_trained
-                        else f"after {args.max_restarts} restarts (--max-restarts)"
-                    )
-                    raise RuntimeError(f"{failure.component} failed {why}: {failure}") from None
-                number += 1
+        if args.prometheus:  # (first: the controller reads it; it finds the services as they register)
+            prometheus = PrometheusServer(run_dir / "prometheus", {}, args.prometheus_port or free_port())
+            print(f"prometheus: {prometheus.url}", file=sys.stderr)
+        job = _start_job(args, run_dir, redis_server, job_name, checkpoints, prometheus)
+        cpu_from = _keep(job, registry, redis_server, bar, scaler, prometheus)
         bar.close()
-        assert generation is not None
-        job, registry = generation.job, generation.registry
         cpu_at_end = job.cpu_seconds()
         cpu_used = _cpu_by_service(cpu_from[1], cpu_at_end)
         stats = [registry.get_json(f"stats:{r}") for r in range(args.trainers)]
-        endpoints = registry.metrics_endpoints()  # (servers may have joined or left)
+        endpoints = {m: a for m, a in registry.metrics_endpoints().items() if m != "controller/0"}
         _save_scrapes(run_dir / "metrics", endpoints)
-        _raise_if_failed(job)  # a service that crashed after training still fails the run
         if after_training is not None:
             after_training(endpoints, prometheus)
+        failures = registry.failures()
+        reshards = registry.reshards()
         _shutdown_services(registry)
         job.stop_all()
         stopped_badly = job.failed()  # a service that failed while stopping fails the run too
@@ -449,8 +386,8 @@ def _run(args: argparse.Namespace, after_training: AfterTraining | None = None) 
         summary = summarize(stats, args, run_dir)
         summary["evaluations"] = read_evals(run_dir / "metrics" / "eval.csv")
         summary["recovery"] = recovery_summary(failures, stats, run_dir, checkpoint_every(args), checkpoints)
-        summary["resharding"] = resharding_summary(scaler.records + registry.reshards(), run_dir)
-        if failures or stats[0]["first_batch"]:  # the run's batches, not just this generation's
+        summary["resharding"] = resharding_summary(scaler.records + reshards, run_dir)
+        if failures or stats[0]["first_batch"]:  # the run's batches, not just the last generation's
             summary["iterations"] = stats[0]["first_batch"] + stats[0]["iterations"]
             summary["losses"] = _run_losses(run_dir)
         measured = max(1, stats[0]["iterations"] - cpu_from[0])
@@ -475,14 +412,57 @@ def _run(args: argparse.Namespace, after_training: AfterTraining | None = None) 
     finally:
         bar.close()
         scaler.close()
-        if detector is not None:
-            detector.close()
         if prometheus is not None:
             prometheus.stop()
-        if generation is not None:
-            generation.job.stop_all()
-            generation.registry.close()
+        if job is not None:
+            job.stop_all()
+        registry.close()
         redis_server.stop()
+
+
+def _start_job(
+    args: argparse.Namespace,
+    run_dir: Path,
+    redis_server: RedisServer,
+    job_name: str,
+    checkpoints: Path,
+    prometheus: PrometheusServer | None,
+) -> LocalJob:
+    """Spawns the controller and every service, each with the command line it keeps for the whole run:
+    where to resume is the controller's business (each generation's start batch, in Redis)."""
+    job = LocalJob(args, run_dir)
+    job.checkpoints = checkpoints
+    job.spec = configs.GenerationSpec(
+        redis_server.url, job_name, 0, checkpoint_every(args), checkpoints, run_dir
+    )
+    controller = ControllerConfig(
+        trainers=args.trainers,
+        data_processors=args.data_processors,
+        coordination=job.spec.coordination(args),
+        checkpoint_dir=job.spec.checkpoint_dir,
+        prometheus_url=prometheus.url if prometheus is not None else None,
+        failure_timeout=args.failure_timeout,
+        max_restarts=args.max_restarts,
+        kill="local",
+    )
+    job.spawn("controller", "bagpipe.controller", controller_argv(controller))
+    for s in range(args.embedding_servers):
+        spawn_embedding_server(job, s, resume=True)
+    for i in range(args.data_processors):
+        job.spawn(
+            f"data-processor-{i}",
+            "bagpipe.data_processor",
+            data_processor_config.argv(configs.data_processor(args, job.spec, i)),
+        )
+    job.spawn("oracle-cacher", "bagpipe.oracle_cacher", oracle_config.argv(configs.oracle(args, job.spec)))
+    dist_init = rendezvous_url(run_dir)
+    for r in range(args.trainers):
+        job.spawn(
+            f"trainer-{r}",
+            "bagpipe.trainer",
+            trainer_config.argv(configs.trainer(args, job.spec, r, dist_init)),
+        )
+    return job
 
 
 def resumed_args(args: argparse.Namespace) -> argparse.Namespace:
@@ -506,45 +486,6 @@ def resumed_args(args: argparse.Namespace) -> argparse.Namespace:
     return merged
 
 
-def _start_generation(
-    args: argparse.Namespace,
-    run_dir: Path,
-    redis_server: RedisServer,
-    job_name: str,
-    number: int,
-    start: int,
-    checkpoints: Path,
-) -> Generation:
-    """Spawns every process of the job, resuming at ``start`` (a complete checkpoint, or 0)."""
-    registry = Registry(redis_server.url, job_name)
-    job = LocalJob(args, run_dir)
-    job.checkpoints = checkpoints
-    job.spec = configs.GenerationSpec(
-        redis_server.url, job_name, start, checkpoint_every(args), checkpoints, run_dir
-    )
-    for s in range(args.embedding_servers):
-        spawn_embedding_server(job, s, resume=True)
-    for i in range(args.data_processors):
-        job.spawn(
-            f"data-processor-{i}",
-            "bagpipe.data_processor",
-            data_processor_config.argv(configs.data_processor(args, job.spec, i)),
-        )
-    job.spawn("oracle-cacher", "bagpipe.oracle_cacher", oracle_config.argv(configs.oracle(args, job.spec)))
-    dist_init = rendezvous_url(run_dir, number)
-    trainers = [
-        job.spawn(
-            f"trainer-{r}",
-            "bagpipe.trainer",
-            trainer_config.argv(configs.trainer(args, job.spec, r, dist_init)),
-        )
-        for r in range(args.trainers)
-    ]
-    if number:
-        logger.info("generation %d: resuming at batch %d", number, start)
-    return Generation(number, start, job_name, registry, job, trainers, len(_iteration_log(run_dir)))
-
-
 def spawn_embedding_server(job: LocalJob, shard: int, resume: bool) -> Process:
     """Starts embedding server ``shard``: one of the generation's first (it creates the shard map for
     ``--embedding-servers`` of them, and with ``resume`` loads the checkpoint's rows), or one that joins a
@@ -553,30 +494,15 @@ def spawn_embedding_server(job: LocalJob, shard: int, resume: bool) -> Process:
     netns = getattr(job.args, "embedding_server_netns", None)
     addresses = job.args.netns_addresses if netns else None
     cfg = configs.embedding_server(job.args, job.spec, shard, resume, addresses)
+    # started again after a failure, it loads the newest complete checkpoint (and serves nothing until the
+    # controller rolls the job back to it)
+    latest = ["--resume-batch", "latest"] if job.spec.checkpoint_dir else []
     return job.spawn(
         f"embedding-server-{shard}",
         "bagpipe.embedding_server",
-        embedding_server_config.argv(cfg),
+        embedding_server_config.argv(cfg) + latest,
         prefix=["ip", "netns", "exec", netns] if netns else None,
     )
-
-
-def _wait_for_endpoints(
-    generation: Generation, redis_server: RedisServer, count: int, timeout: float = 120.0
-) -> dict[str, str]:
-    """Every service's /metrics address, once all have registered (they do so as they start)."""
-    deadline = time.monotonic() + timeout
-    while True:
-        _raise_if_failed(generation.job, redis_server)
-        try:
-            endpoints = generation.registry.metrics_endpoints()
-        except redis.RedisError as e:
-            raise _redis_failure(e, redis_server) from None
-        if len(endpoints) >= count:
-            return endpoints
-        if time.monotonic() > deadline:
-            raise RuntimeError(f"only {len(endpoints)} of {count} services registered a metrics endpoint")
-        time.sleep(0.05)
 
 
 def _redis_exited(redis_server: RedisServer) -> ComponentFailure:
@@ -607,43 +533,57 @@ def _save_scrapes(directory: Path, endpoints: dict[str, str]) -> None:
             logger.warning("could not scrape %s at %s: %s", name, address, e)
 
 
-def _raise_if_failed(job: LocalJob, redis_server: RedisServer | None = None) -> None:
-    if redis_server is not None and redis_server.proc.poll() is not None:
-        raise _redis_exited(redis_server)
-    bad = job.failed()
-    if bad is not None:
-        failure = ComponentFailure(bad.name, "exited", f"exited with {bad.proc.returncode}", bad.log)
-        failure.exit_code = bad.proc.returncode
-        raise failure
+# a process that fails this often is not recovering: the run gives up (a kubelet's CrashLoopBackOff)
+MAX_PROCESS_RESTARTS = 20
 
 
-def _member_process(member: str) -> str:
-    """``trainer/1`` (a metrics endpoint) -> ``trainer-1`` (a process of the launcher)."""
-    service, index = member.split("/", 1)
-    return f"{service.replace('_', '-')}-{index}" if service != "oracle_cacher" else "oracle-cacher"
+def _keep_alive(job: LocalJob, redis_server: RedisServer, redis_silent: list[float], timeout: float) -> None:
+    """What a kubelet does: starts again every process that exited with a failure, with the same command
+    line, and Redis when it exited or did not answer for ``timeout`` seconds (its liveness probe). Raises
+    ComponentFailure for a checkpoint that could not be written (exit 74, as the chart's podFailurePolicy
+    fails the Job: a new process would fail the same way) and for a process in a crash loop."""
+    if redis_server.proc.poll() is None and redis_silent[0] and time.monotonic() - redis_silent[0] > timeout:
+        logger.warning("redis does not answer for %.1f s: killing it", time.monotonic() - redis_silent[0])
+        redis_server.proc.kill()
+        redis_server.proc.wait()
+    if redis_server.proc.poll() is not None:
+        logger.warning("redis exited with %s: starting it again", redis_server.proc.returncode)
+        redis_silent[0] = 0.0
+        redis_server.restart()
+    for p in job.processes:
+        code = p.proc.poll()
+        if code is None or code == 0:
+            continue
+        if code == snapshots.EXIT_CHECKPOINT_FAILED or p.restarts >= MAX_PROCESS_RESTARTS:
+            failure = ComponentFailure(
+                p.name,
+                "exited",
+                f"exited with {code}" + (f" after {p.restarts} restarts" if p.restarts else ""),
+                p.log,
+            )
+            failure.exit_code = code
+            raise failure
+        logger.info("%s exited with %d: starting it again", p.name, code)
+        job.restart(p)
 
 
-def _watch(
-    generation: Generation,
+def _keep(
+    job: LocalJob,
+    registry: Registry,
     redis_server: RedisServer,
-    detector: Detector,
     bar: tqdm,
-    failures: list[dict[str, Any]],
     scaler: Scaler,
     prometheus: PrometheusServer | None,
 ) -> tuple[int, dict[str, float]]:
-    """Shows progress until every trainer has stored its statistics, and raises ComponentFailure when a
-    process exits or the detector declares one gone or stuck. Returns the CPU times of the processes when
-    training was first seen under way, and the iterations done by then (so start-up does not count in the
-    CPU per iteration)."""
-    job, registry, trainers = generation.job, generation.registry, generation.trainers
-    total = generation.job.args.iterations or None
+    """Keeps the processes alive and shows progress until the controller says the job is done (raises
+    RuntimeError when it gave up). Returns the CPU times of the processes when training was first seen
+    under way, and the iterations done by then (so start-up does not count in the CPU per iteration)."""
+    args = job.args
+    total = args.iterations or None
     cpu_from: tuple[int, dict[str, float]] | None = None
-    next_look = 0.0
-    bar.n = generation.start_batch
-    bar.refresh()
-    watched = set(registry.metrics_endpoints())
+    targets: dict[str, str] = {}
     shown_eval = None  # the batch count of the evaluation the bar shows
+    redis_silent = [0.0]  # since when Redis has not answered (0: it answers)
 
     def spawn(shard: int) -> None:
         spawn_embedding_server(job, shard, resume=False)
@@ -656,74 +596,61 @@ def _watch(
                 p.proc.kill()
                 p.proc.wait()
             job.processes.remove(p)
-        member = f"embedding_server/{shard}"
-        detector.retire([member])
         registry.unregister_metrics("embedding_server", str(shard))
-        watched.discard(member)
-        if prometheus is not None:
-            prometheus.retarget(registry.metrics_endpoints())
 
     cannot_scale = (
         "--system ideal keeps the embeddings in shared memory"
-        if getattr(job.args, "system", "") == "ideal"
+        if getattr(args, "system", "") == "ideal"
         else None
     )
-    # a finished trainer stores its statistics and keeps serving /metrics until it is stopped
     while True:
-        _raise_if_failed(job, redis_server)
         try:
-            if all(registry.get_json(f"stats:{r}") is not None for r in range(len(trainers))):
-                break
+            _keep_alive(job, redis_server, redis_silent, args.failure_timeout)
+        except ComponentFailure as failure:
+            why = (
+                "writing a checkpoint (not retried: a replay would fail the same way; resume with "
+                f"--resume {job.run_dir} once the directory has room)"
+                if failure.exit_code == snapshots.EXIT_CHECKPOINT_FAILED
+                else "in a loop"
+            )
+            print(f"failure: {failure.component} {failure.detail}; giving up", file=sys.stderr)
+            raise RuntimeError(f"{failure.component} failed {why}: {failure}") from None
+        try:
+            generation = current(registry)
             progress = registry.progress()
             evaluated = registry.get_json("eval")
+            endpoints = registry.metrics_endpoints()
+            servers = sum(p.name.startswith("embedding-server-") for p in job.processes)
+            scaler.poll(registry, servers, spawn, retire, cannot_scale)
+            _follow_scaling(args, job.run_dir, scaler.servers)
         except redis.RedisError as e:
-            raise _redis_failure(e, redis_server) from None
+            redis_silent[0] = redis_silent[0] or time.monotonic()
+            logger.debug("redis: %s", e)
+            time.sleep(0.1)
+            continue
+        redis_silent[0] = 0.0
+        if generation is not None and generation.state == FAILED:
+            print(f"failure: {generation.reason}; giving up", file=sys.stderr)
+            raise RuntimeError(generation.reason)
+        if generation is not None and generation.state == DONE:
+            break
+        if prometheus is not None and endpoints != targets:  # (service discovery: pods come and go)
+            targets = endpoints
+            prometheus.retarget(endpoints)
         if evaluated and evaluated.get("batches") != shown_eval:
             shown_eval = evaluated.get("batches")
             bar.set_postfix(
                 auc=f"{evaluated['auc']:.4f}", logloss=f"{evaluated['logloss']:.4f}", refresh=False
             )
-        if all(p.proc.poll() is not None for p in trainers):
-            raise RuntimeError("the trainers exited without their statistics; see logs/trainer-*.log")
-        if len(progress) == len(trainers):
+        if generation is not None and len(progress) == args.trainers:
             now = min(progress.values()) + 1
             if cpu_from is None:
                 cpu_from = (max(progress.values()) + 1 - generation.start_batch, job.cpu_seconds())
-                if failures and "recovered_seconds" not in failures[-1]:
-                    failures[-1]["recovered_seconds"] = time.time() - failures[-1]["detected_at"]
+            if now < bar.n:  # (rolled back: the bar goes back with the job)
+                bar.n = now
+                bar.refresh()
             bar.update(max(0, now - bar.n))
-        try:  # scaling requests (bagpipe scale), and the servers they start or drain
-            servers = sum(p.name.startswith("embedding-server-") for p in job.processes)
-            scaler.poll(registry, servers, spawn, retire, cannot_scale)
-            _follow_scaling(job.args, generation.job.run_dir, scaler.servers)
-        except redis.RedisError as e:
-            raise _redis_failure(e, redis_server) from None
-        if time.monotonic() >= next_look:  # the failure detector, from the services' metrics
-            next_look = time.monotonic() + min(1.0, detector.timeout / 4)
-            try:
-                endpoints = registry.metrics_endpoints()
-            except redis.RedisError as e:
-                raise _redis_failure(e, redis_server) from None
-            joined = set(endpoints) - watched
-            if joined:  # servers started by a scale-up
-                detector.expect(joined)
-                watched |= joined
-                if prometheus is not None:
-                    prometheus.retarget(endpoints)
-            found = detector.poll()
-            if found:
-                worst = found[0]
-                what = "did not answer" if worst.kind == "gone" else "made no progress"
-                process = _member_process(worst.member)
-                log = next((p.log for p in job.processes if p.name == process), None)
-                raise ComponentFailure(
-                    process,
-                    worst.kind,
-                    f"{what} for {worst.silent_seconds:.1f} s (--failure-timeout {detector.timeout:g})",
-                    log,
-                )
         time.sleep(0.1)
-    _raise_if_failed(job, redis_server)
     bar.update(max(0, (total or bar.n) - bar.n))
     return cpu_from or (0, {})
 
@@ -759,31 +686,16 @@ def _run_losses(run_dir: Path) -> list[float]:
     return [by_batch[b] for b in sorted(by_batch)]
 
 
-def _record_failure(
-    failure: ComponentFailure, generation: Generation, run_dir: Path, bar: tqdm
-) -> dict[str, Any]:
-    in_generation = [b for b, _ in _iteration_log(run_dir)[generation.trained_before :]]
-    return {
-        "generation": generation.number,
-        "component": failure.component,
-        "kind": failure.kind,
-        "detail": failure.detail,
-        "detected_at": failure.detected_at,
-        "generation_seconds": failure.detected_at - generation.started_at,
-        "start_batch": generation.start_batch,
-        "trained_batches": len(in_generation),
-        "last_batch": max(in_generation) if in_generation else generation.start_batch - 1,
-    }
-
-
 def recovery_summary(
     failures: list[dict[str, Any]], stats: list[dict[str, Any]], run_dir: Path, every: int, directory: Path
 ) -> dict[str, Any]:
     """Failures, time to detect and recover, iterations replayed, checkpoint cost (summary and report)."""
     for i, f in enumerate(failures):
-        restart = failures[i + 1]["start_batch"] if i + 1 < len(failures) else stats[0]["first_batch"]
-        # a trainer seals a checkpoint inside a batch's step, before it logs the batch: killed in between,
-        # the log lacks a batch that the checkpoint it resumes from proves trained
+        restart = f.get("resumed_at_batch")
+        if restart is None:
+            restart = failures[i + 1]["start_batch"] if i + 1 < len(failures) else stats[0]["first_batch"]
+        # a trainer seals a checkpoint inside a batch's step, before it reports the batch: failed in between,
+        # the progress lacks a batch that the checkpoint it resumes from proves trained
         f["last_batch"] = max(f["last_batch"], restart - 1)
         f["resumed_at_batch"] = restart
         f["replayed_iterations"] = max(0, f["last_batch"] + 1 - restart)

@@ -6,10 +6,13 @@ import asyncio
 import logging
 import sys
 
-from bagpipe import allocator, serving
+import redis
+
+from bagpipe import allocator, security, serving
+from bagpipe.control.generation import Follower, Generation, Membership, follow_until_stopped
 from bagpipe.control.registry import Registry
 from bagpipe.oracle_cacher.config import OracleConfig, parse
-from bagpipe.oracle_cacher.server import Oracle, create_server
+from bagpipe.oracle_cacher.server import Rewinding, create_server
 
 logger = logging.getLogger("bagpipe.oracle_cacher")
 
@@ -20,21 +23,29 @@ def _member_order(name: str) -> tuple[int, str]:
 
 
 async def serve(cfg: OracleConfig) -> None:
-    oracle = Oracle(cfg)
     registry = Registry(cfg.coordination.redis_url, cfg.coordination.job)
+    membership = Membership(registry, "oracle_cacher", "0")
+    membership.announce()
+    servicer = Rewinding(cfg)
     http = serving.start_metrics(
         cfg.coordination.metrics_address,
         "oracle_cacher",
         "0",
         registry,
-        lambda: oracle.failure,
+        lambda: servicer.oracle.failure if servicer.tasks else None,
         cfg.coordination.advertise_host,
     )
-    server, port, control, health = await create_server(oracle, cfg.address)
+
+    async def rewind(generation: Generation) -> str:
+        members = await asyncio.to_thread(registry.wait_for_members, "data_processor", cfg.data_processors)
+        addresses = [members[k] for k in sorted(members, key=_member_order)][: cfg.data_processors]
+        await servicer.rewind(generation.start_batch, addresses)
+        return f"planning from batch {generation.start_batch} ({len(addresses)} data processors)"
+
+    follower = Follower(membership, rewind, "plans nothing before the controller's first generation")
+    security.set_fence(follower.refusal)
+    server, port, control, health = await create_server(servicer, cfg.address)
     control.address = serving.advertised(control.address, cfg.coordination.advertise_host)
-    members = await asyncio.to_thread(registry.wait_for_members, "data_processor", cfg.data_processors)
-    addresses = [members[k] for k in sorted(members, key=_member_order)][: cfg.data_processors]
-    tasks = oracle.start(addresses)
     serving.stop_on_signals(control.stop)  # (before it registers: see stop_on_signals)
     registry.register("oracle_cacher", "0", control.address)
     http.ready.set()
@@ -45,16 +56,19 @@ async def serve(cfg: OracleConfig) -> None:
         cfg.window,
         cfg.cache_mode,
         cfg.trainers,
-        len(addresses),
+        cfg.data_processors,
     )
-    await control.stop.wait()
-    for task in tasks:
-        task.cancel()
+    restart = await follow_until_stopped(follower, control.stop)
+    servicer.stop()
     try:
         registry.unregister("oracle_cacher", "0")
+    except redis.RedisError:  # (Redis gone: nothing to unregister from)
+        pass
     finally:  # (the server stops even when Redis is gone)
         await serving.stop_gracefully(server, health)
         http.stop()
+    if restart is not None:
+        raise restart
 
 
 def main(argv: list[str] | None = None) -> None:

@@ -9,6 +9,7 @@ when every trainer has reported the write-backs of batch x-L durable (DESIGN.md 
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import functools
 import hmac
 import logging
@@ -368,7 +369,42 @@ class Oracle(pb_grpc.OracleCacherServicer):
         }
 
 
-async def create_server(oracle: Oracle, address: str = "127.0.0.1:0"):
+class Rewinding(pb_grpc.OracleCacherServicer):
+    """The servicer the oracle's server keeps while the job's generations come and go: each generation
+    plans anew from its start batch in an ``Oracle`` of its own (control/generation.py), and every call
+    goes to the one in force. A past generation's plan streams end (ABORTED)."""
+
+    def __init__(self, config: OracleConfig) -> None:
+        self.config = config
+        self.oracle = Oracle(config)
+        self.tasks: list[asyncio.Task[None]] = []
+
+    async def rewind(self, start_batch: int, processors: list[str]) -> None:
+        """Plans again from ``start_batch``, reading ``processors``."""
+        old, tasks = self.oracle, self.tasks
+        for task in tasks:
+            task.cancel()
+        async with old.cond:
+            old.failure = f"the job rolled back to batch {start_batch}"
+            old.cond.notify_all()
+        self.oracle = Oracle(dataclasses.replace(self.config, start_batch=start_batch))
+        self.tasks = self.oracle.start(processors)
+
+    def StreamPlans(self, request: pb.StreamPlansRequest, context: grpc.aio.ServicerContext):  # noqa: N802
+        return self.oracle.StreamPlans(request, context)
+
+    def ReportProgress(self, request: pb.ProgressReport, context: grpc.aio.ServicerContext):  # noqa: N802
+        return self.oracle.ReportProgress(request, context)
+
+    def counters(self) -> dict[str, float]:
+        return self.oracle.counters()
+
+    def stop(self) -> None:
+        for task in self.tasks:
+            task.cancel()
+
+
+async def create_server(oracle: Oracle | Rewinding, address: str = "127.0.0.1:0"):
     """Starts the oracle's server; returns (server, port, control, health)."""
     return await serving.create_server(
         address,

@@ -2,18 +2,35 @@
 
 from __future__ import annotations
 
+import dataclasses
 import faulthandler
 import logging
+import os
 import signal
 import sys
 import threading
 
-from bagpipe import allocator, serving
+from bagpipe import allocator, security, serving
+from bagpipe.control.generation import EXIT_RESTART, Membership, Watch, join
+from bagpipe.control.registry import Registry
+from bagpipe.core import snapshots
 from bagpipe.core.snapshots import EXIT_CHECKPOINT_FAILED
+from bagpipe.trainer import metrics
 from bagpipe.trainer.config import parse
 from bagpipe.trainer.worker import CheckpointFailed, Trainer
 
 logger = logging.getLogger("bagpipe.trainer")
+
+
+# how long a trainer whose training failed waits for the controller's next generation before it exits
+# with the error: a peer's failure (a killed trainer, a server gone) reaches every trainer as an error of its
+# own, and the controller must see the restart of the one that failed first, not theirs
+FOLLOW_PEERS_S = 30.0
+
+
+def generation_url(dist_init: str, generation: str) -> str:
+    """A file store is never reused: each generation meets in a file of its own."""
+    return f"{dist_init}-{generation}" if dist_init.startswith("file://") else dist_init
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -21,18 +38,44 @@ def main(argv: list[str] | None = None) -> None:
     serving.configure_logging(cfg.coordination.log_level)
     allocator.keep_freed_buffers()
     faulthandler.register(signal.SIGUSR1)  # `kill -USR1` prints every thread's stack to the log
-    trainer = Trainer(cfg)
+    registry = Registry(cfg.coordination.redis_url, cfg.coordination.job)
+    membership = Membership(registry, "trainer", str(cfg.rank))
+    membership.announce()
+    trainer: Trainer | None = None
     http = serving.start_metrics(
         cfg.coordination.metrics_address,
         "trainer",
         str(cfg.rank),
-        trainer.registry,
-        lambda: repr(trainer.pipeline.error) if trainer.pipeline.error is not None else None,
+        registry,
+        lambda: repr(trainer.pipeline.error) if trainer and trainer.pipeline.error is not None else None,
         cfg.coordination.advertise_host,
     )
-    trainer.on_ready = http.ready.set
     # SIGTERM while training: stop, release everything and exit 0 (a stopped pod, or the launcher)
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(0))
+    with metrics.heartbeat_while("waiting for a generation"):
+        generation = join(membership, cfg.rank)
+    logger.info(
+        "rank %d joins generation %d from batch %d", cfg.rank, generation.number, generation.start_batch
+    )
+    security.set_generation(generation.id)  # (the servers refuse this process's calls once it is over)
+    cfg = dataclasses.replace(
+        cfg,
+        resume_batch=generation.start_batch,
+        dist_init=generation_url(cfg.dist_init, generation.id),
+    )
+    if cfg.rank == 0 and cfg.checkpoint_dir:  # (what a failed generation began after its start goes)
+        snapshots.discard_after(cfg.checkpoint_dir, generation.start_batch)
+    ended = threading.Event()
+
+    def make_way(why: str) -> None:
+        logger.warning("rank %d: %s: starting again to join the next one", cfg.rank, why)
+        ended.set()
+        os._exit(EXIT_RESTART)  # (at once: this process may be blocked in a collective with a dead peer)
+
+    watch = Watch(membership, generation, make_way)
+    watch.start()
+    trainer = Trainer(cfg)
+    trainer.on_ready = http.ready.set
     try:
         stats = trainer.run()
         logger.info(
@@ -42,6 +85,10 @@ def main(argv: list[str] | None = None) -> None:
             stats["samples_per_second"],
         )
     except BaseException as e:
+        if isinstance(e, Exception) and not isinstance(e, CheckpointFailed):
+            logger.warning("rank %d: training failed (%s); waiting for the controller", cfg.rank, e)
+            ended.wait(FOLLOW_PEERS_S)  # (make_way ends the process if a new generation comes)
+        watch.stop()
         trainer.close()
         http.stop()
         if isinstance(e, CheckpointFailed):  # one line naming the directory; not to be retried
@@ -53,6 +100,7 @@ def main(argv: list[str] | None = None) -> None:
             logger.error("rank %d: %s", cfg.rank, lost)
             raise SystemExit(f"trainer {cfg.rank}: {lost}") from None
         raise
+    watch.stop()
     trainer.close()
     if not cfg.exit_when_done:
         # keep /metrics and /healthz up (Prometheus' last scrape, a StatefulSet that must not restart)

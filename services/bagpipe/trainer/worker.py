@@ -97,6 +97,7 @@ class Trainer:
         self.oracle: opb_grpc.OracleCacherStub | None = None
         self.held_out: HeldOut | None = None
         self.on_ready: Any = lambda: None  # called once connected and ready to train
+        self._background_group: Any = None  # the background synchronisation's process group
 
     # ---- setup
     def _connect(self) -> None:
@@ -396,6 +397,18 @@ class Trainer:
     # ---- the run
     def run(self) -> dict[str, Any]:
         """Trains to the end and returns this trainer's statistics."""
+        with metrics.heartbeat_while("setup"):  # (connecting, the rendezvous, loading the checkpoint)
+            self._set_up()
+        self.on_ready()
+        self.pipeline.start()
+        self.sync.start(self._background_group)
+        start = time.perf_counter()
+        batch = self.start_batch
+        while not self.step(batch).last:
+            batch += 1
+        return self._finish(batch, start)
+
+    def _set_up(self) -> None:
         config = self.config
         self._connect()
         if config.eval_data:
@@ -403,9 +416,9 @@ class Trainer:
                 config.eval_data, config.table_rows, config.seed, config.eval_samples, 4096
             )
             self.held_out = HeldOut(samples, self.offsets, self.rank, config.world_size)
-        background_group = None
+        self._background_group = None
         if config.world_size > 1:
-            background_group = init_process_group(
+            self._background_group = init_process_group(
                 self.rank,
                 config.world_size,
                 config.dist_init,
@@ -415,7 +428,7 @@ class Trainer:
         if config.shared_table:
             self._use_shared_table()
         self._load_initial()
-        if config.save_initial and self.rank == 0:
+        if config.save_initial and self.rank == 0 and not self.start_batch:
             self.export_checkpoint(config.save_initial, 0, {"steps": 0})
         # what setup left (torch and the modules: about 330 k objects) is never garbage: frozen, the
         # collector's full passes skip it (one took 0.14-0.4 s here, and every trainer waits for the one
@@ -430,13 +443,9 @@ class Trainer:
         self.pipeline.connect(self.store, self.oracle, self.servers.initial_of if untouched else None)
         if config.world_size > 1:
             dist.barrier()
-        self.on_ready()
-        self.pipeline.start()
-        self.sync.start(background_group)
-        start = time.perf_counter()
-        batch = self.start_batch
-        while not self.step(batch).last:
-            batch += 1
+
+    def _finish(self, batch: int, start: float) -> dict[str, Any]:
+        config = self.config
         self.sync.stop()
         self.pipeline.join_writer()
         self.pipeline.raise_error()

@@ -2,9 +2,13 @@
 
 from __future__ import annotations
 
+import time
+import urllib.error
 import urllib.parse
 import urllib.request
 from typing import Any
+
+import pytest
 
 from bagpipe.control.detector import FINISHED, PROGRESS, Detector, Observation, ScrapeSource
 from bagpipe.local.launcher import free_port
@@ -126,3 +130,44 @@ def test_a_scrape_that_names_series_gets_only_those_and_the_detector_asks_for_it
         ]
     finally:
         server.stop()
+
+
+def _healthz(address: str, query: str = "") -> tuple[int, str]:
+    try:
+        with urllib.request.urlopen(f"http://{address}/healthz{query}", timeout=10) as r:
+            return r.status, r.read().decode()
+    except urllib.error.HTTPError as e:
+        return e.code, e.read().decode()
+
+
+@pytest.mark.parametrize(
+    ("age", "finished", "query", "status"),
+    [
+        (5.0, 0.0, "?max_silence=60", 200),  # a healthy trainer
+        (100.0, 0.0, "?max_silence=60", 503),  # hung inside a live process
+        (100.0, 0.0, "", 200),  # (no max_silence: only whether the process answers)
+        (100.0, 0.0, "?max_silence=120", 200),
+        (None, 0.0, "?max_silence=60", 200),  # not trained yet: no heartbeat to be stale
+        (100.0, 1.0, "?max_silence=60", 200),  # finished: its heartbeat has stopped
+        (5.0, 0.0, "?max_silence=soon", 400),
+        (5.0, 0.0, "?max_silence=-1", 400),
+    ],
+)
+def test_healthz_max_silence_fails_on_a_stale_trainer_heartbeat(
+    age: float | None, finished: float, query: str, status: int
+) -> None:
+    from bagpipe.trainer import metrics
+
+    saved = metrics.HEARTBEAT._value.get(), metrics.FINISHED._value.get()
+    metrics.HEARTBEAT.set(0.0 if age is None else time.time() - age)
+    metrics.FINISHED.set(finished)
+    server = MetricsServer("127.0.0.1:0", "trainer")
+    try:
+        code, body = _healthz(server.address, query)
+        assert code == status, body
+        if status == 503:
+            assert body.startswith("no progress for 10") and "max_silence=60 s" in body
+    finally:
+        server.stop()
+        metrics.HEARTBEAT.set(saved[0])
+        metrics.FINISHED.set(saved[1])

@@ -1,0 +1,322 @@
+"""The controller: failure detection and in-place recovery of one job, the same locally and in a cluster.
+
+It owns the job's generations (control/generation.py). Each ``step`` reads the generation in force from
+Redis and moves it on:
+
+* none yet: the first generation, from the newest complete checkpoint (a job started again resumes);
+* ``rolling_back`` -> ``forming`` once every embedding server that holds buckets and the oracle acked it
+  with their current incarnation;
+* ``forming`` -> ``training`` once every trainer acked it;
+* ``training``: the job is done once every trainer stored its statistics (the serving tiers are then
+  released); otherwise a member that was restarted (its incarnation is not the one that acked), or that the
+  failure detector (control/detector.py: Prometheus's HTTP API, or the members' /metrics) declares gone
+  or stuck, is a failure. A stuck or silent member is ended (``--kill``: SIGKILL by pid, or its pod
+  deleted) so that its keeper starts it again, and the next generation begins from the newest complete
+  checkpoint: the embedding servers and the oracle roll back in place, the trainers rejoin.
+
+The kinds of failure the controller does not handle: two members failing in one generation are one
+failure (the second is part of the same recovery); a lost checkpoint volume loses the job's checkpoints.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import signal
+import socket
+import time
+from collections.abc import Callable
+from typing import Any, Protocol
+
+import redis
+from prometheus_client import Counter, Gauge
+
+from bagpipe.control.detector import Detector, PrometheusSource, ScrapeSource
+from bagpipe.control.generation import (
+    DONE,
+    FAILED,
+    FORMING,
+    ROLLING_BACK,
+    TRAINING,
+    Generation,
+    current,
+)
+from bagpipe.control.registry import Registry
+from bagpipe.controller.config import ControllerConfig
+from bagpipe.core import snapshots
+
+logger = logging.getLogger(__name__)
+
+GENERATION = Gauge("bagpipe_controller_generation", "The number of the job's generation in force")
+FAILURES = Counter("bagpipe_controller_failures", "Failures the controller handled", ["kind"])
+RECOVERY_SECONDS = Gauge(
+    "bagpipe_controller_recovery_seconds", "From the last failure's detection to training again"
+)
+
+
+class Actuator(Protocol):
+    def kill(self, member: str, where: dict[str, Any]) -> str: ...
+
+    def release(self, targets: list[str]) -> list[str]: ...
+
+
+class LocalActuator:
+    """Ends a stuck process by pid (SIGKILL: a frozen one ignores SIGTERM) when it runs on this host; its
+    keeper (``bagpipe run``) starts it again. Releases nothing: ``bagpipe run`` stops its services."""
+
+    def kill(self, member: str, where: dict[str, Any]) -> str:
+        if where.get("host") != socket.gethostname() or not where.get("pid"):
+            return f"{member} runs on {where.get('host', 'an unknown host')}: not ended from here"
+        try:
+            os.kill(int(where["pid"]), signal.SIGKILL)
+        except ProcessLookupError:
+            return f"{member} (pid {where['pid']}) had already ended"
+        return f"killed {member} (pid {where['pid']})"
+
+    def release(self, targets: list[str]) -> list[str]:
+        return []
+
+
+class NoActuator(LocalActuator):
+    def kill(self, member: str, where: dict[str, Any]) -> str:
+        return f"{member} left as it is (--kill none)"
+
+
+def process_name(member: str) -> str:
+    """``trainer/1`` (a member) -> ``trainer-1`` (the process ``bagpipe run`` calls so, and its log)."""
+    service, index = member.split("/", 1)
+    return "oracle-cacher" if service == "oracle_cacher" else f"{service.replace('_', '-')}-{index}"
+
+
+class Controller:
+    def __init__(
+        self,
+        config: ControllerConfig,
+        registry: Registry,
+        actuator: Actuator,
+        source: ScrapeSource | PrometheusSource | None = None,
+        clock: Callable[[], float] = time.time,
+    ) -> None:
+        self.config = config
+        self.registry = registry
+        self.actuator = actuator
+        self.source = source or (
+            PrometheusSource(config.prometheus_url)
+            if config.prometheus_url
+            else ScrapeSource(registry.metrics_endpoints)
+        )
+        self._clock = clock
+        self.generation: Generation | None = None
+        self.number = 0  # the last generation made (kept here too: Redis may lose it)
+        self.since = clock()  # when the generation in force entered its state
+        self.detector: Detector | None = None
+        self.watched: set[str] = set()
+        self.processors: dict[str, str] = {}  # data processors' incarnations as training began
+        self.trained = False  # some generation trained a batch (a failure before is a setup error)
+        self.recovering: int | None = None  # the failure record whose recovery is not timed yet
+        self.released = False
+
+    # ---- what the job holds
+    def _start_batch(self) -> int:
+        directory = self.config.checkpoint_dir
+        return (snapshots.latest(directory) or 0) if directory else 0
+
+    def _serving(self) -> set[str] | None:
+        """The members that must ack a generation: the embedding servers holding buckets, the oracle (None
+        before the first server published the shard map: who holds buckets is not known yet)."""
+        shard_map = self.registry.shard_map()
+        if shard_map is None:
+            return None
+        return {f"embedding_server/{s}" for s in shard_map.owners} | {"oracle_cacher/0"}
+
+    def _trainers(self) -> set[str]:
+        return {f"trainer/{r}" for r in range(self.config.trainers)}
+
+    # ---- one look
+    def step(self) -> None:
+        generation = current(self.registry)
+        now = self._clock()
+        if generation is None:
+            if self.generation is not None and self.generation.state not in (DONE, FAILED):
+                self._failed("redis", "exited", "lost the job's state (restarted empty)")
+            elif self.generation is None:
+                self._begin("the job starts")
+            return
+        if (
+            self.generation is None
+            or generation.id != self.generation.id
+            or generation.state != (self.generation.state)
+        ):
+            if self.generation is None or generation.id != self.generation.id:
+                logger.info("following generation %d (%s)", generation.number, generation.state)
+            self.generation, self.since = generation, now
+            self.number = max(self.number, generation.number)
+            GENERATION.set(generation.number)
+        if generation.state == DONE:
+            self._release()
+            return
+        if generation.state == FAILED:
+            return
+        if generation.state in (ROLLING_BACK, FORMING):
+            self._form(generation, now)
+        else:
+            self._train(generation)
+
+    def _form(self, generation: Generation, now: float) -> None:
+        need = self._serving() if generation.state == ROLLING_BACK else self._trainers()
+        acks, incarnations = self.registry.acks(generation.id), self.registry.incarnations()
+        if need is None:
+            missing = ["embedding_server/0"]
+        else:
+            missing = sorted(m for m in need if not acks.get(m) or acks[m] != incarnations.get(m))
+        if not missing:
+            state = FORMING if generation.state == ROLLING_BACK else TRAINING
+            self.registry.set_generation_state(generation.id, state)
+            logger.info(
+                "generation %d %s after %.1f s",
+                generation.number,
+                "rolled back; trainers join" if state == FORMING else "formed: training",
+                now - self.since,
+            )
+            if state == TRAINING:
+                self._watch_training()
+            return
+        if now - self.since > self.config.formation_timeout:
+            self._failed(
+                process_name(missing[0]),
+                "gone",
+                f"did not join generation {generation.number} within {self.config.formation_timeout:g} s "
+                "(--formation-timeout)",
+                member=missing[0],
+            )
+
+    def _watch_training(self) -> None:
+        if self.detector is not None:
+            self.detector.close()
+        self.detector = Detector(self.source, self.config.failure_timeout, clock=time.monotonic)
+        self.watched = set()
+        self.processors = {
+            m: i for m, i in self.registry.incarnations().items() if m.startswith("data_processor/")
+        }
+
+    def _train(self, generation: Generation) -> None:
+        if self.detector is None:  # (a controller started again mid-generation)
+            self._watch_training()
+        assert self.detector is not None
+        progress = self.registry.progress()
+        if progress:
+            self.trained = True
+            if self.recovering is not None and len(progress) == self.config.trainers:
+                self._timed_recovery()
+        if all(self.registry.get_json(f"stats:{r}") is not None for r in range(self.config.trainers)):
+            self.registry.set_generation_state(generation.id, DONE)
+            logger.info("job done after generation %d", generation.number)
+            return
+        acks, incarnations = self.registry.acks(generation.id), self.registry.incarnations()
+        restarted = [m for m, i in acks.items() if incarnations.get(m) != i]
+        restarted += [m for m, i in self.processors.items() if incarnations.get(m, i) != i]
+        if restarted:
+            member = sorted(restarted)[0]
+            self._failed(process_name(member), "exited", "was restarted (a new process)", member=member)
+            return
+        endpoints = {m: a for m, a in self.registry.metrics_endpoints().items() if m != "controller/0"}
+        gone = self.watched - set(endpoints)
+        if gone:  # (an embedding server drained by a scale-down unregisters)
+            self.detector.retire(gone)
+            self.watched -= gone
+        joined = set(endpoints) - self.watched
+        if joined:
+            self.detector.expect(joined)
+            self.watched |= joined
+        found = self.detector.poll()
+        if found:
+            worst = found[0]
+            what = "did not answer" if worst.kind == "gone" else "made no progress"
+            detail = f"{what} for {worst.silent_seconds:.1f} s (--failure-timeout {self.detector.timeout:g})"
+            done = self.actuator.kill(worst.member, self.registry.whereabouts(worst.member))
+            logger.warning("%s %s: %s", worst.member, detail, done)
+            self._failed(process_name(worst.member), worst.kind, detail, member=worst.member)
+
+    # ---- acting
+    def _begin(self, reason: str) -> Generation:
+        start = self._start_batch()
+        self.number += 1
+        generation = Generation.new(self.number, start, reason)
+        self.registry.begin_generation(generation.record())
+        self.generation, self.since = generation, self._clock()
+        GENERATION.set(generation.number)
+        if self.detector is not None:
+            self.detector.close()
+            self.detector = None
+        logger.info("generation %d from batch %d: %s", generation.number, start, reason)
+        return generation
+
+    def _failed(self, component: str, kind: str, detail: str, member: str | None = None) -> None:
+        assert self.generation is not None
+        failed = self.generation
+        FAILURES.labels(kind).inc()
+        progress = {} if component == "redis" else self.registry.progress()
+        record: dict[str, Any] = {
+            "generation": failed.number,
+            "component": component,
+            "member": member or component,
+            "kind": kind,
+            "detail": detail,
+            "detected_at": time.time(),
+            "start_batch": failed.start_batch,
+            "last_batch": max(progress.values()) if progress else failed.start_batch - 1,
+            "generation_seconds": self._clock() - self.since,
+        }
+        earlier = self.registry.failures()
+        index = self.registry.add_failure(record)
+        never_trained = not self.trained and not progress
+        if never_trained or len(earlier) + 1 > self.config.max_restarts:
+            why = (
+                "before training began (a setup error is not retried)"
+                if never_trained
+                else f"after {self.config.max_restarts} restarts (--max-restarts)"
+            )
+            reason = f"{component} failed {why}: {component} {detail}"
+            logger.error("%s", reason)
+            self.registry.set_generation_state(failed.id, FAILED, reason)
+            return
+        logger.warning("%s %s: recovering", component, detail)
+        generation = self._begin(f"{component} {detail}")
+        record["resumed_at_batch"] = generation.start_batch
+        self.registry.update_failure(index, record)
+        self.recovering = index
+
+    def _timed_recovery(self) -> None:
+        assert self.recovering is not None
+        records = self.registry.failures()
+        if self.recovering < len(records):
+            record = records[self.recovering]
+            record["recovered_seconds"] = time.time() - record["detected_at"]
+            RECOVERY_SECONDS.set(record["recovered_seconds"])
+            self.registry.update_failure(self.recovering, record)
+            logger.info(
+                "training again %.1f s after %s was found failed",
+                record["recovered_seconds"],
+                record["component"],
+            )
+        self.recovering = None
+
+    def _release(self) -> None:
+        if self.released:
+            return
+        self.released = True
+        for said in self.actuator.release(list(self.config.release)):
+            logger.info("%s", said)
+
+    def run(self, stopped: Callable[[], bool], interval: float = 0.2) -> None:
+        while not stopped():
+            try:
+                self.step()
+            except redis.RedisError as e:  # (Redis restarting: the next look finds what it lost)
+                logger.warning("Redis: %s", e)
+            time.sleep(interval)
+
+    def close(self) -> None:
+        if self.detector is not None:
+            self.detector.close()
+        self.source.close()
