@@ -32,7 +32,9 @@ def _trained(run_dir: Path) -> int:
 
 
 def run_with_failure(run_job, tmp_path: Path, name: str, target: str, sig: int, at: int, *flags: str):
-    """Runs the job; once rank 0 has trained ``at`` batches, signals the child matching ``target``."""
+    """Runs the job; once rank 0 has trained ``at`` batches, signals the child matching ``target``.
+    Returns the run's (summary, paths) and the process ids of every embedding server seen from the signal
+    to the end of training (each server's, once: a server started again shows a second one)."""
     job = BackgroundRun(run_job, name, *flags)
     run_dir = tmp_path / name
     deadline = time.monotonic() + 120
@@ -40,8 +42,12 @@ def run_with_failure(run_job, tmp_path: Path, name: str, target: str, sig: int, 
         time.sleep(0.005)
     pids = children_matching(target)
     assert job.alive() and len(pids) == 1, f"no single live {target!r} to signal at batch {at}: {pids}"
+    servers = set(children_matching("bagpipe.embedding_server"))
     os.kill(pids[0], sig)
-    return job.result()
+    while job.alive() and not (run_dir / "summary.json").exists():
+        servers |= set(children_matching("bagpipe.embedding_server"))
+        time.sleep(0.05)
+    return (*job.result(), servers)
 
 
 CASES = [
@@ -70,7 +76,9 @@ def test_a_failed_service_is_recovered_and_the_model_is_exact(
     iterations, batch = 30, 32 * trainers
     at = random.Random(f"{target}-{sig}").randint(7, 14)
     print(f"signal {signal.Signals(sig).name} to {target!r} after batch {at}")
-    summary, paths = run_with_failure(
+    servers_before = set(children_matching("bagpipe.embedding_server"))
+    assert not servers_before
+    summary, paths, servers = run_with_failure(
         run_job,
         tmp_path,
         "chaos",
@@ -80,11 +88,21 @@ def test_a_failed_service_is_recovered_and_the_model_is_exact(
         *exact_flags(iterations, batch, optimizer, trainers=trainers, failure_timeout=3),
     )
     recovery = summary["recovery"]
-    assert recovery["failures_detected"] == 1, recovery
-    failure = recovery["failures"][0]
-    assert failure["component"] == blamed, failure
-    assert failure["kind"] == ("exited" if sig == signal.SIGKILL else "gone"), failure
-    assert failure["resumed_at_batch"] % 5 == 0 and failure["resumed_at_batch"] <= failure["last_batch"] + 1
+    if blamed.startswith("data-processor") and not recovery["failures"]:
+        # (a processor killed once it has sent every batch of this short run leaves nothing to recover: its
+        # restart is not a failure, and the model is still checked below)
+        print("the data processor had sent every batch: nothing to recover")
+    else:
+        assert recovery["failures_detected"] == 1, recovery
+        failure = recovery["failures"][0]
+        assert failure["component"] == blamed, failure
+        assert failure["kind"] == ("exited" if sig == signal.SIGKILL else "gone"), failure
+        assert failure["resumed_at_batch"] % 5 == 0
+        assert failure["resumed_at_batch"] <= failure["last_batch"] + 1
+    # recovery in place: only the failed process is replaced (with Redis, everything registered is lost)
+    servers_expected = 2 + (1 if blamed.startswith("embedding-server") else 0)
+    if blamed != "redis":
+        assert len(servers) == servers_expected, f"embedding server processes seen: {sorted(servers)}"
     assert summary["iterations"] == iterations
     assert summary["rows_private_per_iteration"] > 0 and summary["rows_handed_over"] > 0
     assert_synchronous(paths, iterations, batch, optimizer)
@@ -128,16 +146,17 @@ def test_resume_continues_a_stopped_run_to_the_same_model(run_job, tmp_path: Pat
 
 
 def test_a_long_run_killed_late_restores_from_a_bounded_chain_and_is_exact(run_job, tmp_path: Path) -> None:
-    """Checkpoints every 5 batches, every third one full, the newest two kept: a trainer killed late in the
-    run is recovered from a chain of at most three files a server, and the model is the synchronous one."""
+    """Checkpoints every 5 batches, every third one full, the newest two kept: an embedding server killed
+    late in the run and started again with the same flags restores its shard from a chain of at most three
+    files a server, its peer rolls back in memory, and the model is the synchronous one."""
     from bagpipe.core import snapshots
 
     iterations, batch = 70, 64
-    summary, paths = run_with_failure(
+    summary, paths, _ = run_with_failure(
         run_job,
         tmp_path,
         "long",
-        "bagpipe.trainer --rank 1",
+        "bagpipe.embedding_server --shard 1",
         signal.SIGKILL,
         52,
         *exact_flags(iterations, batch, "adagrad", failure_timeout=3),
@@ -149,15 +168,14 @@ def test_a_long_run_killed_late_restores_from_a_bounded_chain_and_is_exact(run_j
     done = snapshots.complete(directory)
     assert len(done) <= 2 + 3 and done[-1] >= iterations - 5, done  # (pruned: the newest two, their links)
     assert all(len(snapshots.files_of(directory, n)) <= 3 * 2 for n in done)
-    # what each restarted server read: the chain of the checkpoint the job resumed from
-    restored = []
-    for shard in (0, 1):
-        log = (tmp_path / "long" / "logs" / f"embedding-server-{shard}.log").read_text()
-        restored += [line for line in log.splitlines() if "restored" in line and "files" in line]
-    assert len(restored) == 2, restored
-    for line in restored:
-        files = int(line.split(" from ")[1].split()[0])
-        assert 1 <= files <= 3 * 2, line
+    # what the restarted server read: the chain of the checkpoint the job resumed from; the other one
+    # undid its rows in memory and read nothing
+    logs = [(tmp_path / "long" / "logs" / f"embedding-server-{s}.log").read_text() for s in (0, 1)]
+    restored = [line for line in logs[1].splitlines() if "restored" in line and "files" in line]
+    assert len(restored) == 1, restored
+    files = int(restored[0].split(" from ")[1].split()[0])
+    assert 1 <= files <= 3 * 2, restored[0]
+    assert "restored" not in logs[0] and "undid" in logs[0], logs[0][-2000:]
     assert_synchronous(paths, iterations, batch, "adagrad")
 
 

@@ -191,8 +191,7 @@ class Controller:
             )
 
     def _watch_training(self) -> None:
-        if self.detector is not None:
-            self.detector.close()
+        # (a new detector each generation, over the one source: Detector.close would close that)
         self.detector = Detector(self.source, self.config.failure_timeout, clock=time.monotonic)
         self.watched = set()
         self.processors = {
@@ -245,9 +244,7 @@ class Controller:
         self.registry.begin_generation(generation.record())
         self.generation, self.since = generation, self._clock()
         GENERATION.set(generation.number)
-        if self.detector is not None:
-            self.detector.close()
-            self.detector = None
+        self.detector = None
         logger.info("generation %d from batch %d: %s", generation.number, start, reason)
         return generation
 
@@ -317,6 +314,4 @@ class Controller:
             time.sleep(interval)
 
     def close(self) -> None:
-        if self.detector is not None:
-            self.detector.close()
         self.source.close()

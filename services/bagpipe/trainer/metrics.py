@@ -90,7 +90,7 @@ SHARD_MAP_REFUSALS = Counter(
 
 
 @contextmanager
-def heartbeat_while(what: str, every: float = 1.0) -> Iterator[None]:
+def heartbeat_while(what: str, every: float = 0.25) -> Iterator[None]:
     """Keeps ``HEARTBEAT`` going through a long step between two batches (a checkpoint, an evaluation, the
     final export): the failure detector must not take it for a hang. Each part of such a step has a deadline
     of its own (RPCs, the re-sharding lock, the collectives' timeout), so a real hang inside it still ends."""

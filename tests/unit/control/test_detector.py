@@ -9,7 +9,6 @@ import urllib.request
 from typing import Any
 
 import pytest
-
 from bagpipe.control.detector import FINISHED, PROGRESS, Detector, Observation, ScrapeSource
 from bagpipe.local.launcher import free_port
 from bagpipe.metrics_http import MetricsServer
