@@ -50,3 +50,17 @@ def policy_of(tid: int) -> str:
     if not _CLASSES:
         return "normal"
     return "idle" if os.sched_getscheduler(tid) == os.SCHED_IDLE else "normal"
+
+
+def normal_for_this_thread() -> str | None:
+    """Moves the calling thread, and the threads it starts from now on, back to the normal class: a service
+    at idle priority still answers its liveness and metrics at once, whatever the trainers do (a scrape
+    starved past its timeout reads as a failed process). None when it was normal already, else what was
+    done, or why it could not be."""
+    if not _CLASSES or os.sched_getscheduler(0) != os.SCHED_IDLE:
+        return None
+    try:
+        os.sched_setscheduler(0, os.SCHED_OTHER, os.sched_param(0))
+    except OSError as e:
+        return f"not permitted to leave SCHED_IDLE ({e.strerror}): answers wait for idle cores"
+    return "SCHED_OTHER (the rest of the process stays idle)"

@@ -23,6 +23,8 @@ from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 
 from prometheus_client import CONTENT_TYPE_LATEST, REGISTRY, Gauge, generate_latest
 
+from bagpipe import cpu_priority
+
 logger = logging.getLogger(__name__)
 
 Health = Callable[[], str | None]  # None when healthy, else what is wrong
@@ -130,7 +132,14 @@ class MetricsServer:
         self.port = int(self._server.server_address[1])
         self.address = f"{'127.0.0.1' if bind == '' else bind}:{self.port}"
         # (stop waits for the loop to see the request: every 50 ms, not the default 0.5 s)
-        serve = functools.partial(self._server.serve_forever, poll_interval=STOP_POLL_S)
+        serve_forever = functools.partial(self._server.serve_forever, poll_interval=STOP_POLL_S)
+
+        def serve() -> None:
+            said = cpu_priority.normal_for_this_thread()  # (its request threads inherit it)
+            if said is not None:
+                logger.info("%s: /metrics and /healthz at %s", service, said)
+            serve_forever()
+
         self._thread = threading.Thread(target=serve, name="metrics-http", daemon=True)
         self._thread.start()
         logger.info("%s: metrics on http://%s/metrics", service, self.address)

@@ -37,7 +37,6 @@ SCALE_TARGETS = [
     "statefulset/bagpipe-embedding-server",
     "deployment/bagpipe-oracle-cacher",
     "deployment/bagpipe-data-processor",
-    "statefulset/bagpipe-redis",
 ]
 POD_RULE = {"apiGroups": [""], "resources": ["pods"], "verbs": ["get", "list", "delete"]}
 
@@ -128,7 +127,7 @@ def test_rbac_is_least_privilege_for_its_own_account() -> None:
         {
             "apiGroups": ["apps"],
             "resources": ["statefulsets/scale"],
-            "resourceNames": ["bagpipe-embedding-server", "bagpipe-redis"],
+            "resourceNames": ["bagpipe-embedding-server"],
             "verbs": ["get", "patch"],
         },
         {
@@ -159,9 +158,10 @@ def test_rbac_is_least_privilege_for_its_own_account() -> None:
     pod = pod_specs(docs)["bagpipe-controller"]
     assert pod["serviceAccountName"] == "bagpipe-controller" and pod["automountServiceAccountToken"] is True
     assert "bagpipe-controller" in by_kind(docs, "ServiceAccount")
-    # an external Redis is not the release's to scale
+    # Redis is never released: it keeps the job's record of its end (the controller reads it; the drain
+    # hook of a server scaled to zero reads there that nothing is to be moved)
     external = render("-f", str(CHART / "ci" / "external-redis.yaml"))
-    assert flag_values(controller(external)["args"], "--release") == SCALE_TARGETS[:3]
+    assert flag_values(controller(external)["args"], "--release") == SCALE_TARGETS
     assert role_rules(external)[1]["resourceNames"] == ["bagpipe-embedding-server"]
 
 
@@ -204,7 +204,8 @@ def test_notes_say_what_the_controller_does_and_where_the_model_stays(tmp_path: 
     text = render_notes(tmp_path)
     assert "Recovery: Deployment bagpipe-controller watches every member's liveness" in text
     assert "a stuck member's pod is deleted" in text and "at most 3 times" in text
-    assert "scales the embedding servers, oracle cacher, data processors and Redis to zero" in text
+    assert "scales the embedding servers, the oracle cacher and the data processors to zero" in text
+    assert "Redis and the controller stay until helm uninstall" in text
     assert "The model and checkpoints stay on PersistentVolumeClaim bagpipe-run" in text
     # the servers are gone after the job: helm test runs only the model check
     assert "helm test bagpipe -n ml --filter name=bagpipe-test-model" in text

@@ -50,8 +50,14 @@ def test_the_servers_of_a_run_train_at_their_priority(
     assert summary["iterations"] == 400
     assert len(seen) == 2 and len(trainers) == 2
     for pid, threads in seen.items():
-        # the event loop, gRPC's own threads (started once the server was), the metrics endpoint's
-        assert len(threads) > 3 and set(threads.values()) == {servers}, (pid, threads)
+        # the event loop and gRPC's own threads (started once the server was) at the servers' priority; the
+        # metrics endpoint's thread (and a scrape's, while one is answered) at normal priority, so that the
+        # failure detector's scrapes are answered at once
+        policies = list(threads.values())
+        if servers == "idle":
+            assert policies.count("idle") > 3 and 1 <= policies.count("normal") <= 2, (pid, threads)
+        else:
+            assert len(threads) > 3 and set(policies) == {"normal"}, (pid, threads)
     for pid, threads in trainers.items():
         assert set(threads.values()) == {"normal"}, (pid, threads)
 

@@ -470,9 +470,7 @@ true
 {{- $targets = append $targets (dict "kind" "statefulset" "name" (printf "%s-embedding-server" $full)) -}}
 {{- $targets = append $targets (dict "kind" "deployment" "name" (printf "%s-oracle-cacher" $full)) -}}
 {{- $targets = append $targets (dict "kind" "deployment" "name" (printf "%s-data-processor" $full)) -}}
-{{- if .Values.redis.enabled -}}
-{{- $targets = append $targets (dict "kind" "statefulset" "name" (printf "%s-redis" $full)) -}}
-{{- end -}}
+{{- /* (not Redis: the job's record of its end, which the controller and helm test read, stays) */ -}}
 {{- end -}}
 {{- toJson $targets -}}
 {{- end -}}

@@ -194,10 +194,13 @@ class Registry:
         return self._hash(self._key("generation"))
 
     def begin_generation(self, record: dict[str, str]) -> None:
-        """Makes ``record`` the generation in force and forgets the trainers' progress of the last one (the
-        new one starts over from its checkpoint)."""
+        """Makes ``record`` the generation in force and forgets the trainers' progress and statistics of the
+        last one (the new one starts over from its checkpoint)."""
+        stats = list(
+            self._redis.scan_iter(self._key("stats", "*"))
+        )  # (a finished trainer's: it trains again)
         with self._redis.pipeline() as pipe:
-            pipe.delete(self._key("generation"), self._key("progress"), self._key("heartbeat"))
+            pipe.delete(self._key("generation"), self._key("progress"), self._key("heartbeat"), *stats)
             pipe.hset(self._key("generation"), mapping=dict(record))  # type: ignore[arg-type]
             pipe.execute()
 

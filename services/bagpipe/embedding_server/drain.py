@@ -1,7 +1,8 @@
 """``python -m bagpipe.embedding_server.drain --shard K``: move shard K's rows to the other servers and
 wait until they serve without it; exits 0 then (the server may stop), 1 on timeout or failure.
 
-The chart runs it as the embedding servers' preStop hook, so ``kubectl scale`` down loses no row."""
+The chart runs it as the embedding servers' preStop hook, so ``kubectl scale`` down loses no row. Once the
+job is done (the controller scales the servers to zero), nothing is moved."""
 
 from __future__ import annotations
 
@@ -10,6 +11,7 @@ import logging
 import sys
 
 from bagpipe.config_args import add_coordination_args, positive_float
+from bagpipe.control.generation import DONE, current
 from bagpipe.control.registry import Registry
 from bagpipe.embedding_server.resharder import ReshardFailed, drain
 
@@ -22,6 +24,11 @@ def main(argv: list[str] | None = None) -> None:
     a, _ = p.parse_known_args(argv)  # the hook passes the server's own flags; the rest are not ours
     logging.basicConfig(level=logging.INFO, format="%(levelname)s %(name)s: %(message)s")
     registry = Registry(a.redis, a.job)
+    generation = current(registry)
+    if generation is not None and generation.state == DONE:  # the controller releases a finished job
+        print(f"drain: the job is done (the model is saved): shard {a.shard} stops without moving rows")
+        registry.close()
+        return
     try:
         record = drain(registry, a.shard, a.timeout)
     except (TimeoutError, ReshardFailed) as e:

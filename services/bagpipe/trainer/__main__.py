@@ -100,8 +100,7 @@ def main(argv: list[str] | None = None) -> None:
             logger.error("rank %d: %s", cfg.rank, lost)
             raise SystemExit(f"trainer {cfg.rank}: {lost}") from None
         raise
-    watch.stop()
-    trainer.close()
+    trainer.close()  # (the watch goes on: a failure elsewhere before the job's end makes it train again)
     if not cfg.exit_when_done:
         # keep /metrics and /healthz up (Prometheus' last scrape, a StatefulSet that must not restart)
         done = threading.Event()
@@ -110,6 +109,7 @@ def main(argv: list[str] | None = None) -> None:
         logger.info("training done; serving metrics until stopped (SIGTERM)")
         while not done.wait(1.0):
             pass
+    watch.stop()
     http.stop()
 
 

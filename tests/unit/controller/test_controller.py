@@ -1,0 +1,247 @@
+"""The controller's state machine on a real Redis: generations formed, failures found (a restarted member,
+a member the detector declares stuck), the job's end and giving up.
+
+The members are this test acting through the same Registry calls the services make; the detector's input
+is a scripted observation source (what Prometheus or the members' /metrics would say), and the actuator
+records what it was asked to end."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any
+
+import pytest
+from bagpipe.config_args import Coordination
+from bagpipe.control.detector import Observation
+from bagpipe.control.generation import (
+    DONE,
+    FAILED,
+    FORMING,
+    ROLLING_BACK,
+    TRAINING,
+    Membership,
+    current,
+)
+from bagpipe.control.registry import Registry
+from bagpipe.controller.config import ControllerConfig, parse
+from bagpipe.controller.controller import Controller
+from bagpipe.core import snapshots
+from bagpipe.core.shard_map import ShardMap
+from bagpipe.local.launcher import RedisServer
+
+
+class Script:
+    """The detector's input: every member answers, trainers at the progress marks set here."""
+
+    def __init__(self) -> None:
+        self.marks: dict[str, float] = {}
+        self.silent: set[str] = set()
+        self.members: list[str] = []
+
+    def observe(self) -> dict[str, Observation]:
+        return {m: Observation(m not in self.silent, self.marks.get(m), False) for m in self.members}
+
+    def close(self) -> None:
+        pass
+
+
+class Recorder:
+    def __init__(self) -> None:
+        self.killed: list[tuple[str, dict[str, Any]]] = []
+        self.released: list[list[str]] = []
+
+    def kill(self, member: str, where: dict[str, Any]) -> str:
+        self.killed.append((member, where))
+        return f"killed {member}"
+
+    def release(self, targets: list[str]) -> list[str]:
+        self.released.append(targets)
+        return targets
+
+
+class Clock:
+    def __init__(self) -> None:
+        self.now = 1000.0
+
+    def __call__(self) -> float:
+        return self.now
+
+
+@pytest.fixture
+def redis_url(tmp_path: Path):
+    server = RedisServer(tmp_path)
+    yield server.url
+    server.stop()
+
+
+def _job(redis_url: str, tmp_path: Path, **config: Any):
+    registry = Registry(redis_url, "job")
+    registry.publish_shard_map(ShardMap.create(64, 2))
+    cfg = ControllerConfig(
+        trainers=2,
+        data_processors=1,
+        coordination=Coordination(redis_url, "job"),
+        checkpoint_dir=str(tmp_path / "checkpoints"),
+        **config,
+    )
+    script, actuator, clock = Script(), Recorder(), Clock()
+    controller = Controller(cfg, registry, actuator, script, clock)
+    members = {
+        m: Membership(registry, *m.split("/"))
+        for m in ("embedding_server/0", "embedding_server/1", "oracle_cacher/0", "trainer/0", "trainer/1")
+    }
+    for m in members.values():
+        m.announce()
+        registry.register_metrics(*m.name.split("/"), "127.0.0.1:1")
+    script.members = list(members)
+    return registry, controller, members, script, actuator, clock
+
+
+def _checkpoint(directory: Path, batch: int) -> None:
+    snapshots.path_of(directory, batch).mkdir(parents=True, exist_ok=True)
+    snapshots.write_dense(directory, batch, {"dense": {}})
+    snapshots.mark_complete(directory, batch, {"previous": 0, "full": True, "row_files": []})
+
+
+def _form(registry: Registry, controller: Controller, members: dict[str, Membership]) -> None:
+    controller.step()
+    generation = current(registry)
+    assert generation is not None and generation.state == ROLLING_BACK
+    for name in ("embedding_server/0", "embedding_server/1"):
+        registry.ack(generation.id, name, members[name].incarnation)
+    controller.step()
+    assert current(registry).state == ROLLING_BACK  # (the oracle has not acked)
+    registry.ack(generation.id, "oracle_cacher/0", members["oracle_cacher/0"].incarnation)
+    controller.step()
+    assert current(registry).state == FORMING
+    for r in (0, 1):
+        registry.ack(generation.id, f"trainer/{r}", members[f"trainer/{r}"].incarnation)
+    controller.step()
+    assert current(registry).state == TRAINING
+
+
+def test_a_generation_forms_from_the_newest_checkpoint_and_the_job_ends(redis_url, tmp_path: Path) -> None:
+    _checkpoint(tmp_path / "checkpoints", 10)
+    _checkpoint(tmp_path / "checkpoints", 20)
+    registry, controller, members, _, actuator, _ = _job(
+        redis_url, tmp_path, kill="kubernetes", release=("statefulset/servers",)
+    )
+    _form(registry, controller, members)
+    generation = current(registry)
+    assert (generation.number, generation.start_batch) == (1, 20)
+    registry.set_progress(0, 21)
+    for r in (0, 1):
+        registry.put_json(f"stats:{r}", {"iterations": 5})
+    controller.step()
+    controller.step()
+    assert current(registry).state == DONE
+    assert actuator.released == [["statefulset/servers"]]  # once
+    assert registry.failures() == []
+
+
+def test_a_restarted_server_starts_the_next_generation_from_the_newest_checkpoint(
+    redis_url, tmp_path: Path
+) -> None:
+    registry, controller, members, _, actuator, _ = _job(redis_url, tmp_path)
+    _form(registry, controller, members)
+    registry.set_progress(0, 12)
+    registry.set_progress(1, 12)
+    controller.step()
+    _checkpoint(tmp_path / "checkpoints", 10)
+    again = Membership(registry, "embedding_server", "1")  # the same member, a new process
+    again.announce()
+    controller.step()
+    generation = current(registry)
+    assert (generation.number, generation.start_batch, generation.state) == (2, 10, ROLLING_BACK)
+    [failure] = registry.failures()
+    assert failure["component"] == "embedding-server-1" and failure["kind"] == "exited", failure
+    assert failure["resumed_at_batch"] == 10 and failure["last_batch"] == 12
+    assert actuator.killed == []  # (it ended by itself)
+    assert registry.progress() == {}  # the new generation starts over
+    # the old incarnation's ack does not count for the new one
+    members["embedding_server/1"] = again
+    _form(registry, controller, members)
+    registry.set_progress(0, 10)
+    registry.set_progress(1, 10)
+    controller.step()
+    assert "recovered_seconds" in registry.failures()[0]
+
+
+def test_a_stuck_trainer_is_ended_and_replaced(redis_url, tmp_path: Path) -> None:
+    registry, controller, members, script, actuator, clock = _job(redis_url, tmp_path, failure_timeout=0.2)
+    _form(registry, controller, members)
+    registry.set_progress(0, 3)
+    script.marks = {"trainer/0": 5.0, "trainer/1": 5.0}
+    controller.step()
+    import time
+
+    time.sleep(0.3)  # (the detector keeps its own monotonic time)
+    script.marks["trainer/0"] = 6.0  # trainer 1 makes no progress
+    controller.step()
+    assert [m for m, _ in actuator.killed] == ["trainer/1"]
+    assert actuator.killed[0][1]["pid"] > 0  # where the member said it runs
+    [failure] = registry.failures()
+    assert (failure["component"], failure["kind"]) == ("trainer-1", "stuck")
+    assert current(registry).number == 2
+
+
+def test_a_failure_before_training_or_past_max_restarts_fails_the_job(redis_url, tmp_path: Path) -> None:
+    registry, controller, members, _, _, _ = _job(redis_url, tmp_path, max_restarts=1)
+    _form(registry, controller, members)
+    Membership(registry, "trainer", "0").announce()
+    controller.step()
+    generation = current(registry)
+    assert generation.state == FAILED
+    assert generation.reason.startswith("trainer-0 failed before training began"), generation.reason
+
+    registry, controller, members, _, _, _ = _job(redis_url, tmp_path / "b", max_restarts=1)
+    registry._redis.flushdb()
+    registry.publish_shard_map(ShardMap.create(64, 2))
+    for m in members.values():
+        m.announce()
+    for _ in range(2):
+        _form(registry, controller, members)
+        registry.set_progress(0, 4)
+        controller.step()
+        members["trainer/1"] = Membership(registry, "trainer", "1")
+        members["trainer/1"].announce()
+        controller.step()
+    generation = current(registry)
+    assert generation.state == FAILED
+    assert "trainer-1 failed after 1 restarts (--max-restarts)" in generation.reason
+
+
+def test_redis_losing_the_job_is_a_failure_of_redis(redis_url, tmp_path: Path) -> None:
+    registry, controller, members, _, _, _ = _job(redis_url, tmp_path)
+    _form(registry, controller, members)
+    registry.set_progress(0, 4)
+    controller.step()
+    registry._redis.flushdb()  # (what a restarted Redis holds: nothing)
+    controller.step()
+    [failure] = registry.failures()
+    assert failure["component"] == "redis" and failure["kind"] == "exited"
+    generation = current(registry)
+    assert generation.number == 2 and generation.state == ROLLING_BACK
+    assert members["trainer/0"].lost() is not None  # every member finds out and starts again
+
+
+def test_the_command_line_round_trips_and_bad_values_name_the_flag(capsys) -> None:
+    cfg = ControllerConfig(
+        trainers=3,
+        data_processors=2,
+        checkpoint_dir="/run/checkpoints",
+        prometheus_url="http://prometheus:9090",
+        kill="kubernetes",
+        release=("statefulset/a", "deployment/b"),
+    )
+    from bagpipe.controller.config import argv
+
+    assert parse(argv(cfg)) == cfg
+    with pytest.raises(SystemExit):
+        parse([*argv(cfg), "--release", "pod/x"])
+    assert "--release: expected statefulset/NAME or deployment/NAME, got 'pod/x'" in capsys.readouterr().err
+    with pytest.raises(SystemExit):
+        parse(["--trainers", "1", "--data-processors", "1", "--release", "statefulset/a"])
+    assert "needs --kill kubernetes" in capsys.readouterr().err
+    assert json.dumps(argv(cfg))
