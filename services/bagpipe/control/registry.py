@@ -137,6 +137,19 @@ class Registry:
             owner,
         )
 
+    def break_lock(self, name: str, owner_prefix: str) -> bool:
+        """Releases lock ``name`` if its holder's name starts with ``owner_prefix`` (a holder known dead)."""
+        return bool(
+            self._redis.eval(
+                "local v = redis.call('get', KEYS[1]) "
+                "if v and string.sub(v, 1, string.len(ARGV[1])) == ARGV[1] then "
+                "return redis.call('del', KEYS[1]) end return 0",
+                1,
+                self._key("lock", name),
+                owner_prefix,
+            )
+        )
+
     def renew_lock(self, name: str, owner: str, ttl: float) -> bool:
         """Extends lock ``name`` to ``ttl`` seconds from now if ``owner`` still holds it."""
         return bool(

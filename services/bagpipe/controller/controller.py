@@ -44,6 +44,7 @@ from bagpipe.control.generation import (
 from bagpipe.control.registry import Registry
 from bagpipe.controller.config import ControllerConfig
 from bagpipe.core import snapshots
+from bagpipe.embedding_server.client import CHECKPOINT_LOCK_OWNER, RESHARD_LOCK
 
 logger = logging.getLogger(__name__)
 
@@ -249,6 +250,10 @@ class Controller:
         self.number += 1
         generation = Generation.new(self.number, start, reason)
         self.registry.begin_generation(generation.record())
+        # a trainer of the last generation may have died holding the checkpoint's re-sharding lock: no
+        # trainer holds it now, and a migration must not wait out its ttl
+        if self.registry.break_lock(RESHARD_LOCK, CHECKPOINT_LOCK_OWNER):
+            logger.info("released the re-sharding lock a trainer of the last generation held")
         self.generation, self.since = generation, self._clock()
         GENERATION.set(generation.number)
         self.detector = None

@@ -7,8 +7,6 @@ import logging
 import socket
 import sys
 
-import redis
-
 from bagpipe import allocator, serving
 from bagpipe.control.generation import Follower, Generation, Membership, follow_until_stopped
 from bagpipe.control.registry import Registry
@@ -47,8 +45,6 @@ async def serve(cfg: DataProcessorConfig) -> None:
     restart = await follow_until_stopped(follower, control.stop)
     try:
         registry.unregister("data_processor", member)
-    except redis.RedisError:  # (Redis gone: nothing to unregister from)
-        pass
     finally:  # (the server stops even when Redis is gone)
         await serving.stop_gracefully(server, health)
         http.stop()

@@ -6,8 +6,6 @@ import asyncio
 import logging
 import sys
 
-import redis
-
 from bagpipe import allocator, cpu_priority, security, serving
 from bagpipe.control.generation import Follower, Generation, Membership, Restart
 from bagpipe.control.registry import Registry
@@ -144,8 +142,6 @@ async def serve(cfg: EmbeddingServerConfig) -> None:
         await coordinator
     try:
         registry.unregister("embedding_server", str(cfg.shard))
-    except redis.RedisError:  # (Redis gone: nothing to unregister from)
-        pass
     finally:  # (the server stops even when Redis is gone)
         await serving.stop_gracefully(server, health)
         http.stop()

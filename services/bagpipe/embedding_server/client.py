@@ -31,6 +31,8 @@ _RETRIES = 5
 SWITCH_TIMEOUT_S = 120.0
 # held by whoever changes the map in force (the re-sharding coordinator) or needs it fixed (a checkpoint)
 RESHARD_LOCK = "reshard"
+# how a trainer's checkpoint names itself holding RESHARD_LOCK (the controller breaks a dead one's hold)
+CHECKPOINT_LOCK_OWNER = "checkpoint-"
 T = TypeVar("T")
 
 

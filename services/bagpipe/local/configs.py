@@ -74,7 +74,7 @@ def embedding_server(
         address=address,
         coordination=coordination,
         data=args.data,
-        checkpoint_dir=gen.checkpoint_dir if resume else None,
+        checkpoint_dir=gen.checkpoint_dir,  # (a joining server too: it rebuilds from there on a roll-back)
         resume_batch=gen.start if resume and gen.checkpoint_dir else 0,
         migration_rows_per_second=getattr(args, "migration_rows_per_second", 0.0) or 0.0,
         model=args.model,

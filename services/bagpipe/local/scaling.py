@@ -160,7 +160,7 @@ class Scaler:
         if shard_map.version > 1 and not (mine and mine[-1]["to_version"] == shard_map.version):
             return  # the map is in Redis, the servers are still switching
         if mine and mine[-1]["state"] == "failed":
-            return  # the coordinator stops its server: recovery takes over (see finish_by_recovery)
+            return  # the coordinator stops its server: recovery takes over, and the coordinator tries again
         for shard in self._retiring:  # drained: stop them (they unregister) and stop watching them
             if shard in members:
                 shut_down(members[shard], "drained by bagpipe scale")
@@ -176,16 +176,3 @@ class Scaler:
         logger.info("scaled to %d embedding servers (shard map version %d)", self.servers, shard_map.version)
         self.request = None
         self._retiring = []
-
-    def finish_by_recovery(self) -> None:
-        """A failure restarted the job from its checkpoint with the target number of servers."""
-        if self.request is not None:
-            self._status(
-                "done",
-                embedding_servers=self.servers,
-                reshards=[],
-                note="a failure interrupted it: the job rolled back to its last checkpoint and goes on "
-                f"with {self.servers} embedding servers",
-            )
-            self.request = None
-            self._retiring = []

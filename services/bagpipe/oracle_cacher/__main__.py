@@ -6,8 +6,6 @@ import asyncio
 import logging
 import sys
 
-import redis
-
 from bagpipe import allocator, security, serving
 from bagpipe.control.generation import Follower, Generation, Membership, follow_until_stopped
 from bagpipe.control.registry import Registry
@@ -62,8 +60,6 @@ async def serve(cfg: OracleConfig) -> None:
     servicer.stop()
     try:
         registry.unregister("oracle_cacher", "0")
-    except redis.RedisError:  # (Redis gone: nothing to unregister from)
-        pass
     finally:  # (the server stops even when Redis is gone)
         await serving.stop_gracefully(server, health)
         http.stop()

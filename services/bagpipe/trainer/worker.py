@@ -35,7 +35,7 @@ from bagpipe.core.embedding_init import InitialRows
 from bagpipe.core.model import batch_logits, batch_loss, build_model
 from bagpipe.core.optim import dense_optimizer, restore_state, saved_state, steps_taken
 from bagpipe.core.row_store import RowStore
-from bagpipe.embedding_server.client import RESHARD_LOCK, EmbeddingClient
+from bagpipe.embedding_server.client import CHECKPOINT_LOCK_OWNER, RESHARD_LOCK, EmbeddingClient
 from bagpipe.trainer import metrics
 from bagpipe.trainer.config import TrainerConfig
 from bagpipe.trainer.evaluation import HeldOut, append_eval, load_held_out
@@ -341,7 +341,8 @@ class Trainer:
         assert self.servers is not None and self.store is self.servers
         # the map in force stays fixed while the servers write (a re-sharding switch waits for this lock,
         # which is renewed while they do)
-        with self.registry.locked(RESHARD_LOCK, f"checkpoint-{self.config.coordination.job}-{next_batch}"):
+        owner = f"{CHECKPOINT_LOCK_OWNER}{self.config.coordination.job}-{next_batch}"
+        with self.registry.locked(RESHARD_LOCK, owner):
             files = self.servers.snapshot(directory, next_batch, full)
         snapshots.write_dense(
             directory,
