@@ -81,7 +81,7 @@ def test_avazu_run_with_two_processors_matches_synchronous_training(run_job, tmp
     assert summary["iterations"] == 12
     # every kind's CPU since it started, summed over its processes (the bench measures spans with it)
     at_end = summary["cpu_seconds_at_end"]
-    assert set(at_end) == {"trainer", "embedding-server", "data-processor", "oracle-cacher"}
+    assert set(at_end) == {"trainer", "embedding-server", "data-processor", "oracle-cacher", "controller"}
     assert all(at_end[k] > 0 for k in at_end)
     initial = checkpoint.load(paths["initial"])
     assert len(initial["embeddings"]) == 22 and initial["dense"]["bottom_mlp.0.weight"].shape[1] == 1

@@ -197,3 +197,32 @@ def test_a_slow_evaluation_is_not_taken_for_a_failure(run_job, tmp_path: Path) -
     slowest = max(e["seconds"] for e in summary["evaluations"])
     assert slowest > 2, f"the evaluation took {slowest:.2f} s: not slow enough to test anything"
     assert summary["recovery"]["failures_detected"] == 0, summary["recovery"]
+
+
+def test_a_frozen_server_is_found_through_prometheus_and_replaced_in_place(run_job, tmp_path: Path) -> None:
+    """With ``--prometheus`` the controller reads liveness from the real Prometheus's HTTP API, as in a
+    cluster: a frozen embedding server is declared gone there, killed by pid and started again with its
+    own flags; it serves nothing until the job is rolled back to the checkpoint it loaded, its peer rolls
+    back in memory, and the model is the synchronous one."""
+    iterations, batch = 40, 64
+    summary, paths, servers = run_with_failure(
+        run_job,
+        tmp_path,
+        "prometheus",
+        "bagpipe.embedding_server --shard 0",
+        signal.SIGSTOP,
+        12,
+        *exact_flags(iterations, batch, "adagrad", failure_timeout=3),
+        "--prometheus",
+        *flags(log_level="INFO"),
+    )
+    [failure] = summary["recovery"]["failures"]
+    assert (failure["component"], failure["kind"]) == ("embedding-server-0", "gone"), failure
+    assert len(servers) == 3  # the two first ones and shard 0's replacement
+    controller = (tmp_path / "prometheus" / "logs" / "controller.log").read_text()
+    assert "through prometheus" in controller.lower() or "prometheus at http" in controller, controller[:2000]
+    peer = (tmp_path / "prometheus" / "logs" / "embedding-server-1.log").read_text()
+    assert "undid" in peer and "restored" not in peer
+    replaced = (tmp_path / "prometheus" / "logs" / "embedding-server-0.log").read_text()
+    assert "restored" in replaced.split("---- ")[-1] or failure["resumed_at_batch"] == 0
+    assert_synchronous(paths, iterations, batch, "adagrad")

@@ -213,7 +213,9 @@ def test_bagpipe_run_starts_each_service_with_the_config_it_built(flags: list[st
     assert isinstance(netns, EmbeddingServerConfig) and netns.address == "10.9.0.2:0"
     # the servers share the trainers' cores: idle priority, but the no-cache baseline waits for each fetch
     assert netns.cpu_priority == ("normal" if system == "no-cache" else "idle")
-    assert netns.coordination.redis_url == "redis://10.9.0.1:6399/0" and netns.checkpoint_dir is None
+    # a joining server has the checkpoints too: a roll-back may rebuild its shard from them
+    assert netns.coordination.redis_url == "redis://10.9.0.1:6399/0"
+    assert netns.checkpoint_dir == spec.checkpoint_dir and netns.resume_batch == 0
 
 
 def test_a_bad_value_names_its_flag(capsys: pytest.CaptureFixture[str]) -> None:
