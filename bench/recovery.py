@@ -50,7 +50,7 @@ def _rows(run_dir: Path) -> int:
 def one_run(
     flags: list[str], run_dir: Path, kill: tuple[str, int] | None, at: int
 ) -> tuple[dict[str, Any], float]:
-    argv = ["run", *flags, "--run-dir", str(run_dir), "--quiet", "--log-level", "WARNING"]
+    argv = ["run", "--log-level", "WARNING", *flags, "--run-dir", str(run_dir), "--quiet"]
     out: list[dict[str, Any]] = []
     thread = threading.Thread(target=lambda: out.append(run(build_parser().parse_args(argv))))
     started = time.time()
@@ -100,13 +100,15 @@ def compare_scales(a: argparse.Namespace, work: Path) -> list[dict[str, Any]]:
             str(a.checkpoint_every),
             "--failure-timeout",
             str(a.failure_timeout),
+            "--log-level",
+            a.log_level,
         ]
         summary, signalled = one_run(
             flags, work / f"scale-{scale:g}", ("bagpipe.trainer --rank 1", signal.SIGKILL), at
         )
         row = _failure_row("trainer", signal.SIGKILL, summary, signalled)
         row["scale"] = scale
-        row["checkpoints"] = summary["recovery"]["checkpoints"]
+        row["checkpoints_before_the_kill"] = at // a.checkpoint_every  # (complete before batch ``at``)
         rows.append(row)
     print(f"trainer SIGKILL after 7 checkpoints (every {a.checkpoint_every}), default model, Adagrad:")
     print(f"{'scale':>8} {'detect s':>9} {'recover s':>10} {'replayed':>9}")
@@ -173,6 +175,7 @@ def main() -> None:
     p.add_argument("--scale", type=float, default=0.01)
     p.add_argument("--failure-timeout", type=float, default=10.0)
     p.add_argument("--work", default="runs/bench-recovery")
+    p.add_argument("--log-level", default="WARNING", help="the services' (INFO: where recovery's time goes)")
     a = p.parse_args()
     work = Path(a.work) / time.strftime("%Y%m%d-%H%M%S")
     out: dict[str, Any] = {"checkpoint_every": a.checkpoint_every, "time": time.strftime("%Y-%m-%d %H:%M")}

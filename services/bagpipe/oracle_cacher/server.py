@@ -62,10 +62,11 @@ class _Planned:
 class Oracle(pb_grpc.OracleCacherServicer):
     """Planning state and the two RPCs trainers call."""
 
-    def __init__(self, config: OracleConfig) -> None:
+    def __init__(self, config: OracleConfig, planner: LookaheadPlanner | None = None) -> None:
+        """``planner``: one of the same config's, reset (a rewind reuses the last generation's)."""
         self.config = config
         self.num_keys = int(table_offsets(config.table_rows)[-1])
-        self.planner = LookaheadPlanner(
+        self.planner = planner or LookaheadPlanner(
             self.num_keys,
             config.window,
             trainers=config.trainers,
@@ -387,7 +388,9 @@ class Rewinding(pb_grpc.OracleCacherServicer):
         async with old.cond:
             old.failure = f"the job rolled back to batch {start_batch}"
             old.cond.notify_all()
-        self.oracle = Oracle(dataclasses.replace(self.config, start_batch=start_batch))
+        await asyncio.gather(*tasks, return_exceptions=True)  # (then nothing uses its planner)
+        await asyncio.to_thread(old.planner.reset)
+        self.oracle = Oracle(dataclasses.replace(self.config, start_batch=start_batch), old.planner)
         self.tasks = self.oracle.start(processors)
 
     def StreamPlans(self, request: pb.StreamPlansRequest, context: grpc.aio.ServicerContext):  # noqa: N802

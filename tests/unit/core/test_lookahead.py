@@ -182,3 +182,43 @@ def test_writer_is_the_key_modulo_holders_th_holder() -> None:
         holders = [t for t in range(64) if mask >> t & 1]
         for key in (0, 1, 5, 7, 1_000_003, 33_762_576):
             assert _writer(np.uint64(mask), key) == holders[key % len(holders)], (mask, key)
+
+
+@pytest.mark.parametrize("capacity", [None, 40])
+def test_a_reset_planner_plans_as_a_new_one(capacity: int | None) -> None:
+    """The oracle's rewind reuses its planner (``reset``): planned again from a later batch, with users
+    of several trainers, a capacity and hand-overs, it gives the plans a new planner gives, field by
+    field, and holds no entry of its past."""
+    rng = np.random.default_rng(3)
+    batches = random_batches(60, 200, 24, seed=4)
+    users = {b: rng.integers(1, 4, size=200) for b in batches}
+
+    def run(planner: LookaheadPlanner, first: int) -> list:
+        numbers = [b for b in sorted(batches) if b >= first]
+        pending, plans = list(numbers), []
+        while len(plans) < len(numbers):
+            while planner.wants_more() and pending:
+                n = pending.pop(0)
+                keys = np.array(sorted(set(batches[n])), dtype=np.int64)
+                planner.push(n, keys, last=not pending, users=users[n][keys].astype(np.uint8))
+            plans.append(planner.pop())
+        return plans
+
+    used = LookaheadPlanner(200, 6, trainers=2, capacity=capacity)
+    run(used, 0)
+    used.reset()
+    fresh = LookaheadPlanner(200, 6, trainers=2, capacity=capacity)
+    assert np.array_equal(used._state, fresh._state) and np.array_equal(used._handover_at, fresh._handover_at)
+    assert not used._slot_key.any()
+    again, new = run(used, 25), run(fresh, 25)
+    assert len(again) == len(new) == 35
+    for a, b in zip(again, new, strict=True):
+        for name in a.__dataclass_fields__:
+            x, y = getattr(a, name), getattr(b, name)
+            if isinstance(x, np.ndarray):
+                assert np.array_equal(x, y), (a.batch, name)
+            elif hasattr(x, "__dataclass_fields__"):
+                for sub in x.__dataclass_fields__:
+                    assert np.array_equal(getattr(x, sub), getattr(y, sub)), (a.batch, name, sub)
+            else:
+                assert x == y, (a.batch, name)
