@@ -201,9 +201,39 @@ def build_parser() -> argparse.ArgumentParser:
     return p
 
 
+class Stopped(KeyboardInterrupt):
+    """``bagpipe run`` was told to stop (SIGTERM or SIGINT): it unwinds like Ctrl-C, so the launcher stops
+    the processes it started."""
+
+    def __init__(self, signum: int) -> None:
+        super().__init__(signal.Signals(signum).name)
+        self.signum = signum
+
+
 def _terminate(signum: int, frame: FrameType | None) -> None:
-    """SIGTERM unwinds like Ctrl-C, so the launcher stops the processes it started."""
-    raise KeyboardInterrupt
+    # (once: a second signal must not break off the stopping of the services)
+    signal.signal(signal.SIGTERM, signal.SIG_IGN)
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    raise Stopped(signum)
+
+
+def _stopped_line(e: KeyboardInterrupt) -> str:
+    """What a stopped run says: how it stopped, what it kept, how to go on."""
+    from pathlib import Path
+
+    from bagpipe.core import snapshots
+
+    name = signal.Signals(e.signum).name if isinstance(e, Stopped) else "SIGINT"
+    run_dir = getattr(e, "run_dir", None)
+    if run_dir is None:
+        return f"bagpipe run stopped by {name} before it started"
+    checkpoints = getattr(e, "checkpoints", None) or Path(run_dir) / "checkpoints"
+    latest = snapshots.latest(checkpoints)
+    kept = f"checkpoints kept in {checkpoints} (latest: batch {latest})" if latest else "no checkpoint yet"
+    return (
+        f"bagpipe run stopped by {name}: every service stopped; {kept}; go on with: "
+        f"bagpipe run --resume {run_dir}"
+    )
 
 
 def scale(args: argparse.Namespace) -> None:
@@ -262,6 +292,7 @@ def main(argv: list[str] | None = None) -> None:
     args = build_parser().parse_args(argv)
     logging.basicConfig(level=logging.WARNING, format="%(levelname)s %(name)s: %(message)s")
     signal.signal(signal.SIGTERM, _terminate)
+    signal.signal(signal.SIGINT, _terminate)
     if args.command == "run":
         from bagpipe.local.launcher import format_summary, run
 
@@ -270,6 +301,9 @@ def main(argv: list[str] | None = None) -> None:
         except RuntimeError as e:
             print(f"bagpipe run failed: {e}", file=sys.stderr)
             raise SystemExit(1) from None
+        except KeyboardInterrupt as e:  # (a shell's Ctrl-C, timeout, systemd, a container runtime)
+            print(_stopped_line(e), file=sys.stderr)
+            raise SystemExit(128 + (e.signum if isinstance(e, Stopped) else signal.SIGINT)) from None
         print(format_summary(summary))
     elif args.command == "scale":
         scale(args)

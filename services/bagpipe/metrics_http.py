@@ -20,6 +20,7 @@ import time
 import urllib.parse
 from collections.abc import Callable
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from typing import Any
 
 from prometheus_client import CONTENT_TYPE_LATEST, REGISTRY, Gauge, generate_latest
 
@@ -30,6 +31,44 @@ logger = logging.getLogger(__name__)
 Health = Callable[[], str | None]  # None when healthy, else what is wrong
 
 STOP_POLL_S = 0.05  # how often the serving thread looks for a stop request
+# a connection that sends no complete request within this is closed (its thread ends): idle or slow
+# clients cannot pile up
+REQUEST_TIMEOUT_S = 1.0
+# connections served at once (a thread each, most of them idle for at most REQUEST_TIMEOUT_S); more are
+# closed as they come. Far above what Prometheus, probes and the controller open (one or two each), so that
+# a few hundred idle connections still leave room for a scrape
+MAX_CONNECTIONS = 512
+# connections the kernel queues before they are accepted: at the default 5, a burst of connections made
+# a scrape wait for the client's SYN retransmission (1 s)
+LISTEN_BACKLOG = 1024
+
+
+class _BoundedServer(ThreadingHTTPServer):
+    """A thread a connection, at most ``MAX_CONNECTIONS`` at once, each closed after ``REQUEST_TIMEOUT_S``
+    without a request."""
+
+    daemon_threads = True
+    request_queue_size = LISTEN_BACKLOG
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        self._slots = threading.BoundedSemaphore(MAX_CONNECTIONS)
+        super().__init__(*args, **kwargs)
+
+    def process_request(self, request: Any, client_address: Any) -> None:
+        if not self._slots.acquire(blocking=False):
+            self.shutdown_request(request)
+            return
+        try:
+            super().process_request(request, client_address)
+        except BaseException:
+            self._slots.release()
+            raise
+
+    def process_request_thread(self, request: Any, client_address: Any) -> None:
+        try:
+            super().process_request_thread(request, client_address)
+        finally:
+            self._slots.release()
 
 
 _ALIVE: dict[str, Gauge] = {}
@@ -94,6 +133,8 @@ class MetricsServer:
         owner = self
 
         class Handler(BaseHTTPRequestHandler):
+            timeout = REQUEST_TIMEOUT_S  # (the socket's: reading the request, and writing the answer)
+
             def do_GET(self) -> None:  # noqa: N802
                 path, _, query = self.path.partition("?")
                 if path == "/metrics":
@@ -127,8 +168,7 @@ class MetricsServer:
                 logger.debug("%s: %s", owner.service, format % args)
 
         bind = "" if host in ("0.0.0.0", "[::]") else host.strip("[]")
-        self._server = ThreadingHTTPServer((bind, int(port)), Handler)
-        self._server.daemon_threads = True
+        self._server = _BoundedServer((bind, int(port)), Handler)
         self.port = int(self._server.server_address[1])
         self.address = f"{'127.0.0.1' if bind == '' else bind}:{self.port}"
         # (stop waits for the loop to see the request: every 50 ms, not the default 0.5 s)

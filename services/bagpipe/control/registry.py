@@ -270,6 +270,18 @@ class Registry:
     def acks(self, generation: str) -> dict[str, str]:
         return self._hash(self._key("acks", generation))
 
+    def report(self, generation: str, member: str, reason: str) -> None:
+        """Another member saw ``member`` fail in generation ``generation`` (the oracle: a processor's
+        stream)."""
+        key = self._key("reports", generation)
+        pipe = self._redis.pipeline(transaction=False)
+        pipe.hsetnx(key, member, reason)
+        pipe.expire(key, 86400)
+        pipe.execute()
+
+    def reports(self, generation: str) -> dict[str, str]:
+        return self._hash(self._key("reports", generation))
+
     def add_failure(self, record: dict[str, Any]) -> int:
         """Appends a failure the controller handled; returns its index."""
         return int(self._redis.rpush(self._key("failures"), json.dumps(record))) - 1

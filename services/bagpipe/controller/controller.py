@@ -112,7 +112,6 @@ class Controller:
         self.since = clock()  # when the generation in force entered its state
         self.detector: Detector | None = None
         self.watched: set[str] = set()
-        self.processors: dict[str, str] = {}  # data processors' incarnations as training began
         self.trained = False  # some generation trained a batch (a failure before is a setup error)
         self.recovering: int | None = None  # the failure record whose recovery is not timed yet
         self.released = False
@@ -195,9 +194,6 @@ class Controller:
         # (a new detector each generation, over the one source: Detector.close would close that)
         self.detector = Detector(self.source, self.config.failure_timeout, clock=time.monotonic)
         self.watched = set()
-        self.processors = {
-            m: i for m, i in self.registry.incarnations().items() if m.startswith("data_processor/")
-        }
 
     def _train(self, generation: Generation) -> None:
         if self.detector is None:  # (a controller started again mid-generation)
@@ -212,9 +208,17 @@ class Controller:
             self.registry.set_generation_state(generation.id, DONE)
             logger.info("job done after generation %d", generation.number)
             return
+        reports = self.registry.reports(generation.id)
+        if reports:  # (a processor's stream broke, or its data is bad: the oracle says which)
+            member = sorted(reports)[0]
+            self._failed(process_name(member), "failed", reports[member], member=member)
+            return
         acks, incarnations = self.registry.acks(generation.id), self.registry.incarnations()
-        restarted = [m for m, i in acks.items() if incarnations.get(m) != i]
-        restarted += [m for m, i in self.processors.items() if incarnations.get(m, i) != i]
+        # (a data processor started again is no failure by itself: it holds no state, and the oracle
+        # reports it if a stream it read broke)
+        restarted = [
+            m for m, i in acks.items() if incarnations.get(m) != i and not m.startswith("data_processor/")
+        ]
         if restarted:
             member = sorted(restarted)[0]
             self._failed(process_name(member), "exited", "was restarted (a new process)", member=member)

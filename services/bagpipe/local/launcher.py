@@ -409,6 +409,10 @@ def _run(args: argparse.Namespace, after_training: AfterTraining | None = None) 
             )
             time.sleep(args.prometheus_linger)
         return summary
+    except KeyboardInterrupt as e:  # (stopped: the caller says where the run and its checkpoints are)
+        e.run_dir = run_dir  # type: ignore[attr-defined]
+        e.checkpoints = checkpoints  # type: ignore[attr-defined]
+        raise
     finally:
         bar.close()
         scaler.close()

@@ -36,8 +36,17 @@ async def serve(cfg: OracleConfig) -> None:
 
     async def rewind(generation: Generation) -> str:
         members = await asyncio.to_thread(registry.wait_for_members, "data_processor", cfg.data_processors)
-        addresses = [members[k] for k in sorted(members, key=_member_order)][: cfg.data_processors]
-        await servicer.rewind(generation.start_batch, addresses)
+        names = sorted(members, key=_member_order)[: cfg.data_processors]
+        addresses = [members[k] for k in names]
+        by_address = dict(zip(addresses, names, strict=True))
+
+        async def blame(address: str, reason: str) -> None:
+            """The controller hears which processor failed (a broken stream, bad data), not of trainers
+            that only wait for plans."""
+            member = f"data_processor/{by_address.get(address, address)}"
+            await asyncio.to_thread(registry.report, generation.id, member, reason)
+
+        await servicer.rewind(generation.start_batch, addresses, blame)
         return f"planning from batch {generation.start_batch} ({len(addresses)} data processors)"
 
     follower = Follower(membership, rewind, "plans nothing before the controller's first generation")

@@ -14,6 +14,7 @@ import functools
 import hmac
 import logging
 import time
+from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
 
 import grpc
@@ -92,6 +93,8 @@ class Oracle(pb_grpc.OracleCacherServicer):
         self.plan_buffer = config.window + 2
         self.windows: list[int] = []
         self.early_reuses = 0
+        # told which processor's stream failed, and why (the controller blames it, not the trainers)
+        self.on_processor_failure: Callable[[str, str], Awaitable[None]] | None = None
         metrics.LOOKAHEAD.set(config.window)
         metrics.ITERATIONS_TARGET.set(config.iterations)
 
@@ -177,6 +180,8 @@ class Oracle(pb_grpc.OracleCacherServicer):
                 async with self.cond:
                     self.failure = f"data processor {addr}: {e}"
                     self.cond.notify_all()
+                if self.on_processor_failure is not None and not isinstance(e, asyncio.CancelledError):
+                    await self.on_processor_failure(addr, _reason(e))
             finally:
                 async with self.cond:
                     self.readers_done += 1
@@ -370,6 +375,13 @@ class Oracle(pb_grpc.OracleCacherServicer):
         }
 
 
+def _reason(error: BaseException) -> str:
+    """A processor's own message (``file:line: field ...``), not the gRPC error's wrapping."""
+    if isinstance(error, grpc.RpcError) and error.details():
+        return f"{error.code().name}: {error.details()}"
+    return str(error)
+
+
 class Rewinding(pb_grpc.OracleCacherServicer):
     """The servicer the oracle's server keeps while the job's generations come and go: each generation
     plans anew from its start batch in an ``Oracle`` of its own (control/generation.py), and every call
@@ -380,7 +392,12 @@ class Rewinding(pb_grpc.OracleCacherServicer):
         self.oracle = Oracle(config)
         self.tasks: list[asyncio.Task[None]] = []
 
-    async def rewind(self, start_batch: int, processors: list[str]) -> None:
+    async def rewind(
+        self,
+        start_batch: int,
+        processors: list[str],
+        on_processor_failure: Callable[[str, str], Awaitable[None]] | None = None,
+    ) -> None:
         """Plans again from ``start_batch``, reading ``processors``."""
         old, tasks = self.oracle, self.tasks
         for task in tasks:
@@ -391,6 +408,7 @@ class Rewinding(pb_grpc.OracleCacherServicer):
         await asyncio.gather(*tasks, return_exceptions=True)  # (then nothing uses its planner)
         await asyncio.to_thread(old.planner.reset)
         self.oracle = Oracle(dataclasses.replace(self.config, start_batch=start_batch), old.planner)
+        self.oracle.on_processor_failure = on_processor_failure
         self.tasks = self.oracle.start(processors)
 
     def StreamPlans(self, request: pb.StreamPlansRequest, context: grpc.aio.ServicerContext):  # noqa: N802

@@ -245,3 +245,26 @@ def test_the_command_line_round_trips_and_bad_values_name_the_flag(capsys) -> No
         parse(["--trainers", "1", "--data-processors", "1", "--release", "statefulset/a"])
     assert "needs --kill kubernetes" in capsys.readouterr().err
     assert json.dumps(argv(cfg))
+
+
+def test_a_processor_the_oracle_reports_is_blamed_and_its_restart_alone_is_not(
+    redis_url, tmp_path: Path
+) -> None:
+    """A data processor holds no state: started again it is no failure by itself; a stream of it that broke
+    (or bad data in it) is, reported by the oracle with the processor's own message."""
+    registry, controller, members, _, _, _ = _job(redis_url, tmp_path)
+    processor = Membership(registry, "data_processor", "0")
+    processor.announce()
+    _form(registry, controller, members)
+    generation = current(registry)
+    registry.ack(generation.id, processor.name, processor.incarnation)  # (it follows every generation)
+    registry.set_progress(0, 4)
+    Membership(registry, "data_processor", "0").announce()  # started again
+    controller.step()
+    assert registry.failures() == [] and current(registry).id == generation.id
+    registry.report(generation.id, "data_processor/0", "data.tsv:7: field I3: '2.5' is not an integer")
+    controller.step()
+    [failure] = registry.failures()
+    assert (failure["component"], failure["kind"]) == ("data-processor-0", "failed")
+    assert failure["detail"] == "data.tsv:7: field I3: '2.5' is not an integer"
+    assert current(registry).number == 2
