@@ -509,22 +509,6 @@ def spawn_embedding_server(job: LocalJob, shard: int, resume: bool) -> Process:
     )
 
 
-def _redis_exited(redis_server: RedisServer) -> ComponentFailure:
-    return ComponentFailure(
-        "redis", "exited", f"exited with {redis_server.proc.returncode}", redis_server.log_path
-    )
-
-
-def _redis_failure(error: redis.RedisError, redis_server: RedisServer) -> ComponentFailure:
-    """Redis did not answer: it exited if its process has ended, or ends within a second (a killed server
-    resets its connections a moment before its exit can be seen), else it is gone (frozen, unreachable)."""
-    try:
-        redis_server.proc.wait(timeout=1.0)
-    except subprocess.TimeoutExpired:
-        return ComponentFailure("redis", "gone", f"does not answer: {error}")
-    return _redis_exited(redis_server)
-
-
 def _save_scrapes(directory: Path, endpoints: dict[str, str]) -> None:
     """Final /metrics of every service, as ``<service>-<member>.prom`` (the exposition text)."""
     directory.mkdir(parents=True, exist_ok=True)
