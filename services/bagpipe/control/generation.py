@@ -9,8 +9,9 @@ itself is lost), a ``number``, the ``start_batch`` and a ``state``:
   server undoes the rows changed since the checkpoint, or reloads them; the oracle rewinds its plan) and
   acks the generation with its incarnation;
 * ``forming``: every serving member acked; trainers (new processes: survivors of the last generation
-  exit with ``EXIT_RESTART`` and are started again, as a kubelet or the local process keeper does) load
-  the checkpoint's dense model, ack as ``trainer/<rank>`` and meet in a rendezvous of this generation;
+  exit with ``EXIT_RESTART`` and are started again, as a kubelet or the local process keeper does) ack
+  as ``trainer/<rank>``, then load the checkpoint's dense model and meet in a rendezvous of this
+  generation;
 * ``training``: every trainer acked; the controller watches for failures;
 * ``done`` (every trainer finished) or ``failed`` (the controller gave up; ``reason`` says why).
 
@@ -100,11 +101,13 @@ def where() -> dict[str, Any]:
     return {"host": host, "pid": os.getpid(), "pod": os.environ.get("POD_NAME") or host}
 
 
-class Restart(SystemExit):
-    """This member must start again as a new process (``EXIT_RESTART``)."""
+class Restart(Exception):
+    """This member must start again as a new process: its service stops, then exits with ``EXIT_RESTART``
+    (an Exception, not a SystemExit: asyncio lets a SystemExit out of the loop, past the service's own
+    stopping)."""
 
     def __init__(self, why: str) -> None:
-        super().__init__(EXIT_RESTART)
+        super().__init__(why)
         self.why = why
 
 
@@ -178,18 +181,22 @@ class Follower:
                 if generation.state == ROLLING_BACK:
                     self.serving = None
                     self.waiting = f"taking the state of batch {generation.start_batch}"
-                    said = await self._roll_back(generation)
-                    await asyncio.to_thread(
-                        registry.ack, generation.id, self.membership.name, self.membership.incarnation
-                    )
-                    self.acked = self.serving = generation.id
-                    logger.info(
-                        "%s: generation %d from batch %d: %s",
-                        self.membership.name,
-                        generation.number,
-                        generation.start_batch,
-                        said,
-                    )
+                    try:
+                        said = await self._roll_back(generation)
+                        await asyncio.to_thread(
+                            registry.ack, generation.id, self.membership.name, self.membership.incarnation
+                        )
+                    except (redis.RedisError, OSError, TimeoutError) as e:  # (tried again at the next look)
+                        logger.warning("%s: generation %d: %s", self.membership.name, generation.number, e)
+                    else:
+                        self.acked = self.serving = generation.id
+                        logger.info(
+                            "%s: generation %d from batch %d: %s",
+                            self.membership.name,
+                            generation.number,
+                            generation.start_batch,
+                            said,
+                        )
                 elif self._adopt is not None and self._adopt(generation):
                     await asyncio.to_thread(
                         registry.ack, generation.id, self.membership.name, self.membership.incarnation

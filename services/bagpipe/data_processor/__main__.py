@@ -8,7 +8,13 @@ import socket
 import sys
 
 from bagpipe import allocator, serving
-from bagpipe.control.generation import Follower, Generation, Membership, follow_until_stopped
+from bagpipe.control.generation import (
+    EXIT_RESTART,
+    Follower,
+    Generation,
+    Membership,
+    follow_until_stopped,
+)
 from bagpipe.control.registry import Registry
 from bagpipe.data_processor.config import DataProcessorConfig, parse
 from bagpipe.data_processor.server import create_server
@@ -49,7 +55,7 @@ async def serve(cfg: DataProcessorConfig) -> None:
         await serving.stop_gracefully(server, health)
         http.stop()
     if restart is not None:
-        raise restart
+        raise SystemExit(EXIT_RESTART)
 
 
 def main(argv: list[str] | None = None) -> None:

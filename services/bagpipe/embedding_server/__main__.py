@@ -7,7 +7,7 @@ import logging
 import sys
 
 from bagpipe import allocator, cpu_priority, security, serving
-from bagpipe.control.generation import Follower, Generation, Membership, Restart
+from bagpipe.control.generation import EXIT_RESTART, Follower, Generation, Membership, Restart
 from bagpipe.control.registry import Registry
 from bagpipe.core import snapshots
 from bagpipe.core.data import table_offsets
@@ -130,9 +130,11 @@ async def serve(cfg: EmbeddingServerConfig) -> None:
         coordinator = asyncio.create_task(resharder.run(control.stop, stop_on), name="resharder")
     following = asyncio.create_task(follower.run(control.stop), name="generations")
 
+    ended: list[BaseException] = []  # why the generations' follower stopped (a Restart, or a bug)
+
     def followed(task: asyncio.Task[None]) -> None:
         if not task.cancelled() and task.exception() is not None:
-            fatal.append(task.exception())  # type: ignore[arg-type]
+            ended.append(task.exception())  # type: ignore[arg-type]
             control.stop.set()
 
     following.add_done_callback(followed)
@@ -145,13 +147,15 @@ async def serve(cfg: EmbeddingServerConfig) -> None:
     finally:  # (the server stops even when Redis is gone)
         await serving.stop_gracefully(server, health)
         http.stop()
-    if fatal and isinstance(fatal[0], Restart):
-        logger.warning("%s: starting again", fatal[0].why)
-        raise fatal[0]
+    if ended and isinstance(ended[0], Restart):
+        logger.warning("%s: starting again", ended[0].why)
+        raise SystemExit(EXIT_RESTART)
+    if ended:
+        raise ended[0]
     if fatal:
         raise SystemExit(
-            f"re-sharding failed between two shard-map versions ({fatal[0]}): "
-            "the job must roll back to its last checkpoint"
+            f"re-sharding failed between two shard-map versions ({fatal[0]}): this server starts again "
+            "and the controller rolls the job back to its last checkpoint"
         )
 
 

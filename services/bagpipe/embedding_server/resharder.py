@@ -18,8 +18,9 @@ training goes on:
 
 A failure before step 3 aborts the migration (nothing changed; it is tried again later). A failure
 during step 3 leaves the servers between versions: the coordinator records it and stops its server,
-so the job rolls back to its last checkpoint (``bagpipe run`` does so; checkpoints do not depend on
-the number of servers) with the target number of servers.
+which starts again; the controller (``bagpipe.controller``) rolls the job back to its last checkpoint
+(checkpoints do not depend on the number of servers), each server rebuilding its shard under the map in
+force, and the coordinator tries again.
 """
 
 from __future__ import annotations

@@ -195,9 +195,7 @@ class EmbeddingServicer(pb_grpc.EmbeddingServerServicer):
     ) -> pb.WriteBackResponse:  # noqa: N802
         with metrics.LATENCY.labels("write_back").time():
             async with self._gate.changing():
-                refused = self.fence(context.invocation_metadata()) if self.fence is not None else None
-                if refused is not None:
-                    raise FailedPrecondition(refused)
+                self._fenced(context)
                 self._check_version(request.shard_map_version)
                 self._check_size(request.keys)
                 keys = from_tensor(request.keys, "keys", np.int64, ndim=1)
@@ -229,7 +227,7 @@ class EmbeddingServicer(pb_grpc.EmbeddingServerServicer):
         done.add_done_callback(lambda f: f.cancelled() or f.exception())  # (a failure no retry awaited)
         self._last_snapshot = (key, done)
         try:
-            reply = await self._snapshot(request)
+            reply = await self._snapshot(request, context)
         except BaseException as e:
             if self._last_snapshot is not None and self._last_snapshot[1] is done:
                 self._last_snapshot = None  # (a retry after a failure writes again)
@@ -238,13 +236,24 @@ class EmbeddingServicer(pb_grpc.EmbeddingServerServicer):
         done.set_result(reply)
         return reply
 
-    async def _snapshot(self, request: pb.SnapshotRequest) -> pb.SnapshotResponse:
+    def _fenced(self, context: grpc.aio.ServicerContext | None) -> None:
+        """(Holding the rows gate.) A call let in before a roll-back began must not act after it."""
+        if self.fence is None or context is None:
+            return
+        refused = self.fence(context.invocation_metadata())
+        if refused is not None:
+            raise FailedPrecondition(refused)
+
+    async def _snapshot(
+        self, request: pb.SnapshotRequest, context: grpc.aio.ServicerContext | None = None
+    ) -> pb.SnapshotResponse:
         t0 = time.perf_counter()
         write = functools.partial(
             snapshots.write_rows, request.directory, request.next_batch, self.store.shard, full=request.full
         )
         if request.full:  # every row not initial, written from the table itself while no write can come
             async with self._gate.changing():
+                self._fenced(context)
                 self._check_version(request.shard_map_version)
                 keys, gathered, gathered_state = self.store.take_all()
                 self._undo_from(request.directory, request.next_batch)
@@ -257,6 +266,7 @@ class EmbeddingServicer(pb_grpc.EmbeddingServerServicer):
                     raise
         else:
             async with self._gate.changing():  # (between write-backs), written out off the loop
+                self._fenced(context)
                 self._check_version(request.shard_map_version)  # (once no write-back or switch step runs)
                 keys, rows, state = self.store.take_changes()
                 self._undo_from(request.directory, request.next_batch)
@@ -292,10 +302,12 @@ class EmbeddingServicer(pb_grpc.EmbeddingServerServicer):
         coordinator tries again later). Returns what it did, for the log."""
         async with self._gate.changing():
             t0 = time.perf_counter()
-            if self.store.migration is not None:
+            switching = self.store.migration is not None and self.store.migration.sealed
+            if self.store.migration is not None and not switching:
                 self._abort()
             self._last_snapshot = None
-            same_map = self.store.shard_map.version == version
+            # (a sealed switch cannot be undone: the shard is built anew under the map in force)
+            same_map = self.store.shard_map.version == version and not switching
             if batch == 0 and same_map and self.store.untouched():
                 said = "every row still initial"
             elif self.store.can_undo_to(batch) and same_map:
@@ -484,6 +496,10 @@ class EmbeddingServicer(pb_grpc.EmbeddingServerServicer):
             self._ready.set()
         await asyncio.wait_for(self._ready.wait(), serving.RPC_TIMEOUT_S)
         async with self._gate.changing():  # (no lookup's copy reads the old arrays past the switch)
+            if self.store.migration is not m:  # (a roll-back meanwhile rebuilt the shard from the chain)
+                raise FailedPrecondition(
+                    f"shard_map_version: the job rolled back while switching to {m.new_map.version}"
+                )
             self.store.finish_migration()
         await self._close_peers()
         seconds = time.perf_counter() - t0

@@ -189,14 +189,6 @@ class LocalJob:
         used = {p.name: process_cpu_seconds(p.proc.pid) for p in self.processes}
         return {name: seconds for name, seconds in used.items() if seconds is not None}
 
-    def kill_all(self) -> None:
-        """SIGKILL (a frozen process ignores SIGTERM): the next generation replaces every process."""
-        for p in self.processes:
-            if p.proc.poll() is None:
-                p.proc.kill()
-        for p in self.processes:
-            p.proc.wait()
-
     def stop_all(self) -> None:
         for p in self.processes:
             if p.proc.poll() is None:
@@ -491,9 +483,10 @@ def resumed_args(args: argparse.Namespace) -> argparse.Namespace:
 
 
 def spawn_embedding_server(job: LocalJob, shard: int, resume: bool) -> Process:
-    """Starts embedding server ``shard``: one of the generation's first (it creates the shard map for
-    ``--embedding-servers`` of them, and with ``resume`` loads the checkpoint's rows), or one that joins a
-    running job (``bagpipe scale``), empty until the coordinator moves its buckets to it."""
+    """Starts embedding server ``shard``: one of the job's first (they create the shard map for
+    ``--embedding-servers`` of them), or one that joins a running job (``bagpipe scale``), empty until the
+    coordinator moves its buckets to it. Either loads the newest complete checkpoint's rows of its buckets
+    when started (again), and serves once the controller's generation takes it in."""
     assert job.spec is not None
     netns = getattr(job.args, "embedding_server_netns", None)
     addresses = job.args.netns_addresses if netns else None

@@ -7,7 +7,13 @@ import logging
 import sys
 
 from bagpipe import allocator, security, serving
-from bagpipe.control.generation import Follower, Generation, Membership, follow_until_stopped
+from bagpipe.control.generation import (
+    EXIT_RESTART,
+    Follower,
+    Generation,
+    Membership,
+    follow_until_stopped,
+)
 from bagpipe.control.registry import Registry
 from bagpipe.oracle_cacher.config import OracleConfig, parse
 from bagpipe.oracle_cacher.server import Rewinding, create_server
@@ -73,7 +79,7 @@ async def serve(cfg: OracleConfig) -> None:
         await serving.stop_gracefully(server, health)
         http.stop()
     if restart is not None:
-        raise restart
+        raise SystemExit(EXIT_RESTART)
 
 
 def main(argv: list[str] | None = None) -> None:

@@ -11,7 +11,7 @@ import sys
 import threading
 
 from bagpipe import allocator, security, serving
-from bagpipe.control.generation import EXIT_RESTART, Membership, Watch, join
+from bagpipe.control.generation import EXIT_RESTART, Membership, Restart, Watch, join
 from bagpipe.control.registry import Registry
 from bagpipe.core import snapshots
 from bagpipe.core.snapshots import EXIT_CHECKPOINT_FAILED
@@ -52,8 +52,13 @@ def main(argv: list[str] | None = None) -> None:
     )
     # SIGTERM while training: stop, release everything and exit 0 (a stopped pod, or the launcher)
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(0))
-    with metrics.heartbeat_while("waiting for a generation"):
-        generation = join(membership, cfg.rank)
+    try:
+        with metrics.heartbeat_while("waiting for a generation"):
+            generation = join(membership, cfg.rank)
+    except Restart as e:  # (Redis lost this member's registration: it comes back as a new process)
+        logger.warning("rank %d: %s: starting again", cfg.rank, e.why)
+        http.stop()
+        raise SystemExit(EXIT_RESTART) from None
     logger.info(
         "rank %d joins generation %d from batch %d", cfg.rank, generation.number, generation.start_batch
     )
