@@ -259,25 +259,25 @@ class Registry:
         value = self._redis.hget(self._key("whereabouts"), member)
         return json.loads(_text(value)) if value else {}
 
-    def ack(self, generation: str, member: str, incarnation: str) -> None:
-        """``member`` holds generation ``generation``'s starting state (rolled back, rewound)."""
-        key = self._key("acks", generation)
+    def _hset_for_a_day(self, key: str, field: str, value: str, only_new: bool = False) -> None:
+        """A field of a per-generation hash, which expires a day after its last write (generations come
+        and go; nothing cleans their keys up otherwise)."""
         pipe = self._redis.pipeline(transaction=False)
-        pipe.hset(key, member, incarnation)
+        (pipe.hsetnx if only_new else pipe.hset)(key, field, value)
         pipe.expire(key, 86400)
         pipe.execute()
+
+    def ack(self, generation: str, member: str, incarnation: str) -> None:
+        """``member`` holds generation ``generation``'s starting state (rolled back, rewound)."""
+        self._hset_for_a_day(self._key("acks", generation), member, incarnation)
 
     def acks(self, generation: str) -> dict[str, str]:
         return self._hash(self._key("acks", generation))
 
     def report(self, generation: str, member: str, reason: str) -> None:
         """Another member saw ``member`` fail in generation ``generation`` (the oracle: a processor's
-        stream)."""
-        key = self._key("reports", generation)
-        pipe = self._redis.pipeline(transaction=False)
-        pipe.hsetnx(key, member, reason)
-        pipe.expire(key, 86400)
-        pipe.execute()
+        stream); the first reason stays."""
+        self._hset_for_a_day(self._key("reports", generation), member, reason, only_new=True)
 
     def reports(self, generation: str) -> dict[str, str]:
         return self._hash(self._key("reports", generation))

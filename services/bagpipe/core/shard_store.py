@@ -442,8 +442,8 @@ class ShardStore:
         current = self._undo[-1]
         if batch < current.baseline:
             raise ValueError(f"undo checkpoint {batch} after checkpoint {current.baseline}")
-        for chunk in current.index:  # (only the rows logged: no pass over the shard per checkpoint)
-            self._undo_logged[chunk] = False
+        if current.index:  # (only the rows logged: no pass over the shard per checkpoint)
+            self._undo_logged[np.concatenate(current.index)] = False
         if batch == current.baseline:
             self._undo.pop()
             if self._undo and current.rows:
