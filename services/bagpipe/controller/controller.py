@@ -115,6 +115,7 @@ class Controller:
         self.trained = False  # some generation trained a batch (a failure before is a setup error)
         self.recovering: int | None = None  # the failure record whose recovery is not timed yet
         self.released = False
+        self.handled = 0  # failures handled so far
 
     # ---- what the job holds
     def _start_batch(self) -> int:
@@ -280,10 +281,13 @@ class Controller:
             "last_batch": max(progress.values()) if progress else failed.start_batch - 1,
             "generation_seconds": self._clock() - self.since,
         }
-        earlier = self.registry.failures()
+        # (counted here too: a Redis started again has lost the list)
+        earlier = max(len(self.registry.failures()), self.handled)
+        self.handled = earlier + 1
         index = self.registry.add_failure(record)
-        never_trained = not self.trained and not progress
-        if never_trained or len(earlier) + 1 > self.config.max_restarts:
+        # (Redis lost is never a setup error: the progress that would show it went with it)
+        never_trained = component != "redis" and not self.trained and not progress
+        if never_trained or earlier + 1 > self.config.max_restarts:
             why = (
                 "before training began (a setup error is not retried)"
                 if never_trained
@@ -291,7 +295,10 @@ class Controller:
             )
             reason = f"{component} failed {why}: {component} {detail}"
             logger.error("%s", reason)
-            self.registry.set_generation_state(failed.id, FAILED, reason)
+            if not self.registry.set_generation_state(failed.id, FAILED, reason):
+                # (its record is gone with Redis: the job's end must still be written for all to read)
+                ended = Generation(failed.id, failed.number, failed.start_batch, FAILED, reason)
+                self.registry.begin_generation(ended.record())
             return
         logger.warning("%s %s: recovering", component, detail)
         generation = self._begin(f"{component} {detail}")

@@ -268,3 +268,20 @@ def test_a_processor_the_oracle_reports_is_blamed_and_its_restart_alone_is_not(
     assert (failure["component"], failure["kind"]) == ("data-processor-0", "failed")
     assert failure["detail"] == "data.tsv:7: field I3: '2.5' is not an integer"
     assert current(registry).number == 2
+
+
+def test_redis_lost_at_once_is_no_setup_error_and_giving_up_is_written_anew(
+    redis_url, tmp_path: Path
+) -> None:
+    """Redis lost before the controller saw any progress (a short run): still a recovery, not a setup error;
+    and a job that gives up while Redis holds no generation writes its end anew (else nobody reads it)."""
+    registry, controller, members, _, _, _ = _job(redis_url, tmp_path, max_restarts=1)
+    _form(registry, controller, members)
+    registry._redis.flushdb()
+    controller.step()
+    assert current(registry).number == 2 and current(registry).state == ROLLING_BACK
+    registry._redis.flushdb()  # (lost again: past --max-restarts)
+    controller.step()
+    generation = current(registry)
+    assert generation is not None and generation.state == FAILED
+    assert "redis failed after 1 restarts (--max-restarts)" in generation.reason
