@@ -512,8 +512,9 @@ class ShardStore:
         self._position = shard_map.local_layout(self.shard)[0]
         self._owned = shard_map.buckets_of(self.shard)
 
-    def begin_migration(self, new_map: ShardMap) -> Migration:
-        """Starts building this shard's arrays for ``new_map`` (the next version)."""
+    def begin_migration(self, new_map: ShardMap, attempt: int = 0) -> Migration:
+        """Starts building this shard's arrays for ``new_map`` (the next version), as try ``attempt`` of the
+        coordinator (the id every message of this try carries)."""
         if self.migration is not None:
             raise ValueError(f"a migration to version {self.migration.new_map.version} is under way")
         if (
@@ -527,7 +528,7 @@ class ShardStore:
                 f"cannot follow version {self.shard_map.version} ({self.shard_map.num_keys} keys, "
                 f"{self.shard_map.num_buckets} buckets)"
             )
-        self.migration = Migration(self, new_map)
+        self.migration = Migration(self, new_map, attempt)
         return self.migration
 
     def abort_migration(self) -> None:
@@ -558,10 +559,11 @@ class ShardStore:
 class Migration:
     """This shard's part in moving from ``store.shard_map`` to ``new_map`` (see the module docstring)."""
 
-    def __init__(self, store: ShardStore, new_map: ShardMap) -> None:
+    def __init__(self, store: ShardStore, new_map: ShardMap, attempt: int = 0) -> None:
         old = store.shard_map
         self.store = store
         self.new_map = new_map
+        self.attempt = attempt
         self.dirty = np.zeros(store.weights.shape[0], dtype=bool)
         here = store.keys_of(np.arange(store.table.shape[0]))  # (transient: the migration's own arrays
         valid = here >= 0  # are the shard's size again anyway)

@@ -16,6 +16,10 @@ training goes on:
    as its last message to each new owner, and serves the new version once all its senders' last rows
    are in. Clients refused for their version re-read the map and retry.
 
+Every try draws a new attempt id (``new_attempt``), which every message of it carries (Prepare,
+Transfer, Seal, Abort, and the servers' Receives): a server refuses the messages of any attempt but the
+one it prepared, so nothing of an aborted try, still in flight, lands in the next try at the same version.
+
 A failure before step 3 aborts the migration (nothing changed; it is tried again later). A failure
 during step 3 leaves the servers between versions: the coordinator records it and stops its server,
 which starts again; the controller (``bagpipe.controller``) rolls the job back to its last checkpoint
@@ -27,6 +31,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import secrets
 import time
 import uuid
 from collections.abc import Awaitable, Callable
@@ -46,6 +51,12 @@ logger = logging.getLogger(__name__)
 
 POLL_S = 0.5
 LOCK_TTL_S = 120.0
+
+
+def new_attempt() -> int:
+    """A migration attempt id: random 64 bits, never 0, so that no two tries (of one coordinator or of
+    one started again) are taken for each other."""
+    return secrets.randbits(64) or 1
 
 
 class ReshardFailed(RuntimeError):
@@ -106,6 +117,7 @@ class Resharder:
 
     async def migrate(self, current: ShardMap, new: ShardMap, members: dict[int, str]) -> dict[str, Any]:
         moves = current.moves(new)
+        attempt = new_attempt()
         holders = sorted(set(current.owners) | set(new.owners))
         record: dict[str, Any] = {
             "from_version": current.version,
@@ -116,10 +128,11 @@ class Resharder:
             "started_at": time.time(),
         }
         logger.info(
-            "re-sharding %s -> %s: version %d, %d buckets move",
+            "re-sharding %s -> %s: version %d (attempt %x), %d buckets move",
             current.owners,
             new.owners,
             new.version,
+            attempt,
             record["buckets_moved"],
         )
         channels = {s: serving.aio_channel(members[s]) for s in holders}
@@ -133,19 +146,20 @@ class Resharder:
                     current_shard_map=current.to_json(),
                     addresses={s: members[s] for s in new.owners},
                     rows_per_second=self.rows_per_second,
+                    attempt=attempt,
                 )
                 prepared = await asyncio.gather(
                     *(stubs[s].PrepareMigration(prepare, timeout=timeout) for s in holders)
                 )
                 record["rows_moved"] = int(sum(p.leaving_rows for p in prepared))
                 t1 = time.perf_counter()
-                request = pb.TransferRequest(shard_map_version=new.version)
+                request = pb.TransferRequest(shard_map_version=new.version, attempt=attempt)
                 # long: the bulk copy is throttled; each chunk has its own deadline inside
                 sent = await asyncio.gather(*(stubs[s].Transfer(request, timeout=None) for s in holders))
                 record["bytes_moved"] = int(sum(t.bytes_sent for t in sent))
                 t2 = time.perf_counter()
             except BaseException:
-                abort = pb.AbortMigrationRequest(shard_map_version=new.version)
+                abort = pb.AbortMigrationRequest(shard_map_version=new.version, attempt=attempt)
                 await asyncio.gather(
                     *(stubs[s].AbortMigration(abort, timeout=10) for s in holders), return_exceptions=True
                 )
@@ -155,7 +169,7 @@ class Resharder:
             t3 = time.perf_counter()
             try:
                 await asyncio.to_thread(self.registry.replace_shard_map, new)
-                seal = pb.SealRequest(shard_map_version=new.version)
+                seal = pb.SealRequest(shard_map_version=new.version, attempt=attempt)
                 sealed = await asyncio.gather(*(stubs[s].Seal(seal, timeout=timeout) for s in holders))
             except BaseException as e:
                 record.update(state="failed", error=str(e), finished_at=time.time())

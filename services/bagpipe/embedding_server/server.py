@@ -37,6 +37,7 @@ from bagpipe.core import snapshots
 from bagpipe.core.shard_map import ShardMap
 from bagpipe.core.shard_store import Migration, ShardStore
 from bagpipe.embedding_server import metrics
+from bagpipe.embedding_server.caps import request_caps
 from bagpipe.embedding_server.client import MAX_ROWS_PER_RPC
 from bagpipe.errors import FailedPrecondition, InvalidArgument
 from bagpipe.v1 import embedding_server_pb2 as pb
@@ -117,6 +118,9 @@ class EmbeddingServicer(pb_grpc.EmbeddingServerServicer):
         self.max_rows = max_rows
         self._peers: dict[int, grpc.aio.Channel] = {}
         self._rows_per_second = 0.0
+        # every migration attempt prepared here: the coordinator never repeats one, so a Prepare that does
+        # is from the past (its aborted try, arriving late)
+        self._attempts: set[int] = set()
         self._ready = asyncio.Event()
         self._gate = _RowsGate()
         self._pool = ThreadPoolExecutor(lookup_threads, thread_name_prefix="rows") if lookup_threads else None
@@ -147,11 +151,23 @@ class EmbeddingServicer(pb_grpc.EmbeddingServerServicer):
             limit = f"at most {self.max_rows} (--max-rows-per-request)"
             raise InvalidArgument("keys", f"{n} keys in one request; {limit}")
 
-    def _migration(self, version: int) -> Migration:
+    def _migration(self, version: int, attempt: int) -> Migration:
+        """The migration a Transfer, Receive or Seal of ``attempt`` to ``version`` belongs to: the one this
+        server prepared, for that version and that very attempt. Anything else is refused before it
+        touches a row: after an abort and a new Prepare of the same version, a message of the old attempt
+        (a chunk still in flight, a late Seal) must not land in the new one."""
         m = self.store.migration
         if m is None or m.new_map.version != version:
-            have = "none" if m is None else f"version {m.new_map.version}"
-            raise FailedPrecondition(f"shard_map_version: no migration to version {version} here ({have})")
+            have = "none" if m is None else f"version {m.new_map.version}, attempt {m.attempt:x}"
+            raise FailedPrecondition(
+                f"shard_map_version: no migration to version {version} here ({have}); "
+                f"attempt {attempt:x} is not under way"
+            )
+        if m.attempt != attempt:
+            raise FailedPrecondition(
+                f"attempt: {attempt:x} is stale; this server's migration to version {version} is "
+                f"attempt {m.attempt:x}"
+            )
         return m
 
     async def Lookup(self, request: pb.LookupRequest, context: grpc.aio.ServicerContext) -> bytes:  # noqa: N802
@@ -333,6 +349,8 @@ class EmbeddingServicer(pb_grpc.EmbeddingServerServicer):
             return self._prepare(request)
 
     def _prepare(self, request: pb.PrepareMigrationRequest) -> pb.PrepareMigrationResponse:
+        if not request.attempt:
+            raise InvalidArgument("attempt", "must be nonzero (a new id for every try)")
         try:
             new_map = ShardMap.from_json(request.shard_map)
         except (ValueError, KeyError, TypeError) as e:
@@ -346,6 +364,13 @@ class EmbeddingServicer(pb_grpc.EmbeddingServerServicer):
             )
         if request.rows_per_second < 0:
             raise InvalidArgument("rows_per_second", f"must be >= 0, got {request.rows_per_second}")
+        if request.attempt in self._attempts:  # (before it could abort the attempt under way)
+            now = self.store.migration
+            have = "none" if now is None else f"attempt {now.attempt:x} to version {now.new_map.version}"
+            raise FailedPrecondition(
+                f"attempt: {request.attempt:x} to version {new_map.version} was prepared here before; "
+                f"a new try needs a new id (under way: {have})"
+            )
         if self.store.migration is not None:
             if self.store.migration.sealed:
                 raise FailedPrecondition(
@@ -353,9 +378,10 @@ class EmbeddingServicer(pb_grpc.EmbeddingServerServicer):
                 )
             self._abort()  # an earlier, interrupted attempt at the same version
         try:
-            m = self.store.begin_migration(new_map)
+            m = self.store.begin_migration(new_map, request.attempt)
         except ValueError as e:
             raise InvalidArgument("shard_map", str(e)) from None
+        self._attempts.add(request.attempt)
         missing = sorted(set(m.leaving) - set(request.addresses))
         if missing:
             self.store.abort_migration()
@@ -365,8 +391,9 @@ class EmbeddingServicer(pb_grpc.EmbeddingServerServicer):
         self._ready = asyncio.Event()
         metrics.MIGRATION_TARGET.set(new_map.version)
         logger.info(
-            "migration to version %d: %d rows stay, %d leave, %d buckets arrive from shards %s",
+            "migration to version %d (attempt %x): %d rows stay, %d leave, %d buckets arrive from shards %s",
             new_map.version,
+            m.attempt,
             m.staying.size,
             sum(r.size for r in m.leaving.values()),
             m.incoming_buckets.size,
@@ -406,6 +433,7 @@ class EmbeddingServicer(pb_grpc.EmbeddingServerServicer):
     ) -> int:
         request = pb.ReceiveRequest(
             shard_map_version=m.new_map.version,
+            attempt=m.attempt,
             from_shard=self.store.shard,
             keys=to_tensor(keys),
             rows=to_tensor(rows),
@@ -425,7 +453,7 @@ class EmbeddingServicer(pb_grpc.EmbeddingServerServicer):
         self, request: pb.TransferRequest, context: grpc.aio.ServicerContext
     ) -> pb.TransferResponse:  # noqa: N802
         """The bulk copy, chunk by chunk between the requests it serves (rows read in one loop step)."""
-        m = self._migration(request.shard_map_version)
+        m = self._migration(request.shard_map_version, request.attempt)
         self._still(m)
         t0 = time.perf_counter()
         sent = size = copied = 0
@@ -460,7 +488,9 @@ class EmbeddingServicer(pb_grpc.EmbeddingServerServicer):
     def _still(self, m: Migration) -> None:
         """``m`` is still the migration under way, and not yet sealed."""
         if self.store.migration is not m:
-            raise FailedPrecondition("shard_map_version: the migration was aborted")
+            raise FailedPrecondition(
+                f"attempt: {m.attempt:x} to version {m.new_map.version} was aborted meanwhile"
+            )
         if m.sealed:
             raise FailedPrecondition(f"shard_map_version: {m.new_map.version} is already sealed")
 
@@ -475,7 +505,8 @@ class EmbeddingServicer(pb_grpc.EmbeddingServerServicer):
             from_tensor(request.changed_keys, "changed_keys", np.int64, ndim=1) if request.last else None
         )
         async with self._gate.changing():
-            m = self._migration(request.shard_map_version)  # (once no write-back runs)
+            # (once no write-back runs; a refused message stores nothing)
+            m = self._migration(request.shard_map_version, request.attempt)
             m.receive(int(request.from_shard), keys, rows, state, changed)
         metrics.MIGRATED_ROWS.labels("in").inc(n)
         metrics.MIGRATED_BYTES.labels("in").inc(rows.nbytes + state.nbytes)
@@ -486,7 +517,7 @@ class EmbeddingServicer(pb_grpc.EmbeddingServerServicer):
     async def Seal(self, request: pb.SealRequest, context: grpc.aio.ServicerContext) -> pb.SealResponse:  # noqa: N802
         t0 = time.perf_counter()
         async with self._gate.changing():  # (after the write-backs before it, whole)
-            m = self._migration(request.shard_map_version)
+            m = self._migration(request.shard_map_version, request.attempt)
             self._still(m)
             last = m.seal() if m.changes_layout else {}
             m.sealed = True  # from here on, requests are refused until the new arrays serve
@@ -518,9 +549,17 @@ class EmbeddingServicer(pb_grpc.EmbeddingServerServicer):
     async def AbortMigration(
         self, request: pb.AbortMigrationRequest, context: grpc.aio.ServicerContext
     ) -> pb.AbortMigrationResponse:  # noqa: N802
+        """Drops the unsealed migration of ``attempt``; nothing under way at that version: nothing to do. The
+        abort of another attempt to the same version (one that failed, arriving after its retry was
+        prepared) is refused and leaves the attempt under way alone."""
         async with self._gate.changing():
             m = self.store.migration
             if m is not None and m.new_map.version == request.shard_map_version:
+                if m.attempt != request.attempt:
+                    raise FailedPrecondition(
+                        f"attempt: {request.attempt:x} is stale; this server's migration to version "
+                        f"{m.new_map.version} is attempt {m.attempt:x}, which goes on"
+                    )
                 if m.sealed:
                     raise FailedPrecondition(
                         f"shard_map_version: {m.new_map.version} is sealed; it cannot be aborted"
@@ -560,6 +599,7 @@ async def create_server(
         "EmbeddingServer",
         lambda s: serving.add_servicer(servicer, s, pb, "EmbeddingServer", raw_requests=RAW_REQUESTS),
         counters,
+        caps=request_caps(servicer.store, servicer.max_rows),
     )
     metrics.ROWS_HELD.set(store.rows_held)
     metrics.SHARD_MAP_VERSION.set(store.shard_map.version)

@@ -25,7 +25,7 @@ _sym_db = _symbol_database.Default()
 from bagpipe.v1 import tensor_pb2 as bagpipe_dot_v1_dot_tensor__pb2
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n!bagpipe/v1/embedding_server.proto\x12\nbagpipe.v1\x1a\x17\x62\x61gpipe/v1/tensor.proto\"}\n\rLookupRequest\x12\x19\n\x11shard_map_version\x18\x01 \x01(\x03\x12 \n\x04keys\x18\x02 \x01(\x0b\x32\x12.bagpipe.v1.Tensor\x12\x18\n\x10init_fingerprint\x18\x03 \x01(\x03\x12\x15\n\rask_untouched\x18\x04 \x01(\x08\"\xb1\x01\n\x0eLookupResponse\x12 \n\x04rows\x18\x01 \x01(\x0b\x32\x12.bagpipe.v1.Tensor\x12!\n\x05state\x18\x02 \x01(\x0b\x32\x12.bagpipe.v1.Tensor\x12\"\n\x06packed\x18\x03 \x01(\x0b\x32\x12.bagpipe.v1.Tensor\x12#\n\x07initial\x18\x04 \x01(\x0b\x32\x12.bagpipe.v1.Tensor\x12\x11\n\tuntouched\x18\x05 \x01(\x08\"\x94\x01\n\x10WriteBackRequest\x12\x19\n\x11shard_map_version\x18\x01 \x01(\x03\x12 \n\x04keys\x18\x02 \x01(\x0b\x32\x12.bagpipe.v1.Tensor\x12 \n\x04rows\x18\x03 \x01(\x0b\x32\x12.bagpipe.v1.Tensor\x12!\n\x05state\x18\x04 \x01(\x0b\x32\x12.bagpipe.v1.Tensor\"!\n\x11WriteBackResponse\x12\x0c\n\x04rows\x18\x01 \x01(\x03\"a\n\x0fSnapshotRequest\x12\x19\n\x11shard_map_version\x18\x01 \x01(\x03\x12\x11\n\tdirectory\x18\x02 \x01(\t\x12\x12\n\nnext_batch\x18\x03 \x01(\x03\x12\x0c\n\x04\x66ull\x18\x04 \x01(\x08\"=\n\x10SnapshotResponse\x12\x0c\n\x04\x66ile\x18\x01 \x01(\t\x12\x0c\n\x04rows\x18\x02 \x01(\x03\x12\r\n\x05\x62ytes\x18\x03 \x01(\x03\"\xd9\x01\n\x17PrepareMigrationRequest\x12\x11\n\tshard_map\x18\x01 \x01(\t\x12\x45\n\taddresses\x18\x02 \x03(\x0b\x32\x32.bagpipe.v1.PrepareMigrationRequest.AddressesEntry\x12\x17\n\x0frows_per_second\x18\x03 \x01(\x01\x12\x19\n\x11\x63urrent_shard_map\x18\x04 \x01(\t\x1a\x30\n\x0e\x41\x64\x64ressesEntry\x12\x0b\n\x03key\x18\x01 \x01(\x05\x12\r\n\x05value\x18\x02 \x01(\t:\x02\x38\x01\"`\n\x18PrepareMigrationResponse\x12\x14\n\x0cstaying_rows\x18\x01 \x01(\x03\x12\x14\n\x0cleaving_rows\x18\x02 \x01(\x03\x12\x18\n\x10incoming_buckets\x18\x03 \x01(\x03\",\n\x0fTransferRequest\x12\x19\n\x11shard_map_version\x18\x01 \x01(\x03\"N\n\x10TransferResponse\x12\x11\n\trows_sent\x18\x01 \x01(\x03\x12\x12\n\nbytes_sent\x18\x02 \x01(\x03\x12\x13\n\x0brows_copied\x18\x03 \x01(\x03\"\xde\x01\n\x0eReceiveRequest\x12\x19\n\x11shard_map_version\x18\x01 \x01(\x03\x12\x12\n\nfrom_shard\x18\x02 \x01(\x05\x12 \n\x04keys\x18\x03 \x01(\x0b\x32\x12.bagpipe.v1.Tensor\x12 \n\x04rows\x18\x04 \x01(\x0b\x32\x12.bagpipe.v1.Tensor\x12!\n\x05state\x18\x05 \x01(\x0b\x32\x12.bagpipe.v1.Tensor\x12\x0c\n\x04last\x18\x06 \x01(\x08\x12(\n\x0c\x63hanged_keys\x18\x07 \x01(\x0b\x32\x12.bagpipe.v1.Tensor\"\x1f\n\x0fReceiveResponse\x12\x0c\n\x04rows\x18\x01 \x01(\x03\"(\n\x0bSealRequest\x12\x19\n\x11shard_map_version\x18\x01 \x01(\x03\"J\n\x0cSealResponse\x12\x13\n\x0brows_resent\x18\x01 \x01(\x03\x12\x14\n\x0c\x62ytes_resent\x18\x02 \x01(\x03\x12\x0f\n\x07seconds\x18\x03 \x01(\x01\"2\n\x15\x41\x62ortMigrationRequest\x12\x19\n\x11shard_map_version\x18\x01 \x01(\x03\"\x18\n\x16\x41\x62ortMigrationResponse2\xe1\x04\n\x0f\x45mbeddingServer\x12?\n\x06Lookup\x12\x19.bagpipe.v1.LookupRequest\x1a\x1a.bagpipe.v1.LookupResponse\x12H\n\tWriteBack\x12\x1c.bagpipe.v1.WriteBackRequest\x1a\x1d.bagpipe.v1.WriteBackResponse\x12\x45\n\x08Snapshot\x12\x1b.bagpipe.v1.SnapshotRequest\x1a\x1c.bagpipe.v1.SnapshotResponse\x12]\n\x10PrepareMigration\x12#.bagpipe.v1.PrepareMigrationRequest\x1a$.bagpipe.v1.PrepareMigrationResponse\x12\x45\n\x08Transfer\x12\x1b.bagpipe.v1.TransferRequest\x1a\x1c.bagpipe.v1.TransferResponse\x12\x42\n\x07Receive\x12\x1a.bagpipe.v1.ReceiveRequest\x1a\x1b.bagpipe.v1.ReceiveResponse\x12\x39\n\x04Seal\x12\x17.bagpipe.v1.SealRequest\x1a\x18.bagpipe.v1.SealResponse\x12W\n\x0e\x41\x62ortMigration\x12!.bagpipe.v1.AbortMigrationRequest\x1a\".bagpipe.v1.AbortMigrationResponseb\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n!bagpipe/v1/embedding_server.proto\x12\nbagpipe.v1\x1a\x17\x62\x61gpipe/v1/tensor.proto\"}\n\rLookupRequest\x12\x19\n\x11shard_map_version\x18\x01 \x01(\x03\x12 \n\x04keys\x18\x02 \x01(\x0b\x32\x12.bagpipe.v1.Tensor\x12\x18\n\x10init_fingerprint\x18\x03 \x01(\x03\x12\x15\n\rask_untouched\x18\x04 \x01(\x08\"\xb1\x01\n\x0eLookupResponse\x12 \n\x04rows\x18\x01 \x01(\x0b\x32\x12.bagpipe.v1.Tensor\x12!\n\x05state\x18\x02 \x01(\x0b\x32\x12.bagpipe.v1.Tensor\x12\"\n\x06packed\x18\x03 \x01(\x0b\x32\x12.bagpipe.v1.Tensor\x12#\n\x07initial\x18\x04 \x01(\x0b\x32\x12.bagpipe.v1.Tensor\x12\x11\n\tuntouched\x18\x05 \x01(\x08\"\x94\x01\n\x10WriteBackRequest\x12\x19\n\x11shard_map_version\x18\x01 \x01(\x03\x12 \n\x04keys\x18\x02 \x01(\x0b\x32\x12.bagpipe.v1.Tensor\x12 \n\x04rows\x18\x03 \x01(\x0b\x32\x12.bagpipe.v1.Tensor\x12!\n\x05state\x18\x04 \x01(\x0b\x32\x12.bagpipe.v1.Tensor\"!\n\x11WriteBackResponse\x12\x0c\n\x04rows\x18\x01 \x01(\x03\"a\n\x0fSnapshotRequest\x12\x19\n\x11shard_map_version\x18\x01 \x01(\x03\x12\x11\n\tdirectory\x18\x02 \x01(\t\x12\x12\n\nnext_batch\x18\x03 \x01(\x03\x12\x0c\n\x04\x66ull\x18\x04 \x01(\x08\"=\n\x10SnapshotResponse\x12\x0c\n\x04\x66ile\x18\x01 \x01(\t\x12\x0c\n\x04rows\x18\x02 \x01(\x03\x12\r\n\x05\x62ytes\x18\x03 \x01(\x03\"\xea\x01\n\x17PrepareMigrationRequest\x12\x11\n\tshard_map\x18\x01 \x01(\t\x12\x45\n\taddresses\x18\x02 \x03(\x0b\x32\x32.bagpipe.v1.PrepareMigrationRequest.AddressesEntry\x12\x17\n\x0frows_per_second\x18\x03 \x01(\x01\x12\x19\n\x11\x63urrent_shard_map\x18\x04 \x01(\t\x12\x0f\n\x07\x61ttempt\x18\x05 \x01(\x04\x1a\x30\n\x0e\x41\x64\x64ressesEntry\x12\x0b\n\x03key\x18\x01 \x01(\x05\x12\r\n\x05value\x18\x02 \x01(\t:\x02\x38\x01\"`\n\x18PrepareMigrationResponse\x12\x14\n\x0cstaying_rows\x18\x01 \x01(\x03\x12\x14\n\x0cleaving_rows\x18\x02 \x01(\x03\x12\x18\n\x10incoming_buckets\x18\x03 \x01(\x03\"=\n\x0fTransferRequest\x12\x19\n\x11shard_map_version\x18\x01 \x01(\x03\x12\x0f\n\x07\x61ttempt\x18\x02 \x01(\x04\"N\n\x10TransferResponse\x12\x11\n\trows_sent\x18\x01 \x01(\x03\x12\x12\n\nbytes_sent\x18\x02 \x01(\x03\x12\x13\n\x0brows_copied\x18\x03 \x01(\x03\"\xef\x01\n\x0eReceiveRequest\x12\x19\n\x11shard_map_version\x18\x01 \x01(\x03\x12\x12\n\nfrom_shard\x18\x02 \x01(\x05\x12 \n\x04keys\x18\x03 \x01(\x0b\x32\x12.bagpipe.v1.Tensor\x12 \n\x04rows\x18\x04 \x01(\x0b\x32\x12.bagpipe.v1.Tensor\x12!\n\x05state\x18\x05 \x01(\x0b\x32\x12.bagpipe.v1.Tensor\x12\x0c\n\x04last\x18\x06 \x01(\x08\x12(\n\x0c\x63hanged_keys\x18\x07 \x01(\x0b\x32\x12.bagpipe.v1.Tensor\x12\x0f\n\x07\x61ttempt\x18\x08 \x01(\x04\"\x1f\n\x0fReceiveResponse\x12\x0c\n\x04rows\x18\x01 \x01(\x03\"9\n\x0bSealRequest\x12\x19\n\x11shard_map_version\x18\x01 \x01(\x03\x12\x0f\n\x07\x61ttempt\x18\x02 \x01(\x04\"J\n\x0cSealResponse\x12\x13\n\x0brows_resent\x18\x01 \x01(\x03\x12\x14\n\x0c\x62ytes_resent\x18\x02 \x01(\x03\x12\x0f\n\x07seconds\x18\x03 \x01(\x01\"C\n\x15\x41\x62ortMigrationRequest\x12\x19\n\x11shard_map_version\x18\x01 \x01(\x03\x12\x0f\n\x07\x61ttempt\x18\x02 \x01(\x04\"\x18\n\x16\x41\x62ortMigrationResponse2\xe1\x04\n\x0f\x45mbeddingServer\x12?\n\x06Lookup\x12\x19.bagpipe.v1.LookupRequest\x1a\x1a.bagpipe.v1.LookupResponse\x12H\n\tWriteBack\x12\x1c.bagpipe.v1.WriteBackRequest\x1a\x1d.bagpipe.v1.WriteBackResponse\x12\x45\n\x08Snapshot\x12\x1b.bagpipe.v1.SnapshotRequest\x1a\x1c.bagpipe.v1.SnapshotResponse\x12]\n\x10PrepareMigration\x12#.bagpipe.v1.PrepareMigrationRequest\x1a$.bagpipe.v1.PrepareMigrationResponse\x12\x45\n\x08Transfer\x12\x1b.bagpipe.v1.TransferRequest\x1a\x1c.bagpipe.v1.TransferResponse\x12\x42\n\x07Receive\x12\x1a.bagpipe.v1.ReceiveRequest\x1a\x1b.bagpipe.v1.ReceiveResponse\x12\x39\n\x04Seal\x12\x17.bagpipe.v1.SealRequest\x1a\x18.bagpipe.v1.SealResponse\x12W\n\x0e\x41\x62ortMigration\x12!.bagpipe.v1.AbortMigrationRequest\x1a\".bagpipe.v1.AbortMigrationResponseb\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
@@ -47,27 +47,27 @@ if not _descriptor._USE_C_DESCRIPTORS:
   _globals['_SNAPSHOTRESPONSE']._serialized_start=666
   _globals['_SNAPSHOTRESPONSE']._serialized_end=727
   _globals['_PREPAREMIGRATIONREQUEST']._serialized_start=730
-  _globals['_PREPAREMIGRATIONREQUEST']._serialized_end=947
-  _globals['_PREPAREMIGRATIONREQUEST_ADDRESSESENTRY']._serialized_start=899
-  _globals['_PREPAREMIGRATIONREQUEST_ADDRESSESENTRY']._serialized_end=947
-  _globals['_PREPAREMIGRATIONRESPONSE']._serialized_start=949
-  _globals['_PREPAREMIGRATIONRESPONSE']._serialized_end=1045
-  _globals['_TRANSFERREQUEST']._serialized_start=1047
-  _globals['_TRANSFERREQUEST']._serialized_end=1091
-  _globals['_TRANSFERRESPONSE']._serialized_start=1093
-  _globals['_TRANSFERRESPONSE']._serialized_end=1171
-  _globals['_RECEIVEREQUEST']._serialized_start=1174
-  _globals['_RECEIVEREQUEST']._serialized_end=1396
-  _globals['_RECEIVERESPONSE']._serialized_start=1398
-  _globals['_RECEIVERESPONSE']._serialized_end=1429
-  _globals['_SEALREQUEST']._serialized_start=1431
-  _globals['_SEALREQUEST']._serialized_end=1471
-  _globals['_SEALRESPONSE']._serialized_start=1473
-  _globals['_SEALRESPONSE']._serialized_end=1547
-  _globals['_ABORTMIGRATIONREQUEST']._serialized_start=1549
-  _globals['_ABORTMIGRATIONREQUEST']._serialized_end=1599
-  _globals['_ABORTMIGRATIONRESPONSE']._serialized_start=1601
-  _globals['_ABORTMIGRATIONRESPONSE']._serialized_end=1625
-  _globals['_EMBEDDINGSERVER']._serialized_start=1628
-  _globals['_EMBEDDINGSERVER']._serialized_end=2237
+  _globals['_PREPAREMIGRATIONREQUEST']._serialized_end=964
+  _globals['_PREPAREMIGRATIONREQUEST_ADDRESSESENTRY']._serialized_start=916
+  _globals['_PREPAREMIGRATIONREQUEST_ADDRESSESENTRY']._serialized_end=964
+  _globals['_PREPAREMIGRATIONRESPONSE']._serialized_start=966
+  _globals['_PREPAREMIGRATIONRESPONSE']._serialized_end=1062
+  _globals['_TRANSFERREQUEST']._serialized_start=1064
+  _globals['_TRANSFERREQUEST']._serialized_end=1125
+  _globals['_TRANSFERRESPONSE']._serialized_start=1127
+  _globals['_TRANSFERRESPONSE']._serialized_end=1205
+  _globals['_RECEIVEREQUEST']._serialized_start=1208
+  _globals['_RECEIVEREQUEST']._serialized_end=1447
+  _globals['_RECEIVERESPONSE']._serialized_start=1449
+  _globals['_RECEIVERESPONSE']._serialized_end=1480
+  _globals['_SEALREQUEST']._serialized_start=1482
+  _globals['_SEALREQUEST']._serialized_end=1539
+  _globals['_SEALRESPONSE']._serialized_start=1541
+  _globals['_SEALRESPONSE']._serialized_end=1615
+  _globals['_ABORTMIGRATIONREQUEST']._serialized_start=1617
+  _globals['_ABORTMIGRATIONREQUEST']._serialized_end=1684
+  _globals['_ABORTMIGRATIONRESPONSE']._serialized_start=1686
+  _globals['_ABORTMIGRATIONRESPONSE']._serialized_end=1710
+  _globals['_EMBEDDINGSERVER']._serialized_start=1713
+  _globals['_EMBEDDINGSERVER']._serialized_end=2322
 # @@protoc_insertion_point(module_scope)

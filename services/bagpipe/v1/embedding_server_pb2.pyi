@@ -74,7 +74,7 @@ class SnapshotResponse(_message.Message):
     def __init__(self, file: _Optional[str] = ..., rows: _Optional[int] = ..., bytes: _Optional[int] = ...) -> None: ...
 
 class PrepareMigrationRequest(_message.Message):
-    __slots__ = ("shard_map", "addresses", "rows_per_second", "current_shard_map")
+    __slots__ = ("shard_map", "addresses", "rows_per_second", "current_shard_map", "attempt")
     class AddressesEntry(_message.Message):
         __slots__ = ("key", "value")
         KEY_FIELD_NUMBER: _ClassVar[int]
@@ -86,11 +86,13 @@ class PrepareMigrationRequest(_message.Message):
     ADDRESSES_FIELD_NUMBER: _ClassVar[int]
     ROWS_PER_SECOND_FIELD_NUMBER: _ClassVar[int]
     CURRENT_SHARD_MAP_FIELD_NUMBER: _ClassVar[int]
+    ATTEMPT_FIELD_NUMBER: _ClassVar[int]
     shard_map: str
     addresses: _containers.ScalarMap[int, str]
     rows_per_second: float
     current_shard_map: str
-    def __init__(self, shard_map: _Optional[str] = ..., addresses: _Optional[_Mapping[int, str]] = ..., rows_per_second: _Optional[float] = ..., current_shard_map: _Optional[str] = ...) -> None: ...
+    attempt: int
+    def __init__(self, shard_map: _Optional[str] = ..., addresses: _Optional[_Mapping[int, str]] = ..., rows_per_second: _Optional[float] = ..., current_shard_map: _Optional[str] = ..., attempt: _Optional[int] = ...) -> None: ...
 
 class PrepareMigrationResponse(_message.Message):
     __slots__ = ("staying_rows", "leaving_rows", "incoming_buckets")
@@ -103,10 +105,12 @@ class PrepareMigrationResponse(_message.Message):
     def __init__(self, staying_rows: _Optional[int] = ..., leaving_rows: _Optional[int] = ..., incoming_buckets: _Optional[int] = ...) -> None: ...
 
 class TransferRequest(_message.Message):
-    __slots__ = ("shard_map_version",)
+    __slots__ = ("shard_map_version", "attempt")
     SHARD_MAP_VERSION_FIELD_NUMBER: _ClassVar[int]
+    ATTEMPT_FIELD_NUMBER: _ClassVar[int]
     shard_map_version: int
-    def __init__(self, shard_map_version: _Optional[int] = ...) -> None: ...
+    attempt: int
+    def __init__(self, shard_map_version: _Optional[int] = ..., attempt: _Optional[int] = ...) -> None: ...
 
 class TransferResponse(_message.Message):
     __slots__ = ("rows_sent", "bytes_sent", "rows_copied")
@@ -119,7 +123,7 @@ class TransferResponse(_message.Message):
     def __init__(self, rows_sent: _Optional[int] = ..., bytes_sent: _Optional[int] = ..., rows_copied: _Optional[int] = ...) -> None: ...
 
 class ReceiveRequest(_message.Message):
-    __slots__ = ("shard_map_version", "from_shard", "keys", "rows", "state", "last", "changed_keys")
+    __slots__ = ("shard_map_version", "from_shard", "keys", "rows", "state", "last", "changed_keys", "attempt")
     SHARD_MAP_VERSION_FIELD_NUMBER: _ClassVar[int]
     FROM_SHARD_FIELD_NUMBER: _ClassVar[int]
     KEYS_FIELD_NUMBER: _ClassVar[int]
@@ -127,6 +131,7 @@ class ReceiveRequest(_message.Message):
     STATE_FIELD_NUMBER: _ClassVar[int]
     LAST_FIELD_NUMBER: _ClassVar[int]
     CHANGED_KEYS_FIELD_NUMBER: _ClassVar[int]
+    ATTEMPT_FIELD_NUMBER: _ClassVar[int]
     shard_map_version: int
     from_shard: int
     keys: _tensor_pb2.Tensor
@@ -134,7 +139,8 @@ class ReceiveRequest(_message.Message):
     state: _tensor_pb2.Tensor
     last: bool
     changed_keys: _tensor_pb2.Tensor
-    def __init__(self, shard_map_version: _Optional[int] = ..., from_shard: _Optional[int] = ..., keys: _Optional[_Union[_tensor_pb2.Tensor, _Mapping]] = ..., rows: _Optional[_Union[_tensor_pb2.Tensor, _Mapping]] = ..., state: _Optional[_Union[_tensor_pb2.Tensor, _Mapping]] = ..., last: _Optional[bool] = ..., changed_keys: _Optional[_Union[_tensor_pb2.Tensor, _Mapping]] = ...) -> None: ...
+    attempt: int
+    def __init__(self, shard_map_version: _Optional[int] = ..., from_shard: _Optional[int] = ..., keys: _Optional[_Union[_tensor_pb2.Tensor, _Mapping]] = ..., rows: _Optional[_Union[_tensor_pb2.Tensor, _Mapping]] = ..., state: _Optional[_Union[_tensor_pb2.Tensor, _Mapping]] = ..., last: _Optional[bool] = ..., changed_keys: _Optional[_Union[_tensor_pb2.Tensor, _Mapping]] = ..., attempt: _Optional[int] = ...) -> None: ...
 
 class ReceiveResponse(_message.Message):
     __slots__ = ("rows",)
@@ -143,10 +149,12 @@ class ReceiveResponse(_message.Message):
     def __init__(self, rows: _Optional[int] = ...) -> None: ...
 
 class SealRequest(_message.Message):
-    __slots__ = ("shard_map_version",)
+    __slots__ = ("shard_map_version", "attempt")
     SHARD_MAP_VERSION_FIELD_NUMBER: _ClassVar[int]
+    ATTEMPT_FIELD_NUMBER: _ClassVar[int]
     shard_map_version: int
-    def __init__(self, shard_map_version: _Optional[int] = ...) -> None: ...
+    attempt: int
+    def __init__(self, shard_map_version: _Optional[int] = ..., attempt: _Optional[int] = ...) -> None: ...
 
 class SealResponse(_message.Message):
     __slots__ = ("rows_resent", "bytes_resent", "seconds")
@@ -159,10 +167,12 @@ class SealResponse(_message.Message):
     def __init__(self, rows_resent: _Optional[int] = ..., bytes_resent: _Optional[int] = ..., seconds: _Optional[float] = ...) -> None: ...
 
 class AbortMigrationRequest(_message.Message):
-    __slots__ = ("shard_map_version",)
+    __slots__ = ("shard_map_version", "attempt")
     SHARD_MAP_VERSION_FIELD_NUMBER: _ClassVar[int]
+    ATTEMPT_FIELD_NUMBER: _ClassVar[int]
     shard_map_version: int
-    def __init__(self, shard_map_version: _Optional[int] = ...) -> None: ...
+    attempt: int
+    def __init__(self, shard_map_version: _Optional[int] = ..., attempt: _Optional[int] = ...) -> None: ...
 
 class AbortMigrationResponse(_message.Message):
     __slots__ = ()

@@ -111,6 +111,13 @@ class EmbeddingServerServicer:
         old version is refused from then on, the rows written since their copy are sent again as each
         sender's last Receive, and a server serves the new version once every sender's last rows are in).
         Abort drops an unsealed migration.
+
+        Every message of a migration names its attempt as well as its target version. The coordinator draws a
+        fresh attempt id for each try (never one it used before, not even for the same version) and sends it
+        in Prepare, Transfer, Seal and Abort; a server remembers the attempt it prepared and puts it in every
+        Receive it sends. A server refuses (FAILED_PRECONDITION, changing nothing) a Transfer, Receive, Seal
+        or Abort of any other attempt, so nothing of an aborted attempt (a chunk still in flight, a late Seal
+        or Abort) reaches the attempt that replaced it, and a Prepare of an attempt it has seen before.
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
