@@ -13,6 +13,7 @@ import time
 from collections.abc import Iterator
 from contextlib import contextmanager
 from typing import Any
+from urllib.parse import urlsplit
 
 import redis
 
@@ -31,17 +32,43 @@ def _text(value: str | bytes) -> str:
     return value.decode() if isinstance(value, bytes) else value
 
 
+def connection_options(url: str) -> dict[str, Any]:
+    """The client's options for the job's Redis at ``url``; what the URL's query names wins over them.
+
+    The password comes from the environment (a URL on a command line shows in /proc). A ``rediss://`` URL
+    in a job with mutual TLS (``security.tls_files()``) is dialled with the job's certificate and key, and
+    the server must present a certificate of the job's CA: the chart's Redis demands the same of its
+    clients. Hostnames are not checked, since pods dial Redis by its Service's DNS name, which the job's one
+    shared certificate need not name (it names ``tls.serverName`` for the gRPC servers, dialled by IP);
+    being signed by the job's own CA is what vouches for it. An external Redis whose certificate comes from
+    another CA takes its own as ``?ssl_ca_certs=PATH`` (and ``&ssl_check_hostname=true``) in the URL.
+    Without the job's files, a ``rediss://`` URL gets redis-py's defaults: the system's CAs, hostnames
+    checked.
+    """
+    options: dict[str, Any] = {
+        "decode_responses": True,
+        "socket_timeout": 10,
+        "password": security.redis_password(),
+    }
+    files = security.tls_files()
+    if files is not None and urlsplit(url).scheme == "rediss":
+        options.update(
+            ssl_certfile=files["cert"],
+            ssl_keyfile=files["key"],
+            ssl_ca_certs=files["ca"],
+            ssl_cert_reqs="required",
+            ssl_check_hostname=False,
+        )
+    return options
+
+
 class Registry:
     """Thin, typed access to a job's coordination state in Redis."""
 
     def __init__(self, url: str, job: str) -> None:
         self.url = url
         self.job = job
-        # the password comes from the environment (a URL on a command line shows in /proc);
-        # one in the URL wins
-        self._redis = redis.Redis.from_url(
-            url, decode_responses=True, socket_timeout=10, password=security.redis_password()
-        )
+        self._redis = redis.Redis.from_url(url, **connection_options(url))
 
     def _key(self, *parts: str) -> str:
         return ":".join(("bagpipe", self.job, *parts))
