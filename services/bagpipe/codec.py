@@ -16,12 +16,13 @@ Tensors themselves are raw little-endian bytes (``bagpipe.wire``).
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
 
-from bagpipe.core.data import BatchArrays
+from bagpipe.core.data import BatchArrays, table_offsets
 from bagpipe.core.lookahead import BatchPlan, all_trainers, mask_dtype
 from bagpipe.core.plans import BACKGROUND, SharedPlan, TrainerPlan, share, shared_plan
 from bagpipe.errors import InvalidArgument
@@ -38,6 +39,37 @@ def _check_index(values: np.ndarray, bound: int, field: str) -> None:
     if values.size and (values.min() < 0 or values.max() >= bound):
         bad = values[(values < 0) | (values >= bound)][0]
         raise InvalidArgument(field, f"index {int(bad)} outside [0, {bound})")
+
+
+def _check_values(dense: np.ndarray, labels: np.ndarray, where: str) -> None:
+    """Dense features finite and labels 0 or 1 (a pass over each array); the error names the first bad
+    sample."""
+    finite = np.isfinite(dense)
+    if not finite.all():
+        i, j = (int(x) for x in np.unravel_index(int(np.argmin(finite)), finite.shape))
+        value = float(dense[i, j])
+        raise InvalidArgument(f"{where}: dense", f"sample {i}, feature {j}: value {value} is not finite")
+    binary = (labels == 0) | (labels == 1)
+    if not binary.all():
+        i = int(np.argmin(binary))
+        raise InvalidArgument(f"{where}: labels", f"sample {i}: label {float(labels[i])} is not 0 or 1")
+
+
+def _check_tables(keys: np.ndarray, inverse: np.ndarray, table_rows: Sequence[int], where: str) -> None:
+    """Each sample's key in column ``t`` is a row of table ``t``: in ``[offsets[t], offsets[t+1])``."""
+    offsets = table_offsets(table_rows)
+    if inverse.shape[1] != offsets.size - 1:
+        tables = offsets.size - 1
+        raise InvalidArgument(f"{where}: inverse", f"{inverse.shape[1]} columns for {tables} tables")
+    used = keys[inverse]
+    outside = (used < offsets[:-1]) | (used >= offsets[1:])
+    if outside.any():
+        i, t = (int(x) for x in np.unravel_index(int(np.argmax(outside)), outside.shape))
+        row = int(used[i, t] - offsets[t])
+        raise InvalidArgument(
+            f"{where}: inverse",
+            f"sample {i}, table {t}: row {row} outside the table's [0, {int(table_rows[t])})",
+        )
 
 
 # ---- Batch: data processor -> oracle
@@ -96,11 +128,19 @@ def encode_batch(
 
 
 def decode_batch(
-    msg: dpb.Batch, *, num_keys: int, batch_size: int, num_tables: int, trainers: int, slices: int = 0
+    msg: dpb.Batch,
+    *,
+    num_keys: int,
+    batch_size: int,
+    num_tables: int,
+    trainers: int,
+    slices: int = 0,
+    table_rows: Sequence[int] | None = None,
 ) -> WireBatch:
     """Reads and checks a ``Batch``: sorted unique keys in ``[0, num_keys)``, (when present) masks naming
     only trainers ``0..trainers-1``, and unless its samples come in ``slices``, ``batch_size`` samples of
-    ``num_tables`` key columns indexing the keys (with them, it must carry none)."""
+    ``num_tables`` key columns indexing the keys (with them, it must carry none), with finite dense
+    features, labels 0 or 1 and (given ``table_rows``) each column's keys inside its table."""
     where = f"batch {msg.number}"
     keys = _tensor(msg, "keys", np.int64, where, ndim=1)
     if keys.size and (keys[0] < 0 or keys[-1] >= num_keys):
@@ -124,6 +164,9 @@ def decode_batch(
         raise InvalidArgument(f"{where}: dense", f"{dense.shape[0]} rows, expected {batch_size}")
     inverse = _tensor(msg, "inverse", np.int32, where, shape=(batch_size, num_tables))
     _check_index(inverse, keys.size, f"{where}: inverse")
+    _check_values(dense, labels, where)
+    if table_rows is not None:
+        _check_tables(keys, inverse, table_rows, where)
     return WireBatch(msg.number, keys, msg.last, users, BatchArrays(msg.number, dense, labels, keys, inverse))
 
 
@@ -163,6 +206,7 @@ def _samples(
     dense = _tensor(msg, "dense", np.float32, where, shape=(size, num_dense))
     labels = _tensor(msg, "labels", np.float32, where, shape=(size,))
     inverse = _tensor(msg, "inverse", np.int32, where, shape=(size, num_tables))
+    _check_values(dense, labels, where)
     return dense, labels, inverse
 
 

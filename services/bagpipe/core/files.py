@@ -14,8 +14,11 @@ to be a sample; with ``skip_bad_rows`` a malformed line shifts the numbering, so
 
 **Parsing** is vectorised over a chunk of lines: the field boundaries come from one scan for
 separators, each field kind is decoded column-wise from a fixed-width byte matrix (decimal and
-hexadecimal digits, FNV-1a hashes), and a line that fails a check is then described by the per-line
-diagnosis (file, line, field, value) exactly as before, or counted and dropped.
+hexadecimal digits; FNV-1a hashes in one compiled pass over every byte), and a line that fails a check
+is then described by the per-line diagnosis (file, line, field, value), or counted and dropped. The
+values made are checked again column-wise (dense finite, labels 0 or 1, rows inside their tables), and
+a sample that fails is traced back to its line and column in the same way. A line over
+``MAX_LINE_BYTES`` is malformed too: memory stays within a chunk and that limit, whatever a field holds.
 
 * **Criteo TSV**: ``label \\t I1..I13 \\t C1..C26``. An integer that is empty or negative counts as 0 and
   enters as log(1+x); a categorical value is hexadecimal, row ``int(value, 16) % rows``, empty row 0.
@@ -27,6 +30,7 @@ diagnosis (file, line, field, value) exactly as before, or counted and dropped.
 
 from __future__ import annotations
 
+import functools
 import logging
 import re
 from collections.abc import Callable, Iterator
@@ -39,6 +43,7 @@ from bagpipe.core.data import DataFormatError, Samples
 logger = logging.getLogger(__name__)
 
 CHUNK_BYTES = 1 << 22  # bytes read and parsed at a time
+MAX_LINE_BYTES = 1 << 20  # a longer line is malformed (memory stays within a chunk and this, not a line)
 DEFAULT_SHUFFLE_BUFFER = 1 << 20  # samples permuted together with a shuffle seed
 
 AVAZU_HEADER = (
@@ -78,8 +83,6 @@ CRITEO_NUM_DENSE, CRITEO_NUM_TABLES = 13, 26
 
 _INT_DIGITS = 18  # a dense value must fit int64 (Criteo's are far smaller)
 _HEX_DIGITS = 32  # a categorical value is at most 128 bits (Criteo's are 32)
-_FNV_OFFSET = np.uint64(0xCBF29CE484222325)
-_FNV_PRIME = np.uint64(0x100000001B3)
 _NIBBLE = np.full(256, -1, dtype=np.int64)
 for _i, _c in enumerate(b"0123456789abcdef"):
     _NIBBLE[_c] = _i
@@ -207,19 +210,36 @@ def _hex_rows(
     return value, valid
 
 
+@functools.cache
+def _fnv_kernel() -> Callable[..., np.ndarray]:
+    """The compiled FNV-1a loop, built on first use: ``bagpipe run`` reads this module's configs at start
+    without loading numba, which only a process that hashes needs."""
+    from numba import njit
+
+    @njit(cache=True, nogil=True)
+    def fnv_rows(buf, starts, ends, rows):  # type: ignore[no-untyped-def]
+        out = np.empty(starts.shape, dtype=np.int64)
+        for i in range(starts.shape[0]):
+            for t in range(starts.shape[1]):
+                h = np.uint64(0xCBF29CE484222325)
+                for k in range(starts[i, t], ends[i, t]):
+                    h = (h ^ np.uint64(buf[k])) * np.uint64(0x100000001B3)
+                out[i, t] = np.int64(h % np.uint64(rows[t]))
+        return out
+
+    return fnv_rows  # type: ignore[no-any-return]
+
+
 def _fnv_rows(buf: np.ndarray, starts: np.ndarray, ends: np.ndarray, rows: np.ndarray) -> np.ndarray:
-    """Avazu categoricals: FNV-1a-64 of each field's bytes, modulo its table's rows."""
-    lengths = ends - starts
-    width = _widest(starts, ends, 1 << 16)
-    index = starts + np.arange(width).reshape(
-        (width,) + (1,) * starts.ndim
-    )  # left-aligned: FNV runs forwards
-    mat = buf[np.minimum(index, buf.size - 1)].astype(np.uint64)
-    h = np.full(lengths.shape, _FNV_OFFSET, dtype=np.uint64)
-    with np.errstate(over="ignore"):
-        for k in range(width):
-            h = np.where(k < lengths, (h ^ mat[k]) * _FNV_PRIME, h)
-    return (h % rows.astype(np.uint64)).astype(np.int64)
+    """Avazu categoricals: FNV-1a-64 of every byte of each field, modulo its table's rows. One compiled pass
+    over the fields' bytes: a column-wise loop would pad every field to the longest one's width, and a
+    1,000-byte field in a 4 MiB chunk would then need gigabytes."""
+    return _fnv_kernel()(  # type: ignore[no-any-return]
+        buf,
+        np.ascontiguousarray(starts, dtype=np.int64),
+        np.ascontiguousarray(ends, dtype=np.int64),
+        np.ascontiguousarray(rows, dtype=np.int64),
+    )
 
 
 def fnv1a64(value: bytes) -> int:
@@ -269,6 +289,8 @@ def _criteo_diagnose(path: str, number: int, line: bytes) -> DataFormatError:
         if not re.fullmatch(rb"(?:-?[0-9]{1,%d})?" % _INT_DIGITS, fields[k]):
             if re.fullmatch(rb"-?[0-9]+", fields[k]):
                 return error(f"I{k}", fields[k], f"is out of range (more than {_INT_DIGITS} digits)")
+            if re.fullmatch(rb"[+-]?(?:nan|inf|infinity)", fields[k], re.IGNORECASE):
+                return error(f"I{k}", fields[k], "is not finite (an integer is expected)")
             return error(f"I{k}", fields[k], "is not an integer")
     for k in range(1, CRITEO_NUM_TABLES + 1):
         value = fields[CRITEO_NUM_DENSE + k]
@@ -331,6 +353,16 @@ class FileSource:
 
     header: bytes | None = None
     num_dense = CRITEO_NUM_DENSE
+    # a line's columns: their names, the separator, and where the label, dense and categorical values are
+    separator = 9
+    field_names: tuple[str, ...] = (
+        "label",
+        *(f"I{k}" for k in range(1, CRITEO_NUM_DENSE + 1)),
+        *(f"C{k}" for k in range(1, CRITEO_NUM_TABLES + 1)),
+    )
+    label_column = 0
+    dense_columns: tuple[int, ...] = tuple(range(1, 1 + CRITEO_NUM_DENSE))
+    sparse_columns: tuple[int, ...] = tuple(range(1 + CRITEO_NUM_DENSE, _CRITEO_FIELDS))
 
     def __init__(self, config: FileConfig) -> None:
         self.config = config
@@ -348,48 +380,116 @@ class FileSource:
     def _chunks(self) -> Iterator[tuple[str, int, bytes]]:
         """(path, number of the chunk's first line, chunk of whole lines ending in b"\\n", \\r removed)."""
         for path in self.config.paths:
-            line_number, carry, seen = 1, b"", False
-            with open(path, "rb") as f:
-                while True:
-                    block = f.read(CHUNK_BYTES)
-                    data = carry + block
-                    if not block:
-                        if data:
-                            data += b"\n"
-                        carry = b""
-                    else:
-                        cut = data.rfind(b"\n") + 1
-                        data, carry = data[:cut], data[cut:]
-                    if data:
-                        if b"\r" in data:
-                            data = data.replace(b"\r\n", b"\n")
-                        if not seen and self.header is not None and data.startswith(self.header[:9]):
-                            first_end = data.index(b"\n")
-                            if data[:first_end] != self.header:
-                                found = data[:first_end].decode("utf-8", "replace")
-                                why = f"is not Avazu's header {self.header.decode()!r}"
-                                raise DataFormatError(path, 1, "header", found, why)
-                            data, line_number = data[first_end + 1 :], 2
-                        seen = seen or bool(data)
-                        if data:
-                            yield path, line_number, data
-                            line_number += data.count(b"\n")
-                    if not block:
-                        break
+            seen = False
+            for line_number, data in self._file_chunks(path):
+                if not seen and self.header is not None and data.startswith(self.header[:9]):
+                    first_end = data.index(b"\n")
+                    if data[:first_end] != self.header:
+                        found = data[:first_end].decode("utf-8", "replace")
+                        why = f"is not Avazu's header {self.header.decode()!r}"
+                        raise DataFormatError(path, 1, "header", found, why)
+                    data, line_number = data[first_end + 1 :], line_number + 1
+                seen = seen or bool(data)
+                if data:
+                    yield path, line_number, data
             if not seen:
                 raise DataFormatError(path, 0, "file", "", "is empty: no samples")
 
+    def _file_chunks(self, path: str) -> Iterator[tuple[int, bytes]]:
+        """(number of the first line, whole lines ending in b"\\n", \\r\\n as \\n) of one file, read
+        ``CHUNK_BYTES`` at a time. A line over ``MAX_LINE_BYTES`` raises, or with skip_bad_rows is counted
+        and left out: a line whose end is not in sight once it is over the limit is passed over a block at a
+        time, so memory stays within a chunk and the limit, whatever the longest line."""
+        line_number, carry, dropping = 1, b"", False
+        with open(path, "rb") as f:
+            while True:
+                block = f.read(CHUNK_BYTES)
+                end = not block
+                if dropping:  # the rest of an over-long line
+                    cut = block.find(b"\n")
+                    if cut < 0 and not end:
+                        continue
+                    dropping, block, line_number = False, block[cut + 1 :], line_number + 1
+                data = carry + block
+                if not end:
+                    cut = data.rfind(b"\n") + 1
+                    data, carry = data[:cut], data[cut:]
+                elif data:
+                    data, carry = data + b"\n", b""
+                if data:
+                    if b"\r" in data:
+                        data = data.replace(b"\r\n", b"\n")
+                    yield from self._within_limit(path, line_number, data)
+                    line_number += data.count(b"\n")
+                if len(carry) > MAX_LINE_BYTES:
+                    self._too_long(path, line_number, carry)
+                    dropping, carry = True, b""
+                if end:
+                    break
+
+    def _within_limit(self, path: str, first_line: int, data: bytes) -> Iterator[tuple[int, bytes]]:
+        """``data`` (whole lines) cut around its lines over ``MAX_LINE_BYTES``: the lines before the first
+        such line, then its error (or with skip_bad_rows, it is counted and the lines after it follow)."""
+        at = 0
+        for start, end, index in _long_lines(data):
+            if start > at:
+                yield first_line + data.count(b"\n", 0, at), data[at:start]
+            self._too_long(path, first_line + index, data[start:end])
+            at = end + 1
+        if at < len(data):
+            yield first_line + data.count(b"\n", 0, at), data[at:] if at else data
+
+    def _too_long(self, path: str, number: int, line: bytes) -> None:
+        if not self.config.skip_bad_rows:
+            value = line[:80].decode("utf-8", "replace")
+            why = f"starts a line longer than {MAX_LINE_BYTES} bytes (the most a line may hold)"
+            raise DataFormatError(path, number, "line", value, why)
+        self.bad_rows += 1
+        logger.debug("%s: skipping line %d, longer than %d bytes", path, number, MAX_LINE_BYTES)
+
     def _parsed(self, path: str, first_line: int, data: bytes) -> Samples:
-        """Samples of the chunk's valid lines; a malformed line raises (or is counted with skip_bad_rows)."""
+        """Samples of the chunk's valid lines; a malformed line raises (or is counted with skip_bad_rows).
+        The values the parse made are checked again, column-wise: dense features finite, labels 0 or 1,
+        rows inside their tables."""
         samples, valid = self._parse(np.frombuffer(data, dtype=np.uint8))
-        if not valid.all():
-            bad = np.flatnonzero(~valid)
+        out_of_domain = _out_of_domain(samples, self.rows)
+        refused = np.zeros(valid.shape, dtype=bool)
+        if out_of_domain.any():
+            refused[np.flatnonzero(valid)[out_of_domain]] = True
+        if not valid.all() or refused.any():
+            bad = np.flatnonzero(~valid | refused)
             if not self.config.skip_bad_rows:
-                line = data.split(b"\n")[int(bad[0])]
-                raise self._diagnose(path, first_line + int(bad[0]), line)
+                index = int(bad[0])
+                line = data.split(b"\n", index + 1)[index]
+                if refused[index]:
+                    sample = int(np.count_nonzero(valid[:index]))
+                    raise self._value_error(path, first_line + index, line, samples, sample)
+                raise self._diagnose(path, first_line + index, line)
+            if refused.any():
+                samples = _rows(samples, ~out_of_domain)
             self.bad_rows += int(bad.size)
             logger.debug("%s: skipping %d bad rows from line %d", path, bad.size, first_line + int(bad[0]))
         return samples
+
+    def _value_error(self, path: str, number: int, line: bytes, samples: Samples, i: int) -> DataFormatError:
+        """The first value of sample ``i`` (line ``number``) out of its domain, named by its column."""
+        fields = line.split(bytes([self.separator]))
+
+        def error(column: int, reason: str) -> DataFormatError:
+            text = fields[column].decode("utf-8", "replace") if column < len(fields) else ""
+            return DataFormatError(path, number, self.field_names[column], text, reason)
+
+        dense = samples.dense[i]
+        if not np.isfinite(dense).all():
+            j = int(np.argmin(np.isfinite(dense)))
+            return error(self.dense_columns[j], f"gives dense value {float(dense[j])}, which is not finite")
+        label = float(samples.labels[i])
+        if label not in (0.0, 1.0):
+            return error(self.label_column, f"gives label {label}, which is not 0 or 1")
+        sparse = samples.sparse[i]
+        t = int(np.argmax((sparse < 0) | (sparse >= self.rows)))
+        why = f"gives row {int(sparse[t])}, outside its table's [0, {int(self.rows[t])})"
+        return error(self.sparse_columns[t], why)
 
     def _stream(
         self, wanted: Callable[[int, int], list[tuple[int, int]]]
@@ -535,6 +635,32 @@ def _concat(parts: list[Samples]) -> Samples:
     )
 
 
+def _rows(samples: Samples, keep: np.ndarray) -> Samples:
+    return Samples(dense=samples.dense[keep], sparse=samples.sparse[keep], labels=samples.labels[keep])
+
+
+def _out_of_domain(samples: Samples, rows: np.ndarray) -> np.ndarray:
+    """Per sample: a dense feature that is not finite, a label other than 0 and 1, or a row outside its
+    table (``rows``: the tables' sizes)."""
+    return (
+        ~np.isfinite(samples.dense).all(1)
+        | ((samples.labels != 0) & (samples.labels != 1))
+        | ((samples.sparse < 0) | (samples.sparse >= rows)).any(1)
+    )
+
+
+def _long_lines(data: bytes) -> list[tuple[int, int, int]]:
+    """(start, end, index) of each line of ``data`` (whole lines) longer than ``MAX_LINE_BYTES``. Such a
+    line holds a newline-free aligned block of half the limit; 8 searches for one rule out a 4 MiB chunk,
+    and only a chunk with one is scanned line by line."""
+    half = max(1, MAX_LINE_BYTES // 2)
+    if all(data.find(b"\n", s, s + half) >= 0 for s in range(0, len(data) - half + 1, half)):
+        return []
+    ends = np.flatnonzero(np.frombuffer(data, dtype=np.uint8) == 10)
+    starts = np.concatenate([[0], ends[:-1] + 1])
+    return [(int(starts[i]), int(ends[i]), int(i)) for i in np.flatnonzero(ends - starts > MAX_LINE_BYTES)]
+
+
 class CriteoTSVSource(FileSource):
     """Criteo TSV files (``label \\t I1..I13 \\t C1..C26``) as numbered batches."""
 
@@ -550,6 +676,11 @@ class AvazuCSVSource(FileSource):
 
     header = AVAZU_HEADER
     num_dense = AVAZU_NUM_DENSE
+    separator = 44
+    field_names = tuple(AVAZU_FIELDS)
+    label_column = 1
+    dense_columns = (2,)  # (the hour of day, from ``hour``)
+    sparse_columns = tuple(range(2, len(AVAZU_FIELDS)))
 
     def _parse(self, buf: np.ndarray) -> tuple[Samples, np.ndarray]:
         return _avazu_parse(buf, self.rows)
