@@ -380,7 +380,7 @@ class FileSource:
     def _chunks(self) -> Iterator[tuple[str, int, bytes]]:
         """(path, number of the chunk's first line, chunk of whole lines ending in b"\\n", \\r removed)."""
         for path in self.config.paths:
-            seen = False
+            seen, skipped = False, self.bad_rows
             for line_number, data in self._file_chunks(path):
                 if not seen and self.header is not None and data.startswith(self.header[:9]):
                     first_end = data.index(b"\n")
@@ -392,7 +392,7 @@ class FileSource:
                 seen = seen or bool(data)
                 if data:
                     yield path, line_number, data
-            if not seen:
+            if not seen and self.bad_rows == skipped:  # (lines too long, skipped, are lines)
                 raise DataFormatError(path, 0, "file", "", "is empty: no samples")
 
     def _file_chunks(self, path: str) -> Iterator[tuple[int, bytes]]:
