@@ -1081,7 +1081,8 @@ def test_tls_mounts_the_secret_in_every_container_and_probes_readyz() -> None:
                 "bagpipe-controller/controller",
             }:
                 assert container[probe]["httpGet"]["path"] == "/readyz", (name, probe)
-    # the bundled Redis neither speaks nor needs it
+    # the bundled Redis takes the same files as its own flags (tests/chart/test_redis_tls.py), not the
+    # services' variables
     (redis,) = pods["bagpipe-redis"]["containers"]
     assert not {e["name"] for e in redis.get("env", [])} & {*TLS_ENV.values(), TLS_SERVER_NAME_ENV}
     check_consistency(docs)

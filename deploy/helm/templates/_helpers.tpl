@@ -129,10 +129,15 @@ command: ["bagpipe", {{ .service | default .component | quote }}]
 {{- end -}}
 {{- end -}}
 
+{{/* The job's Redis. TLS means TLS everywhere: with tls.enabled the bundled Redis speaks only TLS, and a
+     plaintext external one is refused; the services dial rediss:// with the job's certificate and CA. */}}
 {{- define "bagpipe.redisUrl" -}}
 {{- if .Values.redis.enabled -}}
-{{- printf "redis://%s-redis:%d/0" (include "bagpipe.fullname" .) (int .Values.redis.port) -}}
+{{- printf "%s://%s-redis:%d/0" (ternary "rediss" "redis" .Values.tls.enabled) (include "bagpipe.fullname" .) (int .Values.redis.port) -}}
 {{- else if .Values.externalRedis.url -}}
+{{- if and .Values.tls.enabled (not (hasPrefix "rediss://" .Values.externalRedis.url)) -}}
+{{- fail "tls.enabled is true but externalRedis.url is a plaintext redis:// URL: TLS means TLS everywhere, so give a rediss:// URL (the services present the job's certificate to it and trust the job's CA, ca.crt, unless the URL names its own with ?ssl_ca_certs=)" -}}
+{{- end -}}
 {{- .Values.externalRedis.url -}}
 {{- else -}}
 {{- fail "redis.enabled is false: set externalRedis.url (redis://host:port/db)" -}}
