@@ -323,8 +323,12 @@ def build_batch(number: int, samples: Samples, offsets: np.ndarray) -> BatchArra
     tables = sparse.shape[1]
     if offsets.shape != (tables + 1,):
         raise ValueError(f"offsets: must have shape [{tables + 1}], got {offsets.shape}")
-    if sparse.size and ((sparse < 0).any() or (sparse >= np.diff(offsets)).any()):
-        raise ValueError("sparse: row index outside its table")
+    rows = np.diff(offsets)
+    if sparse.size and ((sparse < 0).any() or (sparse >= rows).any()):
+        outside = (sparse < 0) | (sparse >= rows)
+        i, t = (int(x) for x in np.unravel_index(int(np.argmax(outside)), outside.shape))
+        row, size = int(sparse[i, t]), int(rows[t])
+        raise ValueError(f"batch {number}: sparse: sample {i}, table {t}: row {row} outside [0, {size})")
     # (numba only where batches are built: TorchRec's interpreter, bench/torchrec_reference.py, draws
     # synthetic samples from this module without it)
     from bagpipe.core import dedup

@@ -186,3 +186,15 @@ def test_values_out_of_their_domain_after_the_parse_are_named_or_skipped(
     got = _all(source)
     assert source.bad_rows == 1 and len(got) == 3
     assert got.labels.tolist() == [1.0, 1.0, 0.0]  # lines 1, 2 and 4
+
+
+def test_a_row_outside_its_table_names_the_batch_sample_and_table() -> None:
+    from bagpipe.core.data import build_batch, table_offsets
+
+    samples = Samples(
+        dense=np.zeros((3, 1), np.float32),
+        sparse=np.array([[0, 1], [2, 5], [1, 1]], dtype=np.int64),
+        labels=np.zeros(3, np.float32),
+    )
+    with pytest.raises(ValueError, match=r"^batch 7: sparse: sample 1, table 1: row 5 outside \[0, 4\)$"):
+        build_batch(7, samples, table_offsets([3, 4]))
