@@ -2,10 +2,15 @@
 
 Every RPC of a job carries the job's secret (``BAGPIPE_JOB_SECRET``: ``bagpipe run`` generates one per run,
 the chart keeps one in a Secret) as call metadata; ``ServerGuard``, the interceptor of every server, refuses
-a call without it (UNAUTHENTICATED) before any handler runs. Only the gRPC health service is open, since
-kubelet probes cannot send metadata. Without the variable, authentication is off (a developer's own
-processes). The guard also maps ``BagpipeError`` raised by a handler to its status code, so no project
-error surfaces as UNKNOWN. Clients add the secret through the channels ``serving`` makes.
+a call without it (UNAUTHENTICATED) from its metadata alone, before its body is read: a stranger's large
+request costs the server the flow-control window of one HTTP/2 stream, not the request. Only the gRPC health
+service is open, since kubelet probes cannot send metadata. Each method also has a size cap, derived by its
+service from what the method can legitimately carry (``ServerGuard(caps=...)``): a larger request is
+refused (RESOURCE_EXHAUSTED, naming method, size and cap) before it is decoded, and the server's own
+message limit is the largest cap, so gRPC refuses anything larger from its length prefix.
+Without the variable, authentication is off (a developer's own processes). The guard also maps
+``BagpipeError`` raised by a handler to its status code, so no project error surfaces as UNKNOWN.
+Clients add the secret through the channels ``serving`` makes.
 
 The Redis password travels the same way (``BAGPIPE_REDIS_PASSWORD``), never on a command line.
 """
@@ -176,11 +181,25 @@ def set_fence(fence: Fence | None) -> None:
     _fence = fence
 
 
-class ServerGuard(grpc.aio.ServerInterceptor):
-    """Authentication and error mapping for every handler of one aio server."""
+SMALL_REQUEST_BYTES = 64 << 10  # the cap of a method its service names no cap for (control messages)
+UNAUTHENTICATED = "the job's secret is missing or wrong (metadata bagpipe-job-secret)"
 
-    def __init__(self, secret: str | None = None) -> None:
+
+class ServerGuard(grpc.aio.ServerInterceptor):
+    """Authentication, per-method size caps and error mapping for every handler of one aio server.
+    ``caps`` maps a method's name (``WriteBack``) to the largest request it accepts, in bytes; a method
+    not named gets ``SMALL_REQUEST_BYTES``."""
+
+    def __init__(self, secret: str | None = None, caps: dict[str, int] | None = None) -> None:
         self.secret = secret if secret is not None else job_secret()
+        self.caps = dict(caps or {})
+
+    def cap(self, method: str) -> int:
+        return self.caps.get(method.rsplit("/", 1)[-1], SMALL_REQUEST_BYTES)
+
+    @property
+    def largest_cap(self) -> int:
+        return max([SMALL_REQUEST_BYTES, *self.caps.values()])
 
     async def intercept_service(
         self,
@@ -189,21 +208,49 @@ class ServerGuard(grpc.aio.ServerInterceptor):
     ) -> grpc.RpcMethodHandler:
         handler = await continuation(details)
         if handler is None or details.method.startswith(OPEN_PREFIX):
-            return handler  # (the health servicer's handlers are synchronous: left as they are)
-        denied = self.secret is not None and not _authorized(details.invocation_metadata, self.secret)
+            return handler  # (the health service: open, and it reads only small requests)
+        if self.secret is not None and not _authorized(details.invocation_metadata, self.secret):
+            return _refuse_unread(handler)
         fenced = not details.method.startswith(CONTROL_PREFIX)
-        return _wrap(handler, denied, fenced)
+        return _wrap(handler, details.method, self.cap(details.method), fenced)
+
+
+def _refuse_unread(handler: grpc.RpcMethodHandler) -> grpc.RpcMethodHandler:
+    """A handler that refuses the call without reading its request. The server reads a unary request in
+    full before it calls the handler, so the refusal is served as a request-streaming method, which gRPC
+    calls at once with an iterator it never pulls from; the wire format is the same, so the client
+    cannot tell, and the unread bytes are dropped with the stream."""
+
+    async def refuse(requests: Any, context: grpc.aio.ServicerContext) -> Any:
+        await context.abort(grpc.StatusCode.UNAUTHENTICATED, UNAUTHENTICATED)
+
+    async def refuse_stream(requests: Any, context: grpc.aio.ServicerContext) -> Any:
+        await context.abort(grpc.StatusCode.UNAUTHENTICATED, UNAUTHENTICATED)
+        yield  # (an async generator: the reply of a server-streaming method)
+
+    if handler.response_streaming:
+        return grpc.stream_stream_rpc_method_handler(refuse_stream)
+    return grpc.stream_unary_rpc_method_handler(refuse)
 
 
 class _Undecodable:
     """Bytes that are not the method's request message (answered INVALID_ARGUMENT, not UNKNOWN)."""
 
 
-def _decoder(decode: Any) -> Any:
+class _TooLarge:
+    """A request over its method's cap, refused undecoded (RESOURCE_EXHAUSTED)."""
+
+    def __init__(self, message: str) -> None:
+        self.message = message
+
+
+def _decoder(decode: Any, method: str, cap: int) -> Any:
     if decode is None:
         return None
 
     def safe(data: bytes) -> Any:
+        if len(data) > cap:
+            return _TooLarge(f"{method}: a request of {len(data)} bytes; this method takes at most {cap}")
         try:
             return decode(data)
         except Exception:
@@ -212,12 +259,9 @@ def _decoder(decode: Any) -> Any:
     return safe
 
 
-async def _admit(request: Any, context: grpc.aio.ServicerContext, denied: bool, fenced: bool = False) -> None:
-    if denied:
-        await context.abort(
-            grpc.StatusCode.UNAUTHENTICATED,
-            "the job's secret is missing or wrong (metadata bagpipe-job-secret)",
-        )
+async def _admit(request: Any, context: grpc.aio.ServicerContext, fenced: bool = False) -> None:
+    if isinstance(request, _TooLarge):
+        await context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED, request.message)
     if isinstance(request, _Undecodable):
         await context.abort(grpc.StatusCode.INVALID_ARGUMENT, "request: not a valid message for this method")
     if fenced and _fence is not None:
@@ -226,14 +270,14 @@ async def _admit(request: Any, context: grpc.aio.ServicerContext, denied: bool, 
             await context.abort(grpc.StatusCode.FAILED_PRECONDITION, refused)
 
 
-def _wrap(handler: grpc.RpcMethodHandler, denied: bool, fenced: bool = False) -> grpc.RpcMethodHandler:
-    decode = _decoder(handler.request_deserializer)
+def _wrap(handler: grpc.RpcMethodHandler, method: str, cap: int, fenced: bool) -> grpc.RpcMethodHandler:
+    decode = _decoder(handler.request_deserializer, method, cap)
     encode = handler.response_serializer
     if handler.unary_unary is not None:
         inner = handler.unary_unary
 
         async def unary(request: Any, context: grpc.aio.ServicerContext) -> Any:
-            await _admit(request, context, denied, fenced)
+            await _admit(request, context, fenced)
             try:
                 return await inner(request, context)
             except BagpipeError as e:
@@ -246,7 +290,7 @@ def _wrap(handler: grpc.RpcMethodHandler, denied: bool, fenced: bool = False) ->
         inner_stream = handler.unary_stream
 
         async def stream(request: Any, context: grpc.aio.ServicerContext) -> Any:
-            await _admit(request, context, denied, fenced)
+            await _admit(request, context, fenced)
             try:
                 async for item in inner_stream(request, context):
                     yield item
@@ -256,13 +300,7 @@ def _wrap(handler: grpc.RpcMethodHandler, denied: bool, fenced: bool = False) ->
         return grpc.unary_stream_rpc_method_handler(
             stream, request_deserializer=decode, response_serializer=encode
         )
-    if denied:  # (no streaming-request methods in the project's protos)
-
-        async def refuse(request: Any, context: grpc.aio.ServicerContext) -> Any:
-            await _admit(request, context, denied)
-
-        return grpc.unary_unary_rpc_method_handler(refuse)
-    return handler
+    return handler  # (no streaming-request methods in the project's protos)
 
 
 class _SecretCalls(

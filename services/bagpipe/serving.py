@@ -12,10 +12,11 @@ from collections.abc import Callable, Sequence
 from typing import Any
 
 import grpc
-from grpc_health.v1 import health, health_pb2, health_pb2_grpc
+from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from bagpipe import security
 from bagpipe.control.registry import Registry
+from bagpipe.health_service import HealthService
 from bagpipe.metrics_http import Health, MetricsServer
 from bagpipe.v1 import control_pb2, control_pb2_grpc
 from bagpipe.wire import decode_message, serialized
@@ -28,6 +29,14 @@ CHANNEL_OPTIONS = [
     ("grpc.max_receive_message_length", MAX_MESSAGE_BYTES),
 ]
 RPC_TIMEOUT_S = 60.0
+# each server's bound on calls in progress; more are refused RESOURCE_EXHAUSTED. A job's own calls to one
+# server are a few per trainer (streams, prefetches, write-backs, a migration's chunks) plus the health
+# watchers (at most health_service.MAX_WATCHERS)
+MAX_CONCURRENT_RPCS = 1024
+# each stream's receive window, fixed (gRPC's BDP probing off): what a server buffers of a request it has
+# not read, at most. Probing grew the windows of 16 refused 256 MB calls to 36-111 MB in all; fixed at
+# 1 MiB they cost 5 MB, and 1 MiB a round trip is still 1 GB/s at a millisecond's round trip
+STREAM_WINDOW_BYTES = 1 << 20
 GRACE_S = 2.0
 
 
@@ -87,11 +96,24 @@ async def create_server(
     service: str,
     register: Callable[[grpc.aio.Server], None],
     counters: Callable[[], dict[str, float]] = dict,
-) -> tuple[grpc.aio.Server, int, ControlServicer, health.HealthServicer]:
-    """Builds and starts an aio server on ``address`` (port 0 picks one); returns the bound port."""
-    server = grpc.aio.server(options=CHANNEL_OPTIONS, interceptors=[security.ServerGuard()])
+    caps: dict[str, int] | None = None,
+) -> tuple[grpc.aio.Server, int, ControlServicer, HealthService]:
+    """Builds and starts an aio server on ``address`` (port 0 picks one); returns the bound port.
+    ``caps``: the largest request each method takes, in bytes (``security.ServerGuard``); the server's
+    message limit is the largest of them."""
+    guard = security.ServerGuard(caps=caps)
+    server = grpc.aio.server(
+        options=[
+            ("grpc.max_send_message_length", MAX_MESSAGE_BYTES),
+            ("grpc.max_receive_message_length", guard.largest_cap),
+            ("grpc.http2.bdp_probe", 0),
+            ("grpc.http2.lookahead_bytes", STREAM_WINDOW_BYTES),
+        ],
+        interceptors=[guard],
+        maximum_concurrent_rpcs=MAX_CONCURRENT_RPCS,
+    )
     register(server)
-    health_servicer = health.HealthServicer()
+    health_servicer = HealthService()
     health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
     control = ControlServicer(service, counters)
     control_pb2_grpc.add_ControlServicer_to_server(control, server)
@@ -107,8 +129,8 @@ async def create_server(
     return server, port, control, health_servicer
 
 
-async def stop_gracefully(server: grpc.aio.Server, health_servicer: health.HealthServicer) -> None:
-    health_servicer.enter_graceful_shutdown()  # (the synchronous servicer: it returns nothing to await)
+async def stop_gracefully(server: grpc.aio.Server, health_servicer: HealthService) -> None:
+    health_servicer.enter_graceful_shutdown()
     await server.stop(GRACE_S)
 
 

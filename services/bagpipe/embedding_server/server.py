@@ -40,6 +40,7 @@ from bagpipe.embedding_server import metrics
 from bagpipe.embedding_server.caps import request_caps
 from bagpipe.embedding_server.client import MAX_ROWS_PER_RPC
 from bagpipe.errors import FailedPrecondition, InvalidArgument
+from bagpipe.health_service import HealthService
 from bagpipe.v1 import embedding_server_pb2 as pb
 from bagpipe.v1 import embedding_server_pb2_grpc as pb_grpc
 from bagpipe.wire import Gather, encode_message, from_tensor, to_tensor
@@ -586,7 +587,7 @@ async def create_server(
     max_rows: int = MAX_ROWS_PER_RPC,
     lookup_threads: int = 0,
     servicer: EmbeddingServicer | None = None,
-) -> tuple[grpc.aio.Server, int, serving.ControlServicer, object]:
+) -> tuple[grpc.aio.Server, int, serving.ControlServicer, HealthService]:
     """Starts a server for ``store`` (or ``servicer``'s) on ``address``; returns (server, port, control,
     health)."""
     servicer = servicer or EmbeddingServicer(store, max_rows, lookup_threads)

@@ -1,0 +1,236 @@
+"""Strangers cannot exhaust a service: a call without the job's secret is refused before its body is read,
+each method refuses a request over its cap before decoding it, and open health streams stall nothing.
+
+Real gRPC servers on loopback. The memory test runs its server in a process of its own, so that the
+resident memory it reads is the server's alone.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import subprocess
+import sys
+import textwrap
+from pathlib import Path
+
+import grpc
+import numpy as np
+import pytest
+from bagpipe import security, serving
+from bagpipe.core.data import table_offsets
+from bagpipe.core.shard_map import ShardMap
+from bagpipe.core.shard_store import ShardStore
+from bagpipe.core.snapshots import path_of
+from bagpipe.data_processor.config import DataProcessorConfig, SourceConfig
+from bagpipe.data_processor.server import create_server as create_data_processor
+from bagpipe.embedding_server.caps import request_caps
+from bagpipe.embedding_server.server import create_server as create_embedding_server
+from bagpipe.health_service import HealthService
+from bagpipe.v1 import data_processor_pb2, data_processor_pb2_grpc
+from bagpipe.v1 import embedding_server_pb2 as epb
+from bagpipe.v1 import embedding_server_pb2_grpc as epb_grpc
+from bagpipe.wire import to_tensor
+from grpc_health.v1 import health_pb2, health_pb2_grpc
+
+SECRET = "admission-secret-0123456789"
+DIM = 4
+MB = 1 << 20
+
+SERVER = textwrap.dedent(
+    """
+    import asyncio, sys
+    from bagpipe.core.data import table_offsets
+    from bagpipe.core.shard_map import ShardMap
+    from bagpipe.core.shard_store import ShardStore
+    from bagpipe.embedding_server.server import create_server
+
+    async def main():
+        store = ShardStore(ShardMap.create(80, 1, num_buckets=8), 0, table_offsets([50, 30]), 4, 4, seed=1)
+        server, port, _, _ = await create_server(store)
+        print(port, flush=True)
+        await server.wait_for_termination()
+
+    asyncio.run(main())
+    """
+)
+
+
+def _store() -> ShardStore:
+    return ShardStore(ShardMap.create(80, 1, num_buckets=8), 0, table_offsets([50, 30]), DIM, DIM, seed=1)
+
+
+def _peak_rss(pid: int) -> int:
+    """The process's peak resident memory so far (VmHWM), in bytes."""
+    for line in Path(f"/proc/{pid}/status").read_text().splitlines():
+        if line.startswith("VmHWM:"):
+            return int(line.split()[1]) * 1024
+    raise AssertionError(f"no VmHWM in /proc/{pid}/status")
+
+
+async def _oversize_strangers(address: str, calls: int, size: int) -> list[grpc.StatusCode]:
+    payload = bytes(size)  # (never parsed: the server must not read it)
+    options = [("grpc.max_send_message_length", size + MB)]
+    async with grpc.aio.insecure_channel(address, options=options) as ch:
+        write_back = ch.unary_unary("/bagpipe.v1.EmbeddingServer/WriteBack")
+
+        async def one() -> grpc.StatusCode:
+            try:
+                await write_back(payload, timeout=60)
+            except grpc.aio.AioRpcError as e:
+                return e.code()
+            return grpc.StatusCode.OK
+
+        return await asyncio.gather(*(one() for _ in range(calls)))
+
+
+def test_unauthenticated_oversize_calls_are_refused_unread(tmp_path: Path) -> None:
+    """16 concurrent 256 MB calls without the secret raise the server's peak memory by under 64 MB."""
+    env = {**os.environ, security.JOB_SECRET_ENV: SECRET}
+    proc = subprocess.Popen(
+        [sys.executable, "-c", SERVER], env=env, stdout=subprocess.PIPE, text=True, cwd=tmp_path
+    )
+    try:
+        assert proc.stdout is not None
+        port = int(proc.stdout.readline())
+        asyncio.run(_oversize_strangers(f"127.0.0.1:{port}", 1, 1024))  # (the server's first call: warm)
+        before = _peak_rss(proc.pid)
+        codes = asyncio.run(_oversize_strangers(f"127.0.0.1:{port}", 16, 256 * MB))
+        grown = _peak_rss(proc.pid) - before
+        assert proc.poll() is None, "the server died"
+    finally:
+        proc.kill()
+        proc.wait()
+    assert set(codes) == {grpc.StatusCode.UNAUTHENTICATED}, codes
+    assert grown < 64 * MB, f"the server's peak resident memory grew by {grown / MB:.0f} MB"
+
+
+async def _caps() -> None:
+    store = _store()
+    before = store.weights.copy()
+    server, port, _, _ = await create_embedding_server(store, max_rows=16)
+    caps = request_caps(store, 16)
+    async with serving.aio_channel(f"127.0.0.1:{port}") as ch:
+        stub = epb_grpc.EmbeddingServerStub(ch)
+        # a write-back of more rows than a request may carry is refused from its size, undecoded
+        keys = np.arange(400, dtype=np.int64) % 80
+        rows = to_tensor(np.zeros((400, DIM), dtype=np.float32))
+        big = epb.WriteBackRequest(shard_map_version=1, keys=to_tensor(keys), rows=rows, state=rows)
+        assert big.ByteSize() > caps["WriteBack"]
+        with pytest.raises(grpc.aio.AioRpcError) as err:
+            await stub.WriteBack(big, timeout=5)
+        assert err.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
+        assert f"WriteBack: a request of {big.ByteSize()} bytes" in err.value.details()
+        assert f"at most {caps['WriteBack']}" in err.value.details()
+        # a control message carries a path, not megabytes
+        with pytest.raises(grpc.aio.AioRpcError) as err:
+            await stub.Snapshot(epb.SnapshotRequest(directory="d" * (100 << 10), next_batch=1), timeout=5)
+        assert err.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
+        largest = max(security.SMALL_REQUEST_BYTES, *caps.values())
+        # over the largest cap, gRPC itself refuses the message from its length prefix
+        huge = epb.WriteBackRequest(
+            shard_map_version=1, keys=to_tensor(np.zeros(largest // 8 + 1, dtype=np.int64))
+        )
+        with pytest.raises(grpc.aio.AioRpcError) as err:
+            await stub.WriteBack(huge, timeout=5)
+        assert err.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
+        # within its cap, a write-back lands
+        small = epb.WriteBackRequest(
+            shard_map_version=1,
+            keys=to_tensor(keys[:16]),
+            rows=to_tensor(np.full((16, DIM), 0.5, dtype=np.float32)),
+            state=to_tensor(np.zeros((16, DIM), dtype=np.float32)),
+        )
+        assert (await stub.WriteBack(small, timeout=5)).rows == 16
+    assert not np.array_equal(store.weights, before)
+    await server.stop(None)
+
+
+def test_each_method_refuses_a_request_over_its_cap_before_decoding(monkeypatch) -> None:
+    monkeypatch.setenv(security.JOB_SECRET_ENV, SECRET)
+    asyncio.run(_caps())
+
+
+async def _watch(address: str, streams: int) -> tuple[list[grpc.aio.Call], grpc.aio.Channel]:
+    """``streams`` open Health.Watch streams (no secret), each past its first answer."""
+    ch = grpc.aio.insecure_channel(address)
+    stub = health_pb2_grpc.HealthStub(ch)
+    calls = [stub.Watch(health_pb2.HealthCheckRequest(service="")) for _ in range(streams)]
+    for call in calls:
+        assert (await call.read()).status == health_pb2.HealthCheckResponse.SERVING
+    return calls, ch
+
+
+async def _health_streams_stall_nothing(tmp_path: Path) -> None:
+    rows = tuple([20] * 26)
+    dp, dp_port, _, _ = await create_data_processor(
+        DataProcessorConfig(SourceConfig("synthetic", rows), 12, 0)
+    )
+    store = _store()
+    es, es_port, _, _ = await create_embedding_server(store)
+    watchers = [await _watch(f"127.0.0.1:{p}", 64) for p in (dp_port, es_port)]
+    async with serving.aio_channel(f"127.0.0.1:{dp_port}") as ch:
+        stub = data_processor_pb2_grpc.DataProcessorStub(ch)
+        request = data_processor_pb2.StreamBatchesRequest(start=0, stride=1, end=8)
+        # every batch is generated off the event loop: with the health streams on its threads, none was
+        parts = [p async for p in stub.StreamBatches(request, timeout=30)]
+        assert [p.batch.number for p in parts] == list(range(8))
+    async with serving.aio_channel(f"127.0.0.1:{es_port}") as ch:
+        stub = epb_grpc.EmbeddingServerStub(ch)
+        keys = to_tensor(np.arange(8, dtype=np.int64))
+        rows = to_tensor(np.full((8, DIM), 0.25, dtype=np.float32))
+        await stub.WriteBack(epb.WriteBackRequest(shard_map_version=1, keys=keys, rows=rows, state=rows))
+        # a snapshot's file is written off the event loop too
+        reply = await stub.Snapshot(
+            epb.SnapshotRequest(shard_map_version=1, directory=str(tmp_path), next_batch=1, full=True),
+            timeout=30,
+        )
+        assert reply.rows >= 8 and (path_of(tmp_path, 1) / reply.file).exists()
+    for calls, ch in watchers:
+        assert all(not c.done() for c in calls)  # the streams were open all along
+        await ch.close()
+    await dp.stop(None)
+    await es.stop(None)
+
+
+def test_open_health_streams_do_not_stall_batches_or_snapshots(tmp_path: Path, monkeypatch) -> None:
+    monkeypatch.setenv(security.JOB_SECRET_ENV, SECRET)
+    asyncio.run(_health_streams_stall_nothing(tmp_path))
+
+
+async def _health_answers() -> None:
+    health = HealthService(max_watchers=2)
+    server = grpc.aio.server()
+    health_pb2_grpc.add_HealthServicer_to_server(health, server)
+    port = server.add_insecure_port("127.0.0.1:0")
+    await server.start()
+    health.set("", health_pb2.HealthCheckResponse.SERVING)
+    async with grpc.aio.insecure_channel(f"127.0.0.1:{port}") as ch:
+        stub = health_pb2_grpc.HealthStub(ch)
+        serving_now = await stub.Check(health_pb2.HealthCheckRequest())
+        assert serving_now.status == health_pb2.HealthCheckResponse.SERVING
+        with pytest.raises(grpc.aio.AioRpcError) as err:
+            await stub.Check(health_pb2.HealthCheckRequest(service="nope"))
+        assert err.value.code() == grpc.StatusCode.NOT_FOUND
+        first = stub.Watch(health_pb2.HealthCheckRequest())
+        unknown = stub.Watch(health_pb2.HealthCheckRequest(service="later"))
+        assert (await first.read()).status == health_pb2.HealthCheckResponse.SERVING
+        assert (await unknown.read()).status == health_pb2.HealthCheckResponse.SERVICE_UNKNOWN
+        third = stub.Watch(health_pb2.HealthCheckRequest())
+        with pytest.raises(grpc.aio.AioRpcError) as err:
+            await third.read()
+        assert err.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
+        health.set("later", health_pb2.HealthCheckResponse.SERVING)
+        assert (await unknown.read()).status == health_pb2.HealthCheckResponse.SERVING
+        health.enter_graceful_shutdown()
+        assert (await first.read()).status == health_pb2.HealthCheckResponse.NOT_SERVING
+        assert (await unknown.read()).status == health_pb2.HealthCheckResponse.NOT_SERVING
+        health.set("", health_pb2.HealthCheckResponse.SERVING)  # (stopping: for good)
+        assert (await stub.Check(health_pb2.HealthCheckRequest())).status == (
+            health_pb2.HealthCheckResponse.NOT_SERVING
+        )
+    await server.stop(None)
+
+
+def test_health_checks_and_watches_follow_the_status() -> None:
+    asyncio.run(_health_answers())
