@@ -23,6 +23,15 @@ class InvalidArgument(BagpipeError):
         self.reason = reason
 
 
+class BadData(InvalidArgument):
+    """The input's fault: a data processor's ``file:line: field ...``, sent as ``data: <that>``."""
+
+    PREFIX = "data: "
+
+    def __init__(self, reason: str) -> None:
+        super().__init__("data", reason)
+
+
 class FailedPrecondition(BagpipeError):
     code = grpc.StatusCode.FAILED_PRECONDITION
 
@@ -33,3 +42,9 @@ class PermissionDenied(BagpipeError):
 
 class NotFound(BagpipeError):
     code = grpc.StatusCode.NOT_FOUND
+
+
+# A failure report whose reason starts with this is the input's fault (a data processor's ``file:line:
+# field ...``): a restart would read the same line again, so the job fails at once, naming it
+BAD_DATA = "bad data: "
+EXIT_DATA_ERROR = 65  # (sysexits' EX_DATAERR) a data processor whose input's first lines do not parse

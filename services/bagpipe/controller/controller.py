@@ -45,6 +45,7 @@ from bagpipe.control.registry import Registry
 from bagpipe.controller.config import ControllerConfig
 from bagpipe.core import snapshots
 from bagpipe.embedding_server.client import CHECKPOINT_LOCK_OWNER, RESHARD_LOCK
+from bagpipe.errors import BAD_DATA
 
 logger = logging.getLogger(__name__)
 
@@ -212,7 +213,11 @@ class Controller:
         reports = self.registry.reports(generation.id)
         if reports:  # (a processor's stream broke, or its data is bad: the oracle says which)
             member = sorted(reports)[0]
-            self._failed(process_name(member), "failed", reports[member], member=member)
+            reason = reports[member]
+            if reason.startswith(BAD_DATA):
+                self._failed(process_name(member), "data", reason, member=member, retry=False)
+            else:
+                self._failed(process_name(member), "failed", reason, member=member)
             return
         acks, incarnations = self.registry.acks(generation.id), self.registry.incarnations()
         # (a data processor started again is no failure by itself: it holds no state, and the oracle
@@ -265,7 +270,12 @@ class Controller:
         logger.info("generation %d from batch %d: %s", generation.number, start, reason)
         return generation
 
-    def _failed(self, component: str, kind: str, detail: str, member: str | None = None) -> None:
+    def _failed(
+        self, component: str, kind: str, detail: str, member: str | None = None, retry: bool = True
+    ) -> None:
+        """Records a failure and begins the next generation, or fails the job: a failure before any batch
+        was trained (a setup error), bad data (``retry=False``: the same line would fail again), or one
+        restart too many."""
         assert self.generation is not None
         failed = self.generation
         FAILURES.labels(kind).inc()
@@ -287,13 +297,15 @@ class Controller:
         index = self.registry.add_failure(record)
         # (Redis lost is never a setup error: the progress that would show it went with it)
         never_trained = component != "redis" and not self.trained and not progress
-        if never_trained or earlier + 1 > self.config.max_restarts:
+        if not retry or never_trained or earlier + 1 > self.config.max_restarts:
             why = (
                 "before training began (a setup error is not retried)"
                 if never_trained
                 else f"after {self.config.max_restarts} restarts (--max-restarts)"
             )
             reason = f"{component} failed {why}: {component} {detail}"
+            if detail.startswith(BAD_DATA):  # (the line to fix, first; not retried: it fails again)
+                reason = f"{detail} (read by {component}; fix the input, or skip such rows: --skip-bad-rows)"
             logger.error("%s", reason)
             if not self.registry.set_generation_state(failed.id, FAILED, reason):
                 # (its record is gone with Redis: the job's end must still be written for all to read)

@@ -16,8 +16,10 @@ from bagpipe.control.generation import (
     follow_until_stopped,
 )
 from bagpipe.control.registry import Registry
+from bagpipe.core.data import DataFormatError
 from bagpipe.data_processor.config import DataProcessorConfig, parse
 from bagpipe.data_processor.server import create_server
+from bagpipe.errors import EXIT_DATA_ERROR
 
 logger = logging.getLogger("bagpipe.data_processor")
 
@@ -61,6 +63,12 @@ async def serve(cfg: DataProcessorConfig) -> None:
 def main(argv: list[str] | None = None) -> None:
     cfg = parse(argv)
     serving.configure_logging(cfg.coordination.log_level)
+    try:
+        cfg.source.check_head()  # (before it joins the job: its input's first lines parse)
+    except DataFormatError as e:
+        logger.error("bad data: %s", e)
+        print(f"bagpipe data processor: bad data: {e}", file=sys.stderr)
+        raise SystemExit(EXIT_DATA_ERROR) from None
     allocator.keep_freed_buffers()
     serving.run_service(lambda: asyncio.run(serve(cfg)), "bagpipe.data_processor")
 

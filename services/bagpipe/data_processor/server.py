@@ -18,7 +18,7 @@ from bagpipe.core.data import BatchArrays, DataFormatError
 from bagpipe.core.lookahead import MAX_TRAINERS, trainer_users
 from bagpipe.data_processor import metrics
 from bagpipe.data_processor.config import DataProcessorConfig, SourceConfig
-from bagpipe.errors import InvalidArgument
+from bagpipe.errors import BadData, InvalidArgument
 from bagpipe.v1 import data_processor_pb2 as pb
 from bagpipe.v1 import data_processor_pb2_grpc as pb_grpc
 
@@ -82,7 +82,7 @@ class DataProcessorServicer(pb_grpc.DataProcessorServicer):
             try:
                 item = await asyncio.to_thread(next, gen, sentinel)
             except DataFormatError as e:
-                raise InvalidArgument("data", str(e)) from e
+                raise BadData(str(e)) from e
             if item is sentinel:
                 return
             arrays, last, users = cast(tuple[BatchArrays, bool, "np.ndarray | None"], item)

@@ -11,7 +11,8 @@ import os
 from pathlib import Path
 
 from bagpipe.config_args import optimizer_config_of, table_rows_of
-from bagpipe.core.data import SyntheticConfig
+from bagpipe.core.data import DataFormatError, SyntheticConfig
+from bagpipe.data_processor.config import SourceConfig
 
 
 class BadFlag(SystemExit):
@@ -106,9 +107,14 @@ def validate_run_args(args: argparse.Namespace) -> None:
         for path in paths:
             _readable_file("--data", path)
         try:
-            table_rows_of(args)
+            table_rows = table_rows_of(args)
         except SystemExit as e:
             raise BadFlag(*str(e).split(": ", 1)) from None
+        source = SourceConfig(args.data, table_rows, skip_bad_rows=getattr(args, "skip_bad_rows", False))
+        try:
+            source.check_head()  # (what every data processor checks as it starts)
+        except DataFormatError as e:
+            raise BadFlag("--data", f"bad data: {e}") from None
     else:
         raise BadFlag(
             "--data",

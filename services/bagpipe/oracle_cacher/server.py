@@ -30,7 +30,7 @@ from bagpipe.core.lookahead import (
     all_trainers,
     mask_dtype,
 )
-from bagpipe.errors import InvalidArgument, PermissionDenied
+from bagpipe.errors import BAD_DATA, BadData, InvalidArgument, PermissionDenied
 from bagpipe.oracle_cacher import metrics
 from bagpipe.oracle_cacher.config import OracleConfig
 from bagpipe.v1 import data_processor_pb2
@@ -376,9 +376,13 @@ class Oracle(pb_grpc.OracleCacherServicer):
 
 
 def _reason(error: BaseException) -> str:
-    """A processor's own message (``file:line: field ...``), not the gRPC error's wrapping."""
+    """A processor's own message (``file:line: field ...``), not the gRPC error's wrapping; its input's
+    fault is marked as bad data (``errors.BAD_DATA``)."""
     if isinstance(error, grpc.RpcError) and error.details():
-        return f"{error.code().name}: {error.details()}"
+        details = error.details()
+        if error.code() == grpc.StatusCode.INVALID_ARGUMENT and details.startswith(BadData.PREFIX):
+            return BAD_DATA + details.removeprefix(BadData.PREFIX)
+        return f"{error.code().name}: {details}"
     return str(error)
 
 

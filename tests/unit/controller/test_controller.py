@@ -28,6 +28,7 @@ from bagpipe.controller.config import ControllerConfig, parse
 from bagpipe.controller.controller import Controller
 from bagpipe.core import snapshots
 from bagpipe.core.shard_map import ShardMap
+from bagpipe.errors import BAD_DATA
 from bagpipe.local.launcher import RedisServer
 
 
@@ -268,6 +269,25 @@ def test_a_processor_the_oracle_reports_is_blamed_and_its_restart_alone_is_not(
     assert (failure["component"], failure["kind"]) == ("data-processor-0", "failed")
     assert failure["detail"] == "data.tsv:7: field I3: '2.5' is not an integer"
     assert current(registry).number == 2
+
+
+def test_bad_data_fails_the_job_at_once_naming_the_line(redis_url, tmp_path: Path) -> None:
+    """Bad data the oracle reports is not retried, even after training began: a restart would read the same
+    line again. The job's reason starts with the processor's own line."""
+    registry, controller, members, _, _, _ = _job(redis_url, tmp_path, max_restarts=5)
+    _form(registry, controller, members)
+    generation = current(registry)
+    registry.set_progress(0, 4)
+    controller.step()
+    line = "data.tsv:7: field I3: '2.5' is not an integer"
+    registry.report(generation.id, "data_processor/0", BAD_DATA + line)
+    controller.step()
+    [failure] = registry.failures()
+    assert (failure["component"], failure["kind"]) == ("data-processor-0", "data")
+    ended = current(registry)
+    assert ended is not None and ended.id == generation.id and ended.state == FAILED
+    assert ended.reason.startswith(f"bad data: {line} (read by data-processor-0;")
+    assert "--skip-bad-rows" in ended.reason
 
 
 def test_redis_lost_at_once_is_no_setup_error_and_giving_up_is_written_anew(
