@@ -28,6 +28,8 @@ from bagpipe.core.shard_map import ShardMap
 from bagpipe.core.shard_store import ShardStore
 from bagpipe.data_processor.config import DataProcessorConfig, SourceConfig
 from bagpipe.data_processor.server import create_server as create_data_processor
+from bagpipe.embedding_server.caps import request_caps
+from bagpipe.embedding_server.client import MAX_ROWS_PER_RPC
 from bagpipe.embedding_server.server import create_server as create_embedding_server
 from bagpipe.local.launcher import RedisServer
 from bagpipe.local.validate import validate_run_args
@@ -245,6 +247,7 @@ async def _fuzz(count: int) -> None:
     store = _store()
     before = (store.weights.tobytes(), store.state.tobytes(), store.shard_map.to_json())
     server, port, _, _ = await create_embedding_server(store)
+    caps = request_caps(store, MAX_ROWS_PER_RPC)
     oracle = Oracle(OracleConfig(tuple([10] * 26), 16, 2, 2, 1, 6))
     oracle_server, oracle_port, _, _ = await create_oracle(oracle)
     oracle_before = (list(oracle.written_back), list(oracle.trained), dict(oracle.owners))
@@ -297,6 +300,13 @@ async def _fuzz(count: int) -> None:
                 call = rng.choice(raw)
                 code = await _code(lambda f=call, j=junk: f(j, timeout=5))
                 assert code in defined | {grpc.StatusCode.OK}, (code, junk)
+                # and more than the method can carry: refused from its size, undecoded
+                name = rng.choice(["Lookup", "Seal", "Snapshot"])
+                cap = caps.get(name, security.SMALL_REQUEST_BYTES)
+                over = bytes(rng.randrange(cap + 1, 2 * cap))
+                call = ch.unary_unary(f"/bagpipe.v1.EmbeddingServer/{name}")
+                code = await _code(lambda f=call, o=over: f(o, timeout=5))
+                assert code == grpc.StatusCode.RESOURCE_EXHAUSTED, (name, len(over), code)
     assert (store.weights.tobytes(), store.state.tobytes(), store.shard_map.to_json()) == before
     assert store.migration is None
     assert (list(oracle.written_back), list(oracle.trained)) == oracle_before[:2]
