@@ -23,6 +23,7 @@ from bagpipe.errors import FailedPrecondition
 from bagpipe.v1 import embedding_server_pb2 as pb
 from bagpipe.v1 import embedding_server_pb2_grpc as pb_grpc
 from bagpipe.wire import to_tensor
+from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 DIM = STATE = 2
 OLD, NEW = 0x0AB0_0000_0000_0001, 0x0CD0_0000_0000_0002  # the aborted attempt, and its retry
@@ -249,5 +250,27 @@ def test_the_coordinator_retries_a_failed_migration_under_a_new_attempt(monkeypa
             assert all(s._attempts == set(drawn) for s in pair.servicers.values())
             rows, state = pair.servicers[1].store.lookup(pair.moving_keys())
             assert np.array_equal(rows, expected[0]) and np.array_equal(state, expected[1])
+
+    asyncio.run(scenario())
+
+
+def test_a_migration_completes_under_64_open_health_streams_on_each_server() -> None:
+    """Health is answered on the event loop: watchers hold none of the threads a migration's steps use."""
+
+    async def scenario() -> None:
+        async with _pair() as pair:
+            channels = [grpc.aio.insecure_channel(a) for a in pair.addresses.values()]
+            watches = [
+                health_pb2_grpc.HealthStub(ch).Watch(health_pb2.HealthCheckRequest())
+                for ch in channels
+                for _ in range(64)
+            ]
+            for watch in watches:
+                assert (await watch.read()).status == health_pb2.HealthCheckResponse.SERVING
+            await pair.each(lambda s: s.PrepareMigration(pair.prepare(NEW), timeout=30))
+            await asyncio.wait_for(_migrates_exactly(pair, NEW), 60)
+            assert not any(w.done() for w in watches)
+            for ch in channels:
+                await ch.close()
 
     asyncio.run(scenario())
