@@ -83,7 +83,7 @@ def table_rows_of(args: argparse.Namespace) -> tuple[int, ...]:
             )
         return tuple(args.table_rows)
     if args.data.startswith("avazu:"):
-        from bagpipe.core.files import AVAZU_TABLE_ROWS
+        from bagpipe.data_processor.files import AVAZU_TABLE_ROWS
 
         return AVAZU_TABLE_ROWS
     if args.data == "synthetic":
