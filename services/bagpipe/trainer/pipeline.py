@@ -38,7 +38,7 @@ from bagpipe.codec import PlanArrays, decode_plan
 from bagpipe.control.registry import Registry
 from bagpipe.core.plans import TrainerPlan
 from bagpipe.core.row_store import RowStore
-from bagpipe.embedding_server.client import call_with_retry
+from bagpipe.rpc import call_with_retry
 from bagpipe.trainer import metrics
 from bagpipe.trainer.cache import EmbeddingCache
 from bagpipe.trainer.config import TrainerConfig
