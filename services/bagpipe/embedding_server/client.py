@@ -142,6 +142,10 @@ class EmbeddingClient:
     def shard_map(self) -> ShardMap:
         return self._route.shard_map
 
+    @property
+    def shard_map_version(self) -> int:
+        return self._route.shard_map.version
+
     def _routing(self, shard_map: ShardMap, addresses: dict[int, str]) -> _Route:
         """(Under ``_lock``, or in ``__init__``.)"""
         missing = sorted(set(shard_map.owners) - set(addresses))
