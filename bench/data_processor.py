@@ -20,7 +20,7 @@ REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO / "services"))
 
 from bagpipe.core.data import KAGGLE_TABLE_ROWS, build_batch, table_offsets  # noqa: E402
-from bagpipe.core.files import (  # noqa: E402
+from bagpipe.data_processor.files import (  # noqa: E402
     AVAZU_HEADER,
     AVAZU_TABLE_ROWS,
     AvazuConfig,

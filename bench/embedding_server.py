@@ -38,7 +38,8 @@ from bagpipe.core.data import scaled_table_rows  # noqa: E402
 from bagpipe.core.optim import OptimizerConfig  # noqa: E402
 from bagpipe.embedding_server import config as server_config  # noqa: E402
 from bagpipe.embedding_server.client import EmbeddingClient  # noqa: E402
-from bagpipe.local.launcher import RedisServer, job_credentials  # noqa: E402
+from bagpipe.local.launcher import job_credentials  # noqa: E402
+from bagpipe.local.redis_server import RedisServer  # noqa: E402
 
 TARGET_ROWS_PER_SECOND = 5e6
 TARGET_MEMORY_RATIO = 1.1

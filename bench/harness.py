@@ -68,7 +68,7 @@ from bagpipe.config_args import (  # noqa: E402
     DEFAULT_MAX_LOOKAHEAD,
     DEFAULT_TRANSFER_BATCHES,
 )
-from bagpipe.local.launcher import children_matching, process_cpu_seconds  # noqa: E402
+from bagpipe.local.keeper import children_matching, process_cpu_seconds  # noqa: E402
 from bagpipe.local.launcher import run as run_job  # noqa: E402
 from bagpipe.trainer.worker import trainer_device  # noqa: E402
 from machine_probe import describe as describe_machine  # noqa: E402

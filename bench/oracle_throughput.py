@@ -44,7 +44,8 @@ import numpy as np  # noqa: E402
 from bagpipe import allocator  # noqa: E402
 from bagpipe.codec import check_samples, encode_batch, encode_plans  # noqa: E402
 from bagpipe.core.data import KAGGLE_TABLE_ROWS, SyntheticConfig, SyntheticSource, build_batch, table_offsets  # noqa: E402
-from bagpipe.core.lookahead import LookaheadPlanner, trainer_users  # noqa: E402
+from bagpipe.core.plans import trainer_users  # noqa: E402
+from bagpipe.oracle_cacher.lookahead import LookaheadPlanner
 
 PAPER_SAMPLES_PER_SECOND = 3.27e6
 TARGET_END_TO_END = 5e6  # planning, splitting and serialising, one core (issue 17)

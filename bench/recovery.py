@@ -27,7 +27,8 @@ from pathlib import Path
 from typing import Any
 
 from bagpipe.cli import build_parser
-from bagpipe.local.launcher import children_matching, run
+from bagpipe.local.keeper import children_matching
+from bagpipe.local.launcher import run
 
 RESULTS = Path(__file__).parent / "results"
 TARGETS = [

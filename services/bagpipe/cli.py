@@ -294,7 +294,8 @@ def main(argv: list[str] | None = None) -> None:
     signal.signal(signal.SIGTERM, _terminate)
     signal.signal(signal.SIGINT, _terminate)
     if args.command == "run":
-        from bagpipe.local.launcher import format_summary, run
+        from bagpipe.local.launcher import run
+        from bagpipe.local.summary import format_summary
 
         try:
             summary = run(args)

@@ -23,8 +23,16 @@ from typing import Any
 import numpy as np
 
 from bagpipe.core.data import BatchArrays, table_offsets
-from bagpipe.core.lookahead import BatchPlan, all_trainers, mask_dtype
-from bagpipe.core.plans import BACKGROUND, SharedPlan, TrainerPlan, share, shared_plan
+from bagpipe.core.plans import (
+    BACKGROUND,
+    BatchPlan,
+    SharedPlan,
+    TrainerPlan,
+    all_trainers,
+    mask_dtype,
+    share,
+    shared_plan,
+)
 from bagpipe.errors import InvalidArgument
 from bagpipe.v1 import data_processor_pb2 as dpb
 from bagpipe.v1 import oracle_cacher_pb2 as opb

@@ -8,7 +8,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any, TypeVar
 
-from bagpipe import security
+from bagpipe import flags, security
 from bagpipe.core.data import KAGGLE_TABLE_ROWS, scaled_table_rows, source_schema
 from bagpipe.core.model_config import (
     DEFAULT_CROSS_LAYERS,
@@ -18,6 +18,7 @@ from bagpipe.core.model_config import (
     ModelConfig,
 )
 from bagpipe.core.optim_config import DEFAULT_EPS, OPTIMIZERS, OptimizerConfig
+from bagpipe.flags import flag
 
 C = TypeVar("C")
 
@@ -83,7 +84,7 @@ def table_rows_of(args: argparse.Namespace) -> tuple[int, ...]:
             )
         return tuple(args.table_rows)
     if args.data.startswith("avazu:"):
-        from bagpipe.core.files import AVAZU_TABLE_ROWS
+        from bagpipe.data_processor.files import AVAZU_TABLE_ROWS
 
         return AVAZU_TABLE_ROWS
     if args.data == "synthetic":
@@ -243,39 +244,30 @@ def add_eval_args(p: argparse.ArgumentParser) -> None:
 class Coordination:
     """What every service process shares: where Redis is, the job, logging and how it is reached."""
 
-    redis_url: str = "redis://127.0.0.1:6379/0"
-    job: str = "bagpipe"
-    log_level: str = "INFO"
-    advertise_host: str | None = None
-    metrics_address: str = "127.0.0.1:0"
+    redis_url: str = flag("Redis URL", default="redis://127.0.0.1:6379/0", name="redis")
+    job: str = flag("job name (namespaces the Redis keys)", default="bagpipe")
+    log_level: str = flag("logging level", default="INFO")
+    advertise_host: str | None = flag(
+        "host other services use to reach this one, registered in Redis (default: the listening host, "
+        "127.0.0.1 for a wildcard; in Kubernetes the pod IP)",
+        default=None,
+    )
+    metrics_address: str = flag(
+        "host:port of the HTTP endpoint with /metrics, /healthz and /readyz (port 0: any free port)",
+        default="127.0.0.1:0",
+    )
 
     def argv(self) -> list[str]:
-        out = ["--redis", self.redis_url, "--job", self.job, "--log-level", self.log_level]
-        out += ["--metrics-address", self.metrics_address]
-        return out + (["--advertise-host", self.advertise_host] if self.advertise_host else [])
+        return flags.argv(self)
 
 
 def coordination_of(a: argparse.Namespace) -> Coordination:
-    return Coordination(a.redis, a.job, a.log_level, a.advertise_host, a.metrics_address)
+    return flags.config_of(Coordination, a)
 
 
 def add_coordination_args(p: argparse.ArgumentParser) -> None:
     security.add_tls_args(p)
-    g = p.add_argument_group("coordination")
-    g.add_argument("--redis", default="redis://127.0.0.1:6379/0", help="Redis URL")
-    g.add_argument("--job", default="bagpipe", help="job name (namespaces the Redis keys)")
-    g.add_argument("--log-level", default="INFO", help="logging level")
-    g.add_argument(
-        "--advertise-host",
-        default=None,
-        help="host other services use to reach this one, registered in Redis (default: the listening host, "
-        "127.0.0.1 for a wildcard; in Kubernetes the pod IP)",
-    )
-    g.add_argument(
-        "--metrics-address",
-        default="127.0.0.1:0",
-        help="host:port of the HTTP endpoint with /metrics, /healthz and /readyz (port 0: any free port)",
-    )
+    flags.add_flags(p.add_argument_group("coordination"), Coordination)
 
 
 def _number(text: str, convert: type[int] | type[float], low: float, inclusive: bool) -> Any:

@@ -28,8 +28,8 @@ from urllib.parse import urlparse
 import pytest
 import torch
 import yaml
-from bagpipe.local.launcher import find_redis_server
 from bagpipe.local.prometheus import find_binary
+from bagpipe.local.redis_server import find_redis_server
 
 from tests.certificates import certificates
 

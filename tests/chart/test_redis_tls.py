@@ -17,7 +17,7 @@ from unittest import mock
 import pytest
 import redis as redis_py
 from bagpipe.control.registry import Registry
-from bagpipe.local.launcher import find_redis_server
+from bagpipe.local.redis_server import find_redis_server
 
 from tests.chart.test_chart import (
     CHART,

@@ -20,12 +20,12 @@ import pytest
 from bagpipe import security, serving
 from bagpipe.core.data import table_offsets
 from bagpipe.core.shard_map import ShardMap
-from bagpipe.core.shard_store import ShardStore
 from bagpipe.core.snapshots import path_of
 from bagpipe.data_processor.config import DataProcessorConfig, SourceConfig
 from bagpipe.data_processor.server import create_server as create_data_processor
 from bagpipe.embedding_server.caps import request_caps
 from bagpipe.embedding_server.server import create_server as create_embedding_server
+from bagpipe.embedding_server.shard_store import ShardStore
 from bagpipe.health_service import HealthService
 from bagpipe.v1 import data_processor_pb2, data_processor_pb2_grpc
 from bagpipe.v1 import embedding_server_pb2 as epb
@@ -42,7 +42,7 @@ SERVER = textwrap.dedent(
     import asyncio, sys
     from bagpipe.core.data import table_offsets
     from bagpipe.core.shard_map import ShardMap
-    from bagpipe.core.shard_store import ShardStore
+    from bagpipe.embedding_server.shard_store import ShardStore
     from bagpipe.embedding_server.server import create_server
 
     async def main():

@@ -11,7 +11,7 @@ from pathlib import Path
 
 import pytest
 from bagpipe import cpu_priority
-from bagpipe.local.launcher import children_matching
+from bagpipe.local.keeper import children_matching
 
 from tests.integration.conftest import BackgroundRun, flags
 from tests.integration.test_recovery import _trained

@@ -6,14 +6,20 @@ from __future__ import annotations
 from pathlib import Path
 
 from bagpipe.core import checkpoint
-from bagpipe.core.files import AVAZU_HEADER, AvazuConfig, AvazuCSVSource, CriteoConfig, CriteoTSVSource
 from bagpipe.core.model import ModelConfig
 from bagpipe.core.optim import OptimizerConfig
-from bagpipe.core.reference import train_reference
+from bagpipe.data_processor.files import (
+    AVAZU_HEADER,
+    AvazuConfig,
+    AvazuCSVSource,
+    CriteoConfig,
+    CriteoTSVSource,
+)
 
 from tests.integration.conftest import adam_eps, flags
 from tests.integration.test_equivalence import MODEL, assert_same_model
 from tests.integration.test_evaluation import ROWS, criteo_tsv
+from tests.reference import train_reference
 
 AVAZU_ROWS = (24, 7, 7, 50, 60, 26, 70, 40, 36, 200, 300, 80, 5, 4, 90, 8, 9, 45, 4, 30, 40, 30)
 

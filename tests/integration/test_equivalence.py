@@ -13,12 +13,12 @@ import pytest
 import torch
 from bagpipe.core import checkpoint
 from bagpipe.core.data import SyntheticConfig, SyntheticSource, scaled_table_rows
-from bagpipe.core.files import CriteoConfig, CriteoTSVSource
 from bagpipe.core.model import ModelConfig
 from bagpipe.core.optim import OptimizerConfig
-from bagpipe.core.reference import train_reference
+from bagpipe.data_processor.files import CriteoConfig, CriteoTSVSource
 
 from tests.integration.conftest import adam_eps, flags
+from tests.reference import train_reference
 
 TOLERANCE = 1e-4
 MODEL = ModelConfig(embedding_dim=8, bottom_mlp=(16, 8), top_mlp=(16, 1))

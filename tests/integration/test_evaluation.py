@@ -10,13 +10,13 @@ import numpy as np
 import pytest
 import torch
 from bagpipe.core import checkpoint
-from bagpipe.core.files import CriteoConfig, CriteoTSVSource
 from bagpipe.core.model import build_model
 from bagpipe.core.optim import OptimizerConfig
-from bagpipe.core.reference import train_reference
+from bagpipe.data_processor.files import CriteoConfig, CriteoTSVSource
 
 from tests.integration.conftest import flags
 from tests.integration.test_equivalence import MODEL
+from tests.reference import train_reference
 
 ROWS = [5, 7, 50, 40, 3, 4, 30, 6, 3, 20, 9, 45, 8, 4, 11, 35, 4, 6, 5, 4, 33, 4, 4, 12, 4, 9]
 

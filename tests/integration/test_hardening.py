@@ -23,15 +23,15 @@ from bagpipe import security, serving
 from bagpipe.cli import build_parser
 from bagpipe.control.registry import Registry
 from bagpipe.core.data import table_offsets
-from bagpipe.core.files import CriteoConfig, CriteoTSVSource
 from bagpipe.core.shard_map import ShardMap
-from bagpipe.core.shard_store import ShardStore
 from bagpipe.data_processor.config import DataProcessorConfig, SourceConfig
+from bagpipe.data_processor.files import CriteoConfig, CriteoTSVSource
 from bagpipe.data_processor.server import create_server as create_data_processor
 from bagpipe.embedding_server.caps import request_caps
 from bagpipe.embedding_server.client import MAX_ROWS_PER_RPC
 from bagpipe.embedding_server.server import create_server as create_embedding_server
-from bagpipe.local.launcher import RedisServer
+from bagpipe.embedding_server.shard_store import ShardStore
+from bagpipe.local.redis_server import RedisServer
 from bagpipe.local.validate import validate_run_args
 from bagpipe.oracle_cacher.config import OracleConfig
 from bagpipe.oracle_cacher.server import Oracle
@@ -501,8 +501,8 @@ def test_a_seeded_fuzz_of_bad_data_files_names_the_line_or_keeps_exactly_the_goo
     hundred bytes at a time: without --skip-bad-rows the error names the file, the first bad line and its
     column; with it the batches are exactly those of the good lines alone, and the bad ones are counted.
     Avazu's categorical rows are checked against FNV-1a computed one value at a time."""
-    from bagpipe.core import files
     from bagpipe.core.data import DataFormatError
+    from bagpipe.data_processor import files
 
     monkeypatch.setattr(files, "MAX_LINE_BYTES", FUZZ_LINE_LIMIT)
     rng = random.Random(53)

@@ -1,6 +1,6 @@
 """Every model with every optimizer trains exactly like single-process synchronous training.
 
-The reference (core/reference.py) uses stock ``nn.Embedding`` tables (a separate one-column table per
+The reference (tests/reference.py) uses stock ``nn.Embedding`` tables (a separate one-column table per
 field for the first-order weights of W&D and DeepFM) and stock optimizers (``SparseAdam`` for the
 tables under Adam); Bagpipe keeps a field's vector and first-order weight as one row, in caches and on
 servers, with its optimizer state beside it. LRPP, delayed synchronisation and L=8 (rows change hands)
@@ -22,10 +22,10 @@ import pytest
 from bagpipe.core import checkpoint
 from bagpipe.core.model import ModelConfig
 from bagpipe.core.optim import OptimizerConfig
-from bagpipe.core.reference import train_reference
 
 from tests.integration.conftest import adam_eps, flags
 from tests.integration.test_equivalence import TOLERANCE, synthetic_batches
+from tests.reference import train_reference
 
 SIZES = {
     "dlrm": {"bottom_mlp": (16, 8), "top_mlp": (16, 1)},

@@ -17,7 +17,7 @@ from pathlib import Path
 
 import pytest
 from bagpipe.core import checkpoint
-from bagpipe.local.launcher import children_matching
+from bagpipe.local.keeper import children_matching
 
 from tests.integration.conftest import BackgroundRun, exact_flags, flags
 from tests.integration.test_equivalence import assert_same_model, assert_synchronous

@@ -20,7 +20,8 @@ from bagpipe.core.data import table_offsets
 from bagpipe.core.embedding_init import init_rows
 from bagpipe.embedding_server.client import EmbeddingClient
 from bagpipe.embedding_server.resharder import drain
-from bagpipe.local.launcher import RedisServer, children_matching
+from bagpipe.local.keeper import children_matching
+from bagpipe.local.redis_server import RedisServer
 from bagpipe.local.scaling import request_scale, wait_scaled
 
 from tests.integration.conftest import BackgroundRun, exact_flags, flags

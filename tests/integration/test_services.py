@@ -14,12 +14,12 @@ import numpy as np
 import pytest
 from bagpipe.codec import WireBatch, decode_batch, encode_batch
 from bagpipe.core.data import SyntheticConfig, SyntheticSource, build_batch, scaled_table_rows, table_offsets
-from bagpipe.core.lookahead import trainer_users
+from bagpipe.core.plans import trainer_users
 from bagpipe.core.shard_map import ShardMap
-from bagpipe.core.shard_store import ShardStore
 from bagpipe.data_processor.config import DataProcessorConfig, SourceConfig
 from bagpipe.data_processor.server import create_server as create_data_processor
 from bagpipe.embedding_server.server import create_server as create_embedding_server
+from bagpipe.embedding_server.shard_store import ShardStore
 from bagpipe.errors import InvalidArgument
 from bagpipe.oracle_cacher.config import OracleConfig
 from bagpipe.oracle_cacher.server import Oracle, _Received

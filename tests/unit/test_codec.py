@@ -8,11 +8,11 @@ import dataclasses
 import numpy as np
 import pytest
 from bagpipe.codec import check_samples, decode_batch, decode_plan, encode_batch, encode_plans
-from bagpipe.core.batches import numbered_batches
 from bagpipe.core.data import SyntheticConfig, SyntheticSource, table_offsets
-from bagpipe.core.lookahead import LookaheadPlanner, trainer_users
-from bagpipe.core.plans import for_trainer
+from bagpipe.core.plans import for_trainer, trainer_users
+from bagpipe.data_processor.batches import numbered_batches
 from bagpipe.errors import InvalidArgument
+from bagpipe.oracle_cacher.lookahead import LookaheadPlanner
 from bagpipe.v1 import data_processor_pb2 as dpb
 from bagpipe.v1 import oracle_cacher_pb2 as opb
 from bagpipe.wire import to_tensor

@@ -15,7 +15,7 @@ from bagpipe.data_processor.config import DataProcessorConfig, SourceConfig
 from bagpipe.embedding_server import config as embedding_server
 from bagpipe.embedding_server.config import EmbeddingServerConfig
 from bagpipe.local import configs
-from bagpipe.local.launcher import checkpoint_every
+from bagpipe.local.configs import checkpoint_every
 from bagpipe.oracle_cacher import config as oracle
 from bagpipe.oracle_cacher.config import OracleConfig
 from bagpipe.trainer import config as trainer

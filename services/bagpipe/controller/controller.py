@@ -41,10 +41,10 @@ from bagpipe.control.generation import (
     Generation,
     current,
 )
+from bagpipe.control.locks import CHECKPOINT_LOCK_OWNER, RESHARD_LOCK
 from bagpipe.control.registry import Registry
 from bagpipe.controller.config import ControllerConfig
 from bagpipe.core import snapshots
-from bagpipe.embedding_server.client import CHECKPOINT_LOCK_OWNER, RESHARD_LOCK
 from bagpipe.errors import BAD_DATA
 
 logger = logging.getLogger(__name__)

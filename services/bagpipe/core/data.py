@@ -1,6 +1,6 @@
 """Training samples: a synthetic Criteo-like generator, the schema of each source, and batch key extraction.
 
-Every source (this generator; the Criteo and Avazu files of core/files.py) produces
+Every source (this generator; the Criteo and Avazu files of data_processor/files.py) produces
 :class:`Samples` (log-transformed dense features, per-table row indices, labels) and number global
 batches the same way: batch ``b`` is samples ``[b*B, (b+1)*B)`` of the stream.
 :class:`SyntheticSource` is stateless, so any batch can be regenerated on its own (a restarted data

@@ -18,6 +18,12 @@ class RowStore(Protocol):
     bytes_sent: int  # payload bytes this process sent / received (0 for memory copies)
     bytes_received: int
     initial_rows: int  # rows lookups were answered as still initial and computed here (no bytes)
+    refusals: int  # requests refused for their shard-map version, then routed again (0: one table)
+
+    @property
+    def shard_map_version(self) -> int:
+        """The version of the shard map the store routes by (0: one table, never re-sharded)."""
+        ...
 
     def lookup(self, keys: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
         """The rows and state of ``keys`` (int64, any order, no duplicates needed)."""

@@ -18,7 +18,7 @@ from bagpipe.config_args import (
     table_rows_of,
 )
 from bagpipe.core.data import SyntheticConfig, SyntheticSource
-from bagpipe.core.files import (
+from bagpipe.data_processor.files import (
     DEFAULT_SHUFFLE_BUFFER,
     AvazuConfig,
     AvazuCSVSource,

@@ -13,10 +13,10 @@ import numpy as np
 
 from bagpipe import serving
 from bagpipe.codec import encode_batch
-from bagpipe.core.batches import numbered_batches
 from bagpipe.core.data import BatchArrays, DataFormatError
-from bagpipe.core.lookahead import MAX_TRAINERS, trainer_users
+from bagpipe.core.plans import MAX_TRAINERS, trainer_users
 from bagpipe.data_processor import metrics
+from bagpipe.data_processor.batches import numbered_batches
 from bagpipe.data_processor.config import DataProcessorConfig, SourceConfig
 from bagpipe.errors import BadData, InvalidArgument
 from bagpipe.v1 import data_processor_pb2 as pb

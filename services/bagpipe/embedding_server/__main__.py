@@ -12,10 +12,10 @@ from bagpipe.control.registry import Registry
 from bagpipe.core import snapshots
 from bagpipe.core.data import table_offsets
 from bagpipe.core.shard_map import ShardMap
-from bagpipe.core.shard_store import ShardStore
 from bagpipe.embedding_server.config import EmbeddingServerConfig, parse
 from bagpipe.embedding_server.resharder import Resharder
 from bagpipe.embedding_server.server import EmbeddingServicer, create_server
+from bagpipe.embedding_server.shard_store import ShardStore
 
 logger = logging.getLogger("bagpipe.embedding_server")
 

@@ -8,7 +8,7 @@ is the largest cap, so gRPC itself refuses anything larger from the message's le
 from __future__ import annotations
 
 from bagpipe import serving
-from bagpipe.core.shard_store import ShardStore
+from bagpipe.embedding_server.shard_store import ShardStore
 
 ENVELOPE_BYTES = 4 << 10  # the message's own fields and each tensor's dtype and shape
 KEY_BYTES = 8

@@ -19,6 +19,7 @@ from bagpipe import serving
 from bagpipe.core.embedding_init import InitialRows
 from bagpipe.core.shard_map import ShardMap
 from bagpipe.errors import InvalidArgument
+from bagpipe.rpc import Moved, call_with_retry
 from bagpipe.v1 import embedding_server_pb2 as pb
 from bagpipe.v1 import embedding_server_pb2_grpc as pb_grpc
 from bagpipe.wire import decode_message, encode_message, from_tensor, gather, serialized
@@ -26,37 +27,9 @@ from bagpipe.wire import decode_message, encode_message, from_tensor, gather, se
 logger = logging.getLogger(__name__)
 
 MAX_ROWS_PER_RPC = 1 << 18
-_RETRIES = 5
 # a request refused for its shard-map version waits at most this long for the servers to switch
 SWITCH_TIMEOUT_S = 120.0
-# held by whoever changes the map in force (the re-sharding coordinator) or needs it fixed (a checkpoint)
-RESHARD_LOCK = "reshard"
-# how a trainer's checkpoint names itself holding RESHARD_LOCK (the controller breaks a dead one's hold)
-CHECKPOINT_LOCK_OWNER = "checkpoint-"
 T = TypeVar("T")
-
-
-def call_with_retry(
-    fn: Callable[[], T],
-    what: str,
-    moved: Callable[[], bool] | None = None,
-    retry: tuple[grpc.StatusCode, ...] = (grpc.StatusCode.UNAVAILABLE,),
-) -> T:
-    """Retries only UNAVAILABLE (server restarting), with backoff; every call has a deadline. With ``moved``
-    (is there a newer shard map?), an unavailable server that the map no longer needs (drained and gone)
-    raises ``Moved`` instead, so the caller routes the request again. An idempotent call may name more
-    codes to ``retry`` (DEADLINE_EXCEEDED: its reply was lost or late)."""
-    for attempt in range(_RETRIES):
-        try:
-            return fn()
-        except grpc.RpcError as e:
-            if e.code() == grpc.StatusCode.UNAVAILABLE and moved is not None and moved():
-                raise Moved(what) from e
-            if e.code() not in retry or attempt == _RETRIES - 1:
-                raise
-            logger.warning("%s: %s, retrying (%d/%d)", what, e.code().name.lower(), attempt + 1, _RETRIES)
-            time.sleep(0.1 * 2**attempt)
-    raise AssertionError("unreachable")
 
 
 @njit(cache=True, nogil=True)
@@ -70,10 +43,6 @@ def _put_packed(rows, state, positions, packed):  # type: ignore[no-untyped-def]
             rows[p, j] = packed[i, j]
         for j in range(state.shape[1]):
             state[p, j] = packed[i, dim + j]
-
-
-class Moved(Exception):
-    """The server did not answer, and a newer shard map than the request's is in force."""
 
 
 class _Refused(Exception):
@@ -172,6 +141,10 @@ class EmbeddingClient:
     @property
     def shard_map(self) -> ShardMap:
         return self._route.shard_map
+
+    @property
+    def shard_map_version(self) -> int:
+        return self._route.shard_map.version
 
     def _routing(self, shard_map: ShardMap, addresses: dict[int, str]) -> _Route:
         """(Under ``_lock``, or in ``__init__``.)"""

@@ -25,9 +25,9 @@ from bagpipe.config_args import (
 )
 from bagpipe.core.model_config import LINEAR_MODELS, row_width
 from bagpipe.core.optim_config import OptimizerConfig
-from bagpipe.core.shard_store import DEFAULT_MAX_ABS
 from bagpipe.cpu_priority import PRIORITIES
 from bagpipe.embedding_server.client import MAX_ROWS_PER_RPC
+from bagpipe.embedding_server.shard_store import DEFAULT_MAX_ABS
 
 
 @dataclass(frozen=True)

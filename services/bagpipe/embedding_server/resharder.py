@@ -40,10 +40,10 @@ from typing import Any
 import numpy as np
 
 from bagpipe import serving
+from bagpipe.control.locks import RESHARD_LOCK
 from bagpipe.control.registry import Registry
 from bagpipe.core.shard_map import ShardMap
 from bagpipe.embedding_server import metrics
-from bagpipe.embedding_server.client import RESHARD_LOCK
 from bagpipe.v1 import embedding_server_pb2 as pb
 from bagpipe.v1 import embedding_server_pb2_grpc as pb_grpc
 

@@ -3,7 +3,7 @@
 Without threads (below), handlers run on the asyncio loop and do not await between validating a
 request and applying it, so each lookup or write-back is atomic with respect to the others and a
 rejected one changes nothing. The same holds for the steps of a migration that touch rows (a chunk's
-copy, the seal, a received message): see ``core/shard_store.py`` for why no write is lost or applied twice.
+copy, the seal, a received message): see ``shard_store.py`` for why no write is lost or applied twice.
 
 With ``lookup_threads``, the work on rows moves off the loop, so that a server with cores to spare
 serves several lookups at once and keeps receiving and sending (about half of its work is gRPC's, on
@@ -35,10 +35,10 @@ import numpy as np
 from bagpipe import serving
 from bagpipe.core import snapshots
 from bagpipe.core.shard_map import ShardMap
-from bagpipe.core.shard_store import Migration, ShardStore
 from bagpipe.embedding_server import metrics
 from bagpipe.embedding_server.caps import request_caps
 from bagpipe.embedding_server.client import MAX_ROWS_PER_RPC
+from bagpipe.embedding_server.shard_store import Migration, ShardStore
 from bagpipe.errors import FailedPrecondition, InvalidArgument
 from bagpipe.health_service import HealthService
 from bagpipe.v1 import embedding_server_pb2 as pb

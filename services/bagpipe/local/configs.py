@@ -186,3 +186,22 @@ def trainer(args: argparse.Namespace, gen: GenerationSpec, rank: int, dist_init:
         eval_every=args.eval_every if getattr(args, "eval_data", None) else 0,
         eval_samples=args.eval_samples if getattr(args, "eval_data", None) else 0,
     )
+
+
+def rendezvous_url(run_dir: Path) -> str:
+    """The trainers' ``--dist-init``: a file store, not a TCP port (a port picked free here may be taken by
+    another service's listener before rank 0 binds it). Each generation meets in a file of its own (the
+    trainers add its id: a store file is never reused). The path is absolute: in ``file://runs/x`` a
+    relative run directory would be read as a host name, and the trainers would wait on a file nobody
+    writes."""
+    rendezvous = run_dir.resolve() / "rendezvous"
+    rendezvous.mkdir(parents=True, exist_ok=True)
+    # (not Path.as_uri(): torch reads the path without undoing percent-encoding)
+    return f"file://{rendezvous / 'store'}"
+
+
+def checkpoint_every(args: argparse.Namespace) -> int:
+    """Batches between consistent checkpoints (0: none; the shared-memory 'ideal' system has none)."""
+    if getattr(args, "system", "bagpipe") == "ideal":
+        return 0
+    return int(getattr(args, "checkpoint_every", 0) or 0)

@@ -5,8 +5,10 @@ the report; and the held-out evaluations of a run (``metrics/eval.csv``, written
 
 from __future__ import annotations
 
+import argparse
 import csv
 import importlib.metadata
+import json
 import os
 import platform
 import subprocess
@@ -15,6 +17,7 @@ import time
 from pathlib import Path
 from typing import Any
 
+from bagpipe.core import snapshots
 from bagpipe.core.evaluation import EVAL_FIELDS
 
 RECORD_KEY = "_record"  # config.json's key for everything that is not a flag
@@ -69,3 +72,24 @@ def read_evals(path: Path) -> list[dict[str, float]]:
             entry["samples"] = int(entry["samples"])
             by_batch[int(entry["batches"])] = entry
     return [by_batch[b] for b in sorted(by_batch)]
+
+
+def resumed_args(args: argparse.Namespace) -> argparse.Namespace:
+    """``--resume RUN_DIR``: the stopped run's own flags (from its config.json), to go on where it stopped."""
+    config = Path(args.resume) / "config.json"
+    if not config.is_file():
+        raise SystemExit(f"--resume: {config} not found (not a run directory of `bagpipe run`?)")
+    saved = flags_of(json.loads(config.read_text()))
+    merged = argparse.Namespace(**{**vars(args), **saved})
+    merged.resume = args.resume
+    merged.quiet = args.quiet  # (how this invocation shows and reports the run: its own flags)
+    merged.no_report = args.no_report
+    for name in ("table_rows", "bottom_mlp", "top_mlp", "deep_mlp"):
+        if isinstance(getattr(merged, name, None), list):
+            setattr(merged, name, tuple(getattr(merged, name)))
+    checkpoints = (
+        Path(merged.checkpoint_dir) if merged.checkpoint_dir else Path(merged.run_dir) / "checkpoints"
+    )
+    if not snapshots.complete(checkpoints):
+        print(f"--resume: no complete checkpoint in {checkpoints}: the run starts over", file=sys.stderr)
+    return merged

@@ -1,6 +1,7 @@
 """The run report: plots of a local run from the trainers' per-iteration CSV files.
 
-``write_report`` makes ``iteration_breakdown.png`` (stacked stage times per trainer), ``loss.png``,
+``write_report`` makes ``iteration_breakdown.png`` (stacked stage times per trainer: the warm-up batch
+by batch on its own scale, beside the steady state), ``loss.png``,
 ``cache.png`` (hit rate, rows fetched and synchronised per iteration), ``eval.png`` (held-out logloss and
 AUC, with ``--eval-data``) and ``report.html``: the run record at the top (model, data, layout, git
 revision, package versions, every flag from config.json), then the plots and the summary. It opens
@@ -45,6 +46,19 @@ def _smooth(values: list[float], window: int) -> list[float]:
     return out
 
 
+def warm_up(iteration_seconds: list[float]) -> int:
+    """How many batches at the start are the job's warm-up: slower than 3x the median of the run's second
+    half (the first plans, the first lookups, compiling), at least the first."""
+    n = len(iteration_seconds)
+    if n < 2:
+        return 0
+    steady = sorted(iteration_seconds[n // 2 :])[len(iteration_seconds[n // 2 :]) // 2]
+    start = 1
+    while start < n // 2 and iteration_seconds[start] > 3 * steady:
+        start += 1
+    return start
+
+
 def write_report(run_dir: Path, summary: dict[str, Any]) -> Path:
     """Writes the plots and ``report.html`` into ``run_dir``; returns the HTML path."""
     files = sorted((run_dir / "metrics").glob("trainer-*.csv"), key=lambda p: int(p.stem.split("-")[1]))
@@ -54,22 +68,39 @@ def write_report(run_dir: Path, summary: dict[str, Any]) -> Path:
         raise RuntimeError(f"no per-iteration metrics under {run_dir / 'metrics'}")
     window = max(1, min(20, len(next(iter(trainers.values()))["batch"]) // 20))
 
-    fig, axes = plt.subplots(len(trainers), 1, figsize=(11, 3.2 * len(trainers)), sharex=True, squeeze=False)
-    for ax, (rank, cols) in zip(axes[:, 0], trainers.items(), strict=True):
-        stacks = [[1000 * v for v in _smooth(cols[f"{s}_seconds"], window)] for s in STAGES]
-        ax.stackplot(cols["batch"], stacks, labels=STAGES, colors=COLOURS, linewidth=0)
-        ax.plot(
-            cols["batch"],
-            [1000 * v for v in _smooth(cols["iteration_seconds"], window)],
-            "k-",
-            lw=0.8,
-            label="iteration",
-        )
-        ax.set_ylabel("ms per iteration")
-        ax.set_title(f"trainer {rank}: iteration breakdown (moving mean over {window})", fontsize=10)
+    fig, axes = plt.subplots(
+        len(trainers),
+        2,
+        figsize=(11, 3.2 * len(trainers)),
+        squeeze=False,
+        gridspec_kw={"width_ratios": [1, 4]},
+    )
+    for (warm_ax, ax), (rank, cols) in zip(axes, trainers.items(), strict=True):
+        start = warm_up(cols["iteration_seconds"])
+        batches = cols["batch"]
+        # the warm-up (start-up, the first plans, compiling) on its own scale, batch by batch
+        bottom = [0.0] * start
+        for stage, colour in zip(STAGES, COLOURS, strict=False):
+            heights = [1000 * v for v in cols[f"{stage}_seconds"][:start]]
+            warm_ax.bar(batches[:start], heights, bottom=bottom, color=colour, width=0.9)
+            bottom = [b + h for b, h in zip(bottom, heights, strict=True)]
+        warm_ax.set_title(f"warm-up: {start} batch{'es' if start != 1 else ''}", fontsize=10)
+        warm_ax.set_ylabel("ms per iteration")
+        warm_ax.grid(alpha=0.3)
+        # the steady state after it, at a scale its stages can be read at
+        steady = {k: v[start:] for k, v in cols.items()}
+        if not steady["batch"]:
+            continue
+        stacks = [[1000 * v for v in _smooth(steady[f"{s}_seconds"], window)] for s in STAGES]
+        ax.stackplot(steady["batch"], stacks, labels=STAGES, colors=COLOURS, linewidth=0)
+        total = [1000 * v for v in _smooth(steady["iteration_seconds"], window)]
+        ax.plot(steady["batch"], total, "k-", lw=0.8, label="iteration")
+        ax.set_ylim(0, 1.25 * sorted(total)[int(0.99 * (len(total) - 1))])
+        ax.set_title(f"trainer {rank}: steady state (moving mean over {window})", fontsize=10)
         ax.grid(alpha=0.3)
-    axes[0, 0].legend(loc="upper right", fontsize=7, ncol=3)
+    axes[0, 1].legend(loc="upper right", fontsize=7, ncol=3)
     axes[-1, 0].set_xlabel("batch")
+    axes[-1, 1].set_xlabel("batch")
     fig.tight_layout()
     fig.savefig(run_dir / "iteration_breakdown.png", dpi=110)
     plt.close(fig)

@@ -21,7 +21,7 @@ from bagpipe.config_args import (
     table_argv,
     table_rows_of,
 )
-from bagpipe.core.lookahead import MAX_TRAINERS
+from bagpipe.core.plans import MAX_TRAINERS
 
 
 @dataclass(frozen=True)

@@ -21,12 +21,12 @@ from typing import Any
 
 import numpy as np
 
-from bagpipe.core.batches import numbered_batches
 from bagpipe.core.data import table_offsets
-from bagpipe.core.lookahead import LookaheadPlanner, all_trainers, mask_dtype, trainer_users
 from bagpipe.core.optim import OptimizerConfig
-from bagpipe.core.plans import traffic
+from bagpipe.core.plans import all_trainers, mask_dtype, traffic, trainer_users
+from bagpipe.data_processor.batches import numbered_batches
 from bagpipe.data_processor.config import source_of
+from bagpipe.oracle_cacher.lookahead import LookaheadPlanner
 
 MODES = ("replicated", "lrpp", "lrpp+delayed")
 

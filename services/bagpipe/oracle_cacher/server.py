@@ -3,7 +3,7 @@
 Three kinds of tasks share one asyncio loop: one reader per data processor (each streams every
 N-th batch), one planner, and one StreamPlans call per trainer. A plan for batch x is released only
 when every trainer has reported the write-backs of batch x-L durable (DESIGN.md rule 1; see
-``core/lookahead.py`` for why x-L is the bound with a window of L batches).
+``oracle_cacher/lookahead.py`` for why x-L is the bound with a window of L batches).
 """
 
 from __future__ import annotations
@@ -23,16 +23,11 @@ import numpy as np
 from bagpipe import security, serving
 from bagpipe.codec import EncodedPlan, WireBatch, check_samples, decode_batch, encode_plans
 from bagpipe.core.data import table_offsets
-from bagpipe.core.lookahead import (
-    BACKGROUND,
-    CRITICAL,
-    LookaheadPlanner,
-    all_trainers,
-    mask_dtype,
-)
+from bagpipe.core.plans import BACKGROUND, CRITICAL, all_trainers, mask_dtype
 from bagpipe.errors import BAD_DATA, BadData, InvalidArgument, PermissionDenied
 from bagpipe.oracle_cacher import metrics
 from bagpipe.oracle_cacher.config import OracleConfig
+from bagpipe.oracle_cacher.lookahead import LookaheadPlanner
 from bagpipe.v1 import data_processor_pb2
 from bagpipe.v1 import oracle_cacher_pb2 as pb
 from bagpipe.v1 import oracle_cacher_pb2_grpc as pb_grpc

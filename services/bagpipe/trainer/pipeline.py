@@ -36,11 +36,11 @@ import torch
 from bagpipe import serving
 from bagpipe.codec import PlanArrays, decode_plan
 from bagpipe.control.registry import Registry
-from bagpipe.core.cache import EmbeddingCache
 from bagpipe.core.plans import TrainerPlan
 from bagpipe.core.row_store import RowStore
-from bagpipe.embedding_server.client import call_with_retry
+from bagpipe.rpc import call_with_retry
 from bagpipe.trainer import metrics
+from bagpipe.trainer.cache import EmbeddingCache
 from bagpipe.trainer.config import TrainerConfig
 from bagpipe.v1 import oracle_cacher_pb2 as opb
 from bagpipe.v1 import oracle_cacher_pb2_grpc as opb_grpc

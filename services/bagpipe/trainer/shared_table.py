@@ -33,6 +33,8 @@ class SharedTable:
         self.bytes_sent = 0
         self.bytes_received = 0
         self.initial_rows = 0
+        self.refusals = 0  # (one table: nothing is ever routed again)
+        self.shard_map_version = 0
 
     def fill_from(self, store: RowStore, chunk: int = 1 << 18) -> None:
         """Copies every row (and its state) from ``store`` (the embedding servers)."""

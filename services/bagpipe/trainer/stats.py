@@ -15,7 +15,6 @@ import torch
 
 from bagpipe.codec import PlanArrays
 from bagpipe.core.row_store import RowStore
-from bagpipe.embedding_server.client import EmbeddingClient
 from bagpipe.trainer import metrics
 
 
@@ -134,10 +133,9 @@ class TrainerStats:
         metrics.LOOKAHEAD.set(plan.lookahead)
         metrics.LOSS.set(loss)
         sent, received = store.bytes_sent, store.bytes_received
-        if isinstance(store, EmbeddingClient):
-            metrics.SHARD_MAP_VERSION.set(store.shard_map.version)
-            metrics.SHARD_MAP_REFUSALS.inc(store.refusals - self._refusals_seen)
-            self._refusals_seen = store.refusals
+        metrics.SHARD_MAP_VERSION.set(store.shard_map_version)
+        metrics.SHARD_MAP_REFUSALS.inc(store.refusals - self._refusals_seen)
+        self._refusals_seen = store.refusals
         metrics.BYTES.labels("sent").inc(sent - self._bytes_seen[0])
         metrics.BYTES.labels("received").inc(received - self._bytes_seen[1])
         self._bytes_seen = (sent, received)

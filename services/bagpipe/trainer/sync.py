@@ -21,9 +21,9 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
-from bagpipe.core.cache import EmbeddingCache
 from bagpipe.core.optim import OptimizerConfig, apply_rows
 from bagpipe.core.plans import SyncStep, TrainerPlan
+from bagpipe.trainer.cache import EmbeddingCache
 from bagpipe.trainer.pipeline import Pipeline
 
 

@@ -27,16 +27,17 @@ import torch.distributed as dist
 
 from bagpipe import security, serving
 from bagpipe.codec import PlanArrays
+from bagpipe.control.locks import CHECKPOINT_LOCK_OWNER, RESHARD_LOCK
 from bagpipe.control.registry import Registry
 from bagpipe.core import checkpoint, snapshots
-from bagpipe.core.cache import EmbeddingCache
 from bagpipe.core.data import table_offsets
 from bagpipe.core.embedding_init import InitialRows
 from bagpipe.core.model import batch_logits, batch_loss, build_model
 from bagpipe.core.optim import dense_optimizer, restore_state, saved_state, steps_taken
 from bagpipe.core.row_store import RowStore
-from bagpipe.embedding_server.client import CHECKPOINT_LOCK_OWNER, RESHARD_LOCK, EmbeddingClient
+from bagpipe.embedding_server.client import EmbeddingClient
 from bagpipe.trainer import metrics
+from bagpipe.trainer.cache import EmbeddingCache
 from bagpipe.trainer.config import TrainerConfig
 from bagpipe.trainer.evaluation import HeldOut, append_eval, load_held_out
 from bagpipe.trainer.pipeline import Pipeline

@@ -10,7 +10,7 @@ from typing import Any
 
 import pytest
 from bagpipe.control.detector import FINISHED, PROGRESS, Detector, Observation, ScrapeSource
-from bagpipe.local.launcher import free_port
+from bagpipe.local.redis_server import free_port
 from bagpipe.metrics_http import MetricsServer
 from prometheus_client.parser import text_string_to_metric_families
 

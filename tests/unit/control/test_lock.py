@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 from bagpipe.control.registry import LockLost, Registry
-from bagpipe.local.launcher import RedisServer
+from bagpipe.local.redis_server import RedisServer
 
 
 @pytest.fixture

@@ -17,7 +17,7 @@ from unittest import mock
 import pytest
 import redis
 from bagpipe.control.registry import Registry, connection_options
-from bagpipe.local.launcher import find_redis_server
+from bagpipe.local.redis_server import find_redis_server
 
 from tests.certificates import certificates
 

@@ -29,7 +29,7 @@ from bagpipe.controller.controller import Controller
 from bagpipe.core import snapshots
 from bagpipe.core.shard_map import ShardMap
 from bagpipe.errors import BAD_DATA
-from bagpipe.local.launcher import RedisServer
+from bagpipe.local.redis_server import RedisServer
 
 
 class Script:

@@ -21,7 +21,7 @@ from bagpipe.core.data import (
     scaled_table_rows,
     table_offsets,
 )
-from bagpipe.core.files import CriteoConfig, CriteoTSVSource
+from bagpipe.data_processor.files import CriteoConfig, CriteoTSVSource
 
 SMALL_ROWS = (50, 40, 30, 20, 1000, 7)
 

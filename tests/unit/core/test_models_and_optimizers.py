@@ -30,7 +30,8 @@ from bagpipe.core.optim import (
     compiled_rows,
     saved_state,
 )
-from bagpipe.core.reference import train_reference
+
+from tests.reference import train_reference
 
 TABLES, ROWS, BATCH, DIM = 3, 20, 16, 4
 
@@ -274,7 +275,7 @@ def test_a_checkpoint_of_another_model_is_named_when_it_does_not_fit() -> None:
 def test_a_server_takes_a_negative_first_moment_but_refuses_a_negative_second_one() -> None:
     from bagpipe.core.data import table_offsets
     from bagpipe.core.shard_map import ShardMap
-    from bagpipe.core.shard_store import ShardStore
+    from bagpipe.embedding_server.shard_store import ShardStore
     from bagpipe.errors import InvalidArgument
 
     adam = OptimizerConfig("adam", 1e-3)

@@ -5,8 +5,16 @@ from __future__ import annotations
 
 import numpy as np
 import pytest
-from bagpipe.core.lookahead import BatchPlan, LookaheadPlanner, trainer_users
-from bagpipe.core.plans import BACKGROUND, CRITICAL, PRIVATE, for_trainer, shared_plan
+from bagpipe.core.plans import (
+    BACKGROUND,
+    CRITICAL,
+    PRIVATE,
+    BatchPlan,
+    for_trainer,
+    shared_plan,
+    trainer_users,
+)
+from bagpipe.oracle_cacher.lookahead import LookaheadPlanner
 
 
 def _plans(trainers: int, seed: int) -> list[tuple[BatchPlan, np.ndarray]]:

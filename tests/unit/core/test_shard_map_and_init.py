@@ -6,7 +6,7 @@ import numpy as np
 import pytest
 from bagpipe.core.data import table_offsets
 from bagpipe.core.shard_map import ShardMap
-from bagpipe.core.shard_store import ShardStore
+from bagpipe.embedding_server.shard_store import ShardStore
 from bagpipe.errors import InvalidArgument
 
 

@@ -14,7 +14,7 @@ import pytest
 from bagpipe.core import snapshots
 from bagpipe.core.data import table_offsets
 from bagpipe.core.shard_map import ShardMap
-from bagpipe.core.shard_store import ShardStore
+from bagpipe.embedding_server.shard_store import ShardStore
 
 DIM = STATE = 3
 OFFSETS = table_offsets([300, 200])

@@ -10,7 +10,7 @@ import pytest
 from bagpipe.control.generation import DONE, TRAINING, Generation
 from bagpipe.control.registry import Registry
 from bagpipe.embedding_server import drain
-from bagpipe.local.launcher import RedisServer
+from bagpipe.local.redis_server import RedisServer
 
 
 def test_a_done_job_is_not_drained(tmp_path: Path, capsys: pytest.CaptureFixture[str], monkeypatch) -> None:

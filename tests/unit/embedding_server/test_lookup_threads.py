@@ -17,9 +17,9 @@ from bagpipe import wire
 from bagpipe.core import snapshots
 from bagpipe.core.data import table_offsets
 from bagpipe.core.shard_map import ShardMap
-from bagpipe.core.shard_store import ShardStore
 from bagpipe.embedding_server import config as server_config
 from bagpipe.embedding_server.server import EmbeddingServicer
+from bagpipe.embedding_server.shard_store import ShardStore
 from bagpipe.errors import InvalidArgument
 from bagpipe.v1 import embedding_server_pb2 as pb
 from bagpipe.wire import from_tensor, to_tensor

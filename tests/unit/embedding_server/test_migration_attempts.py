@@ -15,10 +15,10 @@ import numpy as np
 import pytest
 from bagpipe.core.data import table_offsets
 from bagpipe.core.shard_map import ShardMap
-from bagpipe.core.shard_store import ShardStore
 from bagpipe.embedding_server import resharder as resharder_module
 from bagpipe.embedding_server.resharder import Resharder
 from bagpipe.embedding_server.server import EmbeddingServicer, create_server
+from bagpipe.embedding_server.shard_store import ShardStore
 from bagpipe.errors import FailedPrecondition
 from bagpipe.v1 import embedding_server_pb2 as pb
 from bagpipe.v1 import embedding_server_pb2_grpc as pb_grpc

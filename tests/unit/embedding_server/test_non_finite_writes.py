@@ -9,7 +9,7 @@ import torch
 from bagpipe.core.data import table_offsets
 from bagpipe.core.optim import OPTIMIZERS, OptimizerConfig, apply_rows
 from bagpipe.core.shard_map import ShardMap
-from bagpipe.core.shard_store import ShardStore
+from bagpipe.embedding_server.shard_store import ShardStore
 from bagpipe.errors import InvalidArgument
 
 DIM = 4

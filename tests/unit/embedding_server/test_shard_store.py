@@ -6,7 +6,7 @@ import numpy as np
 import pytest
 from bagpipe.core.data import table_offsets
 from bagpipe.core.shard_map import ShardMap
-from bagpipe.core.shard_store import ShardStore
+from bagpipe.embedding_server.shard_store import ShardStore
 from bagpipe.errors import InvalidArgument
 
 
@@ -55,7 +55,7 @@ def test_the_compiled_write_refuses_exactly_what_the_numpy_checks_refuse() -> No
     squares, a repeated key), against ``check_values`` and a duplicate test on the same request: the store
     takes a request whole exactly when they pass it, and otherwise changes nothing."""
     import pytest
-    from bagpipe.core.shard_store import check_values
+    from bagpipe.embedding_server.shard_store import check_values
     from bagpipe.errors import InvalidArgument
 
     store = _store()

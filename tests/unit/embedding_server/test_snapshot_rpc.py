@@ -14,8 +14,8 @@ import pytest
 from bagpipe.core import snapshots
 from bagpipe.core.data import table_offsets
 from bagpipe.core.shard_map import ShardMap
-from bagpipe.core.shard_store import ShardStore
 from bagpipe.embedding_server.server import EmbeddingServicer
+from bagpipe.embedding_server.shard_store import ShardStore
 from bagpipe.errors import FailedPrecondition
 from bagpipe.v1 import embedding_server_pb2 as pb
 

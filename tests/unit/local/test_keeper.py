@@ -3,33 +3,33 @@ started again when it stops answering (its liveness probe); the same command lin
 
 from __future__ import annotations
 
-import argparse
 import signal
 import time
 from pathlib import Path
 
 from bagpipe.control.registry import Registry
-from bagpipe.local.launcher import LocalJob, RedisServer, _keep_alive
+from bagpipe.local.keeper import Keeper, keep_alive
+from bagpipe.local.redis_server import RedisServer
 
 
 def test_a_killed_redis_is_started_again_and_a_frozen_one_killed_first(tmp_path: Path) -> None:
     server = RedisServer(tmp_path)
-    job = LocalJob(argparse.Namespace(), tmp_path)  # (no process of its own: Redis alone)
+    job = Keeper(tmp_path)  # (no process of its own: Redis alone)
     try:
         url, first = server.url, server.proc.pid
         server.proc.send_signal(signal.SIGKILL)
         server.proc.wait()
-        _keep_alive(job, server, [0.0], timeout=1.0)
+        keep_alive(job, server, [0.0], timeout=1.0)
         assert server.restarts == 1 and server.proc.pid != first and server.url == url
         assert Registry(url, "keeper").ping()
 
         frozen = server.proc.pid
         server.proc.send_signal(signal.SIGSTOP)
         silent = [time.monotonic()]  # (the keeper saw it stop answering now)
-        _keep_alive(job, server, silent, timeout=1.0)
+        keep_alive(job, server, silent, timeout=1.0)
         assert server.proc.pid == frozen  # not yet: silent for less than the timeout
         silent[0] -= 2.0
-        _keep_alive(job, server, silent, timeout=1.0)
+        keep_alive(job, server, silent, timeout=1.0)
         assert server.restarts == 2 and server.proc.pid != frozen and silent == [0.0]
         assert Registry(url, "keeper").ping()
     finally:

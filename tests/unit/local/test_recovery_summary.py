@@ -1,10 +1,10 @@
-"""``launcher.recovery_summary``: what a run's summary says about its failures."""
+"""``summary.recovery_summary``: what a run's summary says about its failures."""
 
 from __future__ import annotations
 
 from pathlib import Path
 
-from bagpipe.local.launcher import recovery_summary
+from bagpipe.local.summary import recovery_summary
 
 
 def _failure(start: int, last: int) -> dict:

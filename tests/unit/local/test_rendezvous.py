@@ -6,7 +6,7 @@ from pathlib import Path
 from urllib.parse import urlparse
 
 import pytest
-from bagpipe.local.launcher import rendezvous_url
+from bagpipe.local.configs import rendezvous_url
 from bagpipe.trainer.__main__ import generation_url
 
 

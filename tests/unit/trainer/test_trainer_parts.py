@@ -11,7 +11,6 @@ import pytest
 import torch
 from bagpipe import cli
 from bagpipe.config_args import Coordination
-from bagpipe.core.cache import EmbeddingCache
 from bagpipe.core.model import ModelConfig
 from bagpipe.core.optim import OptimizerConfig, apply_rows
 from bagpipe.core.plans import SyncStep, TrainerPlan
@@ -19,6 +18,7 @@ from bagpipe.core.row_store import RowStore
 from bagpipe.embedding_server.client import EmbeddingClient
 from bagpipe.local import configs
 from bagpipe.trainer import metrics
+from bagpipe.trainer.cache import EmbeddingCache
 from bagpipe.trainer.config import TrainerConfig
 from bagpipe.trainer.pipeline import Pipeline
 from bagpipe.trainer.shared_table import SharedTable

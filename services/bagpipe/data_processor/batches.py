@@ -11,7 +11,7 @@ from collections.abc import Callable, Iterator
 from typing import Any
 
 from bagpipe.core.data import BatchArrays, SyntheticSource, build_batch, table_offsets
-from bagpipe.core.files import FileSource
+from bagpipe.data_processor.files import FileSource
 
 # called once per batch with the seconds it took to read and build, and the malformed lines it skipped
 Observer = Callable[[float, int], Any]
@@ -39,7 +39,7 @@ def numbered_batches(
                 observe(time.perf_counter() - t0, 0)
             yield arrays, number == end - 1
         return
-    # a file source parses only this stride's lines (core/files.py)
+    # a file source parses only this stride's lines (files.py)
     bad_seen = 0
     t0 = time.perf_counter()
     for number, samples, last in source.numbered(batch_size, start, stride):

@@ -13,10 +13,9 @@ from collections.abc import Iterable
 from typing import Any
 
 import torch
-from torch import nn
-
 from bagpipe.core.model import ModelConfig, batch_loss, build_model
 from bagpipe.core.optim import OptimizerConfig, restore_state, saved_state
+from torch import nn
 
 
 def train_reference(

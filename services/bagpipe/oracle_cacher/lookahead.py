@@ -71,125 +71,20 @@ import numpy as np
 from numba import njit
 
 from bagpipe.core.intrinsics import load_early
+from bagpipe.core.plans import (
+    BatchPlan,
+    Handovers,
+    all_trainers,
+    mask_dtype,
+)
 
 logger = logging.getLogger(__name__)
 
-__all__ = [
-    "BACKGROUND",
-    "CRITICAL",
-    "PRIVATE",
-    "BatchPlan",
-    "CapacityError",
-    "LookaheadPlanner",
-    "SlotAllocator",
-    "mask_dtype",
-    "trainer_users",
-]
-
-MAX_TRAINERS = 64
-
-# BatchPlan.sync_class: how a row's update reaches the other holders: it has one holder (updated there
-# alone); it is all-reduced before the next batch (which reads it); or in the background
-PRIVATE, CRITICAL, BACKGROUND = 0, 1, 2
+__all__ = ["CapacityError", "LookaheadPlanner", "SlotAllocator"]
 
 
 class CapacityError(ValueError):
     """A single batch needs more cache rows than the capacity allows."""
-
-
-def mask_dtype(trainers: int) -> np.dtype:
-    """The smallest unsigned integer type with one bit per trainer."""
-    if not 1 <= trainers <= MAX_TRAINERS:
-        raise ValueError(f"trainers: must be in [1, {MAX_TRAINERS}], got {trainers}")
-    for dt in (np.uint8, np.uint16, np.uint32, np.uint64):
-        if trainers <= np.iinfo(dt).bits:
-            return np.dtype(dt)
-    raise AssertionError("unreachable")
-
-
-def all_trainers(trainers: int) -> np.generic:
-    dt = mask_dtype(trainers)
-    return dt.type((1 << trainers) - 1)
-
-
-def trainer_users(inverse: np.ndarray, unique: int, trainers: int) -> np.ndarray:
-    """Per key of a global batch, the bit mask of trainers whose contiguous slice of samples uses it.
-
-    ``inverse`` is the batch's int32 ``[B, tables]`` index into its ``unique`` keys; trainer ``t`` takes
-    samples ``[t*B/T, (t+1)*B/T)``. Per trainer, one scatter of its slice into a byte map of the keys
-    (cache-resident), shifted into the mask.
-    """
-    dt = mask_dtype(trainers)
-    size = inverse.shape[0]
-    if size % trainers:
-        raise ValueError(f"batch of {size} samples does not split over {trainers} trainers")
-    per = size // trainers
-    out = np.zeros(unique, dtype=dt)
-    seen = np.zeros(unique, dtype=bool)
-    true = np.ones(per * inverse.shape[1], dtype=bool)  # scattering an array is ~20x faster than a scalar
-    for t in range(trainers):
-        seen.fill(False)
-        seen[inverse[t * per : (t + 1) * per].reshape(-1)] = true
-        out += seen.view(np.uint8).astype(dt, copy=False) << dt.type(t)
-    return out
-
-
-@dataclass(frozen=True)
-class Handovers:
-    """Rows copied from one holder to new holders after a batch's update. Arrays are aligned."""
-
-    keys: np.ndarray  # int64 [H]
-    slots: np.ndarray  # int32 [H]
-    source: np.ndarray  # mask [H]: the one trainer that sends
-    recipients: np.ndarray  # mask [H]: trainers that receive
-    critical: np.ndarray  # bool [H]: the next batch reads the row
-
-
-@dataclass(frozen=True)
-class BatchPlan:
-    """What the trainers do for one global batch.
-
-    Per-key arrays are aligned with ``keys``; ``prefetch`` and ``evict`` index into them. Evicted keys
-    are always keys of the batch itself, because only a key's last use in the window expires it.
-    """
-
-    batch: int
-    keys: np.ndarray  # int64 [U], sorted unique global keys
-    slots: np.ndarray  # int32 [U]
-    ttl: np.ndarray  # int32 [U]
-    users: np.ndarray  # mask [U]: trainers whose samples use the key in this batch
-    holders: np.ndarray  # mask [U]: trainers that hold the key during this batch
-    sync_class: np.ndarray  # uint8 [U]: PRIVATE (one holder), CRITICAL or BACKGROUND (all-reduced)
-    prefetch: np.ndarray  # int32 [P]: fetched by their holders before this batch
-    prefetch_keys: np.ndarray  # int64 [P]: keys[prefetch]
-    prefetch_holders: np.ndarray  # mask [P]: holders[prefetch]
-    # bool [P]: the key's first use since batch first_since (the planner's first): no batch from then
-    # until this one used it, so nothing since then has changed its row
-    prefetch_first: np.ndarray
-    first_since: int
-    evict: np.ndarray  # int32 [E]
-    evict_keys: np.ndarray  # int64 [E]: keys[evict]
-    writer: np.ndarray  # int32 [E]: the trainer that writes each evicted key back
-    handovers: Handovers  # after this batch's update
-    depends_on: int  # write-backs of this batch must be durable before the prefetches start
-    window: int  # batches in the window (the effective L) when the plan was made
-    slot_high_water: int
-    occupancy: int
-    last: bool
-
-    @property
-    def unique(self) -> int:
-        return int(self.keys.size)
-
-    @property
-    def sync(self) -> np.ndarray:
-        """bool [U]: the update is all-reduced (the key has more than one holder)."""
-        return self.sync_class != PRIVATE
-
-    @property
-    def critical(self) -> np.ndarray:
-        """bool [U]: ... before the next batch, which reads the key (else in the background)."""
-        return self.sync_class == CRITICAL
 
 
 class SlotAllocator:

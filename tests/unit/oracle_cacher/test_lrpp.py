@@ -11,8 +11,8 @@ from __future__ import annotations
 
 import numpy as np
 import pytest
-from bagpipe.core.lookahead import CapacityError, LookaheadPlanner, mask_dtype, trainer_users
-from bagpipe.core.plans import for_trainer, traffic
+from bagpipe.core.plans import for_trainer, mask_dtype, traffic, trainer_users
+from bagpipe.oracle_cacher.lookahead import CapacityError, LookaheadPlanner
 
 
 def bits(mask: int, trainers: int) -> list[int]:

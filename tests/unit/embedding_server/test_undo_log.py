@@ -7,7 +7,7 @@ import numpy as np
 import pytest
 from bagpipe.core.data import table_offsets
 from bagpipe.core.shard_map import ShardMap
-from bagpipe.core.shard_store import ShardStore
+from bagpipe.embedding_server.shard_store import ShardStore
 from bagpipe.errors import InvalidArgument
 
 State = tuple[np.ndarray, np.ndarray, bool]
@@ -204,7 +204,7 @@ def test_restore_and_loaded_checkpoints_invalidate_the_log() -> None:
 
 
 def _migrate(stores: dict[int, ShardStore], new: ShardMap) -> None:
-    """The servers' steps of a migration, in the coordinator's order (as tests/unit/core/test_resharding)."""
+    """The servers' steps of a migration, in the coordinator's order (as test_resharding)."""
     parts = {s: st.begin_migration(new) for s, st in stores.items()}
     for s, m in parts.items():
         m.copy_staying(m.staying)

@@ -9,9 +9,9 @@ from pathlib import Path
 
 import numpy as np
 import pytest
-from bagpipe.core import files
 from bagpipe.core.data import DataFormatError, Samples
-from bagpipe.core.files import (
+from bagpipe.data_processor import files
+from bagpipe.data_processor.files import (
     AVAZU_HEADER,
     AVAZU_TABLE_ROWS,
     MAX_LINE_BYTES,

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import numpy as np
 import pytest
-from bagpipe.core.lookahead import CapacityError, LookaheadPlanner, SlotAllocator
+from bagpipe.oracle_cacher.lookahead import CapacityError, LookaheadPlanner, SlotAllocator
 
 
 def plan_all(batches: dict[int, list[int]], lookahead: int, num_keys: int = 16):
@@ -173,7 +173,7 @@ def test_slot_allocator_reuses_early_only_when_the_capacity_forces_it() -> None:
 
 def test_writer_is_the_key_modulo_holders_th_holder() -> None:
     # the evicted row's writer: the (key % holders)-th of its holders in trainer order, for any mask width
-    from bagpipe.core.lookahead import _writer
+    from bagpipe.oracle_cacher.lookahead import _writer
 
     rng = np.random.default_rng(3)
     masks = [1, 2, 3, 0b1010_0110, 1 << 15, (1 << 16) - 1, 1 << 63, (1 << 64) - 1]

@@ -1,5 +1,5 @@
-"""File sources (core/files.py): the vectorised Criteo parser against the contract line by line, Avazu,
-the shuffle, and data processors that split a file between them."""
+"""File sources (data_processor/files.py): the vectorised Criteo parser against the contract line by line,
+Avazu, the shuffle, and data processors that split a file between them."""
 
 from __future__ import annotations
 
@@ -9,7 +9,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 from bagpipe.core.data import DataFormatError
-from bagpipe.core.files import (
+from bagpipe.data_processor.files import (
     AVAZU_HEADER,
     AVAZU_TABLE_ROWS,
     CHUNK_BYTES,
@@ -66,7 +66,7 @@ def test_chunks_cut_between_lines_change_nothing(tmp_path: Path, monkeypatch: py
     lines = criteo_lines(300, seed=2)
     path = write(tmp_path / "d.tsv", lines)
     whole = list(CriteoTSVSource(CriteoConfig((path,), ROWS)).batches(7))
-    monkeypatch.setattr("bagpipe.core.files.CHUNK_BYTES", 997)  # chunks end mid-line
+    monkeypatch.setattr("bagpipe.data_processor.files.CHUNK_BYTES", 997)  # chunks end mid-line
     assert CHUNK_BYTES > 997
     cut = list(CriteoTSVSource(CriteoConfig((path,), ROWS)).batches(7))
     assert [n for n, _ in cut] == [n for n, _ in whole]
@@ -80,7 +80,7 @@ def test_processors_together_produce_the_single_reader_batches(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch, processors: int, shuffle: int | None
 ) -> None:
     path = write(tmp_path / "d.tsv", criteo_lines(103, seed=3))
-    monkeypatch.setattr("bagpipe.core.files.CHUNK_BYTES", 1500)  # windows and batches span chunks
+    monkeypatch.setattr("bagpipe.data_processor.files.CHUNK_BYTES", 1500)  # windows and batches span chunks
     config = CriteoConfig((path,), ROWS, shuffle_seed=shuffle, shuffle_buffer=17)
     single = {n: (s, last) for n, s, last in CriteoTSVSource(config).numbered(8)}
     assert len(single) == 12 and [n for n, (_, last) in single.items() if last] == [11]
@@ -97,7 +97,7 @@ def test_processors_together_produce_the_single_reader_batches(
 
 def test_a_processor_parses_only_its_own_lines(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     path = write(tmp_path / "d.tsv", criteo_lines(400, seed=4))
-    monkeypatch.setattr("bagpipe.core.files.CHUNK_BYTES", 4096)
+    monkeypatch.setattr("bagpipe.data_processor.files.CHUNK_BYTES", 4096)
     parsed: list[int] = []
     source = CriteoTSVSource(CriteoConfig((path,), ROWS))
     original = source._parse

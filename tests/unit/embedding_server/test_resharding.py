@@ -8,7 +8,7 @@ import pytest
 from bagpipe.core.data import table_offsets
 from bagpipe.core.embedding_init import init_rows
 from bagpipe.core.shard_map import ShardMap
-from bagpipe.core.shard_store import ShardStore
+from bagpipe.embedding_server.shard_store import ShardStore
 from bagpipe.errors import InvalidArgument
 
 

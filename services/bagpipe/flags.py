@@ -1,0 +1,164 @@
+"""Command-line flags declared once, on the config dataclass a service runs with.
+
+A field declared with :func:`flag` is a flag: its name (``--failure-timeout`` for ``failure_timeout``, or
+``name=``), its help, its default (the field's), how its text is read (``parse``), its choices, and
+whether it repeats (a ``tuple`` field: one value per occurrence). The rules about values stay in the
+dataclass's ``__post_init__``, the one place they are written; a ``ValueError`` it raises names the
+field (``"failure_timeout: must be > 0, got 0"``), and :func:`parse` reports it under the flag's name.
+
+From the declarations come the service's parser (:func:`parser`), its config from parsed arguments
+(:func:`config_of`) and the command line that gives a config back (:func:`argv`), which is how ``bagpipe
+run`` and the chart hand each process its config. A field whose type is itself such a dataclass (the
+``Coordination`` every service shares) adds its flags as a group.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import types
+import typing
+from collections.abc import Callable, Sequence
+from typing import Any, TypeVar
+
+C = TypeVar("C")
+_KEY = "bagpipe.flag"
+
+
+@dataclasses.dataclass(frozen=True)
+class Flag:
+    help: str
+    name: str | None = None  # default: the field's, with dashes
+    parse: Callable[[str], Any] | None = None  # default: the field's type (int, float, str)
+    choices: tuple[str, ...] | None = None
+    metavar: str | None = None
+    show: Callable[[Any], str] = str  # a value as argv() writes it
+
+
+def flag(
+    help: str,  # noqa: A002
+    *,
+    default: Any = dataclasses.MISSING,
+    name: str | None = None,
+    parse: Callable[[str], Any] | None = None,
+    choices: Sequence[str] | None = None,
+    metavar: str | None = None,
+    show: Callable[[Any], str] = str,
+) -> Any:
+    """A dataclass field that is also a command-line flag (no default: the flag is required)."""
+    meta = Flag(help, name, parse, tuple(choices) if choices else None, metavar, show)
+    return dataclasses.field(default=default, metadata={_KEY: meta})
+
+
+def _flags(cls: type) -> list[tuple[dataclasses.Field[Any], Flag | None, Any]]:
+    """(field, its flag or None for a nested config, the field's type) of every declared field."""
+    hints = typing.get_type_hints(cls)
+    out = []
+    for f in dataclasses.fields(cls):
+        meta = f.metadata.get(_KEY)
+        if meta is not None:
+            out.append((f, meta, hints[f.name]))
+        elif dataclasses.is_dataclass(hints[f.name]):
+            out.append((f, None, hints[f.name]))
+    return out
+
+
+def option(f: dataclasses.Field[Any], meta: Flag) -> str:
+    return "--" + (meta.name or f.name.replace("_", "-"))
+
+
+def _base(kind: Any) -> Any:
+    """``int`` for ``int | None``; the element type of ``tuple[X, ...]``."""
+    args = [a for a in typing.get_args(kind) if a is not type(None)]
+    if typing.get_origin(kind) in (typing.Union, types.UnionType) and len(args) == 1:
+        return _base(args[0])
+    return kind
+
+
+def _repeats(kind: Any) -> bool:
+    return typing.get_origin(_base(kind)) is tuple
+
+
+def add_flags(p: argparse.ArgumentParser | Any, cls: type) -> None:
+    """Adds the flags ``cls`` declares (and those of its nested configs, as groups) to ``p``."""
+    for f, meta, kind in _flags(cls):
+        if meta is None:
+            add_flags(p.add_argument_group(kind.__name__.lower()), kind)
+            continue
+        required = f.default is dataclasses.MISSING and f.default_factory is dataclasses.MISSING
+        base = _base(kind)
+        if base is bool:
+            p.add_argument(
+                option(f, meta), action=argparse.BooleanOptionalAction, default=f.default, help=meta.help
+            )
+            continue
+        repeats = _repeats(kind)
+        read = meta.parse or (typing.get_args(base)[0] if repeats else base)
+        p.add_argument(
+            option(f, meta),
+            type=read,
+            required=required,
+            default=[] if repeats else (None if required else f.default),
+            action="append" if repeats else "store",
+            choices=meta.choices,
+            metavar=meta.metavar,
+            help=meta.help + ("" if required or repeats or f.default is None else f" (default {f.default})"),
+        )
+
+
+def parser(cls: type, prog: str, description: str) -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog=prog, description=description)
+    add_flags(p, cls)
+    return p
+
+
+def config_of(cls: type[C], a: argparse.Namespace, **given: Any) -> C:
+    """The config ``cls`` from parsed arguments (``given`` fields are not flags of its parser)."""
+    values = dict(given)
+    for f, meta, kind in _flags(cls):
+        if f.name in values:
+            continue
+        if meta is None:
+            values[f.name] = config_of(kind, a)
+            continue
+        value = getattr(a, option(f, meta)[2:].replace("-", "_"))
+        values[f.name] = tuple(value) if _repeats(kind) else value
+    return cls(**values)
+
+
+def argv(config: Any) -> list[str]:
+    """The flags that give ``config`` back through :func:`config_of` (defaults left out)."""
+    out: list[str] = []
+    for f, meta, kind in _flags(type(config)):
+        value = getattr(config, f.name)
+        if meta is None:
+            out += argv(value)
+            continue
+        if f.default is not dataclasses.MISSING and value == f.default:
+            continue
+        name = option(f, meta)
+        if _base(kind) is bool:
+            out.append(name if value else "--no-" + name[2:])
+        elif _repeats(kind):
+            for item in value:
+                out += [name, meta.show(item)]
+        elif value is not None:
+            out += [name, meta.show(value)]
+    return out
+
+
+def parse(
+    cls: type[C],
+    p: argparse.ArgumentParser,
+    args: list[str] | None = None,
+    **given: Any,
+) -> C:
+    """Parses ``args`` into ``cls``; a rule of the dataclass that refuses a value exits with the parser's
+    usage and the flag's name (``--failure-timeout: must be > 0, got 0``)."""
+    a = p.parse_args(args)
+    try:
+        return config_of(cls, a, **given)
+    except ValueError as e:
+        field, sep, why = str(e).partition(": ")
+        names = {f.name: option(f, meta) for f, meta, _ in _flags(cls) if meta is not None}
+        p.error(f"{names[field]}: {why}" if sep and field in names else str(e))
