@@ -34,9 +34,9 @@ import numpy as np
 import torch
 
 from bagpipe import serving
-from bagpipe.codec import PlanArrays, decode_plan
+from bagpipe.codec import decode_plan
 from bagpipe.control.registry import Registry
-from bagpipe.core.plans import TrainerPlan
+from bagpipe.core.plans import TrainerBatch, TrainerPlan
 from bagpipe.core.row_store import RowStore
 from bagpipe.rpc import call_with_retry
 from bagpipe.trainer import metrics
@@ -77,7 +77,7 @@ class Pipeline:
         self.store: RowStore | None = None
         self.oracle: opb_grpc.OracleCacherStub | None = None
         self.cond = threading.Condition()
-        self.received: dict[int, PlanArrays] = {}
+        self.received: dict[int, TrainerBatch] = {}
         self.ready: set[int] = set()
         self.error: BaseException | None = None
         self.current = start_batch - 1  # the batch the training thread is on
@@ -88,7 +88,7 @@ class Pipeline:
         # computes initial rows (and zero state) when every embedding server was untouched before this
         # trainer's first batch: a plan's rows used for the first time since then are computed, not fetched
         self.initial_of: InitialOf | None = None
-        self._prefetch_queue: queue.Queue[PlanArrays | None] = queue.Queue()
+        self._prefetch_queue: queue.Queue[TrainerBatch | None] = queue.Queue()
         self._writebacks: list[WriteBack] = []  # under cond
         self._writes_closed = False
         k, world = config.transfer_batches, config.world_size
@@ -140,7 +140,7 @@ class Pipeline:
         for thread in self._threads:
             thread.start()
 
-    def next_plan(self, batch: int, timer: Any) -> PlanArrays:
+    def next_plan(self, batch: int, timer: Any) -> TrainerBatch:
         """The plan of ``batch`` once it has arrived (``data_wait``) and its rows are cached
         (``prefetch_wait``; the no-cache baseline fetches them here)."""
         with self.cond:
@@ -247,7 +247,7 @@ class Pipeline:
 
     def _prefetch(self) -> None:
         group_size = self.config.transfer_batches
-        pending: list[PlanArrays] = []
+        pending: list[TrainerBatch] = []
         ended = False
         while pending or not ended:
             if not pending:

@@ -26,7 +26,6 @@ import torch
 import torch.distributed as dist
 
 from bagpipe import security, serving
-from bagpipe.codec import PlanArrays
 from bagpipe.control.locks import CHECKPOINT_LOCK_OWNER, RESHARD_LOCK
 from bagpipe.control.registry import Registry
 from bagpipe.core import checkpoint, snapshots
@@ -34,6 +33,7 @@ from bagpipe.core.data import table_offsets
 from bagpipe.core.embedding_init import InitialRows
 from bagpipe.core.model import batch_logits, batch_loss, build_model
 from bagpipe.core.optim import dense_optimizer, restore_state, saved_state, steps_taken
+from bagpipe.core.plans import TrainerBatch
 from bagpipe.core.row_store import RowStore
 from bagpipe.embedding_server.client import EmbeddingClient
 from bagpipe.trainer import metrics
@@ -222,7 +222,7 @@ class Trainer:
         logger.info("wrote checkpoint %s", path)
 
     # ---- the training step
-    def step(self, batch: int) -> PlanArrays:
+    def step(self, batch: int) -> TrainerBatch:
         """Trains ``batch``; returns its plan (``plan.last`` ends the run)."""
         timer = StageTimer(self.device)
         plan = self.pipeline.next_plan(batch, timer)
@@ -262,7 +262,7 @@ class Trainer:
         return plan
 
     # ---- recovery checkpoints
-    def _checkpoint(self, plan: PlanArrays) -> None:
+    def _checkpoint(self, plan: TrainerBatch) -> None:
         """A consistent checkpoint after ``plan.batch`` (see core/snapshots.py).
 
         Once this batch's background synchronisation and write-backs are done, every cached row is current
@@ -276,7 +276,7 @@ class Trainer:
         with metrics.heartbeat_while("checkpoint"):
             self._flush_and_seal(plan, directory)
 
-    def _flush_and_seal(self, plan: PlanArrays, directory: str | None) -> None:
+    def _flush_and_seal(self, plan: TrainerBatch, directory: str | None) -> None:
         assert (
             self.store is not None and plan.checkpoint_keys is not None and plan.checkpoint_slots is not None
         )
