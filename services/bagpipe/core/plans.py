@@ -11,8 +11,8 @@ out of it with :func:`share` (a :class:`TrainerPlan`): the rows its samples use 
 index), what it prefetches, which of its rows it updates alone, the synchronisation steps (identical on
 every trainer, so the all-reduces line up) and what it writes back. That work runs on the trainers, in
 parallel, rather than T times on the oracle's one core. With the trainer's samples and the facts of the
-batch, its share is a :class:`TrainerBatch`, the one input of the trainer's step. ``traffic`` counts rows and bytes per iteration
-across all trainers; ``bagpipe plan-stats`` and the oracle's metrics use it.
+batch, its share is a :class:`TrainerBatch`, the one input of the trainer's step. ``traffic`` counts rows
+and bytes per iteration across all trainers; ``bagpipe plan-stats`` and the oracle's metrics use it.
 """
 
 from __future__ import annotations
