@@ -1,5 +1,8 @@
 """The wire messages of the training path, built and read in one place.
 
+(Over 400 lines: the three messages of the training path are written and read here together, so that
+every check on the way in sits beside the encoding it checks.)
+
 * ``BatchPart`` (data processor -> oracle): :func:`encode_batch` writes a batch, whole or (with
   ``slices``) as its keys and masks followed by every trainer's ``Samples``; :func:`decode_batch` reads
   the batch and :func:`check_samples` a trainer's samples, which the oracle forwards as they came.

@@ -1,4 +1,8 @@
-"""Command-line flags shared by several services, so every tier spells and parses them alike."""
+"""Command-line flags shared by several services, so every tier spells and parses them alike.
+
+(Over 400 lines: the flag groups the four services and ``bagpipe run`` share. They move onto the
+config dataclasses, declared once (``flags.py``), and this module goes.)
+"""
 
 from __future__ import annotations
 

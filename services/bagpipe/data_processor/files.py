@@ -1,5 +1,8 @@
 """Click-log files as numbered global batches: Criteo TSV and Avazu CSV, parsed a chunk at a time.
 
+(Over 400 lines: the two formats share the chunk reader, the numbering and the diagnostics; each
+format's own parser is a few functions.)
+
 **Numbering.** The valid samples of the files, concatenated in the order given, form one stream;
 global batch ``b`` is samples ``[b*B, (b+1)*B)`` of it, and a final partial batch is dropped. With a
 shuffle seed, the stream is first cut into windows of ``shuffle_buffer`` samples and each window is

@@ -1,5 +1,8 @@
 """The EmbeddingServer servicer and ``create_server``.
 
+(Over 400 lines: every RPC, a migration's steps included, runs under the one rows gate this module
+keeps.)
+
 Without threads (below), handlers run on the asyncio loop and do not await between validating a
 request and applying it, so each lookup or write-back is atomic with respect to the others and a
 rejected one changes nothing. The same holds for the steps of a migration that touch rows (a chunk's

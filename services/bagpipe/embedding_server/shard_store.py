@@ -1,5 +1,8 @@
 """One embedding-server shard: the rows of its buckets of every table, with optimizer state.
 
+(Over 400 lines: the table, its undo log and a migration's copy change the same rows under the
+server's one gate; the rules between them are kept in one class.)
+
 Storage is one dense float32 array ``[local_rows, dim + state_width]``, each row followed by its
 optimizer state (``weights`` and ``state`` are views of its two column ranges): a lookup gathers one
 contiguous run of bytes per key, not two. A key's local row, and a local row's key, are arithmetic on

@@ -1,5 +1,7 @@
 """The trainer: one process of synchronous training with Bagpipe's cache.
 
+(Over 400 lines: one training step in order, with its checkpoint and evaluation points.)
+
 ``step()`` trains one batch, in the order TorchRec's ``TrainPipeline.progress()`` would read: take the
 batch's plan once its rows are prefetched (pipeline.py), forward and backward on the cached rows, the
 critical synchronisation (sync.py: the shared rows the next batch reads, then the dense gradients and the
