@@ -12,7 +12,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any, TypeVar
 
-from bagpipe import flags, security
+from bagpipe import flags, tls
 from bagpipe.core.data import KAGGLE_TABLE_ROWS, scaled_table_rows, source_schema
 from bagpipe.core.model_config import (
     DEFAULT_CROSS_LAYERS,
@@ -270,7 +270,7 @@ def coordination_of(a: argparse.Namespace) -> Coordination:
 
 
 def add_coordination_args(p: argparse.ArgumentParser) -> None:
-    security.add_tls_args(p)
+    tls.add_tls_args(p)
     flags.add_flags(p.add_argument_group("coordination"), Coordination)
 
 

@@ -14,7 +14,7 @@ from typing import Any
 import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
-from bagpipe import security
+from bagpipe import security, tls
 from bagpipe.control.registry import Registry
 from bagpipe.health_service import HealthService
 from bagpipe.metrics_http import Health, MetricsServer
@@ -117,7 +117,7 @@ async def create_server(
     health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
     control = ControlServicer(service, counters)
     control_pb2_grpc.add_ControlServicer_to_server(control, server)
-    credentials = security.server_credentials()
+    credentials = tls.server_credentials()
     port = server.add_secure_port(address, credentials) if credentials else server.add_insecure_port(address)
     if port == 0:
         raise OSError(f"{service}: cannot listen on {address}")
@@ -209,18 +209,23 @@ def start_metrics(
 
 def channel(address: str) -> grpc.Channel:
     """A blocking client channel with Bagpipe's message limits, whose calls carry the job's secret."""
-    tls = security.channel_credentials()
-    if tls is not None:
-        return security.secure(grpc.secure_channel(address, tls[0], options=CHANNEL_OPTIONS + tls[1]))
+    credentials = tls.channel_credentials()
+    if credentials is not None:
+        return security.secure(
+            grpc.secure_channel(address, credentials[0], options=CHANNEL_OPTIONS + credentials[1])
+        )
     return security.secure(grpc.insecure_channel(address, options=CHANNEL_OPTIONS))
 
 
 def aio_channel(address: str) -> grpc.aio.Channel:
     """The same, for asyncio."""
-    tls = security.channel_credentials()
-    if tls is not None:
+    credentials = tls.channel_credentials()
+    if credentials is not None:
         return grpc.aio.secure_channel(
-            address, tls[0], options=CHANNEL_OPTIONS + tls[1], interceptors=security.aio_interceptors()
+            address,
+            credentials[0],
+            options=CHANNEL_OPTIONS + credentials[1],
+            interceptors=security.aio_interceptors(),
         )
     return grpc.aio.insecure_channel(
         address, options=CHANNEL_OPTIONS, interceptors=security.aio_interceptors()
