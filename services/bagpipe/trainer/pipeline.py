@@ -22,7 +22,6 @@ wait on: every thread's progress and the first error any thread hit live here.
 
 from __future__ import annotations
 
-import functools
 import queue
 import threading
 import warnings
@@ -38,7 +37,6 @@ from bagpipe.codec import decode_plan
 from bagpipe.control.registry import Registry
 from bagpipe.core.plans import TrainerBatch, TrainerPlan
 from bagpipe.core.row_store import RowStore
-from bagpipe.rpc import call_with_retry
 from bagpipe.trainer import metrics
 from bagpipe.trainer.cache import EmbeddingCache
 from bagpipe.trainer.config import TrainerConfig
@@ -357,12 +355,7 @@ class Pipeline:
             self.transfers["write_back_calls"] += 1
         batch = group[-1][0]
         report = opb.ProgressReport(rank=self.config.rank, trained=batch, written_back=batch)
-        call_with_retry(
-            functools.partial(
-                self.oracle.ReportProgress, report, timeout=serving.RPC_TIMEOUT_S, metadata=self.token
-            ),
-            "progress",
-        )
+        self.oracle.ReportProgress(report, timeout=serving.RPC_TIMEOUT_S, metadata=self.token)
         with self.cond:
             self.written_back = batch
             self.cond.notify_all()

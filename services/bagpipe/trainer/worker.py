@@ -133,7 +133,10 @@ class Trainer:
         )
         self.store = self.servers
         oracle_address = self.registry.wait_for_members("oracle_cacher", 1)["0"]
-        self.oracle_channel = serving.channel(oracle_address)
+        # (progress reports are retried by gRPC itself: nothing but the server's restart to wait for)
+        self.oracle_channel = serving.channel(
+            oracle_address, serving.retrying("OracleCacher", "ReportProgress")
+        )
         self.oracle = opb_grpc.OracleCacherStub(self.oracle_channel)
 
     def _use_shared_table(self) -> None:
