@@ -4,7 +4,8 @@ Every RPC of a job carries the job's secret (``BAGPIPE_JOB_SECRET``: ``bagpipe r
 the chart keeps one in a Secret) as call metadata; ``ServerGuard``, the interceptor of every server, refuses
 a call without it (UNAUTHENTICATED) from its metadata alone, before its body is read: a stranger's large
 request costs the server the flow-control window of one HTTP/2 stream, not the request. Only the gRPC health
-service is open, since kubelet probes cannot send metadata. Each method also has a size cap, derived by its
+service is open, since kubelet probes cannot send metadata; a stranger's health request is not read either,
+but answered the server's own status. Each method also has a size cap, derived by its
 service from what the method can legitimately carry (``ServerGuard(caps=...)``): a larger request is
 refused (RESOURCE_EXHAUSTED, naming method, size and cap) before it is decoded, and the server's own
 message limit is the largest cap, so gRPC refuses anything larger from its length prefix.
@@ -94,6 +95,9 @@ class ServerGuard(grpc.aio.ServerInterceptor):
     def __init__(self, secret: str | None = None, caps: dict[str, int] | None = None) -> None:
         self.secret = secret if secret is not None else job_secret()
         self.caps = dict(caps or {})
+        # the health service's handler, for a method, that answers without reading the request (the
+        # server's HealthService.unread); None: strangers' health requests are read like the job's
+        self.open_health: Callable[[str], grpc.RpcMethodHandler] | None = None
 
     def cap(self, method: str) -> int:
         return self.caps.get(method.rsplit("/", 1)[-1], SMALL_REQUEST_BYTES)
@@ -108,9 +112,14 @@ class ServerGuard(grpc.aio.ServerInterceptor):
         details: grpc.HandlerCallDetails,
     ) -> grpc.RpcMethodHandler:
         handler = await continuation(details)
-        if handler is None or details.method.startswith(OPEN_PREFIX):
-            return handler  # (the health service: open, and it reads only small requests)
-        if self.secret is not None and not _authorized(details.invocation_metadata, self.secret):
+        if handler is None:
+            return handler
+        stranger = self.secret is not None and not _authorized(details.invocation_metadata, self.secret)
+        if details.method.startswith(OPEN_PREFIX):
+            # health is open (kubelet probes send no metadata), but a stranger's request is never read: it
+            # is answered the server's own status, whichever service it names
+            return self.open_health(details.method) if stranger and self.open_health else handler
+        if stranger:
             return _refuse_unread(handler)
         fenced = not details.method.startswith(CONTROL_PREFIX)
         return _wrap(handler, details.method, self.cap(details.method), fenced)

@@ -115,6 +115,7 @@ async def create_server(
     )
     register(server)
     health_servicer = HealthService()
+    guard.open_health = health_servicer.unread
     health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
     control = ControlServicer(service, counters)
     control_pb2_grpc.add_ControlServicer_to_server(control, server)

@@ -507,6 +507,11 @@ class ShardStore:
     # ---- re-sharding
     def adopt(self, shard_map: ShardMap) -> None:
         """Takes over ``shard_map`` (a later version) while this shard holds no buckets in either."""
+        if shard_map.version <= self.shard_map.version:
+            raise ValueError(
+                f"shard map version {shard_map.version} is not later than this shard's "
+                f"{self.shard_map.version}"
+            )
         if self.rows_held or self.shard in shard_map.owners or shard_map.num_keys != self.shard_map.num_keys:
             raise ValueError(
                 f"shard {self.shard} holds rows: it cannot skip to shard map version {shard_map.version}"
