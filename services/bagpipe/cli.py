@@ -8,7 +8,7 @@ import signal
 import sys
 from types import FrameType
 
-from bagpipe import security
+from bagpipe import tls
 from bagpipe.config_args import (
     DEFAULT_CHECKPOINT_EVERY,
     DEFAULT_TRANSFER_BATCHES,
@@ -103,7 +103,7 @@ def build_parser() -> argparse.ArgumentParser:
         metavar="RUN_DIR",
         help="go on with a stopped or crashed run from its last checkpoint, with its own flags",
     )
-    security.add_tls_args(r)  # the run's processes inherit the files (every gRPC call then uses mutual TLS)
+    tls.add_tls_args(r)  # the run's processes inherit the files (every gRPC call then uses mutual TLS)
     g = r.add_argument_group("scaling")
     g.add_argument(
         "--migration-rows-per-second",

@@ -1,12 +1,15 @@
 """The wire messages of the training path, built and read in one place.
 
+(Over 400 lines: the three messages of the training path are written and read here together, so that
+every check on the way in sits beside the encoding it checks.)
+
 * ``BatchPart`` (data processor -> oracle): :func:`encode_batch` writes a batch, whole or (with
   ``slices``) as its keys and masks followed by every trainer's ``Samples``; :func:`decode_batch` reads
   the batch and :func:`check_samples` a trainer's samples, which the oracle forwards as they came.
 * ``PlanPart`` (oracle -> one trainer): :func:`encode_plans` writes the batch's rows once for every
   trainer, and each trainer's ``Plan``; the trainer's ``Samples`` go between them. :func:`decode_plan`
   reads a plan with its rows and samples and cuts the trainer's share out of the rows, into
-  :class:`PlanArrays`.
+  :class:`TrainerBatch`.
 
 Decoding validates everything the receiver indexes with (dtypes, shapes, index ranges, trainer masks)
 and raises :class:`~bagpipe.errors.InvalidArgument` naming the batch and the field, so a bad message is
@@ -27,7 +30,7 @@ from bagpipe.core.plans import (
     BACKGROUND,
     BatchPlan,
     SharedPlan,
-    TrainerPlan,
+    TrainerBatch,
     all_trainers,
     mask_dtype,
     share,
@@ -221,28 +224,6 @@ def _samples(
 # ---- Plan: oracle -> trainer
 
 
-@dataclass(frozen=True)
-class PlanArrays:
-    """A decoded ``Plan``: this trainer's share of one global batch (see core/plans.py)."""
-
-    share: TrainerPlan
-    dense: np.ndarray
-    labels: np.ndarray
-    slot_high_water: int
-    global_batch_size: int
-    last: bool
-    lookahead: int
-    occupancy: int
-    unique_rows: int
-    checkpoint: bool = False
-    checkpoint_keys: np.ndarray | None = None
-    checkpoint_slots: np.ndarray | None = None
-
-    @property
-    def batch(self) -> int:
-        return self.share.batch
-
-
 def _mask_bytes(masks: np.ndarray) -> np.ndarray:
     """Trainer masks as uint8 [N, W]: each mask's W little-endian bytes (a view if already little-endian)."""
     little = np.ascontiguousarray(masks, dtype=masks.dtype.newbyteorder("<"))
@@ -388,7 +369,7 @@ def decode_plan(
     num_dense: int,
     rank: int,
     trainers: int,
-) -> PlanArrays:
+) -> TrainerBatch:
     """Reads and checks one ``Plan`` with its batch's ``PlanRows`` and the trainer's ``Samples`` for
     trainer ``rank`` of ``trainers``, with a model of ``num_tables`` tables and ``num_dense`` dense
     features (every index stays inside the arrays it indexes), and cuts the trainer's share out of the
@@ -420,7 +401,7 @@ def decode_plan(
             f"{where}: rows: users",
             f"row {row} is used by trainer {rank}'s samples, but its mask leaves {rank} out",
         )
-    return PlanArrays(
+    return TrainerBatch(
         share=mine,
         dense=dense,
         labels=labels,

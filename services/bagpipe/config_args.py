@@ -1,4 +1,8 @@
-"""Command-line flags shared by several services, so every tier spells and parses them alike."""
+"""Command-line flags shared by several services, so every tier spells and parses them alike.
+
+(Over 400 lines: the flag groups the four services and ``bagpipe run`` share. They move onto the
+config dataclasses, declared once (``flags.py``), and this module goes.)
+"""
 
 from __future__ import annotations
 
@@ -8,7 +12,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any, TypeVar
 
-from bagpipe import flags, security
+from bagpipe import flags, tls
 from bagpipe.core.data import KAGGLE_TABLE_ROWS, scaled_table_rows, source_schema
 from bagpipe.core.model_config import (
     DEFAULT_CROSS_LAYERS,
@@ -266,7 +270,7 @@ def coordination_of(a: argparse.Namespace) -> Coordination:
 
 
 def add_coordination_args(p: argparse.ArgumentParser) -> None:
-    security.add_tls_args(p)
+    tls.add_tls_args(p)
     flags.add_flags(p.add_argument_group("coordination"), Coordination)
 
 

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import asyncio
 from collections.abc import AsyncIterator
+from typing import Any
 
 import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
@@ -49,6 +50,38 @@ class HealthService(health_pb2_grpc.HealthServicer):
         changed, self._changed = self._changed, asyncio.Event()
         changed.set()
 
+    def unread(self, method: str) -> grpc.RpcMethodHandler:
+        """A handler for ``method`` of the health service (``/grpc.health.v1.Health/Check``) that answers
+        without reading the request: the status of the server as a whole (the service ""), which is what a
+        kubelet probe asks. A stranger's request may be as large as the server's biggest method allows, and
+        is never buffered; the call ends at once, so it holds none of the server's calls in progress (a
+        watch still counts against ``max_watchers``)."""
+        name = method.rsplit("/", 1)[-1]
+
+        async def check(requests: Any, context: grpc.aio.ServicerContext) -> health_pb2.HealthCheckResponse:
+            return Status(status=self._status.get("", Status.SERVICE_UNKNOWN))
+
+        async def watch(requests: Any, context: grpc.aio.ServicerContext) -> Any:
+            async for reply in self._watch("", context):
+                yield reply
+
+        async def other(requests: Any, context: grpc.aio.ServicerContext) -> Any:
+            await context.abort(grpc.StatusCode.UNAUTHENTICATED, f"{name}: needs the job's secret")
+
+        if name == "Check":
+            return grpc.stream_unary_rpc_method_handler(check, response_serializer=Status.SerializeToString)
+        if name == "Watch":
+            return grpc.stream_stream_rpc_method_handler(watch, response_serializer=Status.SerializeToString)
+        return grpc.stream_unary_rpc_method_handler(other)
+
+    async def List(  # noqa: N802
+        self, request: health_pb2.HealthListRequest, context: grpc.aio.ServicerContext
+    ) -> health_pb2.HealthListResponse:
+        """Every service's status (on the loop: the base class's would run in the default executor)."""
+        return health_pb2.HealthListResponse(
+            statuses={name: Status(status=status) for name, status in self._status.items()}
+        )
+
     async def Check(  # noqa: N802
         self, request: health_pb2.HealthCheckRequest, context: grpc.aio.ServicerContext
     ) -> health_pb2.HealthCheckResponse:
@@ -60,6 +93,13 @@ class HealthService(health_pb2_grpc.HealthServicer):
     async def Watch(  # noqa: N802
         self, request: health_pb2.HealthCheckRequest, context: grpc.aio.ServicerContext
     ) -> AsyncIterator[health_pb2.HealthCheckResponse]:
+        async for reply in self._watch(request.service, context):
+            yield reply
+
+    async def _watch(
+        self, service: str, context: grpc.aio.ServicerContext
+    ) -> AsyncIterator[health_pb2.HealthCheckResponse]:
+        """The service's status, then each change of it; ends once the server is stopping."""
         if self._watchers >= self.max_watchers:
             await context.abort(
                 grpc.StatusCode.RESOURCE_EXHAUSTED,
@@ -70,10 +110,12 @@ class HealthService(health_pb2_grpc.HealthServicer):
             last = None
             while True:
                 changed = self._changed  # (taken before the status is read: no change can slip between)
-                status = self._status.get(request.service, Status.SERVICE_UNKNOWN)
+                status = self._status.get(service, Status.SERVICE_UNKNOWN)
                 if status != last:
                     yield Status(status=status)
                     last = status
+                if self._shutting_down:  # (NOT_SERVING said: the stop need not wait for the watchers)
+                    return
                 await changed.wait()
         finally:
             self._watchers -= 1

@@ -4,7 +4,8 @@ Every RPC of a job carries the job's secret (``BAGPIPE_JOB_SECRET``: ``bagpipe r
 the chart keeps one in a Secret) as call metadata; ``ServerGuard``, the interceptor of every server, refuses
 a call without it (UNAUTHENTICATED) from its metadata alone, before its body is read: a stranger's large
 request costs the server the flow-control window of one HTTP/2 stream, not the request. Only the gRPC health
-service is open, since kubelet probes cannot send metadata. Each method also has a size cap, derived by its
+service is open, since kubelet probes cannot send metadata; a stranger's health request is not read either,
+but answered the server's own status. Each method also has a size cap, derived by its
 service from what the method can legitimately carry (``ServerGuard(caps=...)``): a larger request is
 refused (RESOURCE_EXHAUSTED, naming method, size and cap) before it is decoded, and the server's own
 message limit is the largest cap, so gRPC refuses anything larger from its length prefix.
@@ -12,12 +13,12 @@ Without the variable, authentication is off (a developer's own processes). The g
 ``BagpipeError`` raised by a handler to its status code, so no project error surfaces as UNKNOWN.
 Clients add the secret through the channels ``serving`` makes.
 
-The Redis password travels the same way (``BAGPIPE_REDIS_PASSWORD``), never on a command line.
+The Redis password travels the same way (``BAGPIPE_REDIS_PASSWORD``), never on a command line. Mutual
+TLS, which proves who is at the other end of a connection, is ``tls.py``.
 """
 
 from __future__ import annotations
 
-import argparse
 import hmac
 import os
 import secrets
@@ -33,105 +34,6 @@ REDIS_PASSWORD_ENV = "BAGPIPE_REDIS_PASSWORD"
 SECRET_KEY = "bagpipe-job-secret"
 TRAINER_KEY = "bagpipe-trainer"  # call metadata: the token of the trainer process that owns a rank
 OPEN_PREFIX = "/grpc.health.v1.Health/"
-
-
-TLS_ENV = {"cert": "BAGPIPE_TLS_CERT", "key": "BAGPIPE_TLS_KEY", "ca": "BAGPIPE_TLS_CA"}
-TLS_SERVER_NAME_ENV = "BAGPIPE_TLS_SERVER_NAME"
-DEFAULT_TLS_SERVER_NAME = "bagpipe"
-
-
-def tls_files() -> dict[str, str] | None:
-    """Mutual TLS: this process's certificate and key and the job's CA (PEM paths), or None (plaintext).
-    Set by ``--tls-cert/--tls-key/--tls-ca`` (``add_coordination_args``) or the BAGPIPE_TLS_* variables,
-    all three or none."""
-    files = {k: os.environ.get(v, "") for k, v in TLS_ENV.items()}
-    if not any(files.values()):
-        return None
-    missing = [f"--tls-{k}" for k, v in files.items() if not v]
-    if missing:
-        raise ValueError(
-            f"{', '.join(missing)}: mutual TLS needs --tls-cert, --tls-key and --tls-ca together"
-        )
-    return files
-
-
-def _pem(files: dict[str, str]) -> dict[str, bytes]:
-    out = {}
-    for kind, path in files.items():
-        try:
-            out[kind] = open(path, "rb").read()  # noqa: SIM115 (small file, read at once)
-        except OSError as e:
-            raise ValueError(f"--tls-{kind}: {path}: {e.strerror}") from None
-    return out
-
-
-def server_credentials() -> grpc.ServerCredentials | None:
-    """Servers present their certificate and require one signed by the job's CA from every client."""
-    files = tls_files()
-    if files is None:
-        return None
-    pem = _pem(files)
-    return grpc.ssl_server_credentials(
-        [(pem["key"], pem["cert"])], root_certificates=pem["ca"], require_client_auth=True
-    )
-
-
-def channel_credentials() -> tuple[grpc.ChannelCredentials, list[tuple[str, str]]] | None:
-    """Clients present their certificate, trust only the job's CA, and check the servers' certificates for
-    the name ``BAGPIPE_TLS_SERVER_NAME`` (default ``bagpipe``; pods are reached by IP, which certificates
-    rarely name)."""
-    files = tls_files()
-    if files is None:
-        return None
-    pem = _pem(files)
-    name = os.environ.get(TLS_SERVER_NAME_ENV) or DEFAULT_TLS_SERVER_NAME
-    credentials = grpc.ssl_channel_credentials(
-        root_certificates=pem["ca"], private_key=pem["key"], certificate_chain=pem["cert"]
-    )
-    return credentials, [("grpc.ssl_target_name_override", name)]
-
-
-class EnvFlag(argparse.Action):
-    """A flag whose value also goes into an environment variable, so that every channel and server of the
-    process (and its children) sees it."""
-
-    def __init__(self, *args: Any, env: str, **kwargs: Any) -> None:
-        super().__init__(*args, **kwargs)
-        self.env = env
-
-    def __call__(
-        self,
-        parser: argparse.ArgumentParser,
-        namespace: argparse.Namespace,
-        values: Any,
-        option_string: str | None = None,
-    ) -> None:
-        os.environ[self.env] = str(values)
-        setattr(namespace, self.dest, values)
-
-
-def add_tls_args(p: argparse.ArgumentParser) -> None:
-    g = p.add_argument_group("mutual TLS (all three, or none: plaintext)")
-    for kind, what in (
-        ("cert", "this process's certificate"),
-        ("key", "its private key"),
-        ("ca", "the job's CA certificate, which signed every service's"),
-    ):
-        g.add_argument(
-            f"--tls-{kind}",
-            action=EnvFlag,
-            env=TLS_ENV[kind],
-            default=None,
-            metavar="PEM",
-            help=f"{what} (PEM; or ${TLS_ENV[kind]})",
-        )
-    g.add_argument(
-        "--tls-server-name",
-        action=EnvFlag,
-        env=TLS_SERVER_NAME_ENV,
-        default=None,
-        help=f"the name in servers' certificates (default {DEFAULT_TLS_SERVER_NAME})",
-    )
 
 
 def job_secret() -> str | None:
@@ -193,6 +95,9 @@ class ServerGuard(grpc.aio.ServerInterceptor):
     def __init__(self, secret: str | None = None, caps: dict[str, int] | None = None) -> None:
         self.secret = secret if secret is not None else job_secret()
         self.caps = dict(caps or {})
+        # the health service's handler, for a method, that answers without reading the request (the
+        # server's HealthService.unread); None: strangers' health requests are read like the job's
+        self.open_health: Callable[[str], grpc.RpcMethodHandler] | None = None
 
     def cap(self, method: str) -> int:
         return self.caps.get(method.rsplit("/", 1)[-1], SMALL_REQUEST_BYTES)
@@ -207,9 +112,14 @@ class ServerGuard(grpc.aio.ServerInterceptor):
         details: grpc.HandlerCallDetails,
     ) -> grpc.RpcMethodHandler:
         handler = await continuation(details)
-        if handler is None or details.method.startswith(OPEN_PREFIX):
-            return handler  # (the health service: open, and it reads only small requests)
-        if self.secret is not None and not _authorized(details.invocation_metadata, self.secret):
+        if handler is None:
+            return handler
+        stranger = self.secret is not None and not _authorized(details.invocation_metadata, self.secret)
+        if details.method.startswith(OPEN_PREFIX):
+            # health is open (kubelet probes send no metadata), but a stranger's request is never read: it
+            # is answered the server's own status, whichever service it names
+            return self.open_health(details.method) if stranger and self.open_health else handler
+        if stranger:
             return _refuse_unread(handler)
         fenced = not details.method.startswith(CONTROL_PREFIX)
         return _wrap(handler, details.method, self.cap(details.method), fenced)

@@ -6,6 +6,7 @@ import asyncio
 import contextlib
 import functools
 import gc
+import json
 import logging
 import signal
 from collections.abc import Callable, Sequence
@@ -14,7 +15,7 @@ from typing import Any
 import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
-from bagpipe import security
+from bagpipe import rpc, security, tls
 from bagpipe.control.registry import Registry
 from bagpipe.health_service import HealthService
 from bagpipe.metrics_http import Health, MetricsServer
@@ -114,10 +115,11 @@ async def create_server(
     )
     register(server)
     health_servicer = HealthService()
+    guard.open_health = health_servicer.unread
     health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
     control = ControlServicer(service, counters)
     control_pb2_grpc.add_ControlServicer_to_server(control, server)
-    credentials = security.server_credentials()
+    credentials = tls.server_credentials()
     port = server.add_secure_port(address, credentials) if credentials else server.add_insecure_port(address)
     if port == 0:
         raise OSError(f"{service}: cannot listen on {address}")
@@ -207,20 +209,43 @@ def start_metrics(
     return metrics_server
 
 
-def channel(address: str) -> grpc.Channel:
+def retrying(service: str, *methods: str) -> list[tuple[str, Any]]:
+    """Channel options under which gRPC itself retries ``methods`` of ``service`` (``OracleCacher``) when
+    the server is unavailable: the rule of ``rpc.call_with_retry`` (``rpc.RETRIES`` attempts, backoff from
+    0.1 s doubling), for calls that need nothing more (no shard map to route by)."""
+    policy = {
+        "maxAttempts": rpc.RETRIES,
+        "initialBackoff": "0.1s",
+        "maxBackoff": f"{0.1 * 2 ** (rpc.RETRIES - 1):g}s",
+        "backoffMultiplier": 2,
+        "retryableStatusCodes": ["UNAVAILABLE"],
+    }
+    names = [{"service": f"bagpipe.v1.{service}", "method": m} for m in methods]
+    config = {"methodConfig": [{"name": names, "retryPolicy": policy}]}
+    return [("grpc.enable_retries", 1), ("grpc.service_config", json.dumps(config))]
+
+
+def channel(address: str, options: Sequence[tuple[str, Any]] = ()) -> grpc.Channel:
     """A blocking client channel with Bagpipe's message limits, whose calls carry the job's secret."""
-    tls = security.channel_credentials()
-    if tls is not None:
-        return security.secure(grpc.secure_channel(address, tls[0], options=CHANNEL_OPTIONS + tls[1]))
-    return security.secure(grpc.insecure_channel(address, options=CHANNEL_OPTIONS))
+    credentials = tls.channel_credentials()
+    if credentials is not None:
+        return security.secure(
+            grpc.secure_channel(
+                address, credentials[0], options=CHANNEL_OPTIONS + credentials[1] + list(options)
+            )
+        )
+    return security.secure(grpc.insecure_channel(address, options=CHANNEL_OPTIONS + list(options)))
 
 
 def aio_channel(address: str) -> grpc.aio.Channel:
     """The same, for asyncio."""
-    tls = security.channel_credentials()
-    if tls is not None:
+    credentials = tls.channel_credentials()
+    if credentials is not None:
         return grpc.aio.secure_channel(
-            address, tls[0], options=CHANNEL_OPTIONS + tls[1], interceptors=security.aio_interceptors()
+            address,
+            credentials[0],
+            options=CHANNEL_OPTIONS + credentials[1],
+            interceptors=security.aio_interceptors(),
         )
     return grpc.aio.insecure_channel(
         address, options=CHANNEL_OPTIONS, interceptors=security.aio_interceptors()

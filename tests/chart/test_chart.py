@@ -28,6 +28,7 @@ from urllib.parse import urlparse
 import pytest
 import torch
 import yaml
+from bagpipe import tls
 from bagpipe.local.prometheus import find_binary
 from bagpipe.local.redis_server import find_redis_server
 
@@ -1146,7 +1147,7 @@ def test_tls_env_lets_the_test_pod_reach_a_server(certified: str, served: bool, 
     from concurrent import futures
 
     import grpc
-    from bagpipe import probe, security
+    from bagpipe import probe
     from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 
     server_name = "bagpipe" if certified == "elsewhere" else certified
@@ -1156,7 +1157,7 @@ def test_tls_env_lets_the_test_pod_reach_a_server(certified: str, served: bool, 
     (oracle,) = pods["bagpipe-oracle-cacher"]["containers"]
     (prober,) = pods["bagpipe-test"]["containers"]
     with mock.patch.dict(os.environ, tls_env(pods["bagpipe-oracle-cacher"], oracle, docs, secrets)):
-        credentials = security.server_credentials()
+        credentials = tls.server_credentials()
     assert credentials is not None
     server = grpc.server(futures.ThreadPoolExecutor(max_workers=2))
     servicer = health.HealthServicer()

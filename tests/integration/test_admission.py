@@ -68,11 +68,13 @@ def _peak_rss(pid: int) -> int:
     raise AssertionError(f"no VmHWM in /proc/{pid}/status")
 
 
-async def _oversize_strangers(address: str, calls: int, size: int) -> list[grpc.StatusCode]:
+async def _oversize_strangers(
+    address: str, calls: int, size: int, method: str = "/bagpipe.v1.EmbeddingServer/WriteBack"
+) -> list[grpc.StatusCode]:
     payload = bytes(size)  # (never parsed: the server must not read it)
     options = [("grpc.max_send_message_length", size + MB)]
     async with grpc.aio.insecure_channel(address, options=options) as ch:
-        write_back = ch.unary_unary("/bagpipe.v1.EmbeddingServer/WriteBack")
+        write_back = ch.unary_unary(method)
 
         async def one() -> grpc.StatusCode:
             try:
@@ -97,12 +99,20 @@ def test_unauthenticated_oversize_calls_are_refused_unread(tmp_path: Path) -> No
         before = _peak_rss(proc.pid)
         codes = asyncio.run(_oversize_strangers(f"127.0.0.1:{port}", 16, 256 * MB))
         grown = _peak_rss(proc.pid) - before
+        # the health service is open (kubelet probes send no metadata): a stranger's check is answered the
+        # server's status, its request unread too
+        health = asyncio.run(
+            _oversize_strangers(f"127.0.0.1:{port}", 16, 256 * MB, "/grpc.health.v1.Health/Check")
+        )
+        grown_by_health = _peak_rss(proc.pid) - before - grown
         assert proc.poll() is None, "the server died"
     finally:
         proc.kill()
         proc.wait()
     assert set(codes) == {grpc.StatusCode.UNAUTHENTICATED}, codes
     assert grown < 64 * MB, f"the server's peak resident memory grew by {grown / MB:.0f} MB"
+    assert set(health) == {grpc.StatusCode.OK}, health
+    assert grown_by_health < 64 * MB, f"health checks grew it by {grown_by_health / MB:.0f} MB"
 
 
 async def _caps() -> None:
@@ -222,9 +232,12 @@ async def _health_answers() -> None:
         assert err.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
         health.set("later", health_pb2.HealthCheckResponse.SERVING)
         assert (await unknown.read()).status == health_pb2.HealthCheckResponse.SERVING
+        listed = await stub.List(health_pb2.HealthListRequest())
+        assert {k: v.status for k, v in listed.statuses.items()} == {"": 1, "later": 1}
         health.enter_graceful_shutdown()
         assert (await first.read()).status == health_pb2.HealthCheckResponse.NOT_SERVING
         assert (await unknown.read()).status == health_pb2.HealthCheckResponse.NOT_SERVING
+        assert await first.read() == grpc.aio.EOF  # (stopping: the watches end, the stop waits for none)
         health.set("", health_pb2.HealthCheckResponse.SERVING)  # (stopping: for good)
         assert (await stub.Check(health_pb2.HealthCheckRequest())).status == (
             health_pb2.HealthCheckResponse.NOT_SERVING

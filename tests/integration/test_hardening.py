@@ -19,7 +19,7 @@ import grpc
 import numpy as np
 import pytest
 import torch
-from bagpipe import security, serving
+from bagpipe import security, serving, tls
 from bagpipe.cli import build_parser
 from bagpipe.control.registry import Registry
 from bagpipe.core.data import table_offsets
@@ -599,7 +599,7 @@ def test_a_data_processor_names_a_non_finite_value_or_skips_its_line(tmp_path: P
 
 def _use_tls(monkeypatch, files: dict[str, str]) -> None:
     for kind, path in files.items():
-        monkeypatch.setenv(security.TLS_ENV[kind], path)
+        monkeypatch.setenv(tls.TLS_ENV[kind], path)
 
 
 async def _tls_server(store: ShardStore, files: dict[str, str], stranger: dict[str, str]) -> None:

@@ -17,7 +17,7 @@ from urllib.parse import urlsplit
 
 import redis
 
-from bagpipe import security
+from bagpipe import security, tls
 from bagpipe.core.shard_map import ShardMap
 
 logger = logging.getLogger(__name__)
@@ -36,7 +36,7 @@ def connection_options(url: str) -> dict[str, Any]:
     """The client's options for the job's Redis at ``url``; what the URL's query names wins over them.
 
     The password comes from the environment (a URL on a command line shows in /proc). A ``rediss://`` URL
-    in a job with mutual TLS (``security.tls_files()``) is dialled with the job's certificate and key, and
+    in a job with mutual TLS (``bagpipe.tls.tls_files()``) is dialled with the job's certificate and key, and
     the server must present a certificate of the job's CA: the chart's Redis demands the same of its
     clients. Hostnames are not checked, since pods dial Redis by its Service's DNS name, which the job's one
     shared certificate need not name (it names ``tls.serverName`` for the gRPC servers, dialled by IP);
@@ -50,7 +50,7 @@ def connection_options(url: str) -> dict[str, Any]:
         "socket_timeout": 10,
         "password": security.redis_password(),
     }
-    files = security.tls_files()
+    files = tls.tls_files()
     if files is not None and urlsplit(url).scheme == "rediss":
         options.update(
             ssl_certfile=files["cert"],

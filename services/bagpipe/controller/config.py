@@ -5,7 +5,7 @@ from __future__ import annotations
 import argparse
 from dataclasses import dataclass
 
-from bagpipe import flags, security
+from bagpipe import flags, tls
 from bagpipe.config_args import Coordination, non_negative_int, positive_float, positive_int
 from bagpipe.control.detector import DEFAULT_TIMEOUT_S
 from bagpipe.flags import flag
@@ -74,7 +74,7 @@ def build_parser() -> argparse.ArgumentParser:
         "Detects failed members of a Bagpipe job from their metrics and recovers the job in place, through "
         "Redis.",
     )
-    security.add_tls_args(p)
+    tls.add_tls_args(p)
     return p
 
 

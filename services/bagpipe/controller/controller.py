@@ -212,7 +212,9 @@ class Controller:
             return
         reports = self.registry.reports(generation.id)
         if reports:  # (a processor's stream broke, or its data is bad: the oracle says which)
-            member = sorted(reports)[0]
+            # (bad data first: retrying another processor's failure would only read the bad line again)
+            bad = sorted(m for m, why in reports.items() if why.startswith(BAD_DATA))
+            member = (bad or sorted(reports))[0]
             reason = reports[member]
             if reason.startswith(BAD_DATA):
                 self._failed(process_name(member), "data", reason, member=member, retry=False)

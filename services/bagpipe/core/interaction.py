@@ -1,6 +1,8 @@
 """DLRM's dot interaction on the CPU, compiled: the dots of every pair of a sample's features and their
 gradients, one sample at a time.
 
+(Over 400 lines: the forward and backward kernels of one operation, which share their tiling.)
+
 A sample's features are x_0 = the bottom MLP's output and x_1.. x_t = its rows. The forward gives the
 dots of the strictly lower triangle in ``torch.tril_indices`` order. The backward is one product per
 sample, dx_a = sum over b of G[a, b] x_b, with G the symmetric matrix of the dots' gradients (zero

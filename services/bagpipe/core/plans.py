@@ -1,4 +1,4 @@
-"""The plan of a batch, the one type the oracle and the trainers share, and what each trainer does of it.
+"""The plan of a batch, which the oracle makes, and the one input of a trainer's step it becomes.
 
 :class:`BatchPlan` is what the oracle's lookahead planner (``oracle_cacher/lookahead.py``) decides for one
 global batch: its rows with their cache slots, holders and synchronisation class, the prefetches,
@@ -10,8 +10,9 @@ all trainers, so the oracle builds and serialises it once per batch. Each traine
 out of it with :func:`share` (a :class:`TrainerPlan`): the rows its samples use (with a local inverse
 index), what it prefetches, which of its rows it updates alone, the synchronisation steps (identical on
 every trainer, so the all-reduces line up) and what it writes back. That work runs on the trainers, in
-parallel, rather than T times on the oracle's one core. ``traffic`` counts rows and bytes per iteration
-across all trainers; ``bagpipe plan-stats`` and the oracle's metrics use it.
+parallel, rather than T times on the oracle's one core. With the trainer's samples and the facts of the
+batch, its share is a :class:`TrainerBatch`, the one input of the trainer's step. ``traffic`` counts rows
+and bytes per iteration across all trainers; ``bagpipe plan-stats`` and the oracle's metrics use it.
 """
 
 from __future__ import annotations
@@ -34,6 +35,7 @@ __all__ = [
     "SyncStep",
     "TrainerPlan",
     "Traffic",
+    "TrainerBatch",
     "for_trainer",
     "share",
     "shared_plan",
@@ -200,6 +202,32 @@ class SharedPlan:
     @property
     def unique(self) -> int:
         return int(self.slots.size)
+
+
+@dataclass(frozen=True)
+class TrainerBatch:
+    """Everything a trainer needs for one global batch, the one input of its step: its share of the plan
+    (what it prefetches, updates, synchronises and writes back), its slice of the samples, and the facts of
+    the batch (whether a checkpoint follows it, and which cached rows that checkpoint flushes). The oracle
+    sends it as a ``Plan`` with the batch's ``PlanRows`` and the trainer's ``Samples``;
+    ``codec.decode_plan`` reads and checks it."""
+
+    share: TrainerPlan
+    dense: np.ndarray
+    labels: np.ndarray
+    slot_high_water: int
+    global_batch_size: int
+    last: bool
+    lookahead: int
+    occupancy: int
+    unique_rows: int
+    checkpoint: bool = False
+    checkpoint_keys: np.ndarray | None = None
+    checkpoint_slots: np.ndarray | None = None
+
+    @property
+    def batch(self) -> int:
+        return self.share.batch
 
 
 def shared_plan(plan: BatchPlan) -> SharedPlan:

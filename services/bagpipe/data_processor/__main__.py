@@ -13,13 +13,14 @@ from bagpipe.control.generation import (
     Follower,
     Generation,
     Membership,
+    current,
     follow_until_stopped,
 )
 from bagpipe.control.registry import Registry
 from bagpipe.core.data import DataFormatError
 from bagpipe.data_processor.config import DataProcessorConfig, parse
 from bagpipe.data_processor.server import create_server
-from bagpipe.errors import EXIT_DATA_ERROR
+from bagpipe.errors import BAD_DATA, EXIT_DATA_ERROR
 
 logger = logging.getLogger("bagpipe.data_processor")
 
@@ -60,6 +61,20 @@ async def serve(cfg: DataProcessorConfig) -> None:
         raise SystemExit(EXIT_RESTART)
 
 
+def _report_bad_data(cfg: DataProcessorConfig, line: str) -> None:
+    """Tells the controller, if a job is under way, that this processor's input is bad (the oracle does the
+    same for a bad line met later): the job then fails at once naming the line, instead of waiting on a
+    processor that starts again and again (a Deployment's pod)."""
+    member = str(cfg.index) if cfg.index is not None else socket.gethostname()
+    try:
+        registry = Registry(cfg.coordination.redis_url, cfg.coordination.job)
+        generation = current(registry)
+        if generation is not None:
+            registry.report(generation.id, f"data_processor/{member}", BAD_DATA + line)
+    except Exception as e:  # (Redis may be gone too: the exit status and the line still say it)
+        logger.warning("could not report the bad data to the controller: %s", e)
+
+
 def main(argv: list[str] | None = None) -> None:
     cfg = parse(argv)
     serving.configure_logging(cfg.coordination.log_level)
@@ -67,7 +82,8 @@ def main(argv: list[str] | None = None) -> None:
         cfg.source.check_head()  # (before it joins the job: its input's first lines parse)
     except DataFormatError as e:
         logger.error("bad data: %s", e)
-        print(f"bagpipe data processor: bad data: {e}", file=sys.stderr)
+        _report_bad_data(cfg, str(e))
+        print(f"bagpipe data processor: {BAD_DATA}{e}", file=sys.stderr)
         raise SystemExit(EXIT_DATA_ERROR) from None
     allocator.keep_freed_buffers()
     serving.run_service(lambda: asyncio.run(serve(cfg)), "bagpipe.data_processor")

@@ -1,5 +1,8 @@
 """Click-log files as numbered global batches: Criteo TSV and Avazu CSV, parsed a chunk at a time.
 
+(Over 400 lines: the two formats share the chunk reader, the numbering and the diagnostics; each
+format's own parser is a few functions.)
+
 **Numbering.** The valid samples of the files, concatenated in the order given, form one stream;
 global batch ``b`` is samples ``[b*B, (b+1)*B)`` of it, and a final partial batch is dropped. With a
 shuffle seed, the stream is first cut into windows of ``shuffle_buffer`` samples and each window is
@@ -30,6 +33,7 @@ a sample that fails is traced back to its line and column in the same way. A lin
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import logging
 import re
@@ -375,6 +379,16 @@ class FileSource:
 
     def _diagnose(self, path: str, number: int, line: bytes) -> DataFormatError:
         raise NotImplementedError
+
+    def check_head(self) -> None:
+        """Parses the first chunk (``CHUNK_BYTES``) of every file as its batches would, and reads no more:
+        raises the ``DataFormatError`` of a file whose first lines do not parse, or that is empty (with
+        skip_bad_rows, bad lines are counted instead)."""
+        for path in self.config.paths:
+            one = type(self)(dataclasses.replace(self.config, paths=(path,)))
+            first = next(one._chunks(), None)
+            if first is not None:
+                one._parsed(*first)
 
     # -- reading
     def _chunks(self) -> Iterator[tuple[str, int, bytes]]:

@@ -1,4 +1,8 @@
-"""Client side of the embedding servers: routes keys to shards and calls them in parallel."""
+"""Client side of the embedding servers: routes keys to shards and calls them in parallel.
+
+(Over 400 lines: routing, the parallel calls and routing again after a re-sharding are one piece of
+state, the shard map in force.)
+"""
 
 from __future__ import annotations
 

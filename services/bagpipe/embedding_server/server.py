@@ -1,5 +1,8 @@
 """The EmbeddingServer servicer and ``create_server``.
 
+(Over 400 lines: every RPC, a migration's steps included, runs under the one rows gate this module
+keeps.)
+
 Without threads (below), handlers run on the asyncio loop and do not await between validating a
 request and applying it, so each lookup or write-back is atomic with respect to the others and a
 rejected one changes nothing. The same holds for the steps of a migration that touch rows (a chunk's
@@ -356,21 +359,21 @@ class EmbeddingServicer(pb_grpc.EmbeddingServerServicer):
             new_map = ShardMap.from_json(request.shard_map)
         except (ValueError, KeyError, TypeError) as e:
             raise InvalidArgument("shard_map", f"not a shard map: {e}") from None
+        if request.attempt in self._attempts:  # (before it could change the map or abort the try under way)
+            now = self.store.migration
+            have = "none" if now is None else f"attempt {now.attempt:x} to version {now.new_map.version}"
+            raise FailedPrecondition(
+                f"attempt: {request.attempt:x} to version {new_map.version} was prepared or aborted here "
+                f"before; a new try needs a new id (under way: {have})"
+            )
+        if request.rows_per_second < 0:
+            raise InvalidArgument("rows_per_second", f"must be >= 0, got {request.rows_per_second}")
         if new_map.version != self.store.shard_map.version + 1 and request.current_shard_map:
             self._catch_up(request.current_shard_map, new_map)
         if new_map.version != self.store.shard_map.version + 1:
             raise FailedPrecondition(
                 f"shard_map: version {new_map.version} does not follow this server's "
                 f"{self.store.shard_map.version}"
-            )
-        if request.rows_per_second < 0:
-            raise InvalidArgument("rows_per_second", f"must be >= 0, got {request.rows_per_second}")
-        if request.attempt in self._attempts:  # (before it could abort the attempt under way)
-            now = self.store.migration
-            have = "none" if now is None else f"attempt {now.attempt:x} to version {now.new_map.version}"
-            raise FailedPrecondition(
-                f"attempt: {request.attempt:x} to version {new_map.version} was prepared here before; "
-                f"a new try needs a new id (under way: {have})"
             )
         if self.store.migration is not None:
             if self.store.migration.sealed:
@@ -420,6 +423,7 @@ class EmbeddingServicer(pb_grpc.EmbeddingServerServicer):
             self.store.migration is None
             and self.store.rows_held == 0
             and self.store.shard not in current.owners
+            and current.version > self.store.shard_map.version  # (never back: a stale Prepare)
         ):
             self.store.adopt(current)
 
@@ -554,6 +558,9 @@ class EmbeddingServicer(pb_grpc.EmbeddingServerServicer):
         abort of another attempt to the same version (one that failed, arriving after its retry was
         prepared) is refused and leaves the attempt under way alone."""
         async with self._gate.changing():
+            # (an aborted try is over here for good: its Prepare, arriving late, is refused)
+            if request.attempt:
+                self._attempts.add(request.attempt)
             m = self.store.migration
             if m is not None and m.new_map.version == request.shard_map_version:
                 if m.attempt != request.attempt:

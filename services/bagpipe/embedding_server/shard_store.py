@@ -1,5 +1,8 @@
 """One embedding-server shard: the rows of its buckets of every table, with optimizer state.
 
+(Over 400 lines: the table, its undo log and a migration's copy change the same rows under the
+server's one gate; the rules between them are kept in one class.)
+
 Storage is one dense float32 array ``[local_rows, dim + state_width]``, each row followed by its
 optimizer state (``weights`` and ``state`` are views of its two column ranges): a lookup gathers one
 contiguous run of bytes per key, not two. A key's local row, and a local row's key, are arithmetic on
@@ -504,6 +507,11 @@ class ShardStore:
     # ---- re-sharding
     def adopt(self, shard_map: ShardMap) -> None:
         """Takes over ``shard_map`` (a later version) while this shard holds no buckets in either."""
+        if shard_map.version <= self.shard_map.version:
+            raise ValueError(
+                f"shard map version {shard_map.version} is not later than this shard's "
+                f"{self.shard_map.version}"
+            )
         if self.rows_held or self.shard in shard_map.owners or shard_map.num_keys != self.shard_map.num_keys:
             raise ValueError(
                 f"shard {self.shard} holds rows: it cannot skip to shard map version {shard_map.version}"

@@ -17,6 +17,7 @@ from pathlib import Path
 import psutil
 
 from bagpipe.core import snapshots
+from bagpipe.errors import EXIT_DATA_ERROR
 from bagpipe.local.redis_server import RedisServer
 
 logger = logging.getLogger(__name__)
@@ -129,10 +130,14 @@ class ComponentFailure(Exception):
         self.component = component
         self.kind = kind  # "exited", "gone" or "stuck"
         self.detail = detail
+        self.log = log
         self.exit_code: int | None = None  # (exited)
         self.detected_at = time.time()
 
 
+# exits a new process would repeat (a checkpoint that cannot be written, bad input data): they fail the
+# run, as the chart's podFailurePolicy fails the Job, instead of being restarted
+FINAL_EXITS = (snapshots.EXIT_CHECKPOINT_FAILED, EXIT_DATA_ERROR)
 # a process that fails this often is not recovering: the run gives up (a kubelet's CrashLoopBackOff)
 MAX_PROCESS_RESTARTS = 20
 
@@ -154,7 +159,7 @@ def keep_alive(job: Keeper, redis_server: RedisServer, redis_silent: list[float]
         code = p.proc.poll()
         if code is None or code == 0:
             continue
-        if code == snapshots.EXIT_CHECKPOINT_FAILED or p.restarts >= MAX_PROCESS_RESTARTS:
+        if code in FINAL_EXITS or p.restarts >= MAX_PROCESS_RESTARTS:
             failure = ComponentFailure(
                 p.name,
                 "exited",

@@ -33,6 +33,7 @@ from bagpipe.controller.config import argv as controller_argv
 from bagpipe.core import snapshots
 from bagpipe.data_processor import config as data_processor_config
 from bagpipe.embedding_server import config as embedding_server_config
+from bagpipe.errors import EXIT_DATA_ERROR
 from bagpipe.local import configs
 from bagpipe.local.configs import checkpoint_every, rendezvous_url
 from bagpipe.local.keeper import ComponentFailure, Keeper, Process, keep_alive, tail
@@ -330,6 +331,11 @@ def _keep(
         try:
             keep_alive(job, redis_server, redis_silent, args.failure_timeout)
         except ComponentFailure as failure:
+            if failure.exit_code == EXIT_DATA_ERROR:  # (its last line: "... bad data: FILE:LINE: field ...")
+                last = tail(failure.log, 1) if failure.log else ""
+                said = last.partition(": ")[2] or f"{failure.component} {failure.detail}"
+                print(f"failure: {said}; giving up", file=sys.stderr)
+                raise RuntimeError(f"{said} (read by {failure.component}; not retried)") from None
             why = (
                 "writing a checkpoint (not retried: a replay would fail the same way; resume with "
                 f"--resume {job.run_dir} once the directory has room)"

@@ -1,5 +1,8 @@
 """The oracle's lookahead algorithm (paper Algorithm 1) with an LRPP cache.
 
+(Over 400 lines: one algorithm, whose compiled loops and planner share the record layout described
+below.)
+
 Batches enter a window of up to ``L`` batches (the current one included, as in the paper's Figure 6).
 When the oldest batch leaves the window it gets a plan:
 

@@ -1,5 +1,8 @@
 """The OracleCacher servicer: reorders batches, plans them, and dispatches plans to trainers.
 
+(Over 400 lines: the readers, the planner and the plan streams share one loop and one condition,
+and are kept in one class.)
+
 Three kinds of tasks share one asyncio loop: one reader per data processor (each streams every
 N-th batch), one planner, and one StreamPlans call per trainer. A plan for batch x is released only
 when every trainer has reported the write-backs of batch x-L durable (DESIGN.md rule 1; see

@@ -22,7 +22,6 @@ wait on: every thread's progress and the first error any thread hit live here.
 
 from __future__ import annotations
 
-import functools
 import queue
 import threading
 import warnings
@@ -34,11 +33,10 @@ import numpy as np
 import torch
 
 from bagpipe import serving
-from bagpipe.codec import PlanArrays, decode_plan
+from bagpipe.codec import decode_plan
 from bagpipe.control.registry import Registry
-from bagpipe.core.plans import TrainerPlan
+from bagpipe.core.plans import TrainerBatch, TrainerPlan
 from bagpipe.core.row_store import RowStore
-from bagpipe.rpc import call_with_retry
 from bagpipe.trainer import metrics
 from bagpipe.trainer.cache import EmbeddingCache
 from bagpipe.trainer.config import TrainerConfig
@@ -77,7 +75,7 @@ class Pipeline:
         self.store: RowStore | None = None
         self.oracle: opb_grpc.OracleCacherStub | None = None
         self.cond = threading.Condition()
-        self.received: dict[int, PlanArrays] = {}
+        self.received: dict[int, TrainerBatch] = {}
         self.ready: set[int] = set()
         self.error: BaseException | None = None
         self.current = start_batch - 1  # the batch the training thread is on
@@ -88,7 +86,7 @@ class Pipeline:
         # computes initial rows (and zero state) when every embedding server was untouched before this
         # trainer's first batch: a plan's rows used for the first time since then are computed, not fetched
         self.initial_of: InitialOf | None = None
-        self._prefetch_queue: queue.Queue[PlanArrays | None] = queue.Queue()
+        self._prefetch_queue: queue.Queue[TrainerBatch | None] = queue.Queue()
         self._writebacks: list[WriteBack] = []  # under cond
         self._writes_closed = False
         k, world = config.transfer_batches, config.world_size
@@ -140,7 +138,7 @@ class Pipeline:
         for thread in self._threads:
             thread.start()
 
-    def next_plan(self, batch: int, timer: Any) -> PlanArrays:
+    def next_plan(self, batch: int, timer: Any) -> TrainerBatch:
         """The plan of ``batch`` once it has arrived (``data_wait``) and its rows are cached
         (``prefetch_wait``; the no-cache baseline fetches them here)."""
         with self.cond:
@@ -247,7 +245,7 @@ class Pipeline:
 
     def _prefetch(self) -> None:
         group_size = self.config.transfer_batches
-        pending: list[PlanArrays] = []
+        pending: list[TrainerBatch] = []
         ended = False
         while pending or not ended:
             if not pending:
@@ -357,12 +355,7 @@ class Pipeline:
             self.transfers["write_back_calls"] += 1
         batch = group[-1][0]
         report = opb.ProgressReport(rank=self.config.rank, trained=batch, written_back=batch)
-        call_with_retry(
-            functools.partial(
-                self.oracle.ReportProgress, report, timeout=serving.RPC_TIMEOUT_S, metadata=self.token
-            ),
-            "progress",
-        )
+        self.oracle.ReportProgress(report, timeout=serving.RPC_TIMEOUT_S, metadata=self.token)
         with self.cond:
             self.written_back = batch
             self.cond.notify_all()

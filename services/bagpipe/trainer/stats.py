@@ -13,7 +13,7 @@ from typing import Any
 import numpy as np
 import torch
 
-from bagpipe.codec import PlanArrays
+from bagpipe.core.plans import TrainerBatch
 from bagpipe.core.row_store import RowStore
 from bagpipe.trainer import metrics
 
@@ -79,7 +79,7 @@ class TrainerStats:
         metrics.FIRST_BATCH.set(first_batch)
 
     def record(
-        self, plan: PlanArrays, timer: StageTimer, loss: float, cache_capacity: int, store: RowStore
+        self, plan: TrainerBatch, timer: StageTimer, loss: float, cache_capacity: int, store: RowStore
     ) -> None:
         """Adds trained batch ``plan.batch``: its stage times, rows, loss and the store's traffic."""
         share = plan.share

@@ -1,5 +1,7 @@
 """The trainer: one process of synchronous training with Bagpipe's cache.
 
+(Over 400 lines: one training step in order, with its checkpoint and evaluation points.)
+
 ``step()`` trains one batch, in the order TorchRec's ``TrainPipeline.progress()`` would read: take the
 batch's plan once its rows are prefetched (pipeline.py), forward and backward on the cached rows, the
 critical synchronisation (sync.py: the shared rows the next batch reads, then the dense gradients and the
@@ -26,7 +28,6 @@ import torch
 import torch.distributed as dist
 
 from bagpipe import security, serving
-from bagpipe.codec import PlanArrays
 from bagpipe.control.locks import CHECKPOINT_LOCK_OWNER, RESHARD_LOCK
 from bagpipe.control.registry import Registry
 from bagpipe.core import checkpoint, snapshots
@@ -34,6 +35,7 @@ from bagpipe.core.data import table_offsets
 from bagpipe.core.embedding_init import InitialRows
 from bagpipe.core.model import batch_logits, batch_loss, build_model
 from bagpipe.core.optim import dense_optimizer, restore_state, saved_state, steps_taken
+from bagpipe.core.plans import TrainerBatch
 from bagpipe.core.row_store import RowStore
 from bagpipe.embedding_server.client import EmbeddingClient
 from bagpipe.trainer import metrics
@@ -131,7 +133,10 @@ class Trainer:
         )
         self.store = self.servers
         oracle_address = self.registry.wait_for_members("oracle_cacher", 1)["0"]
-        self.oracle_channel = serving.channel(oracle_address)
+        # (progress reports are retried by gRPC itself: nothing but the server's restart to wait for)
+        self.oracle_channel = serving.channel(
+            oracle_address, serving.retrying("OracleCacher", "ReportProgress")
+        )
         self.oracle = opb_grpc.OracleCacherStub(self.oracle_channel)
 
     def _use_shared_table(self) -> None:
@@ -222,7 +227,7 @@ class Trainer:
         logger.info("wrote checkpoint %s", path)
 
     # ---- the training step
-    def step(self, batch: int) -> PlanArrays:
+    def step(self, batch: int) -> TrainerBatch:
         """Trains ``batch``; returns its plan (``plan.last`` ends the run)."""
         timer = StageTimer(self.device)
         plan = self.pipeline.next_plan(batch, timer)
@@ -262,7 +267,7 @@ class Trainer:
         return plan
 
     # ---- recovery checkpoints
-    def _checkpoint(self, plan: PlanArrays) -> None:
+    def _checkpoint(self, plan: TrainerBatch) -> None:
         """A consistent checkpoint after ``plan.batch`` (see core/snapshots.py).
 
         Once this batch's background synchronisation and write-backs are done, every cached row is current
@@ -276,7 +281,7 @@ class Trainer:
         with metrics.heartbeat_while("checkpoint"):
             self._flush_and_seal(plan, directory)
 
-    def _flush_and_seal(self, plan: PlanArrays, directory: str | None) -> None:
+    def _flush_and_seal(self, plan: TrainerBatch, directory: str | None) -> None:
         assert (
             self.store is not None and plan.checkpoint_keys is not None and plan.checkpoint_slots is not None
         )

@@ -280,13 +280,15 @@ def test_bad_data_fails_the_job_at_once_naming_the_line(redis_url, tmp_path: Pat
     registry.set_progress(0, 4)
     controller.step()
     line = "data.tsv:7: field I3: '2.5' is not an integer"
-    registry.report(generation.id, "data_processor/0", BAD_DATA + line)
+    # (another processor's broken stream, reported too, and first by name: the bad data still wins)
+    registry.report(generation.id, "data_processor/0", "UNAVAILABLE: connection reset")
+    registry.report(generation.id, "data_processor/1", BAD_DATA + line)
     controller.step()
     [failure] = registry.failures()
-    assert (failure["component"], failure["kind"]) == ("data-processor-0", "data")
+    assert (failure["component"], failure["kind"]) == ("data-processor-1", "data")
     ended = current(registry)
     assert ended is not None and ended.id == generation.id and ended.state == FAILED
-    assert ended.reason.startswith(f"bad data: {line} (read by data-processor-0;")
+    assert ended.reason.startswith(f"bad data: {line} (read by data-processor-1;")
     assert "--skip-bad-rows" in ended.reason
 
 

@@ -274,3 +274,20 @@ def test_a_migration_completes_under_64_open_health_streams_on_each_server() -> 
                 await ch.close()
 
     asyncio.run(scenario())
+
+
+def test_a_prepare_arriving_after_its_own_abort_is_refused() -> None:
+    """An aborted try is over for good: its Prepare, overtaken by its Abort, prepares nothing."""
+
+    async def scenario() -> None:
+        async with _pair() as pair:
+            version = pair.new.version
+            abort = pb.AbortMigrationRequest(shard_map_version=version, attempt=OLD)
+            await pair.each(lambda s: s.AbortMigration(abort))
+            for stub in pair.stubs.values():
+                await _refused(stub.PrepareMigration(pair.prepare(OLD)), f"{OLD:x}", "aborted")
+            assert all(st.migration is None for st in pair.stores.values())
+            await pair.each(lambda s: s.PrepareMigration(pair.prepare(NEW), timeout=30))
+            await _migrates_exactly(pair, NEW)
+
+    asyncio.run(scenario())
