@@ -49,27 +49,40 @@ def int_list(text: str) -> tuple[int, ...]:
     return values
 
 
-def add_table_args(p: argparse.ArgumentParser) -> None:
-    g = p.add_argument_group("data")
-    g.add_argument(
-        "--data",
-        default="synthetic",
-        help="'synthetic' (Criteo-Kaggle-like skewed generator), 'criteo:PATH[,PATH...]' (Criteo TSV files) "
+def data_field(default: str = "synthetic") -> Any:
+    """``--data``: the training data's source."""
+    return flag(
+        "'synthetic' (Criteo-Kaggle-like skewed generator), 'criteo:PATH[,PATH...]' (Criteo TSV files) "
         "or 'avazu:PATH[,PATH...]' (Avazu CSV files)",
+        default=default,
     )
-    g.add_argument(
-        "--table-rows",
-        type=int_list,
-        default=None,
-        help="rows of each table, comma-separated: 26 for synthetic and criteo:, 22 for avazu: (default: the "
-        "Kaggle cardinalities for criteo:, scaled by --scale for synthetic; Avazu's for avazu:)",
-    )
-    g.add_argument(
+
+
+def _add_scale(p: Any) -> None:
+    p.add_argument(
         "--scale",
         type=float,
         default=DEFAULT_SCALE,
         help=f"synthetic data: Kaggle cardinalities times this factor (default {DEFAULT_SCALE})",
     )
+
+
+def table_rows_field() -> Any:
+    """``--table-rows``, or when it is left out the source's own tables (Kaggle's scaled by ``--scale`` for
+    synthetic data, the Kaggle cardinalities for criteo:, Avazu's for avazu:)."""
+    return flag(
+        "rows of each table, comma-separated: 26 for synthetic and criteo:, 22 for avazu: (default: the "
+        "Kaggle cardinalities for criteo:, scaled by --scale for synthetic; Avazu's for avazu:)",
+        parse=int_list,
+        show=lambda rows: ",".join(map(str, rows)),
+        read=lambda value, a: table_rows_of(a),
+        adds=_add_scale,
+        required=False,
+    )
+
+
+def add_table_args(p: argparse.ArgumentParser) -> None:
+    flags.add_flags(p.add_argument_group("data"), _Tables)
 
 
 def table_argv(data: str, table_rows: tuple[int, ...]) -> list[str]:
@@ -321,49 +334,62 @@ def non_negative_float(text: str) -> float:
     return float(_number(text, float, 0, inclusive=True))
 
 
+def lookahead_field() -> Any:
+    return flag(
+        "lookahead L in batches (default: automatic, the largest L up to --max-lookahead whose plan fits "
+        "--cache-rows; a tight cache shrinks even a given L)",
+        parse=positive_int,
+        required=False,
+    )
+
+
+def max_lookahead_field() -> Any:
+    return flag("upper bound of the automatic L", default=DEFAULT_MAX_LOOKAHEAD, parse=positive_int)
+
+
+def cache_rows_field() -> Any:
+    return flag(
+        "rows each trainer's cache holds (default: unbounded, the cache grows as planned)",
+        default=None,
+        parse=positive_int,
+    )
+
+
+def reuse_delay_field() -> Any:
+    return flag(
+        "batches a freed cache slot waits before reuse, so prefetches run ahead of write-backs (at most L)",
+        default=DEFAULT_REUSE_DELAY,
+        parse=positive_int,
+    )
+
+
+def cache_mode_field() -> Any:
+    return flag(
+        "lrpp: a row used by one trainer lives and is updated there only; replicated: every trainer fetches "
+        "and all-reduces every row",
+        default="lrpp",
+        choices=CACHE_MODES,
+    )
+
+
+def delayed_sync_field() -> Any:
+    """``--sync delayed|critical``, read as whether synchronisation may be delayed."""
+    return flag(
+        "delayed: rows the next batch does not read are synchronised in the background; critical: "
+        "everything before the next batch",
+        default=True,
+        name="sync",
+        parse=str,
+        choices=SYNC_MODES,
+        read=lambda value, a: value == "delayed",
+        show=lambda delayed: "delayed" if delayed else "critical",
+        text_default="delayed",
+    )
+
+
 def add_cache_args(p: argparse.ArgumentParser) -> None:
     """The oracle's cache planning flags (``bagpipe run`` and the oracle take the same ones)."""
-    g = p.add_argument_group("cache")
-    g.add_argument(
-        "--lookahead",
-        type=positive_int,
-        default=None,
-        help="lookahead L in batches (default: automatic, the largest L up to --max-lookahead whose "
-        "plan fits --cache-rows; a tight cache shrinks even a given L)",
-    )
-    g.add_argument(
-        "--max-lookahead",
-        type=positive_int,
-        default=DEFAULT_MAX_LOOKAHEAD,
-        help=f"upper bound of the automatic L (default {DEFAULT_MAX_LOOKAHEAD})",
-    )
-    g.add_argument(
-        "--cache-rows",
-        type=positive_int,
-        default=None,
-        help="rows each trainer's cache holds (default: unbounded, the cache grows as planned)",
-    )
-    g.add_argument(
-        "--reuse-delay",
-        type=positive_int,
-        default=DEFAULT_REUSE_DELAY,
-        help="batches a freed cache slot waits before reuse, so prefetches run ahead of write-backs "
-        f"(default {DEFAULT_REUSE_DELAY}; at most L)",
-    )
-    g.add_argument(
-        "--cache-mode",
-        choices=CACHE_MODES,
-        default="lrpp",
-        help="lrpp: a row used by one trainer lives and is updated there only (default); "
-        "replicated: every trainer fetches and all-reduces every row",
-    )
-    g.add_argument(
-        "--sync",
-        choices=SYNC_MODES,
-        default="delayed",
-        help="delayed: rows the next batch does not read are synchronised in the background (default); "
-        "critical: everything before the next batch",
-    )
+    flags.add_flags(p.add_argument_group("cache"), _Cache)
 
 
 def add_recovery_args(p: argparse.ArgumentParser) -> None:
@@ -442,3 +468,20 @@ def check_resume(args: argparse.Namespace) -> None:
         snapshots.files_of(args.checkpoint_dir, args.resume_batch)
     except snapshots.BrokenChain as e:
         raise SystemExit(f"--resume-batch: {e}") from None
+
+
+# the flag groups ``bagpipe run`` and several services take, declared by the field functions above
+@dataclass(frozen=True)
+class _Tables:
+    table_rows: tuple[int, ...] = table_rows_field()
+    data: str = data_field()
+
+
+@dataclass(frozen=True)
+class _Cache:
+    lookahead: int | None = lookahead_field()
+    max_lookahead: int = max_lookahead_field()
+    cache_rows: int | None = cache_rows_field()
+    reuse_delay: int = reuse_delay_field()
+    cache_mode: str = cache_mode_field()
+    delayed_sync: bool = delayed_sync_field()
