@@ -49,13 +49,14 @@ def int_list(text: str) -> tuple[int, ...]:
     return values
 
 
-def data_field(default: str = "synthetic") -> Any:
-    """``--data``: the training data's source."""
-    return flag(
+def data_field(positional: bool = False) -> Any:
+    """``--data``: the training data's source, synthetic unless given (``positional``: the dataclass field
+    has no default of its own)."""
+    what = (
         "'synthetic' (Criteo-Kaggle-like skewed generator), 'criteo:PATH[,PATH...]' (Criteo TSV files) "
-        "or 'avazu:PATH[,PATH...]' (Avazu CSV files)",
-        default=default,
+        "or 'avazu:PATH[,PATH...]' (Avazu CSV files)"
     )
+    return flag(what, text_default="synthetic") if positional else flag(what, default="synthetic")
 
 
 def _add_scale(p: Any) -> None:
