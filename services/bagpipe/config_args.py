@@ -21,7 +21,7 @@ from bagpipe.core.model_config import (
     MODELS,
     ModelConfig,
 )
-from bagpipe.core.optim_config import DEFAULT_EPS, OPTIMIZERS, OptimizerConfig
+from bagpipe.core.optim_config import OptimizerConfig
 from bagpipe.flags import flag
 
 C = TypeVar("C")
@@ -112,17 +112,34 @@ def table_rows_of(args: argparse.Namespace) -> tuple[int, ...]:
     return KAGGLE_TABLE_ROWS
 
 
+def model_field() -> Any:
+    return flag("dlrm, wdl (Wide&Deep), deepfm or dcn (Deep&Cross)", default="dlrm", choices=MODELS)
+
+
+def embedding_dim_field(positional: bool = False) -> Any:
+    what = "embedding dimension"
+    if positional:
+        return flag(what, parse=positive_int, text_default=16)
+    return flag(what, default=16, parse=positive_int)
+
+
+def seed_field(positional: bool = False) -> Any:
+    what = "seed of the initial model and synthetic data"
+    if positional:
+        return flag(what, parse=non_negative_int, text_default=0)
+    return flag(what, default=0, parse=non_negative_int)
+
+
+def init_from_field(positional: bool = False) -> Any:
+    what = "start from this interchange checkpoint"
+    return flag(what, required=False) if positional else flag(what, default=None)
+
+
 def add_model_args(p: argparse.ArgumentParser, dense: bool = True) -> None:
     """The model and optimizer flags; ``dense``: also the dense part's sizes (trainers, ``bagpipe run``).
     Embedding servers take the rest: the model decides the row width, the optimizer the state width."""
     g = p.add_argument_group("model and optimizer")
-    g.add_argument(
-        "--model",
-        default="dlrm",
-        choices=MODELS,
-        help="dlrm, wdl (Wide&Deep), deepfm or dcn (Deep&Cross) (default dlrm)",
-    )
-    g.add_argument("--embedding-dim", type=positive_int, default=16, help="embedding dimension (default 16)")
+    flags.add_flags(g, _Model, only=("model", "embedding_dim"))
     if dense:
         g.add_argument(
             "--bottom-mlp",
@@ -147,35 +164,8 @@ def add_model_args(p: argparse.ArgumentParser, dense: bool = True) -> None:
             default=DEFAULT_CROSS_LAYERS,
             help=f"dcn: cross layers (default {DEFAULT_CROSS_LAYERS})",
         )
-    g.add_argument(
-        "--optimizer",
-        default="sgd",
-        choices=OPTIMIZERS,
-        help="sgd, adagrad or adam, for dense parameters and embeddings alike (default sgd)",
-    )
-    g.add_argument("--lr", type=float, default=0.1, help="learning rate (default 0.1)")
-    g.add_argument(
-        "--eps",
-        type=positive_float,
-        default=None,
-        help="adagrad/adam epsilon (default: torch's, 1e-10 / 1e-8)",
-    )
-    g.add_argument(
-        "--momentum",
-        type=non_negative_float,
-        default=0.0,
-        help="refused unless 0: lazy momentum on embeddings is not synchronous training",
-    )
-    g.add_argument(
-        "--weight-decay",
-        type=non_negative_float,
-        default=0.0,
-        help="refused unless 0: lazy decay on embeddings is not synchronous training",
-    )
-    g.add_argument(
-        "--seed", type=non_negative_int, default=0, help="seed of the initial model and synthetic data"
-    )
-    g.add_argument("--init-from", default=None, help="start from this interchange checkpoint")
+    flags.add_flags(g, OptimizerConfig)
+    flags.add_flags(g, _Model, only=("seed", "init_from"))
 
 
 def model_config_of(args: argparse.Namespace, num_tables: int) -> ModelConfig:
@@ -194,13 +184,7 @@ def model_config_of(args: argparse.Namespace, num_tables: int) -> ModelConfig:
 
 def optimizer_config_of(args: argparse.Namespace) -> OptimizerConfig:
     """The optimizer the flags describe (ValueError names the field that is wrong)."""
-    return OptimizerConfig(
-        args.optimizer,
-        args.lr,
-        eps=getattr(args, "eps", None),
-        momentum=getattr(args, "momentum", 0.0),
-        weight_decay=getattr(args, "weight_decay", 0.0),
-    )
+    return flags.config_of(OptimizerConfig, args)
 
 
 def model_argv(model: ModelConfig) -> list[str]:
@@ -214,10 +198,7 @@ def model_argv(model: ModelConfig) -> list[str]:
 
 def optimizer_argv(optimizer: OptimizerConfig, seed: int, init_from: str | None) -> list[str]:
     """The flags ``add_model_args`` parses back to ``optimizer``, ``seed`` and ``init_from``."""
-    out = ["--optimizer", optimizer.name, "--lr", repr(optimizer.lr), "--seed", str(seed)]
-    if optimizer.eps != DEFAULT_EPS[optimizer.name]:
-        out += ["--eps", repr(optimizer.eps)]
-    return out + (["--init-from", init_from] if init_from else [])
+    return flags.argv(optimizer) + flags.argv(_Model(seed=seed, init_from=init_from))
 
 
 def recovery_argv(checkpoint_dir: str | None, resume_batch: int) -> list[str]:
@@ -393,21 +374,28 @@ def add_cache_args(p: argparse.ArgumentParser) -> None:
     flags.add_flags(p.add_argument_group("cache"), _Cache)
 
 
+def checkpoint_dir_field() -> Any:
+    return flag(
+        "directory of the job's recovery checkpoints, shared by trainers and embedding servers", default=None
+    )
+
+
+def resume_batch_field() -> Any:
+    """``--resume-batch``: a complete checkpoint of ``--checkpoint-dir``, its whole chain there (``latest``:
+    the newest, or 0 when there is none)."""
+    return flag(
+        "begin at this batch from the complete checkpoint of that name in --checkpoint-dir (0: from the "
+        "start; latest: from the newest complete one, or the start when there is none)",
+        default=0,
+        parse=batch_or_latest,
+        read=lambda value, a: resume_batch_of(value, a.checkpoint_dir),
+        text_default=0,
+    )
+
+
 def add_recovery_args(p: argparse.ArgumentParser) -> None:
     """Where consistent checkpoints go, and which one a (re)started service begins from."""
-    g = p.add_argument_group("recovery")
-    g.add_argument(
-        "--checkpoint-dir",
-        default=None,
-        help="directory of the job's recovery checkpoints, shared by trainers and embedding servers",
-    )
-    g.add_argument(
-        "--resume-batch",
-        type=batch_or_latest,
-        default=0,
-        help="begin at this batch from the complete checkpoint of that name in --checkpoint-dir "
-        "(0: from the start; latest: from the newest complete one, or the start when there is none)",
-    )
+    flags.add_flags(p.add_argument_group("recovery"), _Recovery)
 
 
 def add_checkpoint_chain_args(p: argparse.ArgumentParser) -> None:
@@ -451,24 +439,30 @@ def parse_config(
 
 
 def check_resume(args: argparse.Namespace) -> None:
+    """``args.resume_batch`` as ``resume_batch_of`` reads it."""
+    args.resume_batch = resume_batch_of(args.resume_batch, args.checkpoint_dir)
+
+
+def resume_batch_of(value: int | str, checkpoint_dir: str | None) -> int:
     """--resume-batch needs the complete checkpoint it names, and its whole chain; fails early, naming
     what is missing. ``latest`` becomes the newest complete checkpoint's batch."""
-    args.resume_batch = resolve_latest(args.resume_batch, args.checkpoint_dir, "--resume-batch")
-    if not args.resume_batch:
-        return
+    batch = resolve_latest(value, checkpoint_dir, "--resume-batch")
+    if not batch:
+        return batch
     from bagpipe.core import snapshots
 
-    if not args.checkpoint_dir:
+    if not checkpoint_dir:
         raise SystemExit("--resume-batch: needs --checkpoint-dir")
-    if args.resume_batch not in snapshots.complete(args.checkpoint_dir):
+    if batch not in snapshots.complete(checkpoint_dir):
         raise SystemExit(
-            f"--resume-batch: no complete checkpoint {args.resume_batch} in {args.checkpoint_dir} "
-            f"(complete: {snapshots.complete(args.checkpoint_dir) or 'none'})"
+            f"--resume-batch: no complete checkpoint {batch} in {checkpoint_dir} "
+            f"(complete: {snapshots.complete(checkpoint_dir) or 'none'})"
         )
     try:
-        snapshots.files_of(args.checkpoint_dir, args.resume_batch)
+        snapshots.files_of(checkpoint_dir, batch)
     except snapshots.BrokenChain as e:
         raise SystemExit(f"--resume-batch: {e}") from None
+    return batch
 
 
 # the flag groups ``bagpipe run`` and several services take, declared by the field functions above
@@ -486,3 +480,17 @@ class _Cache:
     reuse_delay: int = reuse_delay_field()
     cache_mode: str = cache_mode_field()
     delayed_sync: bool = delayed_sync_field()
+
+
+@dataclass(frozen=True)
+class _Model:
+    model: str = model_field()
+    embedding_dim: int = embedding_dim_field()
+    seed: int = seed_field()
+    init_from: str | None = init_from_field()
+
+
+@dataclass(frozen=True)
+class _Recovery:
+    checkpoint_dir: str | None = checkpoint_dir_field()
+    resume_batch: int = resume_batch_field()

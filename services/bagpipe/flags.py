@@ -47,6 +47,8 @@ class Flag:
     # or the field has none: a positional field a service's parser still defaults)
     text_default: Any = None
     required: bool | None = None  # default: the field has no default
+    omit: Callable[[Any, Any], bool] | None = None  # (value, config): argv() leaves the flag out
+    aliases: tuple[str, ...] = ()  # other names the parser takes (``--num-shards``)
 
 
 def flag(
@@ -62,20 +64,24 @@ def flag(
     adds: Callable[[Any], None] | None = None,
     text_default: Any = None,
     required: bool | None = None,
+    omit: Callable[[Any, Any], bool] | None = None,
+    aliases: Sequence[str] = (),
 ) -> Any:
     """A dataclass field that is also a command-line flag (no default: the flag is required, unless
     ``required=False`` and ``read`` makes the value from the others)."""
     meta = Flag(
-        help,
-        name,
-        parse,
-        tuple(choices) if choices else None,
-        metavar,
-        show,
-        read,
-        adds,
-        text_default,
-        required,
+        help=help,
+        name=name,
+        parse=parse,
+        choices=tuple(choices) if choices else None,
+        metavar=metavar,
+        show=show,
+        read=read,
+        adds=adds,
+        text_default=text_default,
+        required=required,
+        omit=omit,
+        aliases=tuple(aliases),
     )
     return dataclasses.field(default=default, metadata={_KEY: meta})
 
@@ -150,6 +156,8 @@ def add_flags(p: Any, cls: type, only: Sequence[str] | None = None) -> None:
             default = shown = f.default if has_default else None
         p.add_argument(
             option(f, meta),
+            *meta.aliases,
+            dest=f.name if meta.name is None else None,
             type=convert,
             required=required,
             default=[] if repeats else default,
@@ -193,6 +201,8 @@ def argv(config: Any) -> list[str]:
             continue
         if f.default is not dataclasses.MISSING and value == f.default:
             continue
+        if meta.omit is not None and meta.omit(value, config):
+            continue
         name = option(f, meta)
         if _base(kind) is bool and meta.parse is None:
             out.append(name if value else "--no-" + name[2:])
@@ -217,5 +227,16 @@ def parse(
         return config_of(cls, a, **given)
     except ValueError as e:
         field, sep, why = str(e).partition(": ")
-        names = {f.name: option(f, meta) for f, meta, _ in _flags(cls) if meta is not None}
+        names = _names(cls)
         p.error(f"{names[field]}: {why}" if sep and field in names else str(e))
+
+
+def _names(cls: type) -> dict[str, str]:
+    """Field name -> its flag, over ``cls`` and its nested configs (a nested rule names its own field)."""
+    names: dict[str, str] = {}
+    for f, meta, kind in _flags(cls):
+        if meta is None:
+            names = {**_names(kind), **names}
+        else:
+            names[f.name] = option(f, meta)
+    return names
