@@ -139,6 +139,17 @@ def add_model_args(p: argparse.ArgumentParser, dense: bool = True) -> None:
     """The model and optimizer flags; ``dense``: also the dense part's sizes (trainers, ``bagpipe run``).
     Embedding servers take the rest: the model decides the row width, the optimizer the state width."""
     g = p.add_argument_group("model and optimizer")
+    _add_model_shape(g, dense)
+    flags.add_flags(g, OptimizerConfig)
+    flags.add_flags(g, _Model, only=("seed", "init_from"))
+
+
+def add_model_shape_args(p: Any) -> None:
+    """The model's flags (a trainer's ``model`` field is made of them): which model, and its sizes."""
+    _add_model_shape(p.add_argument_group("model"), dense=True)
+
+
+def _add_model_shape(g: Any, dense: bool) -> None:
     flags.add_flags(g, _Model, only=("model", "embedding_dim"))
     if dense:
         g.add_argument(
@@ -164,8 +175,6 @@ def add_model_args(p: argparse.ArgumentParser, dense: bool = True) -> None:
             default=DEFAULT_CROSS_LAYERS,
             help=f"dcn: cross layers (default {DEFAULT_CROSS_LAYERS})",
         )
-    flags.add_flags(g, OptimizerConfig)
-    flags.add_flags(g, _Model, only=("seed", "init_from"))
 
 
 def model_config_of(args: argparse.Namespace, num_tables: int) -> ModelConfig:
@@ -215,28 +224,30 @@ def row_width_of(args: argparse.Namespace) -> int:
     return args.embedding_dim + int(args.model in LINEAR_MODELS)
 
 
-def add_eval_args(p: argparse.ArgumentParser) -> None:
-    """Held-out evaluation (trainers and ``bagpipe run``)."""
-    g = p.add_argument_group("evaluation")
-    g.add_argument(
-        "--eval-data",
+def eval_data_field() -> Any:
+    return flag(
+        "held-out data for logloss and ROC AUC: a file source like --data's (criteo:PATH, avazu:PATH), or "
+        "'synthetic' (unseen samples of the synthetic generator)",
         default=None,
         metavar="SOURCE",
-        help="held-out data for logloss and ROC AUC: a file source like --data's (criteo:PATH, "
-        "avazu:PATH), or 'synthetic' (unseen samples of the synthetic generator)",
     )
-    g.add_argument(
-        "--eval-every",
-        type=non_negative_int,
-        default=0,
-        help="evaluate after every this many batches too (default 0: at the end only)",
+
+
+def eval_every_field() -> Any:
+    return flag(
+        "evaluate after every this many batches too (0: at the end only)", default=0, parse=non_negative_int
     )
-    g.add_argument(
-        "--eval-samples",
-        type=non_negative_int,
-        default=0,
-        help="held-out samples to use (default 0: the whole file; 16384 for synthetic)",
+
+
+def eval_samples_field() -> Any:
+    return flag(
+        "held-out samples to use (0: the whole file; 16384 for synthetic)", default=0, parse=non_negative_int
     )
+
+
+def add_eval_args(p: argparse.ArgumentParser) -> None:
+    """Held-out evaluation (trainers and ``bagpipe run``)."""
+    flags.add_flags(p.add_argument_group("evaluation"), _Evaluation)
 
 
 @dataclass(frozen=True)
@@ -398,26 +409,30 @@ def add_recovery_args(p: argparse.ArgumentParser) -> None:
     flags.add_flags(p.add_argument_group("recovery"), _Recovery)
 
 
-def add_checkpoint_chain_args(p: argparse.ArgumentParser) -> None:
-    """How many checkpoints are kept, and how often one is full (trainer rank 0 writes them)."""
+def keep_checkpoints_field() -> Any:
     from bagpipe.core import snapshots
 
-    g = p.add_argument_group("checkpoint chain")
-    g.add_argument(
-        "--keep-checkpoints",
-        type=positive_int,
+    return flag(
+        "complete checkpoints kept; older ones are removed, except the links the kept ones stand on",
         default=snapshots.DEFAULT_KEEP,
-        help="complete checkpoints kept; older ones are removed, except the links the kept ones stand on "
-        f"(default {snapshots.DEFAULT_KEEP})",
+        parse=positive_int,
     )
-    g.add_argument(
-        "--checkpoint-full-every",
-        type=positive_int,
+
+
+def checkpoint_full_every_field() -> Any:
+    from bagpipe.core import snapshots
+
+    return flag(
+        "every this many checkpoints one is full (every row not initial), so a restore reads at most this "
+        "many files a server however long the run (1: every one full)",
         default=snapshots.DEFAULT_FULL_EVERY,
-        help="every this many checkpoints one is full (every row not initial), so a restore reads at most "
-        f"this many files a server however long the run (default {snapshots.DEFAULT_FULL_EVERY}; "
-        "1: every one full)",
+        parse=positive_int,
     )
+
+
+def add_checkpoint_chain_args(p: argparse.ArgumentParser) -> None:
+    """How many checkpoints are kept, and how often one is full (trainer rank 0 writes them)."""
+    flags.add_flags(p.add_argument_group("checkpoint chain"), _Chain)
 
 
 def parse_config(
@@ -494,3 +509,16 @@ class _Model:
 class _Recovery:
     checkpoint_dir: str | None = checkpoint_dir_field()
     resume_batch: int = resume_batch_field()
+
+
+@dataclass(frozen=True)
+class _Evaluation:
+    eval_data: str | None = eval_data_field()
+    eval_every: int = eval_every_field()
+    eval_samples: int = eval_samples_field()
+
+
+@dataclass(frozen=True)
+class _Chain:
+    keep_checkpoints: int = keep_checkpoints_field()
+    checkpoint_full_every: int = checkpoint_full_every_field()

@@ -49,6 +49,9 @@ class Flag:
     required: bool | None = None  # default: the field has no default
     omit: Callable[[Any, Any], bool] | None = None  # (value, config): argv() leaves the flag out
     aliases: tuple[str, ...] = ()  # other names the parser takes (``--num-shards``)
+    # a field made of other flags only (``adds`` declares them, ``read`` makes the value, ``write`` gives
+    # its flags back), with no option of its own: a trainer's model, from --model, --embedding-dim, ...
+    write: Callable[[Any], list[str]] | None = None
 
 
 def flag(
@@ -66,6 +69,7 @@ def flag(
     required: bool | None = None,
     omit: Callable[[Any, Any], bool] | None = None,
     aliases: Sequence[str] = (),
+    write: Callable[[Any], list[str]] | None = None,
 ) -> Any:
     """A dataclass field that is also a command-line flag (no default: the flag is required, unless
     ``required=False`` and ``read`` makes the value from the others)."""
@@ -82,8 +86,15 @@ def flag(
         required=required,
         omit=omit,
         aliases=tuple(aliases),
+        write=write,
     )
     return dataclasses.field(default=default, metadata={_KEY: meta})
+
+
+def group() -> Any:
+    """A nested config's field without a default (its flags join the parser as a group). Spelled so,
+    not bare, because the field after it may be a flag: to a type checker a ``flag(...)`` is a default."""
+    return dataclasses.field()
 
 
 def _flags(cls: type) -> list[tuple[dataclasses.Field[Any], Flag | None, Any]]:
@@ -135,6 +146,8 @@ def add_flags(p: Any, cls: type, only: Sequence[str] | None = None) -> None:
             continue
         if meta.adds is not None:
             meta.adds(p)
+        if meta.write is not None:
+            continue  # (made of the flags ``adds`` declared)
         has_default = f.default is not dataclasses.MISSING or f.default_factory is not dataclasses.MISSING
         absent = meta.text_default is not None  # (the parser's own default stands in)
         required = meta.required if meta.required is not None else not (has_default or absent)
@@ -184,6 +197,9 @@ def config_of(cls: type[C], a: argparse.Namespace, **given: Any) -> C:
         if meta is None:
             values[f.name] = config_of(kind, a)
             continue
+        if meta.write is not None and meta.read is not None:
+            values[f.name] = meta.read(None, a)
+            continue
         value = getattr(a, option(f, meta)[2:].replace("-", "_"))
         if _repeats(kind, meta):
             value = tuple(value)
@@ -202,6 +218,9 @@ def argv(config: Any) -> list[str]:
         if f.default is not dataclasses.MISSING and value == f.default:
             continue
         if meta.omit is not None and meta.omit(value, config):
+            continue
+        if meta.write is not None:
+            out += meta.write(value)
             continue
         name = option(f, meta)
         if _base(kind) is bool and meta.parse is None:

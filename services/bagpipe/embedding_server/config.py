@@ -43,7 +43,7 @@ class EmbeddingServerConfig:
     )
     table_rows: tuple[int, ...] = table_rows_field()
     embedding_dim: int = embedding_dim_field(positional=True)
-    optimizer: OptimizerConfig  # (a group of flags: --optimizer, --lr, ...)
+    optimizer: OptimizerConfig = flags.group()  # (its flags: --optimizer, --lr, ...)
     seed: int = seed_field(positional=True)
     init_from: str | None = init_from_field(positional=True)
     address: str = flag("host:port to listen on (port 0: any)", text_default="127.0.0.1:0")
