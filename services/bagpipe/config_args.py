@@ -1,14 +1,13 @@
-"""Command-line flags shared by several services, so every tier spells and parses them alike.
+"""The flags several configs share, each declared once by a field function (``table_rows_field``), and the
+groups ``bagpipe run`` makes of them (``add_cache_args``), so every tier spells and parses them alike.
 
-(Over 400 lines: the flag groups the four services and ``bagpipe run`` share. They move onto the
-config dataclasses, declared once (``flags.py``), and this module goes.)
+(Over 400 lines: one declaration for each shared flag, with the readers they need.)
 """
 
 from __future__ import annotations
 
 import argparse
 import logging
-from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any, TypeVar
 
@@ -80,15 +79,6 @@ def table_rows_field() -> Any:
         adds=_add_scale,
         required=False,
     )
-
-
-def add_table_args(p: argparse.ArgumentParser) -> None:
-    flags.add_flags(p.add_argument_group("data"), _Tables)
-
-
-def table_argv(data: str, table_rows: tuple[int, ...]) -> list[str]:
-    """The flags ``add_table_args`` parses back to ``data`` and ``table_rows``."""
-    return ["--data", data, "--table-rows", ",".join(map(str, table_rows))]
 
 
 def table_rows_of(args: argparse.Namespace) -> tuple[int, ...]:
@@ -197,22 +187,12 @@ def optimizer_config_of(args: argparse.Namespace) -> OptimizerConfig:
 
 
 def model_argv(model: ModelConfig) -> list[str]:
-    """The flags ``add_model_args(dense=True)`` parses back to ``model`` (with ``table_argv`` for its
-    tables and dense features)."""
+    """The flags ``add_model_args(dense=True)`` parses back to ``model`` (with ``--data`` and
+    ``--table-rows`` for its tables and dense features)."""
     out = ["--model", model.name, "--embedding-dim", str(model.embedding_dim)]
     out += ["--bottom-mlp", _ints(model.bottom_mlp), "--top-mlp", _ints(model.top_mlp)]  # (dlrm's)
     out += ["--deep-mlp", _ints(model.deep_mlp)] if model.deep_mlp else []  # (the others')
     return out + ["--cross-layers", str(model.cross_layers)]
-
-
-def optimizer_argv(optimizer: OptimizerConfig, seed: int, init_from: str | None) -> list[str]:
-    """The flags ``add_model_args`` parses back to ``optimizer``, ``seed`` and ``init_from``."""
-    return flags.argv(optimizer) + flags.argv(_Model(seed=seed, init_from=init_from))
-
-
-def recovery_argv(checkpoint_dir: str | None, resume_batch: int) -> list[str]:
-    out = ["--checkpoint-dir", checkpoint_dir] if checkpoint_dir else []
-    return out + (["--resume-batch", str(resume_batch)] if resume_batch else [])
 
 
 def _ints(values: tuple[int, ...]) -> str:
@@ -269,10 +249,6 @@ class Coordination:
 
     def argv(self) -> list[str]:
         return flags.argv(self)
-
-
-def coordination_of(a: argparse.Namespace) -> Coordination:
-    return flags.config_of(Coordination, a)
 
 
 def add_coordination_args(p: argparse.ArgumentParser) -> None:
@@ -404,11 +380,6 @@ def resume_batch_field() -> Any:
     )
 
 
-def add_recovery_args(p: argparse.ArgumentParser) -> None:
-    """Where consistent checkpoints go, and which one a (re)started service begins from."""
-    flags.add_flags(p.add_argument_group("recovery"), _Recovery)
-
-
 def keep_checkpoints_field() -> Any:
     from bagpipe.core import snapshots
 
@@ -435,29 +406,6 @@ def add_checkpoint_chain_args(p: argparse.ArgumentParser) -> None:
     flags.add_flags(p.add_argument_group("checkpoint chain"), _Chain)
 
 
-def parse_config(
-    parser: argparse.ArgumentParser,
-    argv: list[str] | None,
-    build: Callable[[argparse.Namespace], C],
-    resume: bool = False,
-) -> C:
-    """A service's ``parse``: its flags, then its config; a value the config refuses exits like a bad flag,
-    naming it (``--batch-size: must be ...``). ``resume``: the service takes ``add_recovery_args``."""
-    args = parser.parse_args(argv)
-    if resume:
-        check_resume(args)
-    try:
-        return build(args)
-    except ValueError as e:
-        field, _, why = str(e).partition(": ")
-        parser.error(f"--{field.replace('_', '-')}: {why}")
-
-
-def check_resume(args: argparse.Namespace) -> None:
-    """``args.resume_batch`` as ``resume_batch_of`` reads it."""
-    args.resume_batch = resume_batch_of(args.resume_batch, args.checkpoint_dir)
-
-
 def resume_batch_of(value: int | str, checkpoint_dir: str | None) -> int:
     """--resume-batch needs the complete checkpoint it names, and its whole chain; fails early, naming
     what is missing. ``latest`` becomes the newest complete checkpoint's batch."""
@@ -480,13 +428,7 @@ def resume_batch_of(value: int | str, checkpoint_dir: str | None) -> int:
     return batch
 
 
-# the flag groups ``bagpipe run`` and several services take, declared by the field functions above
-@dataclass(frozen=True)
-class _Tables:
-    table_rows: tuple[int, ...] = table_rows_field()
-    data: str = data_field()
-
-
+# the groups of flags ``bagpipe run`` takes from the declarations above
 @dataclass(frozen=True)
 class _Cache:
     lookahead: int | None = lookahead_field()
@@ -503,12 +445,6 @@ class _Model:
     embedding_dim: int = embedding_dim_field()
     seed: int = seed_field()
     init_from: str | None = init_from_field()
-
-
-@dataclass(frozen=True)
-class _Recovery:
-    checkpoint_dir: str | None = checkpoint_dir_field()
-    resume_batch: int = resume_batch_field()
 
 
 @dataclass(frozen=True)
