@@ -1,14 +1,13 @@
-"""Command-line flags shared by several services, so every tier spells and parses them alike.
+"""The flags several configs share, each declared once by a field function (``table_rows_field``), and the
+groups ``bagpipe run`` makes of them (``add_cache_args``), so every tier spells and parses them alike.
 
-(Over 400 lines: the flag groups the four services and ``bagpipe run`` share. They move onto the
-config dataclasses, declared once (``flags.py``), and this module goes.)
+(Over 400 lines: one declaration for each shared flag, with the readers they need.)
 """
 
 from __future__ import annotations
 
 import argparse
 import logging
-from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any, TypeVar
 
@@ -21,7 +20,7 @@ from bagpipe.core.model_config import (
     MODELS,
     ModelConfig,
 )
-from bagpipe.core.optim_config import DEFAULT_EPS, OPTIMIZERS, OptimizerConfig
+from bagpipe.core.optim_config import OptimizerConfig
 from bagpipe.flags import flag
 
 C = TypeVar("C")
@@ -49,22 +48,18 @@ def int_list(text: str) -> tuple[int, ...]:
     return values
 
 
-def add_table_args(p: argparse.ArgumentParser) -> None:
-    g = p.add_argument_group("data")
-    g.add_argument(
-        "--data",
-        default="synthetic",
-        help="'synthetic' (Criteo-Kaggle-like skewed generator), 'criteo:PATH[,PATH...]' (Criteo TSV files) "
-        "or 'avazu:PATH[,PATH...]' (Avazu CSV files)",
+def data_field(positional: bool = False) -> Any:
+    """``--data``: the training data's source, synthetic unless given (``positional``: the dataclass field
+    has no default of its own)."""
+    what = (
+        "'synthetic' (Criteo-Kaggle-like skewed generator), 'criteo:PATH[,PATH...]' (Criteo TSV files) "
+        "or 'avazu:PATH[,PATH...]' (Avazu CSV files)"
     )
-    g.add_argument(
-        "--table-rows",
-        type=int_list,
-        default=None,
-        help="rows of each table, comma-separated: 26 for synthetic and criteo:, 22 for avazu: (default: the "
-        "Kaggle cardinalities for criteo:, scaled by --scale for synthetic; Avazu's for avazu:)",
-    )
-    g.add_argument(
+    return flag(what, text_default="synthetic") if positional else flag(what, default="synthetic")
+
+
+def _add_scale(p: Any) -> None:
+    p.add_argument(
         "--scale",
         type=float,
         default=DEFAULT_SCALE,
@@ -72,9 +67,18 @@ def add_table_args(p: argparse.ArgumentParser) -> None:
     )
 
 
-def table_argv(data: str, table_rows: tuple[int, ...]) -> list[str]:
-    """The flags ``add_table_args`` parses back to ``data`` and ``table_rows``."""
-    return ["--data", data, "--table-rows", ",".join(map(str, table_rows))]
+def table_rows_field() -> Any:
+    """``--table-rows``, or when it is left out the source's own tables (Kaggle's scaled by ``--scale`` for
+    synthetic data, the Kaggle cardinalities for criteo:, Avazu's for avazu:)."""
+    return flag(
+        "rows of each table, comma-separated: 26 for synthetic and criteo:, 22 for avazu: (default: the "
+        "Kaggle cardinalities for criteo:, scaled by --scale for synthetic; Avazu's for avazu:)",
+        parse=int_list,
+        show=lambda rows: ",".join(map(str, rows)),
+        read=lambda value, a: table_rows_of(a),
+        adds=_add_scale,
+        required=False,
+    )
 
 
 def table_rows_of(args: argparse.Namespace) -> tuple[int, ...]:
@@ -98,17 +102,45 @@ def table_rows_of(args: argparse.Namespace) -> tuple[int, ...]:
     return KAGGLE_TABLE_ROWS
 
 
+def model_field() -> Any:
+    return flag("dlrm, wdl (Wide&Deep), deepfm or dcn (Deep&Cross)", default="dlrm", choices=MODELS)
+
+
+def embedding_dim_field(positional: bool = False) -> Any:
+    what = "embedding dimension"
+    if positional:
+        return flag(what, parse=positive_int, text_default=16)
+    return flag(what, default=16, parse=positive_int)
+
+
+def seed_field(positional: bool = False) -> Any:
+    what = "seed of the initial model and synthetic data"
+    if positional:
+        return flag(what, parse=non_negative_int, text_default=0)
+    return flag(what, default=0, parse=non_negative_int)
+
+
+def init_from_field(positional: bool = False) -> Any:
+    what = "start from this interchange checkpoint"
+    return flag(what, required=False) if positional else flag(what, default=None)
+
+
 def add_model_args(p: argparse.ArgumentParser, dense: bool = True) -> None:
     """The model and optimizer flags; ``dense``: also the dense part's sizes (trainers, ``bagpipe run``).
     Embedding servers take the rest: the model decides the row width, the optimizer the state width."""
     g = p.add_argument_group("model and optimizer")
-    g.add_argument(
-        "--model",
-        default="dlrm",
-        choices=MODELS,
-        help="dlrm, wdl (Wide&Deep), deepfm or dcn (Deep&Cross) (default dlrm)",
-    )
-    g.add_argument("--embedding-dim", type=positive_int, default=16, help="embedding dimension (default 16)")
+    _add_model_shape(g, dense)
+    flags.add_flags(g, OptimizerConfig)
+    flags.add_flags(g, _Model, only=("seed", "init_from"))
+
+
+def add_model_shape_args(p: Any) -> None:
+    """The model's flags (a trainer's ``model`` field is made of them): which model, and its sizes."""
+    _add_model_shape(p.add_argument_group("model"), dense=True)
+
+
+def _add_model_shape(g: Any, dense: bool) -> None:
+    flags.add_flags(g, _Model, only=("model", "embedding_dim"))
     if dense:
         g.add_argument(
             "--bottom-mlp",
@@ -133,35 +165,6 @@ def add_model_args(p: argparse.ArgumentParser, dense: bool = True) -> None:
             default=DEFAULT_CROSS_LAYERS,
             help=f"dcn: cross layers (default {DEFAULT_CROSS_LAYERS})",
         )
-    g.add_argument(
-        "--optimizer",
-        default="sgd",
-        choices=OPTIMIZERS,
-        help="sgd, adagrad or adam, for dense parameters and embeddings alike (default sgd)",
-    )
-    g.add_argument("--lr", type=float, default=0.1, help="learning rate (default 0.1)")
-    g.add_argument(
-        "--eps",
-        type=positive_float,
-        default=None,
-        help="adagrad/adam epsilon (default: torch's, 1e-10 / 1e-8)",
-    )
-    g.add_argument(
-        "--momentum",
-        type=non_negative_float,
-        default=0.0,
-        help="refused unless 0: lazy momentum on embeddings is not synchronous training",
-    )
-    g.add_argument(
-        "--weight-decay",
-        type=non_negative_float,
-        default=0.0,
-        help="refused unless 0: lazy decay on embeddings is not synchronous training",
-    )
-    g.add_argument(
-        "--seed", type=non_negative_int, default=0, help="seed of the initial model and synthetic data"
-    )
-    g.add_argument("--init-from", default=None, help="start from this interchange checkpoint")
 
 
 def model_config_of(args: argparse.Namespace, num_tables: int) -> ModelConfig:
@@ -180,35 +183,16 @@ def model_config_of(args: argparse.Namespace, num_tables: int) -> ModelConfig:
 
 def optimizer_config_of(args: argparse.Namespace) -> OptimizerConfig:
     """The optimizer the flags describe (ValueError names the field that is wrong)."""
-    return OptimizerConfig(
-        args.optimizer,
-        args.lr,
-        eps=getattr(args, "eps", None),
-        momentum=getattr(args, "momentum", 0.0),
-        weight_decay=getattr(args, "weight_decay", 0.0),
-    )
+    return flags.config_of(OptimizerConfig, args)
 
 
 def model_argv(model: ModelConfig) -> list[str]:
-    """The flags ``add_model_args(dense=True)`` parses back to ``model`` (with ``table_argv`` for its
-    tables and dense features)."""
+    """The flags ``add_model_args(dense=True)`` parses back to ``model`` (with ``--data`` and
+    ``--table-rows`` for its tables and dense features)."""
     out = ["--model", model.name, "--embedding-dim", str(model.embedding_dim)]
     out += ["--bottom-mlp", _ints(model.bottom_mlp), "--top-mlp", _ints(model.top_mlp)]  # (dlrm's)
     out += ["--deep-mlp", _ints(model.deep_mlp)] if model.deep_mlp else []  # (the others')
     return out + ["--cross-layers", str(model.cross_layers)]
-
-
-def optimizer_argv(optimizer: OptimizerConfig, seed: int, init_from: str | None) -> list[str]:
-    """The flags ``add_model_args`` parses back to ``optimizer``, ``seed`` and ``init_from``."""
-    out = ["--optimizer", optimizer.name, "--lr", repr(optimizer.lr), "--seed", str(seed)]
-    if optimizer.eps != DEFAULT_EPS[optimizer.name]:
-        out += ["--eps", repr(optimizer.eps)]
-    return out + (["--init-from", init_from] if init_from else [])
-
-
-def recovery_argv(checkpoint_dir: str | None, resume_batch: int) -> list[str]:
-    out = ["--checkpoint-dir", checkpoint_dir] if checkpoint_dir else []
-    return out + (["--resume-batch", str(resume_batch)] if resume_batch else [])
 
 
 def _ints(values: tuple[int, ...]) -> str:
@@ -220,28 +204,30 @@ def row_width_of(args: argparse.Namespace) -> int:
     return args.embedding_dim + int(args.model in LINEAR_MODELS)
 
 
-def add_eval_args(p: argparse.ArgumentParser) -> None:
-    """Held-out evaluation (trainers and ``bagpipe run``)."""
-    g = p.add_argument_group("evaluation")
-    g.add_argument(
-        "--eval-data",
+def eval_data_field() -> Any:
+    return flag(
+        "held-out data for logloss and ROC AUC: a file source like --data's (criteo:PATH, avazu:PATH), or "
+        "'synthetic' (unseen samples of the synthetic generator)",
         default=None,
         metavar="SOURCE",
-        help="held-out data for logloss and ROC AUC: a file source like --data's (criteo:PATH, "
-        "avazu:PATH), or 'synthetic' (unseen samples of the synthetic generator)",
     )
-    g.add_argument(
-        "--eval-every",
-        type=non_negative_int,
-        default=0,
-        help="evaluate after every this many batches too (default 0: at the end only)",
+
+
+def eval_every_field() -> Any:
+    return flag(
+        "evaluate after every this many batches too (0: at the end only)", default=0, parse=non_negative_int
     )
-    g.add_argument(
-        "--eval-samples",
-        type=non_negative_int,
-        default=0,
-        help="held-out samples to use (default 0: the whole file; 16384 for synthetic)",
+
+
+def eval_samples_field() -> Any:
+    return flag(
+        "held-out samples to use (0: the whole file; 16384 for synthetic)", default=0, parse=non_negative_int
     )
+
+
+def add_eval_args(p: argparse.ArgumentParser) -> None:
+    """Held-out evaluation (trainers and ``bagpipe run``)."""
+    flags.add_flags(p.add_argument_group("evaluation"), _Evaluation)
 
 
 @dataclass(frozen=True)
@@ -263,10 +249,6 @@ class Coordination:
 
     def argv(self) -> list[str]:
         return flags.argv(self)
-
-
-def coordination_of(a: argparse.Namespace) -> Coordination:
-    return flags.config_of(Coordination, a)
 
 
 def add_coordination_args(p: argparse.ArgumentParser) -> None:
@@ -321,124 +303,158 @@ def non_negative_float(text: str) -> float:
     return float(_number(text, float, 0, inclusive=True))
 
 
+def lookahead_field() -> Any:
+    return flag(
+        "lookahead L in batches (default: automatic, the largest L up to --max-lookahead whose plan fits "
+        "--cache-rows; a tight cache shrinks even a given L)",
+        parse=positive_int,
+        required=False,
+    )
+
+
+def max_lookahead_field() -> Any:
+    return flag("upper bound of the automatic L", default=DEFAULT_MAX_LOOKAHEAD, parse=positive_int)
+
+
+def cache_rows_field() -> Any:
+    return flag(
+        "rows each trainer's cache holds (default: unbounded, the cache grows as planned)",
+        default=None,
+        parse=positive_int,
+    )
+
+
+def reuse_delay_field() -> Any:
+    return flag(
+        "batches a freed cache slot waits before reuse, so prefetches run ahead of write-backs (at most L)",
+        default=DEFAULT_REUSE_DELAY,
+        parse=positive_int,
+    )
+
+
+def cache_mode_field() -> Any:
+    return flag(
+        "lrpp: a row used by one trainer lives and is updated there only; replicated: every trainer fetches "
+        "and all-reduces every row",
+        default="lrpp",
+        choices=CACHE_MODES,
+    )
+
+
+def delayed_sync_field() -> Any:
+    """``--sync delayed|critical``, read as whether synchronisation may be delayed."""
+    return flag(
+        "delayed: rows the next batch does not read are synchronised in the background; critical: "
+        "everything before the next batch",
+        default=True,
+        name="sync",
+        parse=str,
+        choices=SYNC_MODES,
+        read=lambda value, a: value == "delayed",
+        show=lambda delayed: "delayed" if delayed else "critical",
+        text_default="delayed",
+    )
+
+
 def add_cache_args(p: argparse.ArgumentParser) -> None:
     """The oracle's cache planning flags (``bagpipe run`` and the oracle take the same ones)."""
-    g = p.add_argument_group("cache")
-    g.add_argument(
-        "--lookahead",
-        type=positive_int,
-        default=None,
-        help="lookahead L in batches (default: automatic, the largest L up to --max-lookahead whose "
-        "plan fits --cache-rows; a tight cache shrinks even a given L)",
-    )
-    g.add_argument(
-        "--max-lookahead",
-        type=positive_int,
-        default=DEFAULT_MAX_LOOKAHEAD,
-        help=f"upper bound of the automatic L (default {DEFAULT_MAX_LOOKAHEAD})",
-    )
-    g.add_argument(
-        "--cache-rows",
-        type=positive_int,
-        default=None,
-        help="rows each trainer's cache holds (default: unbounded, the cache grows as planned)",
-    )
-    g.add_argument(
-        "--reuse-delay",
-        type=positive_int,
-        default=DEFAULT_REUSE_DELAY,
-        help="batches a freed cache slot waits before reuse, so prefetches run ahead of write-backs "
-        f"(default {DEFAULT_REUSE_DELAY}; at most L)",
-    )
-    g.add_argument(
-        "--cache-mode",
-        choices=CACHE_MODES,
-        default="lrpp",
-        help="lrpp: a row used by one trainer lives and is updated there only (default); "
-        "replicated: every trainer fetches and all-reduces every row",
-    )
-    g.add_argument(
-        "--sync",
-        choices=SYNC_MODES,
-        default="delayed",
-        help="delayed: rows the next batch does not read are synchronised in the background (default); "
-        "critical: everything before the next batch",
+    flags.add_flags(p.add_argument_group("cache"), _Cache)
+
+
+def checkpoint_dir_field() -> Any:
+    return flag(
+        "directory of the job's recovery checkpoints, shared by trainers and embedding servers", default=None
     )
 
 
-def add_recovery_args(p: argparse.ArgumentParser) -> None:
-    """Where consistent checkpoints go, and which one a (re)started service begins from."""
-    g = p.add_argument_group("recovery")
-    g.add_argument(
-        "--checkpoint-dir",
-        default=None,
-        help="directory of the job's recovery checkpoints, shared by trainers and embedding servers",
-    )
-    g.add_argument(
-        "--resume-batch",
-        type=batch_or_latest,
+def resume_batch_field() -> Any:
+    """``--resume-batch``: a complete checkpoint of ``--checkpoint-dir``, its whole chain there (``latest``:
+    the newest, or 0 when there is none)."""
+    return flag(
+        "begin at this batch from the complete checkpoint of that name in --checkpoint-dir (0: from the "
+        "start; latest: from the newest complete one, or the start when there is none)",
         default=0,
-        help="begin at this batch from the complete checkpoint of that name in --checkpoint-dir "
-        "(0: from the start; latest: from the newest complete one, or the start when there is none)",
+        parse=batch_or_latest,
+        read=lambda value, a: resume_batch_of(value, a.checkpoint_dir),
+        text_default=0,
+    )
+
+
+def keep_checkpoints_field() -> Any:
+    from bagpipe.core import snapshots
+
+    return flag(
+        "complete checkpoints kept; older ones are removed, except the links the kept ones stand on",
+        default=snapshots.DEFAULT_KEEP,
+        parse=positive_int,
+    )
+
+
+def checkpoint_full_every_field() -> Any:
+    from bagpipe.core import snapshots
+
+    return flag(
+        "every this many checkpoints one is full (every row not initial), so a restore reads at most this "
+        "many files a server however long the run (1: every one full)",
+        default=snapshots.DEFAULT_FULL_EVERY,
+        parse=positive_int,
     )
 
 
 def add_checkpoint_chain_args(p: argparse.ArgumentParser) -> None:
     """How many checkpoints are kept, and how often one is full (trainer rank 0 writes them)."""
-    from bagpipe.core import snapshots
-
-    g = p.add_argument_group("checkpoint chain")
-    g.add_argument(
-        "--keep-checkpoints",
-        type=positive_int,
-        default=snapshots.DEFAULT_KEEP,
-        help="complete checkpoints kept; older ones are removed, except the links the kept ones stand on "
-        f"(default {snapshots.DEFAULT_KEEP})",
-    )
-    g.add_argument(
-        "--checkpoint-full-every",
-        type=positive_int,
-        default=snapshots.DEFAULT_FULL_EVERY,
-        help="every this many checkpoints one is full (every row not initial), so a restore reads at most "
-        f"this many files a server however long the run (default {snapshots.DEFAULT_FULL_EVERY}; "
-        "1: every one full)",
-    )
+    flags.add_flags(p.add_argument_group("checkpoint chain"), _Chain)
 
 
-def parse_config(
-    parser: argparse.ArgumentParser,
-    argv: list[str] | None,
-    build: Callable[[argparse.Namespace], C],
-    resume: bool = False,
-) -> C:
-    """A service's ``parse``: its flags, then its config; a value the config refuses exits like a bad flag,
-    naming it (``--batch-size: must be ...``). ``resume``: the service takes ``add_recovery_args``."""
-    args = parser.parse_args(argv)
-    if resume:
-        check_resume(args)
-    try:
-        return build(args)
-    except ValueError as e:
-        field, _, why = str(e).partition(": ")
-        parser.error(f"--{field.replace('_', '-')}: {why}")
-
-
-def check_resume(args: argparse.Namespace) -> None:
+def resume_batch_of(value: int | str, checkpoint_dir: str | None) -> int:
     """--resume-batch needs the complete checkpoint it names, and its whole chain; fails early, naming
     what is missing. ``latest`` becomes the newest complete checkpoint's batch."""
-    args.resume_batch = resolve_latest(args.resume_batch, args.checkpoint_dir, "--resume-batch")
-    if not args.resume_batch:
-        return
+    batch = resolve_latest(value, checkpoint_dir, "--resume-batch")
+    if not batch:
+        return batch
     from bagpipe.core import snapshots
 
-    if not args.checkpoint_dir:
+    if not checkpoint_dir:
         raise SystemExit("--resume-batch: needs --checkpoint-dir")
-    if args.resume_batch not in snapshots.complete(args.checkpoint_dir):
+    if batch not in snapshots.complete(checkpoint_dir):
         raise SystemExit(
-            f"--resume-batch: no complete checkpoint {args.resume_batch} in {args.checkpoint_dir} "
-            f"(complete: {snapshots.complete(args.checkpoint_dir) or 'none'})"
+            f"--resume-batch: no complete checkpoint {batch} in {checkpoint_dir} "
+            f"(complete: {snapshots.complete(checkpoint_dir) or 'none'})"
         )
     try:
-        snapshots.files_of(args.checkpoint_dir, args.resume_batch)
+        snapshots.files_of(checkpoint_dir, batch)
     except snapshots.BrokenChain as e:
         raise SystemExit(f"--resume-batch: {e}") from None
+    return batch
+
+
+# the groups of flags ``bagpipe run`` takes from the declarations above
+@dataclass(frozen=True)
+class _Cache:
+    lookahead: int | None = lookahead_field()
+    max_lookahead: int = max_lookahead_field()
+    cache_rows: int | None = cache_rows_field()
+    reuse_delay: int = reuse_delay_field()
+    cache_mode: str = cache_mode_field()
+    delayed_sync: bool = delayed_sync_field()
+
+
+@dataclass(frozen=True)
+class _Model:
+    model: str = model_field()
+    embedding_dim: int = embedding_dim_field()
+    seed: int = seed_field()
+    init_from: str | None = init_from_field()
+
+
+@dataclass(frozen=True)
+class _Evaluation:
+    eval_data: str | None = eval_data_field()
+    eval_every: int = eval_every_field()
+    eval_samples: int = eval_samples_field()
+
+
+@dataclass(frozen=True)
+class _Chain:
+    keep_checkpoints: int = keep_checkpoints_field()
+    checkpoint_full_every: int = checkpoint_full_every_field()

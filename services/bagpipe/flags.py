@@ -2,9 +2,17 @@
 
 A field declared with :func:`flag` is a flag: its name (``--failure-timeout`` for ``failure_timeout``, or
 ``name=``), its help, its default (the field's), how its text is read (``parse``), its choices, and
-whether it repeats (a ``tuple`` field: one value per occurrence). The rules about values stay in the
-dataclass's ``__post_init__``, the one place they are written; a ``ValueError`` it raises names the
-field (``"failure_timeout: must be > 0, got 0"``), and :func:`parse` reports it under the flag's name.
+whether it repeats (a ``tuple`` field without ``parse``: one value per occurrence). The rules about values
+stay in the dataclass's ``__post_init__``, the one place they are written; a ``ValueError`` it raises
+names the field (``"failure_timeout: must be > 0, got 0"``), and :func:`parse` reports it under the flag's
+name.
+
+Two hooks serve flags whose value depends on others: ``read(value, args)`` turns what was parsed into the
+field's value (``--table-rows`` left out: the source's default tables, scaled by ``--scale``), and
+``adds(parser)`` declares the helper flags such a ``read`` uses (``--scale``), which are no field.
+
+A flag several configs share is declared by one function returning its :func:`flag` (``config_args``),
+which each config calls for its field.
 
 From the declarations come the service's parser (:func:`parser`), its config from parsed arguments
 (:func:`config_of`) and the command line that gives a config back (:func:`argv`), which is how ``bagpipe
@@ -30,9 +38,20 @@ class Flag:
     help: str
     name: str | None = None  # default: the field's, with dashes
     parse: Callable[[str], Any] | None = None  # default: the field's type (int, float, str)
-    choices: tuple[str, ...] | None = None
+    choices: tuple[str, ...] | None = None  # (of the text, before ``parse``)
     metavar: str | None = None
     show: Callable[[Any], str] = str  # a value as argv() writes it
+    read: Callable[[Any, argparse.Namespace], Any] | None = None  # parsed value -> the field's
+    adds: Callable[[Any], None] | None = None  # declares the helper flags ``read`` uses
+    # what argparse holds when the flag is absent, where that is not the field's default (``read`` maps it,
+    # or the field has none: a positional field a service's parser still defaults)
+    text_default: Any = None
+    required: bool | None = None  # default: the field has no default
+    omit: Callable[[Any, Any], bool] | None = None  # (value, config): argv() leaves the flag out
+    aliases: tuple[str, ...] = ()  # other names the parser takes (``--num-shards``)
+    # a field made of other flags only (``adds`` declares them, ``read`` makes the value, ``write`` gives
+    # its flags back), with no option of its own: a trainer's model, from --model, --embedding-dim, ...
+    write: Callable[[Any], list[str]] | None = None
 
 
 def flag(
@@ -44,10 +63,38 @@ def flag(
     choices: Sequence[str] | None = None,
     metavar: str | None = None,
     show: Callable[[Any], str] = str,
+    read: Callable[[Any, argparse.Namespace], Any] | None = None,
+    adds: Callable[[Any], None] | None = None,
+    text_default: Any = None,
+    required: bool | None = None,
+    omit: Callable[[Any, Any], bool] | None = None,
+    aliases: Sequence[str] = (),
+    write: Callable[[Any], list[str]] | None = None,
 ) -> Any:
-    """A dataclass field that is also a command-line flag (no default: the flag is required)."""
-    meta = Flag(help, name, parse, tuple(choices) if choices else None, metavar, show)
+    """A dataclass field that is also a command-line flag (no default: the flag is required, unless
+    ``required=False`` and ``read`` makes the value from the others)."""
+    meta = Flag(
+        help=help,
+        name=name,
+        parse=parse,
+        choices=tuple(choices) if choices else None,
+        metavar=metavar,
+        show=show,
+        read=read,
+        adds=adds,
+        text_default=text_default,
+        required=required,
+        omit=omit,
+        aliases=tuple(aliases),
+        write=write,
+    )
     return dataclasses.field(default=default, metadata={_KEY: meta})
+
+
+def group() -> Any:
+    """A nested config's field without a default (its flags join the parser as a group). Spelled so,
+    not bare, because the field after it may be a flag: to a type checker a ``flag(...)`` is a default."""
+    return dataclasses.field()
 
 
 def _flags(cls: type) -> list[tuple[dataclasses.Field[Any], Flag | None, Any]]:
@@ -68,41 +115,70 @@ def option(f: dataclasses.Field[Any], meta: Flag) -> str:
 
 
 def _base(kind: Any) -> Any:
-    """``int`` for ``int | None``; the element type of ``tuple[X, ...]``."""
+    """``int`` for ``int | None``."""
     args = [a for a in typing.get_args(kind) if a is not type(None)]
     if typing.get_origin(kind) in (typing.Union, types.UnionType) and len(args) == 1:
         return _base(args[0])
     return kind
 
 
-def _repeats(kind: Any) -> bool:
-    return typing.get_origin(_base(kind)) is tuple
+def _repeats(kind: Any, meta: Flag) -> bool:
+    return typing.get_origin(_base(kind)) is tuple and meta.parse is None
 
 
-def add_flags(p: argparse.ArgumentParser | Any, cls: type) -> None:
-    """Adds the flags ``cls`` declares (and those of its nested configs, as groups) to ``p``."""
+def _checked(parse: Callable[[str], Any], choices: tuple[str, ...]) -> Callable[[str], Any]:
+    def read(text: str) -> Any:
+        if text not in choices:
+            raise argparse.ArgumentTypeError(f"expected one of {', '.join(choices)}, got {text!r}")
+        return parse(text)
+
+    return read
+
+
+def add_flags(p: Any, cls: type, only: Sequence[str] | None = None) -> None:
+    """Adds the flags ``cls`` declares (``only`` these fields, if given), and those of its nested configs
+    as groups, to ``p`` (a parser or an argument group)."""
     for f, meta, kind in _flags(cls):
+        if only is not None and f.name not in only:
+            continue
         if meta is None:
             add_flags(p.add_argument_group(kind.__name__.lower()), kind)
             continue
-        required = f.default is dataclasses.MISSING and f.default_factory is dataclasses.MISSING
+        if meta.adds is not None:
+            meta.adds(p)
+        if meta.write is not None:
+            continue  # (made of the flags ``adds`` declared)
+        has_default = f.default is not dataclasses.MISSING or f.default_factory is not dataclasses.MISSING
+        absent = meta.text_default is not None  # (the parser's own default stands in)
+        required = meta.required if meta.required is not None else not (has_default or absent)
         base = _base(kind)
-        if base is bool:
+        if base is bool and meta.parse is None:
             p.add_argument(
                 option(f, meta), action=argparse.BooleanOptionalAction, default=f.default, help=meta.help
             )
             continue
-        repeats = _repeats(kind)
-        read = meta.parse or (typing.get_args(base)[0] if repeats else base)
+        repeats = _repeats(kind, meta)
+        convert = meta.parse or (typing.get_args(base)[0] if repeats else base)
+        if meta.choices and meta.parse is not None:
+            convert, choices = _checked(meta.parse, meta.choices), None
+        else:
+            choices = meta.choices
+        if meta.text_default is not None or meta.read is not None:
+            default = shown = meta.text_default
+        else:
+            default = shown = f.default if has_default else None
         p.add_argument(
             option(f, meta),
-            type=read,
+            *meta.aliases,
+            dest=f.name if meta.name is None else None,
+            type=convert,
             required=required,
-            default=[] if repeats else (None if required else f.default),
+            default=[] if repeats else default,
             action="append" if repeats else "store",
-            choices=meta.choices,
-            metavar=meta.metavar,
-            help=meta.help + ("" if required or repeats or f.default is None else f" (default {f.default})"),
+            choices=choices,
+            metavar=meta.metavar
+            or ("{" + ",".join(meta.choices) + "}" if meta.choices and not choices else None),
+            help=meta.help + ("" if required or repeats or shown in (None, ()) else f" (default {shown})"),
         )
 
 
@@ -121,8 +197,13 @@ def config_of(cls: type[C], a: argparse.Namespace, **given: Any) -> C:
         if meta is None:
             values[f.name] = config_of(kind, a)
             continue
+        if meta.write is not None and meta.read is not None:
+            values[f.name] = meta.read(None, a)
+            continue
         value = getattr(a, option(f, meta)[2:].replace("-", "_"))
-        values[f.name] = tuple(value) if _repeats(kind) else value
+        if _repeats(kind, meta):
+            value = tuple(value)
+        values[f.name] = meta.read(value, a) if meta.read is not None else value
     return cls(**values)
 
 
@@ -136,10 +217,15 @@ def argv(config: Any) -> list[str]:
             continue
         if f.default is not dataclasses.MISSING and value == f.default:
             continue
+        if meta.omit is not None and meta.omit(value, config):
+            continue
+        if meta.write is not None:
+            out += meta.write(value)
+            continue
         name = option(f, meta)
-        if _base(kind) is bool:
+        if _base(kind) is bool and meta.parse is None:
             out.append(name if value else "--no-" + name[2:])
-        elif _repeats(kind):
+        elif _repeats(kind, meta):
             for item in value:
                 out += [name, meta.show(item)]
         elif value is not None:
@@ -160,5 +246,16 @@ def parse(
         return config_of(cls, a, **given)
     except ValueError as e:
         field, sep, why = str(e).partition(": ")
-        names = {f.name: option(f, meta) for f, meta, _ in _flags(cls) if meta is not None}
+        names = _names(cls)
         p.error(f"{names[field]}: {why}" if sep and field in names else str(e))
+
+
+def _names(cls: type) -> dict[str, str]:
+    """Field name -> its flag, over ``cls`` and its nested configs (a nested rule names its own field)."""
+    names: dict[str, str] = {}
+    for f, meta, kind in _flags(cls):
+        if meta is None:
+            names = {**_names(kind), **names}
+        else:
+            names[f.name] = option(f, meta)
+    return names

@@ -8,6 +8,8 @@ import math
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
+from bagpipe.flags import flag
+
 if TYPE_CHECKING:
     import torch
 
@@ -23,18 +25,33 @@ DEFAULT_EPS = {"sgd": 0.0, "adagrad": 1e-10, "adam": 1e-8}
 class OptimizerConfig:
     """One optimizer for dense parameters and embedding rows alike (torch defaults)."""
 
-    name: str = "sgd"
-    lr: float = 0.1
-    eps: float | None = None  # None: the optimizer's torch default
+    name: str = flag(
+        "sgd, adagrad or adam, for dense parameters and embeddings alike",
+        default="sgd",
+        name="optimizer",
+        choices=OPTIMIZERS,
+    )
+    lr: float = flag("learning rate", default=0.1)
+    eps: float | None = flag(
+        "adagrad/adam epsilon (default: torch's, 1e-10 / 1e-8)",
+        default=None,  # (the optimizer's torch default)
+        omit=lambda eps, config: eps == DEFAULT_EPS[config.name],
+    )
     betas: tuple[float, float] = (0.9, 0.999)
-    momentum: float = 0.0
-    weight_decay: float = 0.0
+    momentum: float = flag(
+        "refused unless 0: lazy momentum on embeddings is not synchronous training", default=0.0
+    )
+    weight_decay: float = flag(
+        "refused unless 0: lazy decay on embeddings is not synchronous training", default=0.0
+    )
 
     def __post_init__(self) -> None:
         if self.name not in OPTIMIZERS:
             raise ValueError(f"optimizer: must be one of {', '.join(OPTIMIZERS)}, got {self.name!r}")
         if not self.lr > 0 or not math.isfinite(self.lr):
             raise ValueError(f"lr: must be a finite number > 0, got {self.lr}")
+        if self.eps is not None and not (self.eps > 0 and math.isfinite(self.eps)):
+            raise ValueError(f"eps: must be a finite number > 0, got {self.eps}")
         if self.eps is None:
             object.__setattr__(self, "eps", DEFAULT_EPS[self.name])
         if not all(0.0 <= b < 1.0 for b in self.betas):

@@ -1,20 +1,18 @@
-"""Command-line configuration of a data processor and the data source it reads."""
+"""A data processor's configuration and the data source it reads: each field its flag (``bagpipe.flags``)."""
 
 from __future__ import annotations
 
 import argparse
+import dataclasses
 from dataclasses import dataclass
 
+from bagpipe import flags, tls
 from bagpipe.config_args import (
     Coordination,
-    add_coordination_args,
-    add_table_args,
-    coordination_of,
+    data_field,
     non_negative_int,
-    parse_config,
     positive_int,
-    table_argv,
-    table_rows_of,
+    table_rows_field,
 )
 from bagpipe.core.data import SyntheticConfig, SyntheticSource
 from bagpipe.data_processor.files import (
@@ -25,6 +23,7 @@ from bagpipe.data_processor.files import (
     CriteoTSVSource,
     FileSource,
 )
+from bagpipe.flags import flag
 
 
 @dataclass(frozen=True)
@@ -34,15 +33,22 @@ class SourceConfig:
     ``data`` is 'synthetic', 'criteo:PATH[,PATH...]' or 'avazu:PATH[,PATH...]'.
     """
 
-    data: str
-    table_rows: tuple[int, ...]
-    seed: int = 0
-    zipf_alpha: float | None = 1.1
-    hot_fraction: float | None = None
-    hot_share: float | None = None
-    skip_bad_rows: bool = False
-    shuffle_seed: int | None = None
-    shuffle_buffer: int = DEFAULT_SHUFFLE_BUFFER
+    data: str = data_field(positional=True)
+    table_rows: tuple[int, ...] = table_rows_field()
+    seed: int = flag("seed of the synthetic data", default=0, parse=int)
+    zipf_alpha: float | None = flag("synthetic: Zipf exponent of row popularity", default=1.1, parse=float)
+    hot_fraction: float | None = flag("synthetic: the top p of rows (0-1) ...", default=None, parse=float)
+    hot_share: float | None = flag("... get this share (0-1) of the accesses", default=None, parse=float)
+    skip_bad_rows: bool = flag("files: count and skip malformed lines", default=False)
+    shuffle_seed: int | None = flag(
+        "files: shuffle samples within windows of --shuffle-buffer by this seed (default: file order); the "
+        "batches do not depend on the number of processors, trainers or servers",
+        default=None,
+        parse=non_negative_int,
+    )
+    shuffle_buffer: int = flag(
+        "samples permuted together", default=DEFAULT_SHUFFLE_BUFFER, parse=positive_int
+    )
 
     def __post_init__(self) -> None:
         kind, _, paths = self.data.partition(":")
@@ -92,9 +98,11 @@ class DataProcessorConfig:
     """One data processor: its source, the global batch size and where to register."""
 
     source: SourceConfig
-    batch_size: int
-    index: int | None
-    address: str = "127.0.0.1:0"
+    batch_size: int = flag("global batch size", parse=int)
+    index: int | None = flag(
+        "this processor's index, its Redis member name (default: the host name)", parse=int, required=False
+    )
+    address: str = flag("host:port to listen on (port 0: any)", default="127.0.0.1:0")
     coordination: Coordination = Coordination()
 
     def __post_init__(self) -> None:
@@ -103,87 +111,25 @@ class DataProcessorConfig:
 
 
 def add_source_args(p: argparse.ArgumentParser) -> None:
-    add_table_args(p)
-    g = p.add_argument_group("synthetic skew and input checking")
-    g.add_argument("--zipf-alpha", type=float, default=1.1, help="synthetic: Zipf exponent of row popularity")
-    g.add_argument("--hot-fraction", type=float, default=None, help="synthetic: the top p of rows (0-1) ...")
-    g.add_argument("--hot-share", type=float, default=None, help="... get this share (0-1) of the accesses")
-    g.add_argument("--skip-bad-rows", action="store_true", help="files: count and skip malformed lines")
-    g.add_argument(
-        "--shuffle-seed",
-        type=non_negative_int,
-        default=None,
-        help="files: shuffle samples within windows of --shuffle-buffer by this seed (default: file "
-        "order); the batches do not depend on the number of processors, trainers or servers",
-    )
-    g.add_argument(
-        "--shuffle-buffer",
-        type=positive_int,
-        default=DEFAULT_SHUFFLE_BUFFER,
-        help=f"samples permuted together (default {DEFAULT_SHUFFLE_BUFFER})",
-    )
-
-
-def source_argv(s: SourceConfig) -> list[str]:
-    """The flags ``add_source_args`` (and ``--seed``) parse back to ``s``."""
-    out = table_argv(s.data, s.table_rows) + ["--seed", str(s.seed)]
-    for flag, value in (
-        ("--zipf-alpha", s.zipf_alpha),
-        ("--hot-fraction", s.hot_fraction),
-        ("--hot-share", s.hot_share),
-        ("--shuffle-seed", s.shuffle_seed),
-    ):
-        out += [flag, repr(value)] if value is not None else []
-    out += ["--shuffle-buffer", str(s.shuffle_buffer)]
-    return out + (["--skip-bad-rows"] if s.skip_bad_rows else [])
+    """The source's flags but ``--seed`` (``bagpipe run`` has one seed for everything)."""
+    fields = [f.name for f in dataclasses.fields(SourceConfig) if f.name != "seed"]
+    flags.add_flags(p.add_argument_group("data and input checking"), SourceConfig, only=fields)
 
 
 def source_of(a: argparse.Namespace) -> SourceConfig:
-    return SourceConfig(
-        data=a.data,
-        table_rows=table_rows_of(a),
-        seed=a.seed,
-        zipf_alpha=a.zipf_alpha,
-        hot_fraction=a.hot_fraction,
-        hot_share=a.hot_share,
-        skip_bad_rows=a.skip_bad_rows,
-        shuffle_seed=a.shuffle_seed,
-        shuffle_buffer=a.shuffle_buffer,
-    )
+    return flags.config_of(SourceConfig, a)
 
 
 def build_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="bagpipe-data-processor", description=DataProcessorConfig.__doc__)
-    p.add_argument(
-        "--index",
-        type=int,
-        default=None,
-        help="this processor's index, its Redis member name (default: the host name)",
-    )
-    p.add_argument("--batch-size", type=int, required=True, help="global batch size")
-    p.add_argument("--seed", type=int, default=0, help="seed of the synthetic data")
-    p.add_argument("--address", default="127.0.0.1:0", help="host:port to listen on (port 0: any)")
-    add_source_args(p)
-    add_coordination_args(p)
+    p = flags.parser(DataProcessorConfig, "bagpipe-data-processor", DataProcessorConfig.__doc__ or "")
+    tls.add_tls_args(p)
     return p
 
 
-def parse(argv: list[str] | None = None) -> DataProcessorConfig:
-    return parse_config(build_parser(), argv, _config)
-
-
-def _config(a: argparse.Namespace) -> DataProcessorConfig:
-    return DataProcessorConfig(
-        source=source_of(a),
-        batch_size=a.batch_size,
-        index=a.index,
-        address=a.address,
-        coordination=coordination_of(a),
-    )
+def parse(args: list[str] | None = None) -> DataProcessorConfig:
+    return flags.parse(DataProcessorConfig, build_parser(), args)
 
 
 def argv(c: DataProcessorConfig) -> list[str]:
     """The command line ``parse`` reads back to ``c`` (the launcher starts data processors with it)."""
-    out = ["--batch-size", str(c.batch_size), "--address", c.address]
-    out += ["--index", str(c.index)] if c.index is not None else []
-    return out + source_argv(c.source) + c.coordination.argv()
+    return flags.argv(c)

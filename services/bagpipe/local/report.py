@@ -85,6 +85,8 @@ def write_report(run_dir: Path, summary: dict[str, Any]) -> Path:
             warm_ax.bar(batches[:start], heights, bottom=bottom, color=colour, width=0.9)
             bottom = [b + h for b, h in zip(bottom, heights, strict=True)]
         warm_ax.set_title(f"warm-up: {start} batch{'es' if start != 1 else ''}", fontsize=10)
+        if start <= 10:
+            warm_ax.set_xticks(batches[:start])
         warm_ax.set_ylabel("ms per iteration")
         warm_ax.grid(alpha=0.3)
         # the steady state after it, at a scale its stages can be read at

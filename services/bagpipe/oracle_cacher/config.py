@@ -1,50 +1,73 @@
-"""Command-line configuration of the oracle cacher."""
+"""The oracle cacher's configuration: each field its flag (``bagpipe.flags``)."""
 
 from __future__ import annotations
 
 import argparse
 from dataclasses import dataclass
 
+from bagpipe import flags, tls
 from bagpipe.config_args import (
     CACHE_MODES,
-    DEFAULT_MAX_LOOKAHEAD,
-    DEFAULT_REUSE_DELAY,
     Coordination,
-    add_cache_args,
-    add_coordination_args,
-    add_table_args,
     batch_or_latest,
-    coordination_of,
+    cache_mode_field,
+    cache_rows_field,
+    data_field,
+    delayed_sync_field,
+    lookahead_field,
+    max_lookahead_field,
     non_negative_int,
-    parse_config,
     resolve_latest,
-    table_argv,
-    table_rows_of,
+    reuse_delay_field,
+    table_rows_field,
 )
 from bagpipe.core.plans import MAX_TRAINERS
+from bagpipe.flags import flag
+
+
+def _add_checkpoint_dir(p: argparse.ArgumentParser) -> None:
+    p.add_argument(
+        "--checkpoint-dir",
+        default=None,
+        help="the job's recovery checkpoints (read only, for --start-batch latest)",
+    )
 
 
 @dataclass(frozen=True)
 class OracleConfig:
     """Lookahead planning for ``trainers`` trainers over ``table_rows`` tables."""
 
-    table_rows: tuple[int, ...]
-    batch_size: int
-    trainers: int
-    lookahead: int | None
-    data_processors: int
-    iterations: int
-    address: str = "127.0.0.1:0"
+    table_rows: tuple[int, ...] = table_rows_field()
+    batch_size: int = flag("global batch size", parse=int)
+    trainers: int = flag("number of trainers", parse=int)
+    lookahead: int | None = lookahead_field()
+    data_processors: int = flag("number of data processors to read from", parse=int, text_default=1)
+    iterations: int = flag("batches to plan (0: until the data ends)", parse=int, text_default=0)
+    address: str = flag("host:port to listen on (port 0: any)", default="127.0.0.1:0")
     coordination: Coordination = Coordination()
-    data: str = "synthetic"  # the training data's source (its schema: how many tables)
-    cache_rows: int | None = None
-    max_lookahead: int = DEFAULT_MAX_LOOKAHEAD
-    reuse_delay: int = DEFAULT_REUSE_DELAY
-    cache_mode: str = "lrpp"
-    delayed_sync: bool = True
-    checkpoint_every: int = 0
-    eval_every: int = 0
-    start_batch: int = 0
+    data: str = data_field()  # (the training data's source: its schema says how many tables)
+    cache_rows: int | None = cache_rows_field()
+    max_lookahead: int = max_lookahead_field()
+    reuse_delay: int = reuse_delay_field()
+    cache_mode: str = cache_mode_field()
+    delayed_sync: bool = delayed_sync_field()
+    checkpoint_every: int = flag(
+        "a consistent checkpoint after every this many batches (0: none)", default=0, parse=non_negative_int
+    )
+    eval_every: int = flag(
+        "the trainers evaluate after every this many batches: plan a checkpoint there too",
+        default=0,
+        parse=non_negative_int,
+    )
+    start_batch: int = flag(
+        "plan from this batch on (a run resumed from the checkpoint of that name; latest: the newest "
+        "complete one in --checkpoint-dir, or 0 when there is none)",
+        default=0,
+        parse=batch_or_latest,
+        read=lambda value, a: resolve_latest(value, a.checkpoint_dir, "--start-batch"),
+        adds=_add_checkpoint_dir,
+        text_default=0,
+    )
 
     @property
     def window(self) -> int:
@@ -94,76 +117,15 @@ class OracleConfig:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="bagpipe-oracle-cacher", description=OracleConfig.__doc__)
-    p.add_argument("--batch-size", type=int, required=True, help="global batch size")
-    p.add_argument("--trainers", type=int, required=True, help="number of trainers")
-    add_cache_args(p)
-    p.add_argument("--data-processors", type=int, default=1, help="number of data processors to read from")
-    p.add_argument("--iterations", type=int, default=0, help="batches to plan (0: until the data ends)")
-    p.add_argument("--address", default="127.0.0.1:0", help="host:port to listen on (port 0: any)")
-    p.add_argument(
-        "--checkpoint-every",
-        type=non_negative_int,
-        default=0,
-        help="a consistent checkpoint after every this many batches (default 0: none)",
-    )
-    p.add_argument(
-        "--eval-every",
-        type=non_negative_int,
-        default=0,
-        help="the trainers evaluate after every this many batches: plan a checkpoint there too",
-    )
-    p.add_argument(
-        "--start-batch",
-        type=batch_or_latest,
-        default=0,
-        help="plan from this batch on (a run resumed from the checkpoint of that name; latest: the newest "
-        "complete one in --checkpoint-dir, or 0 when there is none)",
-    )
-    p.add_argument(
-        "--checkpoint-dir",
-        default=None,
-        help="the job's recovery checkpoints (read only, for --start-batch latest)",
-    )
-    add_table_args(p)
-    add_coordination_args(p)
+    p = flags.parser(OracleConfig, "bagpipe-oracle-cacher", OracleConfig.__doc__ or "")
+    tls.add_tls_args(p)
     return p
 
 
-def parse(argv: list[str] | None = None) -> OracleConfig:
-    return parse_config(build_parser(), argv, _config)
-
-
-def _config(a: argparse.Namespace) -> OracleConfig:
-    return OracleConfig(
-        table_rows=table_rows_of(a),
-        batch_size=a.batch_size,
-        trainers=a.trainers,
-        lookahead=a.lookahead,
-        cache_rows=a.cache_rows,
-        max_lookahead=a.max_lookahead,
-        reuse_delay=a.reuse_delay,
-        cache_mode=a.cache_mode,
-        delayed_sync=a.sync == "delayed",
-        data_processors=a.data_processors,
-        iterations=a.iterations,
-        address=a.address,
-        coordination=coordination_of(a),
-        data=a.data,
-        checkpoint_every=a.checkpoint_every,
-        eval_every=a.eval_every,
-        start_batch=resolve_latest(a.start_batch, a.checkpoint_dir, "--start-batch"),
-    )
+def parse(args: list[str] | None = None) -> OracleConfig:
+    return flags.parse(OracleConfig, build_parser(), args)
 
 
 def argv(c: OracleConfig) -> list[str]:
     """The command line ``parse`` reads back to ``c`` (the launcher starts the oracle with it)."""
-    out = ["--batch-size", str(c.batch_size), "--trainers", str(c.trainers)]
-    out += ["--data-processors", str(c.data_processors), "--iterations", str(c.iterations)]
-    out += ["--address", c.address, "--checkpoint-every", str(c.checkpoint_every)]
-    out += ["--eval-every", str(c.eval_every), "--start-batch", str(c.start_batch)]
-    out += ["--max-lookahead", str(c.max_lookahead), "--reuse-delay", str(c.reuse_delay)]
-    out += ["--cache-mode", c.cache_mode, "--sync", "delayed" if c.delayed_sync else "critical"]
-    out += ["--lookahead", str(c.lookahead)] if c.lookahead is not None else []
-    out += ["--cache-rows", str(c.cache_rows)] if c.cache_rows is not None else []
-    return out + table_argv(c.data, c.table_rows) + c.coordination.argv()
+    return flags.argv(c)
