@@ -70,6 +70,7 @@ from bagpipe.config_args import (  # noqa: E402
 )
 from bagpipe.local.keeper import children_matching, process_cpu_seconds  # noqa: E402
 from bagpipe.local.launcher import run as run_job  # noqa: E402
+from bagpipe.local.record import run_record  # noqa: E402
 from bagpipe.trainer.worker import trainer_device  # noqa: E402
 from machine_probe import describe as describe_machine  # noqa: E402
 
@@ -1271,6 +1272,8 @@ def main() -> None:
             "date": time.strftime("%Y-%m-%d %H:%M"),
             "machine_probe": machine,
             "section_dates": section_dates,
+            # (the code measured: a run's record names its commit, and whether the tree had changes)
+            **{k: v for k, v in run_record().items() if k in ("git_revision", "git_dirty")},
         }
         (out / f"bench-{a.profile}.json").write_text(json.dumps({"meta": meta, **results}, indent=2))
         return meta
