@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import argparse
 import logging
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any, TypeVar
 
@@ -249,6 +250,23 @@ class Coordination:
 
     def argv(self) -> list[str]:
         return flags.argv(self)
+
+
+def command_line(
+    cls: type[C], prog: str
+) -> tuple[Callable[[], argparse.ArgumentParser], Callable[[list[str] | None], C], Callable[[C], list[str]]]:
+    """A service's ``build_parser``, ``parse`` and ``argv``, all from its config's declarations (with the
+    TLS flags every process takes, which are the environment's, not the config's)."""
+
+    def build_parser() -> argparse.ArgumentParser:
+        p = flags.parser(cls, prog, cls.__doc__ or "")
+        tls.add_tls_args(p)
+        return p
+
+    def parse(args: list[str] | None = None) -> C:
+        return flags.parse(cls, build_parser(), args)
+
+    return build_parser, parse, flags.argv
 
 
 def add_coordination_args(p: argparse.ArgumentParser) -> None:

@@ -2,11 +2,9 @@
 
 from __future__ import annotations
 
-import argparse
 from dataclasses import dataclass
 
-from bagpipe import flags, tls
-from bagpipe.config_args import Coordination, non_negative_int, positive_float, positive_int
+from bagpipe.config_args import Coordination, command_line, non_negative_int, positive_float, positive_int
 from bagpipe.control.detector import DEFAULT_TIMEOUT_S
 from bagpipe.flags import flag
 
@@ -67,19 +65,5 @@ class ControllerConfig:
             raise ValueError("release: scales workloads through the Kubernetes API (needs --kill kubernetes)")
 
 
-def build_parser() -> argparse.ArgumentParser:
-    p = flags.parser(
-        ControllerConfig,
-        "python -m bagpipe.controller",
-        "Detects failed members of a Bagpipe job from their metrics and recovers the job in place, through "
-        "Redis.",
-    )
-    tls.add_tls_args(p)
-    return p
-
-
-def parse(args: list[str] | None = None) -> ControllerConfig:
-    return flags.parse(ControllerConfig, build_parser(), args)
-
-
-argv = flags.argv
+# the controller's command line: ``python -m`` parses it, ``bagpipe run`` and the chart write it
+build_parser, parse, argv = command_line(ControllerConfig, "python -m bagpipe.controller")

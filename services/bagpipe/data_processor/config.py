@@ -6,9 +6,10 @@ import argparse
 import dataclasses
 from dataclasses import dataclass
 
-from bagpipe import flags, tls
+from bagpipe import flags
 from bagpipe.config_args import (
     Coordination,
+    command_line,
     data_field,
     non_negative_int,
     positive_int,
@@ -120,16 +121,5 @@ def source_of(a: argparse.Namespace) -> SourceConfig:
     return flags.config_of(SourceConfig, a)
 
 
-def build_parser() -> argparse.ArgumentParser:
-    p = flags.parser(DataProcessorConfig, "bagpipe-data-processor", DataProcessorConfig.__doc__ or "")
-    tls.add_tls_args(p)
-    return p
-
-
-def parse(args: list[str] | None = None) -> DataProcessorConfig:
-    return flags.parse(DataProcessorConfig, build_parser(), args)
-
-
-def argv(c: DataProcessorConfig) -> list[str]:
-    """The command line ``parse`` reads back to ``c`` (the launcher starts data processors with it)."""
-    return flags.argv(c)
+# the service's command line: ``python -m`` parses it, ``bagpipe run`` and the chart write it
+build_parser, parse, argv = command_line(DataProcessorConfig, "bagpipe-data-processor")

@@ -2,13 +2,13 @@
 
 from __future__ import annotations
 
-import argparse
 from dataclasses import dataclass
 
-from bagpipe import flags, tls
+from bagpipe import flags
 from bagpipe.config_args import (
     Coordination,
     checkpoint_dir_field,
+    command_line,
     data_field,
     embedding_dim_field,
     init_from_field,
@@ -104,16 +104,5 @@ class EmbeddingServerConfig:
             raise ValueError(f"cpu_priority: one of {', '.join(PRIORITIES)}, got {self.cpu_priority!r}")
 
 
-def build_parser() -> argparse.ArgumentParser:
-    p = flags.parser(EmbeddingServerConfig, "bagpipe-embedding-server", EmbeddingServerConfig.__doc__ or "")
-    tls.add_tls_args(p)
-    return p
-
-
-def parse(args: list[str] | None = None) -> EmbeddingServerConfig:
-    return flags.parse(EmbeddingServerConfig, build_parser(), args)
-
-
-def argv(c: EmbeddingServerConfig) -> list[str]:
-    """The command line ``parse`` reads back to ``c`` (the launcher starts servers with it)."""
-    return flags.argv(c)
+# the service's command line: ``python -m`` parses it, ``bagpipe run`` and the chart write it
+build_parser, parse, argv = command_line(EmbeddingServerConfig, "bagpipe-embedding-server")

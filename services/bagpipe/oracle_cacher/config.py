@@ -5,13 +5,13 @@ from __future__ import annotations
 import argparse
 from dataclasses import dataclass
 
-from bagpipe import flags, tls
 from bagpipe.config_args import (
     CACHE_MODES,
     Coordination,
     batch_or_latest,
     cache_mode_field,
     cache_rows_field,
+    command_line,
     data_field,
     delayed_sync_field,
     lookahead_field,
@@ -116,16 +116,5 @@ class OracleConfig:
         )
 
 
-def build_parser() -> argparse.ArgumentParser:
-    p = flags.parser(OracleConfig, "bagpipe-oracle-cacher", OracleConfig.__doc__ or "")
-    tls.add_tls_args(p)
-    return p
-
-
-def parse(args: list[str] | None = None) -> OracleConfig:
-    return flags.parse(OracleConfig, build_parser(), args)
-
-
-def argv(c: OracleConfig) -> list[str]:
-    """The command line ``parse`` reads back to ``c`` (the launcher starts the oracle with it)."""
-    return flags.argv(c)
+# the service's command line: ``python -m`` parses it, ``bagpipe run`` and the chart write it
+build_parser, parse, argv = command_line(OracleConfig, "bagpipe-oracle-cacher")

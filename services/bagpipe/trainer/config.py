@@ -2,10 +2,9 @@
 
 from __future__ import annotations
 
-import argparse
 from dataclasses import dataclass
 
-from bagpipe import flags, tls
+from bagpipe import flags
 from bagpipe.config_args import (
     DEFAULT_TRANSFER_BATCHES,
     Coordination,
@@ -13,6 +12,7 @@ from bagpipe.config_args import (
     cache_rows_field,
     checkpoint_dir_field,
     checkpoint_full_every_field,
+    command_line,
     data_field,
     eval_data_field,
     eval_every_field,
@@ -133,16 +133,5 @@ class TrainerConfig:
             )
 
 
-def build_parser() -> argparse.ArgumentParser:
-    p = flags.parser(TrainerConfig, "bagpipe-trainer", TrainerConfig.__doc__ or "")
-    tls.add_tls_args(p)
-    return p
-
-
-def parse(args: list[str] | None = None) -> TrainerConfig:
-    return flags.parse(TrainerConfig, build_parser(), args)
-
-
-def argv(c: TrainerConfig) -> list[str]:
-    """The command line ``parse`` reads back to ``c`` (the launcher starts trainers with it)."""
-    return flags.argv(c)
+# the service's command line: ``python -m`` parses it, ``bagpipe run`` and the chart write it
+build_parser, parse, argv = command_line(TrainerConfig, "bagpipe-trainer")
