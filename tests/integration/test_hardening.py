@@ -254,6 +254,17 @@ async def _fuzz(count: int) -> None:
     processor_server, processor_port, _, _ = await create_data_processor(
         DataProcessorConfig(SourceConfig("synthetic", tuple([10] * 26)), 12, 0)
     )
+    # a server of a job with a secret, which the fuzz does not know: every call a stranger's
+    guarded_store = _store()
+    guarded_before = (guarded_store.weights.tobytes(), guarded_store.state.tobytes())
+    os.environ[security.JOB_SECRET_ENV] = SECRET
+    try:
+        guarded, guarded_port, _, _ = await create_embedding_server(guarded_store)
+    finally:
+        del os.environ[security.JOB_SECRET_ENV]
+    stranger = grpc.aio.insecure_channel(
+        f"127.0.0.1:{guarded_port}", options=[("grpc.max_send_message_length", 64 << 20)]
+    )
     defined = {grpc.StatusCode.INVALID_ARGUMENT, grpc.StatusCode.FAILED_PRECONDITION}
     seen: dict[grpc.StatusCode, int] = {}
     async with (
@@ -307,6 +318,12 @@ async def _fuzz(count: int) -> None:
                 call = ch.unary_unary(f"/bagpipe.v1.EmbeddingServer/{name}")
                 code = await _code(lambda f=call, o=over: f(o, timeout=5))
                 assert code == grpc.StatusCode.RESOURCE_EXHAUSTED, (name, len(over), code)
+                # without the secret, any size: refused unread
+                name = rng.choice(["Lookup", "WriteBack", "Receive", "Seal"])
+                junk = bytes(rng.randrange(1, 16 << 20))
+                call = stranger.unary_unary(f"/bagpipe.v1.EmbeddingServer/{name}")
+                code = await _code(lambda f=call, j=junk: f(j, timeout=10))
+                assert code == grpc.StatusCode.UNAUTHENTICATED, (name, len(junk), code)
     assert (store.weights.tobytes(), store.state.tobytes(), store.shard_map.to_json()) == before
     assert store.migration is None
     assert (list(oracle.written_back), list(oracle.trained)) == oracle_before[:2]
@@ -321,6 +338,9 @@ async def _fuzz(count: int) -> None:
     ]
     assert [b.number for b in batches] == [0, 1]
     await pch.close()
+    await stranger.close()
+    assert (guarded_store.weights.tobytes(), guarded_store.state.tobytes()) == guarded_before
+    await guarded.stop(None)
     await processor_server.stop(None)
     await server.stop(None)
     await oracle_server.stop(None)
