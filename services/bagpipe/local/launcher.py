@@ -173,7 +173,7 @@ def _run(args: argparse.Namespace, after_training: AfterTraining | None = None) 
                 f"{stopped_badly.name} exited with {stopped_badly.proc.returncode} while stopping; "
                 f"last lines of {stopped_badly.log}:\n{tail(stopped_badly.log)}"
             )
-        summary = summarize(stats, args, run_dir)
+        summary = summarize(stats, args, run_dir, embedding_servers=scaler.servers)
         summary["evaluations"] = read_evals(run_dir / "metrics" / "eval.csv")
         summary["recovery"] = recovery_summary(failures, stats, run_dir, checkpoint_every(args), checkpoints)
         summary["resharding"] = resharding_summary(scaler.records + reshards, run_dir)
@@ -308,6 +308,7 @@ def _keep(
     targets: dict[str, str] = {}
     shown_eval = None  # the batch count of the evaluation the bar shows
     redis_silent = [0.0]  # since when Redis has not answered (0: it answers)
+    recorded = [args.embedding_servers]  # (the servers config.json names: the scaling target since)
 
     def spawn(shard: int) -> None:
         spawn_embedding_server(job, shard, resume=False)
@@ -351,7 +352,7 @@ def _keep(
             endpoints = registry.metrics_endpoints()
             servers = sum(p.name.startswith("embedding-server-") for p in job.processes)
             scaler.poll(registry, servers, spawn, retire, cannot_scale)
-            _follow_scaling(args, job.run_dir, scaler.servers)
+            _follow_scaling(job.run_dir, scaler.servers, recorded)
         except redis.RedisError as e:
             redis_silent[0] = redis_silent[0] or time.monotonic()
             logger.debug("redis: %s", e)
@@ -384,11 +385,12 @@ def _keep(
     return cpu_from or (0, {})
 
 
-def _follow_scaling(args: argparse.Namespace, run_dir: Path, servers: int) -> None:
-    """Keeps ``--embedding-servers`` (and config.json, for ``--resume``) at the scaling target."""
-    if args.embedding_servers == servers:
+def _follow_scaling(run_dir: Path, servers: int, recorded: list[int]) -> None:
+    """Keeps config.json's ``embedding_servers`` (what ``--resume`` starts) at the scaling target;
+    ``recorded``: the count written last."""
+    if recorded[0] == servers:
         return
-    args.embedding_servers = servers
+    recorded[0] = servers
     config = run_dir / "config.json"
     if config.is_file():
         saved = json.loads(config.read_text())

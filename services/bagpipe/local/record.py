@@ -20,6 +20,7 @@ from typing import Any
 from bagpipe.core import snapshots
 from bagpipe.core.evaluation import EVAL_FIELDS
 
+TUPLE_FLAGS = ("table_rows", "bottom_mlp", "top_mlp", "deep_mlp")
 RECORD_KEY = "_record"  # config.json's key for everything that is not a flag
 PACKAGES = ("torch", "numpy", "grpcio", "protobuf", "redis", "prometheus-client", "matplotlib", "tqdm")
 
@@ -80,13 +81,11 @@ def resumed_args(args: argparse.Namespace) -> argparse.Namespace:
     if not config.is_file():
         raise SystemExit(f"--resume: {config} not found (not a run directory of `bagpipe run`?)")
     saved = flags_of(json.loads(config.read_text()))
-    merged = argparse.Namespace(**{**vars(args), **saved})
-    merged.resume = args.resume
-    merged.quiet = args.quiet  # (how this invocation shows and reports the run: its own flags)
-    merged.no_report = args.no_report
-    for name in ("table_rows", "bottom_mlp", "top_mlp", "deep_mlp"):
-        if isinstance(getattr(merged, name, None), list):
-            setattr(merged, name, tuple(getattr(merged, name)))
+    # (sizes JSON gave back as lists are the tuples the flags parse to)
+    saved = {k: tuple(v) if k in TUPLE_FLAGS and isinstance(v, list) else v for k, v in saved.items()}
+    # (how this invocation shows and reports the run stays its own: --resume, --quiet, --no-report)
+    own = {"resume": args.resume, "quiet": args.quiet, "no_report": args.no_report}
+    merged = argparse.Namespace(**{**vars(args), **saved, **own})
     checkpoints = (
         Path(merged.checkpoint_dir) if merged.checkpoint_dir else Path(merged.run_dir) / "checkpoints"
     )

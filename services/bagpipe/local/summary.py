@@ -105,8 +105,11 @@ def cpu_by_service(before: dict[str, float], after: dict[str, float]) -> dict[st
     return out
 
 
-def summarize(stats: list[dict[str, Any]], args: argparse.Namespace, run_dir: Path) -> dict[str, Any]:
-    """Job-wide figures: the slowest trainer's time, mean stage times across trainers."""
+def summarize(
+    stats: list[dict[str, Any]], args: argparse.Namespace, run_dir: Path, embedding_servers: int | None = None
+) -> dict[str, Any]:
+    """Job-wide figures: the slowest trainer's time, mean stage times across trainers. ``embedding_servers``:
+    how many serve at the end (re-sharding changes it; default ``--embedding-servers``)."""
     n = len(stats)
     stages = {s: sum(st["stage_seconds_per_iteration"][s] for st in stats) / n for s in STAGES}
     losses = stats[0]["losses"]
@@ -114,7 +117,7 @@ def summarize(stats: list[dict[str, Any]], args: argparse.Namespace, run_dir: Pa
         "run_dir": str(run_dir),
         "iterations": stats[0]["iterations"],
         "trainers": n,
-        "embedding_servers": args.embedding_servers,
+        "embedding_servers": args.embedding_servers if embedding_servers is None else embedding_servers,
         "batch_size": args.batch_size,
         "lookahead": {
             "min": min(st["lookahead"]["min"] for st in stats),
