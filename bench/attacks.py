@@ -37,7 +37,7 @@ from typing import Any
 
 import grpc
 import psutil
-from bagpipe.cli import build_parser
+from bagpipe.cli import parse_run
 from bagpipe.local.launcher import run
 from bagpipe.local.record import run_record
 from grpc_health.v1 import health_pb2, health_pb2_grpc
@@ -178,7 +178,7 @@ def one_run(iterations: int, run_dir: Path, attack: bool, every: float, nice: in
 
     def job() -> None:
         try:
-            out.append(run(build_parser().parse_args([*argv, "--run-dir", str(run_dir)])))
+            out.append(run(parse_run([*argv[1:], "--run-dir", str(run_dir)])))
         finally:
             done.set()
 

@@ -62,7 +62,7 @@ REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO / "services"))
 sys.path.insert(0, str(REPO / "bench"))
 
-from bagpipe.cli import build_parser  # noqa: E402
+from bagpipe.cli import parse_run  # noqa: E402
 from bagpipe.config_args import (  # noqa: E402
     DEFAULT_CHECKPOINT_EVERY,
     DEFAULT_MAX_LOOKAHEAD,
@@ -221,7 +221,7 @@ def job(
     n = iterations or profile["iterations"]
     argv = job_argv(name, profile, out, *extra, iterations=n)
     t0 = time.perf_counter()
-    summary = run_job(build_parser().parse_args(argv))
+    summary = run_job(parse_run(argv[1:]))
     run_dir = out / "runs" / name
     batches, per_iteration = iteration_times(run_dir)
     skip = max(5, len(per_iteration) // 10)

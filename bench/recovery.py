@@ -26,7 +26,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-from bagpipe.cli import build_parser
+from bagpipe.cli import parse_run
 from bagpipe.local.keeper import children_matching
 from bagpipe.local.launcher import run
 
@@ -53,7 +53,7 @@ def one_run(
 ) -> tuple[dict[str, Any], float]:
     argv = ["run", "--log-level", "WARNING", *flags, "--run-dir", str(run_dir), "--quiet"]
     out: list[dict[str, Any]] = []
-    thread = threading.Thread(target=lambda: out.append(run(build_parser().parse_args(argv))))
+    thread = threading.Thread(target=lambda: out.append(run(parse_run(argv[1:]))))
     started = time.time()
     thread.start()
     signalled = 0.0

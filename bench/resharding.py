@@ -19,7 +19,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-from bagpipe.cli import build_parser
+from bagpipe.cli import parse_run
 from bagpipe.local.launcher import run
 from bagpipe.local.scaling import request_scale, wait_scaled
 
@@ -73,7 +73,7 @@ def main() -> None:
     if a.rows_per_second is not None:
         argv += ["--migration-rows-per-second", str(a.rows_per_second)]
     out: list[dict[str, Any]] = []
-    thread = threading.Thread(target=lambda: out.append(run(build_parser().parse_args(argv))))
+    thread = threading.Thread(target=lambda: out.append(run(parse_run(argv[1:]))))
     thread.start()
     steps = []
     for servers in (3, 1):

@@ -8,28 +8,12 @@ import signal
 import sys
 from types import FrameType
 
-from bagpipe import tls
-from bagpipe.config_args import (
-    DEFAULT_CHECKPOINT_EVERY,
-    DEFAULT_TRANSFER_BATCHES,
-    add_cache_args,
-    add_checkpoint_chain_args,
-    add_eval_args,
-    add_model_args,
-    non_negative_float,
-    non_negative_int,
-    positive_float,
-    positive_int,
-)
-from bagpipe.control.detector import DEFAULT_TIMEOUT_S
+from bagpipe import flags, tls
+from bagpipe.config_args import add_cache_args, positive_float, positive_int
 from bagpipe.core.optim_config import OPTIMIZERS
-from bagpipe.cpu_priority import PRIORITIES
 from bagpipe.data_processor.config import add_source_args
-
-# rows per second each embedding server sends while re-sharding a local run: there the services share the
-# trainers' cores; at the quick profile's size this keeps iterations during a migration as fast as the
-# others (bench/resharding.py), where no limit makes them about 1.6x slower on 2 cores
-DEFAULT_MIGRATION_RATE = 50_000.0
+from bagpipe.local.run_config import RunConfig
+from bagpipe.local.validate import BadFlag
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -41,129 +25,8 @@ def build_parser() -> argparse.ArgumentParser:
     )
     sub = p.add_subparsers(dest="command", required=True)
     r = sub.add_parser("run", help="train one job with every service as a local process")
-    add_source_args(r)
-    add_model_args(r, dense=True)
-    add_eval_args(r)
-    g = r.add_argument_group("job")
-    g.add_argument("--batch-size", type=int, default=2048, help="global batch size (default 2048)")
-    g.add_argument(
-        "--iterations", type=int, default=300, help="global batches to train (0: the whole data; default 300)"
-    )
-    g.add_argument("--trainers", type=int, default=2, help="number of trainers (default 2)")
-    g.add_argument("--embedding-servers", type=int, default=2, help="number of embedding servers (default 2)")
-    g.add_argument("--data-processors", type=int, default=1, help="number of data processors (default 1)")
-    g.add_argument("--device", default="auto", help="trainer device: auto, cpu or cuda (default auto)")
-    g.add_argument(
-        "--transfer-batches",
-        type=positive_int,
-        default=DEFAULT_TRANSFER_BATCHES,
-        help="trainers fetch and write back up to this many batches' rows in one call per shard "
-        f"(default {DEFAULT_TRANSFER_BATCHES})",
-    )
-    g.add_argument("--save-initial", default=None, help="write the initial interchange checkpoint here")
-    g.add_argument("--save-final", default=None, help="write the final interchange checkpoint here")
-    g.add_argument("--run-dir", default=None, help="where logs and the summary go (default runs/<time>)")
-    g.add_argument("--quiet", action="store_true", help="no progress bar")
-    g.add_argument(
-        "--no-report",
-        action="store_true",
-        help="no report.html and plots at the end (scripted runs: the tests, the benchmarks); the summary, "
-        "metrics and checkpoints are written as always",
-    )
-    g.add_argument("--log-level", default="INFO", help="services' logging level (default INFO)")
-    add_cache_args(r)
-    g = r.add_argument_group("failures and recovery")
-    g.add_argument(
-        "--checkpoint-every",
-        type=non_negative_int,
-        default=DEFAULT_CHECKPOINT_EVERY,
-        help="a consistent, incremental checkpoint after every this many batches, from which the job "
-        f"recovers exactly (default {DEFAULT_CHECKPOINT_EVERY}; 0: none)",
-    )
-    g.add_argument(
-        "--checkpoint-dir", default=None, help="where checkpoints go (default RUN_DIR/checkpoints)"
-    )
-    g.add_argument(
-        "--failure-timeout",
-        type=positive_float,
-        default=DEFAULT_TIMEOUT_S,
-        help="a service that does not answer its /metrics, or a trainer that makes no progress, for "
-        f"this many seconds has failed (default {DEFAULT_TIMEOUT_S:g})",
-    )
-    g.add_argument(
-        "--max-restarts",
-        type=non_negative_int,
-        default=3,
-        help="recoveries from failures before the run gives up (default 3)",
-    )
-    add_checkpoint_chain_args(r)
-    g.add_argument(
-        "--resume",
-        default=None,
-        metavar="RUN_DIR",
-        help="go on with a stopped or crashed run from its last checkpoint, with its own flags",
-    )
+    flags.add_grouped(r, RunConfig, RunConfig.GROUPS)
     tls.add_tls_args(r)  # the run's processes inherit the files (every gRPC call then uses mutual TLS)
-    g = r.add_argument_group("scaling")
-    g.add_argument(
-        "--migration-rows-per-second",
-        type=non_negative_float,
-        default=DEFAULT_MIGRATION_RATE,
-        help="re-sharding (bagpipe scale) sends at most this many rows per second from each embedding "
-        f"server, so that training keeps its share of the cores and the network (default "
-        f"{DEFAULT_MIGRATION_RATE:g}; 0: no limit)",
-    )
-    g.add_argument(
-        "--lookup-threads",
-        type=non_negative_int,
-        default=0,
-        help="threads per embedding server that work on rows off its event loop: lookups' rows copied "
-        "into their replies, several at once, and write-backs stored, one at a time (default 0: on the "
-        "event loop, best where the servers have no cores to spare, as on one machine)",
-    )
-    g.add_argument(
-        "--embedding-server-priority",
-        choices=["auto", *PRIORITIES],
-        default="auto",
-        help="CPU priority of the embedding servers, which share this machine's cores with the trainers: "
-        "idle runs them only on cores the trainers leave idle (Linux SCHED_IDLE), where a prefetching "
-        "trainer, which needs their answers batches later, loses nothing to them; normal, as every other "
-        "process; auto (default): idle, but normal with --system no-cache, whose trainers wait for every "
-        "fetch",
-    )
-    g = r.add_argument_group("benchmarking")
-    g.add_argument(
-        "--system",
-        choices=["bagpipe", "no-cache", "ideal"],
-        default="bagpipe",
-        help="bagpipe (default); no-cache: L=1, every row fetched before and written back after each step "
-        "on the critical path; ideal: embeddings in shared memory beside the trainers, no network transfers",
-    )
-    g.add_argument(
-        "--embedding-server-netns",
-        default=None,
-        metavar="NAME",
-        help="run the embedding servers in this network namespace (the benchmark's limited link)",
-    )
-    g.add_argument(
-        "--netns-addresses",
-        default="10.231.0.1,10.231.0.2",
-        metavar="HOST_IP,NETNS_IP",
-        help="the link's address on this side and inside the namespace (default 10.231.0.1,10.231.0.2)",
-    )
-    g = r.add_argument_group("monitoring")
-    g.add_argument(
-        "--prometheus",
-        action="store_true",
-        help="also start a real Prometheus server scraping every service (binary: make tools)",
-    )
-    g.add_argument("--prometheus-port", type=int, default=0, help="its port (default: any free port)")
-    g.add_argument(
-        "--prometheus-linger",
-        type=float,
-        default=0.0,
-        help="seconds Prometheus stays up after training, for queries (default 0)",
-    )
 
     c = sub.add_parser(
         "scale",
@@ -199,6 +62,19 @@ def build_parser() -> argparse.ArgumentParser:
     add_cache_args(s)
     s.set_defaults(lookahead=200, scale=1.0)  # the Kaggle cardinalities, as in paper §3.3
     return p
+
+
+def parse_run(argv: list[str]) -> RunConfig:
+    """``bagpipe run ARGV``'s config. A flag that does not parse exits with the usage; a value a rule
+    refuses exits with one line naming the flag (``bagpipe run: --batch-size: ...``)."""
+    return run_config(build_parser().parse_args(["run", *argv]))
+
+
+def run_config(args: argparse.Namespace) -> RunConfig:
+    try:
+        return flags.config_of(RunConfig, args)
+    except flags.ConfigError as e:
+        raise BadFlag(e.flag or e.field, e.why) from None
 
 
 class Stopped(KeyboardInterrupt):
@@ -293,19 +169,22 @@ def main(argv: list[str] | None = None) -> None:
     logging.basicConfig(level=logging.WARNING, format="%(levelname)s %(name)s: %(message)s")
     signal.signal(signal.SIGTERM, _terminate)
     signal.signal(signal.SIGINT, _terminate)
-    if args.command == "run":
-        from bagpipe.local.launcher import run
+    if args.command == "run":  # (the Python API's run, with the flags as its RunConfig)
+        from bagpipe.api import run
         from bagpipe.local.summary import format_summary
 
+        config = run_config(args)
         try:
-            summary = run(args)
+            summary = run(config)
+        except flags.ConfigError as e:
+            raise BadFlag(e.flag or e.field, e.why) from None
         except RuntimeError as e:
             print(f"bagpipe run failed: {e}", file=sys.stderr)
             raise SystemExit(1) from None
         except KeyboardInterrupt as e:  # (a shell's Ctrl-C, timeout, systemd, a container runtime)
             print(_stopped_line(e), file=sys.stderr)
             raise SystemExit(128 + (e.signum if isinstance(e, Stopped) else signal.SIGINT)) from None
-        print(format_summary(summary))
+        print(format_summary(summary.figures))
     elif args.command == "scale":
         scale(args)
     elif args.command == "plan-stats":

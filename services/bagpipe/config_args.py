@@ -17,7 +17,6 @@ from bagpipe.core.data import KAGGLE_TABLE_ROWS, scaled_table_rows, source_schem
 from bagpipe.core.model_config import (
     DEFAULT_CROSS_LAYERS,
     DEFAULT_DEEP_MLP,
-    LINEAR_MODELS,
     MODELS,
     ModelConfig,
 )
@@ -59,47 +58,62 @@ def data_field(positional: bool = False) -> Any:
     return flag(what, text_default="synthetic") if positional else flag(what, default="synthetic")
 
 
+def scale_field() -> Any:
+    return flag("synthetic data: Kaggle cardinalities times this factor", default=DEFAULT_SCALE, parse=float)
+
+
 def _add_scale(p: Any) -> None:
-    p.add_argument(
-        "--scale",
-        type=float,
-        default=DEFAULT_SCALE,
-        help=f"synthetic data: Kaggle cardinalities times this factor (default {DEFAULT_SCALE})",
-    )
+    flags.add_flags(p, _Tables, only=("scale",))
 
 
-def table_rows_field() -> Any:
-    """``--table-rows``, or when it is left out the source's own tables (Kaggle's scaled by ``--scale`` for
-    synthetic data, the Kaggle cardinalities for criteo:, Avazu's for avazu:)."""
+TABLE_ROWS_HELP = (
+    "rows of each table, comma-separated: 26 for synthetic and criteo:, 22 for avazu: (default: the Kaggle "
+    "cardinalities for criteo:, scaled by --scale for synthetic; Avazu's for avazu:)"
+)
+
+
+def table_rows_field(resolved: bool = True) -> Any:
+    """``--table-rows``; ``resolved``: the field holds the tables' sizes, when the flag is left out the
+    source's own (Kaggle's scaled by ``--scale`` for synthetic data, the Kaggle cardinalities for criteo:,
+    Avazu's for avazu:); else what was given, or None (``RunConfig``, which has ``scale`` beside it)."""
+    show = _ints
+    if not resolved:
+        return flag(TABLE_ROWS_HELP, default=None, parse=int_list, show=show)
     return flag(
-        "rows of each table, comma-separated: 26 for synthetic and criteo:, 22 for avazu: (default: the "
-        "Kaggle cardinalities for criteo:, scaled by --scale for synthetic; Avazu's for avazu:)",
+        TABLE_ROWS_HELP,
         parse=int_list,
-        show=lambda rows: ",".join(map(str, rows)),
-        read=lambda value, a: table_rows_of(a),
+        show=show,
+        read=lambda value, a: source_tables(a.data, value, a.scale),
         adds=_add_scale,
         required=False,
     )
 
 
-def table_rows_of(args: argparse.Namespace) -> tuple[int, ...]:
-    """The tables' sizes: ``--table-rows``, or the source's default."""
-    _, tables = source_schema(args.data)
-    if args.table_rows is not None:
-        if len(args.table_rows) != tables:
-            raise SystemExit(
-                f"--table-rows: expected {tables} values for {args.data.partition(':')[0]} data, "
-                f"got {len(args.table_rows)}"
+def table_rows_of(args: Any) -> tuple[int, ...]:
+    """The tables' sizes of ``args`` (parsed flags, or a ``RunConfig``): ``table_rows``, or the source's
+    default."""
+    return source_tables(args.data, args.table_rows, args.scale)
+
+
+def source_tables(data: str, table_rows: tuple[int, ...] | None, scale: float) -> tuple[int, ...]:
+    """``table_rows`` if given (checked against the source's number of tables), else the source's own;
+    ValueError names the field that is wrong."""
+    _, tables = source_schema(data)
+    if table_rows is not None:
+        if len(table_rows) != tables:
+            raise ValueError(
+                f"table_rows: expected {tables} values for {data.partition(':')[0]} data, "
+                f"got {len(table_rows)}"
             )
-        return tuple(args.table_rows)
-    if args.data.startswith("avazu:"):
+        return tuple(table_rows)
+    if data.startswith("avazu:"):
         from bagpipe.data_processor.files import AVAZU_TABLE_ROWS
 
         return AVAZU_TABLE_ROWS
-    if args.data == "synthetic":
-        if not 0 < args.scale <= 1:
-            raise SystemExit(f"--scale: must be in (0, 1], got {args.scale}")
-        return tuple(scaled_table_rows(args.scale))
+    if data == "synthetic":
+        if not 0 < scale <= 1:
+            raise ValueError(f"scale: must be in (0, 1], got {scale}")
+        return tuple(scaled_table_rows(scale))
     return KAGGLE_TABLE_ROWS
 
 
@@ -141,48 +155,55 @@ def add_model_shape_args(p: Any) -> None:
 
 
 def _add_model_shape(g: Any, dense: bool) -> None:
-    flags.add_flags(g, _Model, only=("model", "embedding_dim"))
-    if dense:
-        g.add_argument(
-            "--bottom-mlp",
-            type=int_list,
-            default=None,
-            help="dlrm: bottom MLP sizes, the last = --embedding-dim (default 64,DIM)",
-        )
-        g.add_argument(
-            "--top-mlp", type=int_list, default=None, help="dlrm: top MLP sizes, the last = 1 (default 64,1)"
-        )
-        g.add_argument(
-            "--deep-mlp",
-            type=int_list,
-            default=(),
-            help="wdl/deepfm/dcn: the deep tower's hidden sizes (default: "
-            + "; ".join(f"{m} {','.join(map(str, s))}" for m, s in DEFAULT_DEEP_MLP.items())
-            + ")",
-        )
-        g.add_argument(
-            "--cross-layers",
-            type=positive_int,
-            default=DEFAULT_CROSS_LAYERS,
-            help=f"dcn: cross layers (default {DEFAULT_CROSS_LAYERS})",
-        )
+    shape = ("bottom_mlp", "top_mlp", "deep_mlp", "cross_layers") if dense else ()
+    flags.add_flags(g, _Model, only=("model", "embedding_dim", *shape))
 
 
-def model_config_of(args: argparse.Namespace, num_tables: int) -> ModelConfig:
-    """The model the flags describe (ValueError names the field that is wrong)."""
-    return ModelConfig(
-        num_tables=num_tables,
-        num_dense=source_schema(getattr(args, "data", "synthetic"))[0],
-        embedding_dim=args.embedding_dim,
-        name=args.model,
-        bottom_mlp=getattr(args, "bottom_mlp", None) or (64, args.embedding_dim),
-        top_mlp=getattr(args, "top_mlp", None) or (64, 1),
-        deep_mlp=tuple(getattr(args, "deep_mlp", ()) or ()),
-        cross_layers=getattr(args, "cross_layers", 3),
+def bottom_mlp_field() -> Any:
+    return flag(
+        "dlrm: bottom MLP sizes, the last = --embedding-dim (default 64,DIM)",
+        default=None,
+        parse=int_list,
+        show=_ints,
     )
 
 
-def optimizer_config_of(args: argparse.Namespace) -> OptimizerConfig:
+def top_mlp_field() -> Any:
+    return flag("dlrm: top MLP sizes, the last = 1 (default 64,1)", default=None, parse=int_list, show=_ints)
+
+
+def deep_mlp_field() -> Any:
+    return flag(
+        "wdl/deepfm/dcn: the deep tower's hidden sizes (default: "
+        + "; ".join(f"{m} {_ints(s)}" for m, s in DEFAULT_DEEP_MLP.items())
+        + ")",
+        default=(),
+        parse=int_list,
+        show=_ints,
+    )
+
+
+def cross_layers_field() -> Any:
+    return flag("dcn: cross layers", default=DEFAULT_CROSS_LAYERS, parse=positive_int)
+
+
+def model_config_of(args: Any, num_tables: int) -> ModelConfig:
+    """The model the flags describe (parsed flags, or a ``RunConfig``); ValueError names the field that is
+    wrong."""
+    bottom, top, deep = args.bottom_mlp, args.top_mlp, tuple(args.deep_mlp or ())
+    return ModelConfig(
+        num_tables=num_tables,
+        num_dense=source_schema(args.data)[0],
+        embedding_dim=args.embedding_dim,
+        name=args.model,
+        bottom_mlp=bottom or (64, args.embedding_dim),
+        top_mlp=top or (64, 1),
+        deep_mlp=deep,
+        cross_layers=args.cross_layers,
+    )
+
+
+def optimizer_config_of(args: Any) -> OptimizerConfig:
     """The optimizer the flags describe (ValueError names the field that is wrong)."""
     return flags.config_of(OptimizerConfig, args)
 
@@ -198,11 +219,6 @@ def model_argv(model: ModelConfig) -> list[str]:
 
 def _ints(values: tuple[int, ...]) -> str:
     return ",".join(map(str, values))
-
-
-def row_width_of(args: argparse.Namespace) -> int:
-    """Floats per stored embedding row: the embedding, plus the first-order weight for wdl/deepfm."""
-    return args.embedding_dim + int(args.model in LINEAR_MODELS)
 
 
 def eval_data_field() -> Any:
@@ -458,9 +474,18 @@ class _Cache:
 
 
 @dataclass(frozen=True)
+class _Tables:
+    scale: float = scale_field()
+
+
+@dataclass(frozen=True)
 class _Model:
     model: str = model_field()
     embedding_dim: int = embedding_dim_field()
+    bottom_mlp: tuple[int, ...] | None = bottom_mlp_field()
+    top_mlp: tuple[int, ...] | None = top_mlp_field()
+    deep_mlp: tuple[int, ...] = deep_mlp_field()
+    cross_layers: int = cross_layers_field()
     seed: int = seed_field()
     init_from: str | None = init_from_field()
 

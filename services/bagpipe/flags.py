@@ -26,7 +26,7 @@ import argparse
 import dataclasses
 import types
 import typing
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from typing import Any, TypeVar
 
 C = TypeVar("C")
@@ -89,6 +89,27 @@ def flag(
         write=write,
     )
     return dataclasses.field(default=default, metadata={_KEY: meta})
+
+
+def like(cls: type, field: str, /, **changes: Any) -> Any:
+    """A field declared as ``cls``'s field ``field`` is, for a config that takes the same flag (``bagpipe
+    run``'s ``RunConfig`` takes the services' flags): its default, help and reading, each of ``changes``
+    (``default``, or any attribute of :class:`Flag`) replacing the original's."""
+    original = next(f for f in dataclasses.fields(cls) if f.name == field)
+    default = changes.pop("default", original.default)
+    meta = dataclasses.replace(original.metadata[_KEY], **changes)
+    return dataclasses.field(default=default, metadata={_KEY: meta})
+
+
+def add_grouped(p: Any, cls: type, groups: Mapping[str, Sequence[str]]) -> None:
+    """Adds ``cls``'s flags to ``p`` in argument groups (title: the fields in it); every field of ``cls``
+    that is a flag must be in one group."""
+    named = [name for names in groups.values() for name in names]
+    missing = [f.name for f, _, _ in _flags(cls) if f.name not in named]
+    if missing or len(named) != len(set(named)):
+        raise TypeError(f"{cls.__name__}: fields in no group or in two: {missing or named}")
+    for title, names in groups.items():
+        add_flags(p.add_argument_group(title), cls, only=names)
 
 
 def group() -> Any:
@@ -182,6 +203,41 @@ def add_flags(p: Any, cls: type, only: Sequence[str] | None = None) -> None:
         )
 
 
+def check(config: Any) -> None:
+    """Checks each flag's value in ``config`` as its flag would read it (a config built in Python, not
+    parsed): its type, its reader's rule (``positive_int``: >= 1) and its choices. Lists become the tuples
+    the field holds. ValueError names the field: ``"trainers: must be >= 1, got 0"``."""
+    for f, meta, kind in _flags(type(config)):
+        if meta is None or meta.read is not None or meta.write is not None:
+            continue
+        value = getattr(config, f.name)
+        if f.default is not dataclasses.MISSING and value == f.default:
+            continue  # (as declared)
+        base = _base(kind)
+        if isinstance(value, list) and typing.get_origin(base) is tuple:
+            value = tuple(value)
+            object.__setattr__(config, f.name, value)
+        if value is None:
+            if base is not kind:  # (optional)
+                continue
+            raise ValueError(f"{f.name}: needs a value")
+        expected = typing.get_origin(base) or base
+        if expected is float:
+            expected = (int, float)
+        if not isinstance(value, expected) or (isinstance(value, bool) and base is not bool):
+            raise ValueError(f"{f.name}: expected {getattr(base, '__name__', base)}, got {value!r}")
+        items = value if _repeats(kind, meta) else (value,)
+        for item in items:
+            text = meta.show(item)
+            if meta.choices and text not in meta.choices:
+                raise ValueError(f"{f.name}: expected one of {', '.join(meta.choices)}, got {item!r}")
+            if meta.parse is not None:
+                try:
+                    meta.parse(text)
+                except (argparse.ArgumentTypeError, ValueError) as e:
+                    raise ValueError(f"{f.name}: {e}") from None
+
+
 def parser(cls: type, prog: str, description: str) -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog=prog, description=description)
     add_flags(p, cls)
@@ -241,13 +297,36 @@ def parse(
 ) -> C:
     """Parses ``args`` into ``cls``; a rule of the dataclass that refuses a value exits with the parser's
     usage and the flag's name (``--failure-timeout: must be > 0, got 0``)."""
-    a = p.parse_args(args)
+    return from_args(cls, p, p.parse_args(args), **given)
+
+
+def from_args(cls: type[C], p: argparse.ArgumentParser, a: argparse.Namespace, **given: Any) -> C:
+    """``cls`` from what ``p`` parsed; a refused value exits as :func:`parse` says."""
     try:
         return config_of(cls, a, **given)
     except ValueError as e:
         field, sep, why = str(e).partition(": ")
         names = _names(cls)
         p.error(f"{names[field]}: {why}" if sep and field in names else str(e))
+
+
+class ConfigError(ValueError):
+    """A config's value that is refused: ``field`` (as Python names it), ``flag`` (as the command line
+    does) and ``why``. Its text is ``"field: why"``, as every config's ``ValueError``."""
+
+    def __init__(self, field: str, flag: str | None, why: str) -> None:
+        super().__init__(f"{field}: {why}" if field else why)
+        self.field, self.flag, self.why = field, flag, why
+
+    @classmethod
+    def of(cls, config: type, error: ValueError) -> ConfigError:
+        """``error`` (``"field: why"``) of a rule of ``config`` or of a config it builds."""
+        field, sep, why = str(error).partition(": ")
+        names = _names(config)
+        parts = field.split("/")  # (a rule of two fields: "hot_fraction/hot_share")
+        if not sep or not all(part in names for part in parts):
+            return cls("", None, str(error))
+        return cls(field, "/".join(names[part] for part in parts), why)
 
 
 def _names(cls: type) -> dict[str, str]:

@@ -8,7 +8,7 @@ from typing import Any
 
 import pytest
 import torch
-from bagpipe.cli import build_parser
+from bagpipe.cli import parse_run
 from bagpipe.local.launcher import run
 
 TINY = [
@@ -98,7 +98,7 @@ def run_job(tmp_path: Path):
             "--save-final",
             str(paths["final"]),
         ]
-        return run(build_parser().parse_args(argv), after_training=after_training), paths
+        return run(parse_run(argv[1:]), after_training=after_training), paths
 
     return _run
 

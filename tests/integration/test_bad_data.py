@@ -8,7 +8,7 @@ import random
 from pathlib import Path
 
 import pytest
-from bagpipe.cli import build_parser
+from bagpipe.cli import parse_run
 from bagpipe.local.launcher import run
 
 TABLE_ROWS = ",".join(["1000"] * 26)
@@ -55,7 +55,7 @@ def _argv(path: Path, run_dir: Path, iterations: int) -> list[str]:
 def test_a_file_whose_first_lines_do_not_parse_is_refused_before_anything_starts(tmp_path: Path) -> None:
     path = _criteo(tmp_path / "head.tsv", 200, bad_at=5)
     with pytest.raises(SystemExit, match=rf"--data: bad data: {path}:6: field I3: '260.0' is not an integer"):
-        run(build_parser().parse_args(_argv(path, tmp_path / "run", 2)))
+        run(parse_run(_argv(path, tmp_path / "run", 2)[1:]))
     assert not (tmp_path / "run").exists()  # (nothing started, nothing written)
 
 
@@ -63,7 +63,7 @@ def test_a_bad_line_deep_in_a_file_fails_the_job_naming_it(tmp_path: Path) -> No
     # past the first chunk the start-up check reads (4 MiB: about 20,000 of these lines)
     path = _criteo(tmp_path / "late.tsv", 30_000, bad_at=25_000)
     with pytest.raises(RuntimeError) as err:
-        run(build_parser().parse_args(_argv(path, tmp_path / "run", 460)))
+        run(parse_run(_argv(path, tmp_path / "run", 460)[1:]))
     message = str(err.value)
     assert message.startswith(f"bad data: {path}:25001: field I3: '260.0' is not an integer (read by ")
     assert "Traceback" not in message and "rank" not in message

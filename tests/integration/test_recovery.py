@@ -127,7 +127,7 @@ def test_resume_continues_a_stopped_run_to_the_same_model(run_job, tmp_path: Pat
     """A run stopped after a checkpoint (its launcher killed) goes on with ``--resume`` from its last
     checkpoint and ends with the model of an uninterrupted run; the stopped run's ``--no-report`` does not
     carry over to the resuming command, which writes the report."""
-    from bagpipe.cli import build_parser
+    from bagpipe.cli import parse_run
     from bagpipe.local.launcher import run
 
     common = ("--iterations", "24", "--checkpoint-every", "4", "--optimizer", "adagrad", "--lr", "0.05")
@@ -140,7 +140,7 @@ def test_resume_continues_a_stopped_run_to_the_same_model(run_job, tmp_path: Pat
         later.rmdir()
     Path(part["final"]).unlink()
     assert not (run_dir / "report.html").exists()  # (run_job's runs: --no-report)
-    summary = run(build_parser().parse_args(["run", "--resume", str(run_dir), "--quiet"]))
+    summary = run(parse_run(["--resume", str(run_dir), "--quiet"]))
     assert summary["iterations"] == 24
     # the report is the resuming command's choice (it asked for one), as the progress bar is
     assert summary["report"] == str(run_dir / "report.html") and (run_dir / "report.html").is_file()

@@ -187,7 +187,7 @@ def test_data_processor_round_trip() -> None:
     ],
 )
 def test_bagpipe_run_starts_each_service_with_the_config_it_built(flags: list[str], tmp_path: Path) -> None:
-    args = cli.build_parser().parse_args(["run", *flags])
+    args = cli.parse_run(flags)
     every = checkpoint_every(args)  # (none for the shared-memory ideal system)
     spec = configs.GenerationSpec("redis://127.0.0.1:6399/0", "job-x", 0, every, tmp_path / "ck", tmp_path)
     built = [
@@ -237,7 +237,7 @@ def test_a_bad_value_names_its_flag(capsys: pytest.CaptureFixture[str]) -> None:
 def test_the_embedding_servers_priority_follows_the_flag_and_the_system(
     flags: list[str], priority: str, tmp_path: Path
 ) -> None:
-    args = cli.build_parser().parse_args(["run", *flags])
+    args = cli.parse_run(flags)
     spec = configs.GenerationSpec("redis://127.0.0.1:6399/0", "job-x", 0, 0, tmp_path / "ck", tmp_path)
     cfg = configs.embedding_server(args, spec, 0, resume=False)
     assert cfg.cpu_priority == priority

@@ -59,6 +59,18 @@ class SourceConfig:
             raise ValueError(
                 "shuffle_seed: synthetic samples are drawn at random already; it applies to files"
             )
+        if self.data == "synthetic":
+            self.synthetic()  # (its rules: the Zipf exponent, the hot set's fraction and share)
+
+    def synthetic(self) -> SyntheticConfig:
+        hot = self.hot_fraction is not None or self.hot_share is not None
+        return SyntheticConfig(
+            table_rows=self.table_rows,
+            seed=self.seed,
+            zipf_alpha=None if hot else self.zipf_alpha,
+            hot_fraction=self.hot_fraction,
+            hot_share=self.hot_share,
+        )
 
     def check_head(self) -> None:
         """Parses the first chunk of every file as a batch would (``skip_bad_rows`` as set), and no more:
@@ -70,16 +82,7 @@ class SourceConfig:
 
     def open(self) -> SyntheticSource | FileSource:
         if self.data == "synthetic":
-            hot = self.hot_fraction is not None or self.hot_share is not None
-            return SyntheticSource(
-                SyntheticConfig(
-                    table_rows=self.table_rows,
-                    seed=self.seed,
-                    zipf_alpha=None if hot else self.zipf_alpha,
-                    hot_fraction=self.hot_fraction,
-                    hot_share=self.hot_share,
-                )
-            )
+            return SyntheticSource(self.synthetic())
         kind, _, listed = self.data.partition(":")
         paths = tuple(p for p in listed.split(",") if p)
         config, source = (AvazuConfig, AvazuCSVSource) if kind == "avazu" else (CriteoConfig, CriteoTSVSource)

@@ -1,21 +1,26 @@
-"""Each service's configuration for one generation of a local job, from ``bagpipe run``'s flags.
+"""Each service's configuration for one generation of a local job, from the run's ``RunConfig``.
 
 The launcher builds the services' own config objects here and starts each process with the command line
 its ``parse`` reads back to the same object (``argv`` in each service's config module; the tests check
-the round trip), so a flag is spelled in one place: the service's parser.
+the round trip), so a flag is spelled in one place: the service's parser. :func:`check` builds them all
+once as the ``RunConfig`` is made, so a rule of a service refuses a run before anything starts.
 """
 
 from __future__ import annotations
 
-import argparse
 from dataclasses import dataclass
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from bagpipe.config_args import Coordination, model_config_of, optimizer_config_of, table_rows_of
+from bagpipe.controller.config import ControllerConfig
 from bagpipe.data_processor.config import DataProcessorConfig, SourceConfig
 from bagpipe.embedding_server.config import EmbeddingServerConfig
 from bagpipe.oracle_cacher.config import OracleConfig
 from bagpipe.trainer.config import TrainerConfig
+
+if TYPE_CHECKING:
+    from bagpipe.local.run_config import RunConfig
 
 
 @dataclass(frozen=True)
@@ -29,7 +34,7 @@ class GenerationSpec:
     checkpoints: Path | None  # where they go
     run_dir: Path
 
-    def coordination(self, args: argparse.Namespace, **where: str) -> Coordination:
+    def coordination(self, args: RunConfig, **where: str) -> Coordination:
         """Redis and the job as the generation's, ``where`` (e.g. ``metrics_address``) as given."""
         return Coordination(
             **{"redis_url": self.redis_url, "job": self.job, "log_level": args.log_level, **where}
@@ -40,12 +45,8 @@ class GenerationSpec:
         return str(self.checkpoints) if self.checkpoint_every and self.checkpoints else None
 
 
-def system(args: argparse.Namespace) -> str:
-    return getattr(args, "system", "bagpipe")
-
-
 def embedding_server(
-    args: argparse.Namespace,
+    args: RunConfig,
     gen: GenerationSpec,
     shard: int,
     resume: bool,
@@ -76,24 +77,30 @@ def embedding_server(
         data=args.data,
         checkpoint_dir=gen.checkpoint_dir,  # (a joining server too: it rebuilds from there on a roll-back)
         resume_batch=gen.start if resume and gen.checkpoint_dir else 0,
-        migration_rows_per_second=getattr(args, "migration_rows_per_second", 0.0) or 0.0,
+        migration_rows_per_second=args.migration_rows_per_second,
         model=args.model,
-        lookup_threads=getattr(args, "lookup_threads", 0) or 0,
+        lookup_threads=args.lookup_threads,
         cpu_priority=embedding_server_priority(args),
     )
 
 
-def embedding_server_priority(args: argparse.Namespace) -> str:
+def embedding_server_priority(args: RunConfig) -> str:
     """``--embedding-server-priority``; auto: idle, but normal for the no-cache baseline, whose trainers
     wait for each fetch (its servers are on the critical path, and idle ones would slow it unfairly)."""
-    priority = getattr(args, "embedding_server_priority", "auto") or "auto"
-    if priority == "auto":
-        return "normal" if system(args) == "no-cache" else "idle"
-    return str(priority)
+    if args.embedding_server_priority == "auto":
+        return "normal" if args.system == "no-cache" else "idle"
+    return args.embedding_server_priority
 
 
-def data_processor(args: argparse.Namespace, gen: GenerationSpec, index: int) -> DataProcessorConfig:
-    source = SourceConfig(
+def data_processor(args: RunConfig, gen: GenerationSpec, index: int) -> DataProcessorConfig:
+    return DataProcessorConfig(
+        source=source(args), batch_size=args.batch_size, index=index, coordination=gen.coordination(args)
+    )
+
+
+def source(args: RunConfig) -> SourceConfig:
+    """The training data's source, as every data processor reads it."""
+    return SourceConfig(
         data=args.data,
         table_rows=table_rows_of(args),
         seed=args.seed,
@@ -101,21 +108,15 @@ def data_processor(args: argparse.Namespace, gen: GenerationSpec, index: int) ->
         hot_fraction=args.hot_fraction,
         hot_share=args.hot_share,
         skip_bad_rows=args.skip_bad_rows,
-        **(
-            {"shuffle_seed": args.shuffle_seed, "shuffle_buffer": args.shuffle_buffer}
-            if getattr(args, "shuffle_seed", None) is not None
-            else {}
-        ),
-    )
-    return DataProcessorConfig(
-        source=source, batch_size=args.batch_size, index=index, coordination=gen.coordination(args)
+        shuffle_seed=args.shuffle_seed,
+        shuffle_buffer=args.shuffle_buffer,
     )
 
 
-def oracle(args: argparse.Namespace, gen: GenerationSpec) -> OracleConfig:
+def oracle(args: RunConfig, gen: GenerationSpec) -> OracleConfig:
     """The oracle's plan, as ``bagpipe run`` asked (``--system no-cache``: L=1, critical sync); it plans a
     flush (a checkpoint) at every evaluation point too."""
-    no_cache = system(args) == "no-cache"
+    no_cache = args.system == "no-cache"
     return OracleConfig(
         table_rows=table_rows_of(args),
         batch_size=args.batch_size,
@@ -131,7 +132,7 @@ def oracle(args: argparse.Namespace, gen: GenerationSpec) -> OracleConfig:
         cache_mode=args.cache_mode,
         delayed_sync=not no_cache and args.sync == "delayed",
         checkpoint_every=gen.checkpoint_every,
-        eval_every=args.eval_every if getattr(args, "eval_data", None) else 0,
+        eval_every=args.eval_every,
         start_batch=gen.start,
     )
 
@@ -143,7 +144,7 @@ def gpu_nodes() -> bool:
     return any((dev / name).exists() for name in ("kfd", "dxg")) or any(dev.glob("nvidia[0-9]*"))
 
 
-def dist_backend(args: argparse.Namespace) -> str:
+def dist_backend(args: RunConfig) -> str:
     """The local job's trainers all run on this host: where CUDA trainers outnumber its GPUs, some share
     one, which NCCL refuses, so their process group is gloo (it all-reduces CUDA tensors too)."""
     if args.device == "cpu" or not gpu_nodes():
@@ -154,7 +155,9 @@ def dist_backend(args: argparse.Namespace) -> str:
     return "gloo" if 0 < gpus < args.trainers else "auto"
 
 
-def trainer(args: argparse.Namespace, gen: GenerationSpec, rank: int, dist_init: str) -> TrainerConfig:
+def trainer(
+    args: RunConfig, gen: GenerationSpec, rank: int, dist_init: str, backend: str | None = None
+) -> TrainerConfig:
     """Trainer ``rank``; ``--system``: no-cache fetches synchronously, ideal uses a shared-memory table."""
     table_rows = table_rows_of(args)
     return TrainerConfig(
@@ -169,22 +172,22 @@ def trainer(args: argparse.Namespace, gen: GenerationSpec, rank: int, dist_init:
         save_initial=args.save_initial if rank == 0 and gen.start == 0 else None,
         save_final=args.save_final if rank == 0 else None,
         device=args.device,
-        dist_backend=dist_backend(args),
+        dist_backend=backend or dist_backend(args),
         coordination=gen.coordination(args),
         data=args.data,
         cache_rows=args.cache_rows,
         iteration_log=str(gen.run_dir / "metrics" / f"trainer-{rank}.csv"),
-        fetch="synchronous" if system(args) == "no-cache" else "prefetch",
-        shared_table=f"/dev/shm/bagpipe-{gen.job}" if system(args) == "ideal" else None,
+        fetch="synchronous" if args.system == "no-cache" else "prefetch",
+        shared_table=f"/dev/shm/bagpipe-{gen.job}" if args.system == "ideal" else None,
         transfer_batches=args.transfer_batches,
         checkpoint_dir=gen.checkpoint_dir,
         resume_batch=gen.start if gen.checkpoint_dir else 0,
         keep_checkpoints=args.keep_checkpoints,
         checkpoint_full_every=args.checkpoint_full_every,
         collective_timeout=max(60.0, 6 * args.failure_timeout),
-        eval_data=getattr(args, "eval_data", None),
-        eval_every=args.eval_every if getattr(args, "eval_data", None) else 0,
-        eval_samples=args.eval_samples if getattr(args, "eval_data", None) else 0,
+        eval_data=args.eval_data,
+        eval_every=args.eval_every,
+        eval_samples=args.eval_samples,
     )
 
 
@@ -200,8 +203,50 @@ def rendezvous_url(run_dir: Path) -> str:
     return f"file://{rendezvous / 'store'}"
 
 
-def checkpoint_every(args: argparse.Namespace) -> int:
+def checkpoint_every(args: RunConfig) -> int:
     """Batches between consistent checkpoints (0: none; the shared-memory 'ideal' system has none)."""
-    if getattr(args, "system", "bagpipe") == "ideal":
-        return 0
-    return int(getattr(args, "checkpoint_every", 0) or 0)
+    return 0 if args.system == "ideal" else args.checkpoint_every
+
+
+def controller(args: RunConfig, gen: GenerationSpec, prometheus_url: str | None) -> ControllerConfig:
+    return ControllerConfig(
+        trainers=args.trainers,
+        data_processors=args.data_processors,
+        coordination=gen.coordination(args),
+        checkpoint_dir=gen.checkpoint_dir,
+        prometheus_url=prometheus_url,
+        failure_timeout=args.failure_timeout,
+        max_restarts=args.max_restarts,
+        kill="local",
+    )
+
+
+# the run's field for a service's field of another name, in a service's ValueError
+RUN_FIELD = {
+    "initial_shards": "embedding_servers",
+    "cpu_priority": "embedding_server_priority",
+    "delayed_sync": "sync",
+    "world_size": "trainers",
+    "name": "model",
+}
+
+
+def check(args: RunConfig) -> None:
+    """Builds every service's config of the run, as its first generation starts them: a rule of one that
+    refuses a value raises ValueError naming the run's field (``batch_size: must be a positive multiple of
+    trainers (3), got 100``)."""
+    gen = GenerationSpec(
+        "redis://127.0.0.1:6379/0", "check", 0, checkpoint_every(args), Path("checkpoints"), Path(".")
+    )
+    try:
+        controller(args, gen, None)
+        for shard in range(args.embedding_servers):
+            embedding_server(args, gen, shard, resume=False)
+        data_processor(args, gen, 0)
+        oracle(args, gen)
+        trainer(args, gen, 0, "file:///dev/null", backend="auto")
+    except ValueError as e:
+        field, sep, why = str(e).partition(": ")
+        if sep and field in RUN_FIELD:
+            raise ValueError(f"{RUN_FIELD[field]}: {why}") from None
+        raise

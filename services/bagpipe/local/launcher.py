@@ -6,7 +6,6 @@ processes) is ``keeper.py``, Redis is ``redis_server.py``, and the summary ``sum
 
 from __future__ import annotations
 
-import argparse
 import json
 import logging
 import os
@@ -23,12 +22,11 @@ from typing import Any
 
 import grpc
 import redis
-from tqdm import tqdm
+from tqdm.auto import tqdm  # (a notebook widget in Jupyter, text elsewhere)
 
 from bagpipe import security, serving
 from bagpipe.control.generation import DONE, FAILED, current
 from bagpipe.control.registry import Registry
-from bagpipe.controller.config import ControllerConfig
 from bagpipe.controller.config import argv as controller_argv
 from bagpipe.core import snapshots
 from bagpipe.data_processor import config as data_processor_config
@@ -38,8 +36,9 @@ from bagpipe.local import configs
 from bagpipe.local.configs import checkpoint_every, rendezvous_url
 from bagpipe.local.keeper import ComponentFailure, Keeper, Process, keep_alive, tail
 from bagpipe.local.prometheus import PrometheusServer
-from bagpipe.local.record import RECORD_KEY, read_evals, resumed_args, run_record
+from bagpipe.local.record import RECORD_KEY, read_evals, run_record
 from bagpipe.local.redis_server import RedisServer, free_port
+from bagpipe.local.run_config import RunConfig
 from bagpipe.local.scaling import Scaler
 from bagpipe.local.summary import (
     cpu_by_service,
@@ -48,7 +47,7 @@ from bagpipe.local.summary import (
     run_losses,
     summarize,
 )
-from bagpipe.local.validate import validate_run_args
+from bagpipe.local.validate import check_inputs
 from bagpipe.oracle_cacher import config as oracle_config
 from bagpipe.trainer import config as trainer_config
 from bagpipe.v1 import control_pb2, control_pb2_grpc
@@ -60,7 +59,7 @@ logger = logging.getLogger(__name__)
 class LocalJob(Keeper):
     """The keeper of one run, with what its processes' command lines are made of."""
 
-    args: argparse.Namespace = field(default_factory=argparse.Namespace)
+    args: RunConfig = field(default_factory=RunConfig)
     checkpoints: Path | None = None  # where recovery checkpoints go
     spec: configs.GenerationSpec | None = None  # what the generation's processes share
 
@@ -97,13 +96,13 @@ def job_credentials() -> Iterator[None]:
                 os.environ[k] = v
 
 
-def run(args: argparse.Namespace, after_training: AfterTraining | None = None) -> dict[str, Any]:
+def run(args: RunConfig, after_training: AfterTraining | None = None) -> dict[str, Any]:
     """See ``_run``; every RPC and the Redis connection of the run are authenticated."""
     with job_credentials():
         return _run(args, after_training)
 
 
-def _run(args: argparse.Namespace, after_training: AfterTraining | None = None) -> dict[str, Any]:
+def _run(args: RunConfig, after_training: AfterTraining | None = None) -> dict[str, Any]:
     """Runs one local job to the end and returns its summary (raises on failure).
 
     The launcher does what a kubelet and the chart's workloads do in a cluster, and decides nothing: it
@@ -117,28 +116,25 @@ def _run(args: argparse.Namespace, after_training: AfterTraining | None = None) 
     ``after_training`` is called with every service's /metrics address (and the local Prometheus, if
     any) once training is over and before the services stop: tests scrape the live services there.
     """
-    if getattr(args, "resume", None):
-        args = resumed_args(args)
-    validate_run_args(args)  # before any process starts: one line naming the flag or file
+    resuming = args.resume is not None
+    if resuming:
+        args = args.resumed()
+    check_inputs(args)  # before any process starts: one line naming the flag and file
     run_dir = Path(args.run_dir or f"runs/{time.strftime('%Y%m%d-%H%M%S')}-{uuid.uuid4().hex[:4]}")
     (run_dir / "logs").mkdir(parents=True, exist_ok=True)
-    checkpoints = (
-        Path(args.checkpoint_dir) if getattr(args, "checkpoint_dir", None) else run_dir / "checkpoints"
-    )
-    if not getattr(args, "resume", None):
+    checkpoints = args.checkpoints(run_dir)
+    if resuming:
+        if not snapshots.complete(checkpoints):
+            print(f"--resume: no complete checkpoint in {checkpoints}: the run starts over", file=sys.stderr)
+    else:
         if checkpoint_every(args) and snapshots.complete(checkpoints):
             raise SystemExit(
                 f"--checkpoint-dir: {checkpoints} holds another run's checkpoints; resume it with "
                 f"--resume {run_dir} or choose another directory"
             )
-        saved = {
-            k: v
-            for k, v in vars(args).items()
-            if isinstance(v, str | int | float | bool | list | tuple | None)
-        }
-        record = {**saved, "run_dir": str(run_dir), RECORD_KEY: run_record()}
+        record = {**args.to_json(), "run_dir": str(run_dir), RECORD_KEY: run_record()}
         (run_dir / "config.json").write_text(json.dumps(record, indent=1))
-    netns = getattr(args, "embedding_server_netns", None)
+    netns = args.embedding_server_netns
     extra_bind = args.netns_addresses.split(",")[0] if netns else None
     redis_server = RedisServer(run_dir, extra_bind=extra_bind)
     job_name = f"local-{uuid.uuid4().hex[:8]}"
@@ -184,9 +180,9 @@ def _run(args: argparse.Namespace, after_training: AfterTraining | None = None) 
         summary["cpu_seconds_per_iteration"] = {k: v / measured for k, v in cpu_used.items()}
         # (each kind's CPU since its processes started, as training ended: to measure a span of your own)
         summary["cpu_seconds_at_end"] = cpu_by_service({}, cpu_at_end)
-        summary["report"] = None if args.no_report else str(run_dir / "report.html")
+        summary["report"] = str(run_dir / "report.html") if args.report else None
         (run_dir / "summary.json").write_text(json.dumps(summary, indent=2))
-        if not args.no_report:
+        if args.report:
             # matplotlib (0.4 s to import) only where a report is drawn, not before every job's spawn
             from bagpipe.local.report import write_report
 
@@ -215,7 +211,7 @@ def _run(args: argparse.Namespace, after_training: AfterTraining | None = None) 
 
 
 def _start_job(
-    args: argparse.Namespace,
+    args: RunConfig,
     run_dir: Path,
     redis_server: RedisServer,
     job_name: str,
@@ -229,16 +225,7 @@ def _start_job(
     job.spec = configs.GenerationSpec(
         redis_server.url, job_name, 0, checkpoint_every(args), checkpoints, run_dir
     )
-    controller = ControllerConfig(
-        trainers=args.trainers,
-        data_processors=args.data_processors,
-        coordination=job.spec.coordination(args),
-        checkpoint_dir=job.spec.checkpoint_dir,
-        prometheus_url=prometheus.url if prometheus is not None else None,
-        failure_timeout=args.failure_timeout,
-        max_restarts=args.max_restarts,
-        kill="local",
-    )
+    controller = configs.controller(args, job.spec, prometheus.url if prometheus is not None else None)
     job.spawn("controller", "bagpipe.controller", controller_argv(controller))
     for s in range(args.embedding_servers):
         spawn_embedding_server(job, s, resume=True)
@@ -265,7 +252,7 @@ def spawn_embedding_server(job: LocalJob, shard: int, resume: bool) -> Process:
     coordinator moves its buckets to it. Either loads the newest complete checkpoint's rows of its buckets
     when started (again), and serves once the controller's generation takes it in."""
     assert job.spec is not None
-    netns = getattr(job.args, "embedding_server_netns", None)
+    netns = job.args.embedding_server_netns
     addresses = job.args.netns_addresses if netns else None
     cfg = configs.embedding_server(job.args, job.spec, shard, resume, addresses)
     # started again after a failure, it loads the newest complete checkpoint (and serves nothing until the
@@ -323,11 +310,7 @@ def _keep(
             job.processes.remove(p)
         registry.unregister_metrics("embedding_server", str(shard))
 
-    cannot_scale = (
-        "--system ideal keeps the embeddings in shared memory"
-        if getattr(args, "system", "") == "ideal"
-        else None
-    )
+    cannot_scale = "--system ideal keeps the embeddings in shared memory" if args.system == "ideal" else None
     while True:
         try:
             keep_alive(job, redis_server, redis_silent, args.failure_timeout)

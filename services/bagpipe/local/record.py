@@ -5,10 +5,8 @@ the report; and the held-out evaluations of a run (``metrics/eval.csv``, written
 
 from __future__ import annotations
 
-import argparse
 import csv
 import importlib.metadata
-import json
 import os
 import platform
 import subprocess
@@ -17,21 +15,26 @@ import time
 from pathlib import Path
 from typing import Any
 
-from bagpipe.core import snapshots
 from bagpipe.core.evaluation import EVAL_FIELDS
 
-TUPLE_FLAGS = ("table_rows", "bottom_mlp", "top_mlp", "deep_mlp")
 RECORD_KEY = "_record"  # config.json's key for everything that is not a flag
 PACKAGES = ("torch", "numpy", "grpcio", "protobuf", "redis", "prometheus-client", "matplotlib", "tqdm")
 
 
 def _git(*argv: str) -> str | None:
-    here = Path(__file__).resolve().parent
+    """``git ARGV`` in the checkout this code runs from; None where it is no checkout (an installed
+    package, even inside another project's repository)."""
+    root = Path(__file__).resolve().parents[3]  # (services/bagpipe/local/record.py)
+    if not (root / "services" / "bagpipe").is_dir() or not (root / "pyproject.toml").is_file():
+        return None
     try:
-        out = subprocess.run(["git", *argv], cwd=here, capture_output=True, text=True, timeout=10, check=True)
+        out = subprocess.run(["git", *argv], cwd=root, capture_output=True, text=True, timeout=10, check=True)
+        top = subprocess.run(
+            ["git", "rev-parse", "--show-toplevel"], cwd=root, capture_output=True, text=True, timeout=10
+        )
     except (OSError, subprocess.SubprocessError):
         return None
-    return out.stdout.strip()
+    return out.stdout.strip() if Path(top.stdout.strip()).resolve() == root else None
 
 
 def run_record() -> dict[str, Any]:
@@ -73,22 +76,3 @@ def read_evals(path: Path) -> list[dict[str, float]]:
             entry["samples"] = int(entry["samples"])
             by_batch[int(entry["batches"])] = entry
     return [by_batch[b] for b in sorted(by_batch)]
-
-
-def resumed_args(args: argparse.Namespace) -> argparse.Namespace:
-    """``--resume RUN_DIR``: the stopped run's own flags (from its config.json), to go on where it stopped."""
-    config = Path(args.resume) / "config.json"
-    if not config.is_file():
-        raise SystemExit(f"--resume: {config} not found (not a run directory of `bagpipe run`?)")
-    saved = flags_of(json.loads(config.read_text()))
-    # (sizes JSON gave back as lists are the tuples the flags parse to)
-    saved = {k: tuple(v) if k in TUPLE_FLAGS and isinstance(v, list) else v for k, v in saved.items()}
-    # (how this invocation shows and reports the run stays its own: --resume, --quiet, --no-report)
-    own = {"resume": args.resume, "quiet": args.quiet, "no_report": args.no_report}
-    merged = argparse.Namespace(**{**vars(args), **saved, **own})
-    checkpoints = (
-        Path(merged.checkpoint_dir) if merged.checkpoint_dir else Path(merged.run_dir) / "checkpoints"
-    )
-    if not snapshots.complete(checkpoints):
-        print(f"--resume: no complete checkpoint in {checkpoints}: the run starts over", file=sys.stderr)
-    return merged

@@ -4,12 +4,14 @@ the same)."""
 
 from __future__ import annotations
 
-import argparse
 import csv
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from bagpipe.trainer.metrics import STAGES
+
+if TYPE_CHECKING:
+    from bagpipe.local.run_config import RunConfig
 
 
 def iteration_log(run_dir: Path) -> list[tuple[int, float]]:
@@ -106,7 +108,7 @@ def cpu_by_service(before: dict[str, float], after: dict[str, float]) -> dict[st
 
 
 def summarize(
-    stats: list[dict[str, Any]], args: argparse.Namespace, run_dir: Path, embedding_servers: int | None = None
+    stats: list[dict[str, Any]], args: RunConfig, run_dir: Path, embedding_servers: int | None = None
 ) -> dict[str, Any]:
     """Job-wide figures: the slowest trainer's time, mean stage times across trainers. ``embedding_servers``:
     how many serve at the end (re-sharding changes it; default ``--embedding-servers``)."""

@@ -86,6 +86,8 @@ class OracleConfig:
             raise ValueError(f"lookahead: must be >= 1, got {self.lookahead}")
         if self.max_lookahead < 1:
             raise ValueError(f"max_lookahead: must be >= 1, got {self.max_lookahead}")
+        if self.lookahead is not None and self.lookahead > self.max_lookahead:
+            raise ValueError(f"lookahead: {self.lookahead} is over --max-lookahead {self.max_lookahead}")
         if self.reuse_delay < 1:
             raise ValueError(f"reuse_delay: must be >= 1, got {self.reuse_delay}")
         if self.cache_rows is not None and self.cache_rows < 1:

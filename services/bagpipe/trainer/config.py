@@ -127,6 +127,20 @@ class TrainerConfig:
             raise ValueError(
                 "checkpoint_dir: the shared-memory table (benchmark 'ideal' system) is not checkpointed"
             )
+        if self.eval_data:
+            eval_kind, _, paths = self.eval_data.partition(":")
+            kind = self.data.partition(":")[0]
+            if self.eval_data == "synthetic":
+                if self.data != "synthetic":
+                    raise ValueError("eval_data: synthetic held-out samples need --data synthetic")
+            elif eval_kind not in ("criteo", "avazu") or not paths:
+                raise ValueError(
+                    f"eval_data: expected 'synthetic', 'criteo:PATH' or 'avazu:PATH', got {self.eval_data!r}"
+                )
+            elif eval_kind != kind:
+                raise ValueError(f"eval_data: {eval_kind}: data is not in the format of --data {kind}")
+        elif self.eval_every:
+            raise ValueError("eval_every: needs --eval-data")
         if len(self.table_rows) != self.model.num_tables:
             raise ValueError(
                 f"table_rows: {len(self.table_rows)} tables, the model has {self.model.num_tables}"

@@ -191,7 +191,7 @@ def test_device_and_backend_follow_the_gpus_this_host_has(monkeypatch: pytest.Mo
         monkeypatch.setattr(torch.cuda, "device_count", lambda: gpus)
 
     def launcher_backend(*flags: str) -> str:
-        return configs.dist_backend(cli.build_parser().parse_args(["run", *flags]))
+        return configs.dist_backend(cli.parse_run([*flags, "--batch-size", "2520"]))  # (divides by 1-10)
 
     host(0)
     assert trainer_device("auto", 3) == CPU and trainer_device("cpu", 3) == CPU
