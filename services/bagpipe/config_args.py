@@ -221,6 +221,15 @@ def _ints(values: tuple[int, ...]) -> str:
     return ",".join(map(str, values))
 
 
+def tensorboard_field() -> Any:
+    return flag(
+        "trainer 0 writes TensorBoard event files here (torch.utils.tensorboard): loss, stage times, cache "
+        "hit rate, rows per iteration, evaluations, checkpoints and recoveries",
+        default=None,
+        metavar="DIR",
+    )
+
+
 def eval_data_field() -> Any:
     return flag(
         "held-out data for logloss and ROC AUC: a file source like --data's (criteo:PATH, avazu:PATH), or "

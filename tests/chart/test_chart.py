@@ -553,6 +553,14 @@ def test_lookup_threads_reach_the_servers(threads: int | None) -> None:
     assert check_consistency(docs)["embedding-server"][0].lookup_threads == (threads or 0)
 
 
+@pytest.mark.parametrize("directory", [None, "tensorboard/run-1"])
+def test_tensorboard_goes_to_the_run_volume(directory: str | None) -> None:
+    docs = render(*(["--set", f"training.tensorboard={directory}"] if directory else []))
+    trainer = check_consistency(docs)["trainer"][0]  # (its config, as its own parser reads the pod's args)
+    mount = yaml.safe_load((CHART / "values.yaml").read_text())["persistence"]["mountPath"]
+    assert trainer.tensorboard == (f"{mount}/{directory}" if directory else None)
+
+
 def test_gpu_values_ask_for_gpus_and_the_cuda_image() -> None:
     docs = render("-f", str(CHART / "ci" / "gpu-trainers.yaml"))
     pod = workloads(docs)["bagpipe-trainer"]["spec"]["template"]["spec"]

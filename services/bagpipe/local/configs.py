@@ -177,6 +177,7 @@ def trainer(
         data=args.data,
         cache_rows=args.cache_rows,
         iteration_log=str(gen.run_dir / "metrics" / f"trainer-{rank}.csv"),
+        tensorboard=args.tensorboard if rank == 0 else None,
         fetch="synchronous" if args.system == "no-cache" else "prefetch",
         shared_table=f"/dev/shm/bagpipe-{gen.job}" if args.system == "ideal" else None,
         transfer_batches=args.transfer_batches,

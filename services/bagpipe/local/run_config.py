@@ -41,6 +41,7 @@ from bagpipe.core.optim_config import OptimizerConfig
 from bagpipe.cpu_priority import PRIORITIES
 from bagpipe.data_processor.config import SourceConfig
 from bagpipe.flags import flag, like
+from bagpipe.trainer.config import TrainerConfig
 
 # rows per second each embedding server sends while re-sharding a local run: there the services share the
 # trainers' cores; at the quick profile's size this keeps iterations during a migration as fast as the
@@ -110,6 +111,7 @@ class RunConfig:
         default=True,
     )
     log_level: str = like(Coordination, "log_level", help="services' logging level")
+    tensorboard: str | None = like(TrainerConfig, "tensorboard")
     # cache
     lookahead: int | None = like(_Cache, "lookahead", default=None, required=None)
     max_lookahead: int = like(_Cache, "max_lookahead")
@@ -207,7 +209,7 @@ class RunConfig:
         ),
         "scaling": ("migration_rows_per_second", "lookup_threads", "embedding_server_priority"),
         "benchmarking": ("system", "embedding_server_netns", "netns_addresses"),
-        "monitoring": ("prometheus", "prometheus_port", "prometheus_linger"),
+        "monitoring": ("prometheus", "prometheus_port", "prometheus_linger", "tensorboard"),
     }  # fmt: skip
 
     def __post_init__(self) -> None:

@@ -80,6 +80,8 @@ def main(argv: list[str] | None = None) -> None:
     watch = Watch(membership, generation, make_way)
     watch.start()
     trainer = Trainer(cfg)
+    if trainer.stats.tensorboard is not None:
+        trainer.stats.tensorboard.generation(generation.number, generation.start_batch)
     trainer.on_ready = http.ready.set
     try:
         stats = trainer.run()

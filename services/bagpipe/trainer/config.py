@@ -26,6 +26,7 @@ from bagpipe.config_args import (
     seed_field,
     table_rows_field,
     table_rows_of,
+    tensorboard_field,
 )
 from bagpipe.core.model_config import ModelConfig
 from bagpipe.core.optim_config import OptimizerConfig
@@ -70,6 +71,7 @@ class TrainerConfig:
     data: str = data_field()  # (the training data's source: its schema sizes the model's dense input)
     cache_rows: int | None = cache_rows_field()
     iteration_log: str | None = flag("write one CSV row per iteration here", default=None)
+    tensorboard: str | None = tensorboard_field()
     fetch: str = flag(
         "prefetch: fetch ahead and write back in the background (Bagpipe); synchronous: fetch before and "
         "write back after each step, on the critical path (the no-cache baseline)",

@@ -16,6 +16,7 @@ import torch
 from bagpipe.core.plans import TrainerBatch
 from bagpipe.core.row_store import RowStore
 from bagpipe.trainer import metrics
+from bagpipe.trainer.tensorboard import TensorBoardLog
 
 
 class IterationLog:
@@ -64,7 +65,9 @@ class StageTimer:
 class TrainerStats:
     """Counts over the run, the metrics and the iteration log, fed one ``record`` per trained batch."""
 
-    def __init__(self, rank: int, first_batch: int, iteration_log: str | None) -> None:
+    def __init__(
+        self, rank: int, first_batch: int, iteration_log: str | None, tensorboard: str | None = None
+    ) -> None:
         self.rank = rank
         self.first_batch = first_batch
         self.stage_seconds: dict[str, float] = defaultdict(float)
@@ -74,6 +77,7 @@ class TrainerStats:
         self.peak_occupancy = 0
         self.checkpoints: list[dict[str, float]] = []
         self.log = IterationLog(iteration_log) if iteration_log else None
+        self.tensorboard = TensorBoardLog(tensorboard, first_batch) if tensorboard else None
         self._bytes_seen = (0, 0)
         self._refusals_seen = 0
         metrics.FIRST_BATCH.set(first_batch)
@@ -141,8 +145,9 @@ class TrainerStats:
         self._bytes_seen = (sent, received)
         now = time.time()
         metrics.HEARTBEAT.set(now)
-        if self.log is not None:
-            self.log.write(
+        if self.log is not None or self.tensorboard is not None:
+            self._log(
+                plan.batch,
                 {
                     "batch": plan.batch,
                     "time": now,
@@ -161,8 +166,15 @@ class TrainerStats:
                     "cache_occupancy_rows": plan.occupancy,
                     "bytes_sent": sent,
                     "bytes_received": received,
-                }
+                },
+                1.0 - missed / max(1, used),
             )
+
+    def _log(self, batch: int, row: dict[str, Any], hit_rate: float) -> None:
+        if self.log is not None:
+            self.log.write(row)
+        if self.tensorboard is not None:
+            self.tensorboard.iteration(batch, row, hit_rate)
 
     def record_checkpoint(self, next_batch: int, seconds: float, written: dict[str, float]) -> None:
         self.checkpoints.append({"next_batch": float(next_batch), "seconds": seconds, **written})
@@ -170,6 +182,8 @@ class TrainerStats:
         metrics.CHECKPOINTS.inc()
         metrics.LAST_CHECKPOINT.set(next_batch)
         metrics.HEARTBEAT.set(time.time())  # a checkpoint is progress too
+        if self.tensorboard is not None:
+            self.tensorboard.checkpoint(next_batch, seconds)
 
     def _lookahead_stats(self) -> dict[str, float]:
         """L over the plans whose window did not reach the end of the data (the tail's shrinks anyway)."""
@@ -215,3 +229,5 @@ class TrainerStats:
     def close(self) -> None:
         if self.log is not None:
             self.log.close()
+        if self.tensorboard is not None:
+            self.tensorboard.close()

@@ -94,7 +94,9 @@ class Trainer:
         self.sync = Synchronizer(
             self.cache, config.optimizer, config.world_size, self.pipeline, self._optimizer_step
         )
-        self.stats = TrainerStats(self.rank, self.start_batch, config.iteration_log)
+        self.stats = TrainerStats(
+            self.rank, self.start_batch, config.iteration_log, config.tensorboard if self.rank == 0 else None
+        )
         self.servers: EmbeddingClient | None = None  # the embedding servers
         self.store: RowStore | None = None  # where rows are fetched from: the servers or --shared-table
         self.oracle: opb_grpc.OracleCacherStub | None = None
@@ -399,6 +401,8 @@ class Trainer:
             self.registry.put_json("eval", result.as_dict())
             if self.config.iteration_log:
                 append_eval(Path(self.config.iteration_log).parent / "eval.csv", result)
+            if self.stats.tensorboard is not None:
+                self.stats.tensorboard.evaluation(result.as_dict())
         return result.seconds
 
     # ---- the run
