@@ -13,14 +13,16 @@ from dataclasses import dataclass
 from typing import Any, TypeVar
 
 from bagpipe import flags, tls
-from bagpipe.core.data import KAGGLE_TABLE_ROWS, scaled_table_rows, source_schema
+from bagpipe.core.data import scaled_table_rows
 from bagpipe.core.model_config import (
     DEFAULT_CROSS_LAYERS,
     DEFAULT_DEEP_MLP,
     MODELS,
     ModelConfig,
+    model_class,
 )
 from bagpipe.core.optim_config import OptimizerConfig
+from bagpipe.core.schema import TABLE_KINDS, schema_of
 from bagpipe.flags import flag
 
 C = TypeVar("C")
@@ -52,8 +54,9 @@ def data_field(positional: bool = False) -> Any:
     """``--data``: the training data's source, synthetic unless given (``positional``: the dataclass field
     has no default of its own)."""
     what = (
-        "'synthetic' (Criteo-Kaggle-like skewed generator), 'criteo:PATH[,PATH...]' (Criteo TSV files) "
-        "or 'avazu:PATH[,PATH...]' (Avazu CSV files)"
+        "'synthetic' (Criteo-Kaggle-like skewed generator), 'criteo:PATH[,PATH...]' (Criteo TSV files), "
+        "'avazu:PATH[,PATH...]' (Avazu CSV files), or 'csv:', 'tsv:' or 'parquet:PATH[,PATH...]' laid out as "
+        "--schema says"
     )
     return flag(what, text_default="synthetic") if positional else flag(what, default="synthetic")
 
@@ -83,7 +86,7 @@ def table_rows_field(resolved: bool = True) -> Any:
         TABLE_ROWS_HELP,
         parse=int_list,
         show=show,
-        read=lambda value, a: source_tables(a.data, value, a.scale),
+        read=lambda value, a: source_tables(a.data, value, a.scale, getattr(a, "schema", None)),
         adds=_add_scale,
         required=False,
     )
@@ -92,33 +95,68 @@ def table_rows_field(resolved: bool = True) -> Any:
 def table_rows_of(args: Any) -> tuple[int, ...]:
     """The tables' sizes of ``args`` (parsed flags, or a ``RunConfig``): ``table_rows``, or the source's
     default."""
-    return source_tables(args.data, args.table_rows, args.scale)
+    return source_tables(args.data, args.table_rows, args.scale, getattr(args, "schema", None))
 
 
-def source_tables(data: str, table_rows: tuple[int, ...] | None, scale: float) -> tuple[int, ...]:
-    """``table_rows`` if given (checked against the source's number of tables), else the source's own;
-    ValueError names the field that is wrong."""
-    _, tables = source_schema(data)
+def source_tables(
+    data: str, table_rows: tuple[int, ...] | None, scale: float, schema: str | None = None
+) -> tuple[int, ...]:
+    """``table_rows`` if given (checked against the source's number of tables), else the source's own
+    (its schema's; Kaggle's scaled by ``scale`` for synthetic data); ValueError names the field that is
+    wrong."""
+    if table_rows is not None and schema is None and data.partition(":")[0] in TABLE_KINDS:
+        return tuple(table_rows)  # (the layout is inferred from the files, by those that read them)
+    layout = schema_of(data, schema)
     if table_rows is not None:
-        if len(table_rows) != tables:
+        if len(table_rows) != layout.num_tables:
             raise ValueError(
-                f"table_rows: expected {tables} values for {data.partition(':')[0]} data, "
+                f"table_rows: expected {layout.num_tables} values for {data.partition(':')[0]} data, "
                 f"got {len(table_rows)}"
             )
         return tuple(table_rows)
-    if data.startswith("avazu:"):
-        from bagpipe.data_processor.files import AVAZU_TABLE_ROWS
-
-        return AVAZU_TABLE_ROWS
     if data == "synthetic":
         if not 0 < scale <= 1:
             raise ValueError(f"scale: must be in (0, 1], got {scale}")
         return tuple(scaled_table_rows(scale))
-    return KAGGLE_TABLE_ROWS
+    if layout.table_rows is None:
+        missing = [c.name for c in layout.categorical if c.rows is None]
+        raise ValueError(
+            f"table_rows: {layout.source} gives no rows for {', '.join(missing[:5])}"
+            + (f" and {len(missing) - 5} more" if len(missing) > 5 else "")
+            + ": give --table-rows, one per categorical column, or rows in the schema"
+        )
+    return layout.table_rows
+
+
+def schema_field() -> Any:
+    return flag(
+        "the layout of csv:, tsv: and parquet: data: a schema file (YAML or JSON: each column's name, role, "
+        "table rows and hashing; docs/data.md), or criteo or avazu (default: inferred from the first file's "
+        "header and types, with --table-rows)",
+        default=None,
+        metavar="FILE",
+    )
+
+
+def model_name(text: str) -> str:
+    """``--model``: a built-in model, or ``MODULE:CLASS`` whose class is imported here to check it (argparse
+    reports what failed under the flag's name)."""
+    if text not in MODELS:
+        try:
+            model_class(text)
+        except ValueError as e:
+            raise argparse.ArgumentTypeError(str(e).removeprefix("model: ")) from None
+    return text
 
 
 def model_field() -> Any:
-    return flag("dlrm, wdl (Wide&Deep), deepfm or dcn (Deep&Cross)", default="dlrm", choices=MODELS)
+    return flag(
+        "dlrm, wdl (Wide&Deep), deepfm, dcn (Deep&Cross), or MODULE:CLASS: your own torch.nn.Module "
+        "subclass, importable by every trainer and embedding server (docs/models.md)",
+        default="dlrm",
+        parse=model_name,
+        metavar="{" + ",".join(MODELS) + ",MODULE:CLASS}",
+    )
 
 
 def embedding_dim_field(positional: bool = False) -> Any:
@@ -191,9 +229,16 @@ def model_config_of(args: Any, num_tables: int) -> ModelConfig:
     """The model the flags describe (parsed flags, or a ``RunConfig``); ValueError names the field that is
     wrong."""
     bottom, top, deep = args.bottom_mlp, args.top_mlp, tuple(args.deep_mlp or ())
+    if args.model not in MODELS:  # (a model class of the user's sizes itself)
+        for name, value in (("bottom_mlp", bottom), ("top_mlp", top), ("deep_mlp", deep)):
+            if value:
+                raise ValueError(
+                    f"{name}: sizes a built-in model; a model class ({args.model}) is built from "
+                    "--embedding-dim and the data's sizes alone"
+                )
     return ModelConfig(
         num_tables=num_tables,
-        num_dense=source_schema(args.data)[0],
+        num_dense=schema_of(args.data, getattr(args, "schema", None)).num_dense,
         embedding_dim=args.embedding_dim,
         name=args.model,
         bottom_mlp=bottom or (64, args.embedding_dim),
@@ -212,6 +257,8 @@ def model_argv(model: ModelConfig) -> list[str]:
     """The flags ``add_model_args(dense=True)`` parses back to ``model`` (with ``--data`` and
     ``--table-rows`` for its tables and dense features)."""
     out = ["--model", model.name, "--embedding-dim", str(model.embedding_dim)]
+    if model.name not in MODELS:
+        return out  # (a model class of the user's: no sizes of its own)
     out += ["--bottom-mlp", _ints(model.bottom_mlp), "--top-mlp", _ints(model.top_mlp)]  # (dlrm's)
     out += ["--deep-mlp", _ints(model.deep_mlp)] if model.deep_mlp else []  # (the others')
     return out + ["--cross-layers", str(model.cross_layers)]

@@ -190,9 +190,43 @@ def kubelet_env(container: dict[str, Any], docs: list[dict[str, Any]], **fields:
     return env
 
 
-def parse_container(container: dict[str, Any], env: dict[str, str]) -> Any:
+def mounted_files(
+    pod: dict[str, Any], container: dict[str, Any], docs: list[dict[str, Any]], root: Path
+) -> dict[str, str]:
+    """The container's ConfigMap volumes as a kubelet mounts them: each ConfigMap's keys written as files into
+    a directory under ``root``, by the mount path it stands for (the files the services read there)."""
+    maps = by_kind(docs, "ConfigMap")
+    volumes = {v["name"]: v for v in pod.get("volumes", [])}
+    found: dict[str, str] = {}
+    for mount in container.get("volumeMounts", []):
+        source = volumes[mount["name"]].get("configMap")
+        if source is None:
+            continue
+        assert source["name"] in maps, f"{mount['name']}: no ConfigMap {source['name']} in the release"
+        assert mount.get("readOnly") is True and "subPath" not in mount, f"{mount['name']}: read-only, whole"
+        directory = root / container["name"] / mount["name"]
+        directory.mkdir(parents=True, exist_ok=True)
+        for key, text in maps[source["name"]]["data"].items():
+            (directory / key).write_text(text)
+        found[mount["mountPath"]] = str(directory)
+    return found
+
+
+def local_path(arg: str, files: dict[str, str]) -> str:
+    """``arg`` with a path under a mounted ConfigMap's mount path pointing at its files here instead."""
+    for mount, directory in files.items():
+        if arg == mount or arg.startswith(f"{mount}/"):
+            return directory + arg[len(mount) :]
+    return arg
+
+
+def parse_container(
+    container: dict[str, Any], env: dict[str, str], files: dict[str, str] | None = None
+) -> Any:
+    """The container's args parsed by its service's own parser; ``files``: mount paths and where their files
+    are here (``mounted_files``)."""
     module = importlib.import_module(PARSERS[container["name"]])
-    argv = [expand(str(a), env) for a in container["args"]]
+    argv = [local_path(expand(str(a), env), files or {}) for a in container["args"]]
     parsed = module.parse(argv)  # the service's own parser and config validation
     return parsed if isinstance(parsed, tuple) else (parsed, module.build_parser().parse_args(argv))
 
@@ -337,6 +371,11 @@ def assert_secrets_stay_in_secrets(docs: list[dict[str, Any]]) -> None:
 
 
 def check_consistency(docs: list[dict[str, Any]]) -> dict[str, Any]:
+    with tempfile.TemporaryDirectory() as tmp:  # (the ConfigMaps' files the containers read, here)
+        return check_consistency_with_files(docs, Path(tmp))
+
+
+def check_consistency_with_files(docs: list[dict[str, Any]], root: Path) -> dict[str, Any]:
     services = by_kind(docs, "Service")
     loads = workloads(docs)
     configs: dict[str, Any] = {}
@@ -367,7 +406,7 @@ def check_consistency(docs: list[dict[str, Any]]) -> dict[str, Any]:
             fake_env["POD_INDEX"] = str(spec["completions"] - 1)
             assert services[pod["spec"]["subdomain"]]["spec"]["clusterIP"] == "None"
         env = kubelet_env(container, docs, **fake_env)
-        cfg, args = parse_container(container, env)
+        cfg, args = parse_container(container, env, mounted_files(pod["spec"], container, docs, root))
         configs[container["name"]] = (cfg, args, load)
         ports = container_ports(container)
         assert urlparse(f"http://{args.metrics_address}").port == ports["metrics"]
@@ -561,6 +600,16 @@ def test_tensorboard_goes_to_the_run_volume(directory: str | None) -> None:
     assert trainer.tensorboard == (f"{mount}/{directory}" if directory else None)
 
 
+def test_a_model_class_of_the_users_reaches_trainers_and_servers() -> None:
+    """``training.model: MODULE:CLASS`` (the module installed in the image): the trainers build it and the
+    embedding servers size their rows by it, each parsing its pod's args."""
+    spec = "tests.integration.test_custom_model:WideGatedTower"
+    configs = check_consistency(render("--set", f"training.model={spec}"))
+    assert configs["trainer"][0].model.name == spec
+    server = configs["embedding-server"][0]
+    assert server.model == spec and server.row_width == server.embedding_dim + 1  # (first-order weights)
+
+
 def test_gpu_values_ask_for_gpus_and_the_cuda_image() -> None:
     docs = render("-f", str(CHART / "ci" / "gpu-trainers.yaml"))
     pod = workloads(docs)["bagpipe-trainer"]["spec"]["template"]["spec"]
@@ -722,6 +771,25 @@ def test_values_that_do_not_fit_together_fail_helm_template(args: list[str], mes
         ),
         ("tls:\n  enabled: true\n  secret: bagpipe-tls\n", "tls: Additional property secret is not allowed"),
         ("tls:\n  serverName: ''\n", "tls.serverName: Does not match pattern"),
+        ("training:\n  data: json:/data/x.json\n", "training.data: Does not match pattern"),
+        (
+            "training:\n  schema:\n    columns: [{name: c, role: lable}]\n",
+            "training.schema.columns.0.role must be one of the following",
+        ),
+        (
+            "training:\n  schema:\n    columns: [{name: c, role: categorical, rowz: 3}]\n",
+            "training.schema.columns.0: Additional property rowz is not allowed",
+        ),
+        (
+            "training:\n  schema:\n    columns: [{name: c, role: categorical, hashing: md5}]\n",
+            "training.schema.columns.0.hashing must be one of the following",
+        ),
+        (
+            "training:\n  schema:\n    columns: [{name: c, role: categorical, rows: 0}]\n",
+            "training.schema.columns.0.rows: Must be greater than or equal to 1",
+        ),
+        ("training:\n  schema:\n    format: orc\n", "training.schema.format must be one of the following"),
+        ("training:\n  schema:\n    delimiter: ';'\n", "Additional property delimiter is not allowed"),
     ],
 )
 def test_schema_rejects_bad_values_with_a_clear_message(values: str, message: str, tmp_path: Path) -> None:
@@ -1203,3 +1271,190 @@ def test_operator_objects_render_only_where_the_cluster_has_their_crds() -> None
         "--set", "prometheus.serviceMonitor.enabled=false", "--set", "prometheus.rules.enabled=false"
     )
     assert not any(by_kind(off, k) for k in kinds)
+
+
+# The input's schema (training.schema): a ConfigMap, mounted read-only in every service that reads the data or
+# sizes the tables, and --schema in their args.
+
+PARQUET_SCHEMA = CHART / "ci" / "parquet-schema.yaml"
+SCHEMA_MAP, SCHEMA_MOUNT = "bagpipe-schema", "/etc/bagpipe/schema"
+SCHEMA_READERS = {"data-processor", "oracle-cacher", "embedding-server", "trainer"}
+
+
+def schema_of_values(path: Path = PARQUET_SCHEMA) -> dict[str, Any]:
+    return dict(yaml.safe_load(path.read_text())["training"]["schema"])
+
+
+def test_the_schema_reaches_every_service_that_reads_the_data_or_sizes_the_tables(tmp_path: Path) -> None:
+    from bagpipe.core.schema import Schema
+
+    docs = render("-f", str(PARQUET_SCHEMA))
+    schema = schema_of_values()
+    layout = Schema.of(schema, "training.schema")
+    rows = tuple(c["rows"] for c in schema["columns"] if c["role"] == "categorical")
+    assert layout.table_rows == rows and layout.num_dense == 2  # (what the values file means)
+    # the values' schema, as JSON, in one ConfigMap
+    assert json.loads(by_kind(docs, "ConfigMap")[SCHEMA_MAP]["data"]["schema.json"]) == schema
+    checksums = set()
+    for name, load in workloads(docs).items():
+        pod = load["spec"]["template"]
+        (container,) = pod["spec"]["containers"]
+        args = [str(a) for a in container.get("args", [])]
+        annotations = pod["metadata"].get("annotations") or {}
+        if container["name"] not in SCHEMA_READERS:
+            assert "--schema" not in args and "checksum/schema" not in annotations, name
+            continue
+        assert args[args.index("--schema") + 1] == f"{SCHEMA_MOUNT}/schema.json", name
+        (volume,) = [v for v in pod["spec"]["volumes"] if v.get("configMap", {}).get("name") == SCHEMA_MAP]
+        (mount,) = [m for m in container["volumeMounts"] if m["name"] == volume["name"]]
+        assert mount == {"name": volume["name"], "mountPath": SCHEMA_MOUNT, "readOnly": True}, name
+        checksums.add(annotations["checksum/schema"])  # (a new schema rolls the pods that read it)
+    assert len(checksums) == 1
+    # every service's own parser reads the schema from its mount (here: the ConfigMap's files), and they agree
+    configs = check_consistency_with_files(docs, tmp_path)
+    assert set(configs) >= SCHEMA_READERS
+    for name in ("oracle-cacher", "embedding-server", "trainer"):
+        assert configs[name][0].table_rows == rows, name
+    processor = configs["data-processor"][0].source
+    assert processor.table_rows == rows and processor.layout().to_dict() == layout.to_dict()
+    trainer = configs["trainer"][0]
+    assert (trainer.model.num_dense, trainer.model.num_tables) == (layout.num_dense, len(rows))
+    assert trainer.eval_data == "parquet:/data/clicks/held-out.parquet"
+    # helm test's model check expects a table per categorical column
+    (check,) = by_kind(docs, "Pod")["bagpipe-test-model"]["spec"]["containers"]
+    assert check["args"][check["args"].index("--tables") + 1] == str(len(rows))
+
+
+def test_a_changed_schema_changes_its_configmap_and_rolls_the_pods_that_read_it(tmp_path: Path) -> None:
+    schema = schema_of_values()
+    schema["columns"] = [{**c, "rows": 400} if c["name"] == "country" else c for c in schema["columns"]]
+    path = tmp_path / "values.yaml"
+    path.write_text(yaml.safe_dump({"training": {"schema": schema}}))
+    before, after = (
+        without_generated(render("-f", str(PARQUET_SCHEMA), *extra)) for extra in ([], ["-f", str(path)])
+    )
+    changed = {(a["kind"], a["metadata"]["name"]) for a, b in zip(before, after, strict=True) if a != b}
+    readers = {
+        name for name, load in workloads(before).items() if name.removeprefix("bagpipe-") in SCHEMA_READERS
+    }
+    assert changed == {("ConfigMap", SCHEMA_MAP), *((workloads(before)[n]["kind"], n) for n in readers)}
+    for name in readers:  # only the checksum changes in their pod templates
+        old, new = (workloads(d)[name]["spec"]["template"] for d in (before, after))
+        assert old["metadata"]["annotations"] != new["metadata"]["annotations"]
+        old["metadata"]["annotations"] = new["metadata"]["annotations"]
+        assert old == new, name
+    assert check_consistency(after)["oracle-cacher"][0].table_rows == (1000000, 400, 24)
+
+
+def test_table_rows_size_the_tables_a_schema_leaves_unsized(tmp_path: Path) -> None:
+    schema = schema_of_values()
+    schema["columns"] = [{k: v for k, v in c.items() if k != "rows"} for c in schema["columns"]]
+    path = tmp_path / "values.yaml"
+    path.write_text(yaml.safe_dump({"training": {"schema": schema, "tableRows": [7, 8, 9]}}))
+    configs = check_consistency(render("-f", str(PARQUET_SCHEMA), "-f", str(path)))
+    for name in ("oracle-cacher", "embedding-server", "trainer"):
+        assert configs[name][0].table_rows == (7, 8, 9), name
+    assert configs["data-processor"][0].source.table_rows == (7, 8, 9)
+
+
+def schema_columns(*columns: str) -> list[str]:
+    """``--set-json`` args giving training.schema these columns, each ``NAME:ROLE[:ROWS]``."""
+    entries = []
+    for column in columns:
+        name, role, *rows = column.split(":")
+        entries.append({"name": name, "role": role, **({"rows": int(rows[0])} if rows else {})})
+    return ["--set-json", f"training.schema.columns={json.dumps(entries)}"]
+
+
+PARQUET = ["--set", "training.data=parquet:/data/x.parquet", "--set", "training.dataVolume.claimName=d"]
+WITH_SCHEMA = ["-f", str(PARQUET_SCHEMA)]
+
+
+@pytest.mark.parametrize(
+    ("args", "message"),
+    [
+        (PARQUET, "training.data=parquet:/data/x.parquet needs training.schema"),
+        (
+            [
+                "--set",
+                "training.data=tsv:/data/a.tsv\\,/data/b.tsv",
+                "--set",
+                "training.dataVolume.claimName=d",
+            ],
+            "training.data=tsv:/data/a.tsv,/data/b.tsv needs training.schema",
+        ),
+        (
+            [*WITH_SCHEMA, "--set", "training.data=criteo:/data/day_0.tsv", "--set", "training.eval.data="],
+            "training.schema applies to csv:, tsv: and parquet: data, not training.data=criteo:/data/day_0",
+        ),
+        (
+            [*WITH_SCHEMA, "--set", "training.data=avazu:/data/train.csv", "--set", "training.eval.data="],
+            "training.schema applies to csv:, tsv: and parquet: data, not training.data=avazu:/data/train",
+        ),
+        (
+            [*WITH_SCHEMA, "--set", "training.data=synthetic", "--set", "training.iterations=100"],
+            "training.schema applies to csv:, tsv: and parquet: data, not training.data=synthetic",
+        ),
+        (
+            [*WITH_SCHEMA, "--set", "training.data=csv:/data/x.csv"],
+            "training.schema.format is parquet but training.data=csv:/data/x.csv is csv: data",
+        ),
+        (
+            [*WITH_SCHEMA, "--set", "training.tableRows={1,2}"],
+            "training.tableRows has 2 entries: training.schema has 3 categorical columns",
+        ),
+        (
+            [*WITH_SCHEMA, "--set", TWENTY_SIX_ROWS],
+            "training.tableRows has 26 entries: training.schema has 3 categorical columns",
+        ),
+        (
+            [*WITH_SCHEMA, *schema_columns("y:label", "a:categorical", "b:categorical:5", "c:categorical")],
+            "training.schema gives no rows for categorical column(s) a, c: give each its rows there, or set "
+            "training.tableRows",
+        ),
+        (
+            [*WITH_SCHEMA, *schema_columns("x:dense", "a:categorical:5")],
+            "training.schema needs exactly one column with role label (the click, 0 or 1), got none",
+        ),
+        (
+            [*WITH_SCHEMA, *schema_columns("y:label", "z:label", "a:categorical:5")],
+            "training.schema needs exactly one column with role label (the click, 0 or 1), got y, z",
+        ),
+        (
+            [*WITH_SCHEMA, *schema_columns("y:label", "x:dense", "x:categorical:5")],
+            "training.schema: column x is named twice",
+        ),
+        (
+            [*WITH_SCHEMA, *schema_columns("y:label", "x:dense")],
+            "training.schema needs at least one column with role categorical",
+        ),
+        (
+            [*PARQUET, "--set-json", 'training.schema={"header": true}'],
+            "training.schema has no columns",
+        ),
+        (
+            [*WITH_SCHEMA, "--set", "training.eval.data=csv:/data/held-out.csv"],
+            "training.eval.data=csv:/data/held-out.csv is not in the format of training.data=parquet:",
+        ),
+    ],
+)
+def test_schema_values_that_do_not_fit_the_data_fail_helm_template(args: list[str], message: str) -> None:
+    out = run(helm(), "template", "bagpipe", str(CHART), *args)
+    assert out.returncode != 0 and message in out.stderr, out.stderr[-800:]
+
+
+@pytest.mark.parametrize(
+    "values",
+    [None, *(v for v in CI_VALUES if v != PARQUET_SCHEMA)],
+    ids=lambda v: "default" if v is None else v.stem,
+)
+def test_without_a_schema_nothing_changes(values: Path | None) -> None:
+    docs = render(*(["-f", str(values)] if values else []))
+    assert SCHEMA_MAP not in by_kind(docs, "ConfigMap")
+    for owner, pod in pod_specs(docs).items():
+        assert not [v for v in pod.get("volumes", []) if v["name"] == "schema" or "configMap" in v], owner
+        for c in [*pod.get("initContainers", []), *pod["containers"]]:
+            assert "--schema" not in [str(a) for a in c.get("args", [])], (owner, c["name"])
+            assert not [m for m in c.get("volumeMounts", []) if m["mountPath"] == SCHEMA_MOUNT], owner
+    for name, load in workloads(docs).items():
+        assert "checksum/schema" not in (load["spec"]["template"]["metadata"].get("annotations") or {}), name

@@ -412,7 +412,11 @@ def test_sigterm_stops_a_service_gracefully_with_exit_0(tmp_path: Path) -> None:
         (["--optimizer", "adam", "--weight-decay", "0.01"], "--weight-decay: 0.01 is not supported"),
         (["--data", "criteo:/no/such.tsv"], "--data: /no/such.tsv: no such file"),
         (["--batch-size", "7"], "--batch-size: must be a positive multiple of trainers (2), got 7"),
-        (["--data", "hdfs:x"], "--data: expected 'synthetic', 'criteo:PATH' or 'avazu:PATH', got 'hdfs:x'"),
+        (
+            ["--data", "hdfs:x"],
+            "--data: expected 'synthetic', 'criteo:PATH', 'avazu:PATH', 'csv:PATH', 'tsv:PATH' or "
+            "'parquet:PATH', got 'hdfs:x'",
+        ),
     ],
 )
 def test_bad_flags_stop_bagpipe_run_with_one_line(

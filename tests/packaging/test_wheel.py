@@ -34,6 +34,7 @@ import subprocess
 import sys
 import tarfile
 import zipfile
+from dataclasses import dataclass
 from email.parser import HeaderParser
 from pathlib import Path
 
@@ -58,7 +59,7 @@ def _package_files() -> set[str]:
     """The package's modules and stubs in the source tree, as the wheel names them (bagpipe/...)."""
     return {
         str(p.relative_to(PACKAGE.parent))
-        for pattern in ("*.py", "*.pyi")
+        for pattern in ("*.py", "*.pyi", "*.json")
         for p in PACKAGE.rglob(pattern)
         if "__pycache__" not in p.parts
     }
@@ -202,9 +203,23 @@ def _deps_folder(target: Path, dists: list[md.Distribution]) -> Path:
     return target
 
 
-def test_the_wheel_runs_a_job_in_a_fresh_venv_outside_the_repository(
-    dist: dict[str, Path], tmp_path: Path
-) -> None:
+@dataclass
+class Fresh:
+    """A fresh venv outside the repository with the wheel installed: its python, the environment a job runs
+    in (PATH: only its bin), a working directory outside the repository, its site-packages and the folder
+    of its dependencies."""
+
+    venv: Path
+    python: Path
+    env: dict[str, str]
+    work: Path
+    site: Path
+    deps: Path
+
+
+@pytest.fixture(scope="module")
+def fresh(dist: dict[str, Path], tmp_path_factory: pytest.TempPathFactory) -> Fresh:
+    tmp_path = tmp_path_factory.mktemp("fresh")
     assert not tmp_path.resolve().is_relative_to(ROOT), "tmp_path must lie outside the repository"
     venv = tmp_path / "venv"
     made = _run([sys.executable, "-m", "venv", "--without-pip", str(venv)], 120)
@@ -217,15 +232,30 @@ def test_the_wheel_runs_a_job_in_a_fresh_venv_outside_the_repository(
     pip = [sys.executable, "-m", "pip", "--python", str(python), "install", "--no-deps", "--no-index", "-q"]
     installed = _run([*pip, str(dist["wheel"])], 120)
     assert installed.returncode == 0, installed.stdout + installed.stderr
-    deps = _deps_folder(tmp_path / "dependencies", _closure(_requirements(dist["wheel"])))
+    # (the parquet extra too: `pip install 'bagpipe[parquet]'`)
+    wanted = _requirements(dist["wheel"]) + [
+        r for r in _requirements(dist["wheel"]) if 'extra == "parquet"' in r
+    ]
+    deps = _deps_folder(tmp_path / "dependencies", _closure([r.split(";")[0] for r in wanted]))
     (site / "zz_repository_dependencies.pth").write_text(f"{deps}\n")
 
-    work = tmp_path / "work"  # the job's working directory: not the repository
+    work = tmp_path / "work"  # the jobs' working directory: not the repository
     work.mkdir()
     env = {k: v for k, v in os.environ.items() if not k.startswith(("PYTHON", "VIRTUAL_ENV", "BAGPIPE_"))}
     env["PATH"] = str(venv / "bin")  # no system redis-server on it: the one that ships must be found
     env["HOME"] = str(tmp_path / "home")
+    return Fresh(venv, python, env, work, site, deps)
 
+
+def test_the_wheel_runs_a_job_in_a_fresh_venv_outside_the_repository(fresh: Fresh, tmp_path: Path) -> None:
+    venv, python, env, work, site, deps = (
+        fresh.venv,
+        fresh.python,
+        fresh.env,
+        fresh.work,
+        fresh.site,
+        fresh.deps,
+    )
     tools = tmp_path / "probe-tools"  # the probe's own import, whatever the wheel's requirements bring
     tools.mkdir()
     (tools / "packaging").symlink_to(Path(str(md.distribution("packaging").locate_file("packaging"))))
@@ -250,3 +280,66 @@ def test_the_wheel_runs_a_job_in_a_fresh_venv_outside_the_repository(
     assert len(summary["losses"]) == 4 and all(math.isfinite(x) for x in summary["losses"]), summary["losses"]
     assert summary["samples_per_second"] > 0
     assert not any(run_dir.rglob("*.rdb")), "the local Redis must not persist"
+
+
+API_JOB = """
+import json, sys
+from bagpipe import RunConfig, RunSummary, run
+summary = run(RunConfig(iterations=4, scale=0.0005, embedding_dim=8, batch_size=64, bottom_mlp=(16, 8),
+                        quiet=True, report=False, run_dir=sys.argv[1]))
+assert isinstance(summary, RunSummary)
+said = {"iterations": summary.iterations, "losses": summary.losses, "run_dir": str(summary.run_dir)}
+print(json.dumps(said))
+"""
+
+
+def test_the_wheel_runs_a_job_from_the_python_api(fresh: Fresh, tmp_path: Path) -> None:
+    job = _run([str(fresh.python), "-c", API_JOB, str(tmp_path / "api")], 240, cwd=fresh.work, env=fresh.env)
+    assert job.returncode == 0, job.stdout[-3000:] + job.stderr[-3000:]
+    said = json.loads(job.stdout.strip().splitlines()[-1])
+    assert said["iterations"] == 4 and len(said["losses"]) == 4 and said["run_dir"] == str(tmp_path / "api")
+
+
+def test_the_wheel_trains_a_parquet_file_of_another_schema_as_synchronous_training(
+    fresh: Fresh, tmp_path: Path
+) -> None:
+    """5 dense and 7 categorical columns in Parquet, trained by the wheel's bagpipe; the reference (this
+    process, the repository's code) trains on the samples computed from the generating arrays."""
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+    from bagpipe.core import checkpoint
+    from bagpipe.core.model import ModelConfig
+    from bagpipe.core.optim import OptimizerConfig
+
+    from tests.integration.test_equivalence import assert_same_model
+    from tests.integration.test_schema import CATEGORICAL, DENSE, make_data, reference_batches, schema
+    from tests.reference import train_reference
+
+    batch, iterations = 32, 10
+    columns = make_data(batch * iterations)
+    data, schema_file = tmp_path / "clicks.parquet", tmp_path / "schema.yaml"
+    pq.write_table(pa.table(columns), data, row_group_size=100)
+    schema_file.write_text(json.dumps(schema("parquet")))
+    paths = {"initial": tmp_path / "m-initial.pt", "final": tmp_path / "m-final.pt"}
+    argv = [
+        str(fresh.venv / "bin" / "bagpipe"),
+        "run",
+        "--data",
+        f"parquet:{data}",
+        "--schema",
+        str(schema_file),
+    ]
+    argv += ["--iterations", "0", "--batch-size", str(batch), "--embedding-dim", "8", "--bottom-mlp", "16,8"]
+    argv += ["--top-mlp", "16,1", "--optimizer", "adagrad", "--lr", "0.05", "--lookahead", "4", "--quiet"]
+    argv += ["--no-report", "--run-dir", str(tmp_path / "run"), "--save-initial", str(paths["initial"])]
+    argv += ["--save-final", str(paths["final"])]
+    job = _run(argv, 240, cwd=fresh.work, env=fresh.env)
+    assert job.returncode == 0, job.stdout[-3000:] + job.stderr[-3000:]
+    model = ModelConfig(
+        num_dense=DENSE, num_tables=len(CATEGORICAL), embedding_dim=8, bottom_mlp=(16, 8), top_mlp=(16, 1)
+    )
+    initial = checkpoint.load(paths["initial"])
+    expected = train_reference(
+        initial, reference_batches(columns, batch), model, OptimizerConfig("adagrad", 0.05)
+    )
+    assert_same_model(paths["final"], expected)

@@ -91,10 +91,14 @@ command: ["bagpipe", {{ .service | default .component | quote }}]
 {{- if mod (int64 $t.batchSize) $trainers -}}
 {{- fail (printf "training.batchSize=%d does not split over trainer.replicaCount=%d trainers: use a multiple of %d" (int64 $t.batchSize) $trainers $trainers) -}}
 {{- end -}}
-{{- $tables := 26 -}}
-{{- if hasPrefix "avazu:" $t.data }}{{ $tables = 22 }}{{ end -}}
+{{- include "bagpipe.validateSchema" . -}}
+{{- $tables := include "bagpipe.tableCount" . | int -}}
 {{- if and $t.tableRows (ne (len $t.tableRows) $tables) -}}
+{{- if $t.schema -}}
+{{- fail (printf "training.tableRows has %d entries: training.schema has %d categorical columns (one table each)" (len $t.tableRows) $tables) -}}
+{{- else -}}
 {{- fail (printf "training.tableRows has %d entries: %s data has %d tables" (len $t.tableRows) (splitList ":" $t.data | first) $tables) -}}
+{{- end -}}
 {{- end -}}
 {{- if eq $t.model "dlrm" -}}
 {{- $bottom := last $t.bottomMlp | int64 -}}
@@ -111,6 +115,10 @@ command: ["bagpipe", {{ .service | default .component | quote }}]
 {{- if and (ne $t.data "synthetic") (not $t.dataVolume.claimName) -}}
 {{- fail (printf "training.data=%s reads files: set training.dataVolume.claimName (mounted at /data)" $t.data) -}}
 {{- end -}}
+{{- $evalKind := splitList ":" $t.eval.data | first -}}
+{{- if and $t.eval.data (ne $t.eval.data "synthetic") (ne $evalKind (splitList ":" $t.data | first)) -}}
+{{- fail (printf "training.eval.data=%s is not in the format of training.data=%s: held-out files are read as the training files are" $t.eval.data $t.data) -}}
+{{- end -}}
 {{- if and $t.eval.data (ne $t.eval.data "synthetic") (not $t.dataVolume.claimName) -}}
 {{- fail (printf "training.eval.data=%s reads a file: set training.dataVolume.claimName (mounted at /data)" $t.eval.data) -}}
 {{- end -}}
@@ -126,6 +134,103 @@ command: ["bagpipe", {{ .service | default .component | quote }}]
 {{- end -}}
 {{- if and (eq (.Values.trainer.image.variant | default "cpu") "cuda") (eq .Values.trainer.device "cpu") -}}
 {{- fail "trainer.image.variant=cuda with trainer.device=cpu: use device auto or cuda (or the cpu image)" -}}
+{{- end -}}
+{{- end -}}
+
+{{/* training.schema, the input's layout (services/bagpipe/core/schema.py): csv:, tsv: and parquet: data need
+     one, the built-in layouts (criteo:, avazu:, synthetic) take none. Checked here as far as a template can:
+     its format, one label, a table per categorical column and each table's rows (the schema's, or
+     training.tableRows); the services check the rest when they load it. */}}
+{{- define "bagpipe.validateSchema" -}}
+{{- $t := .Values.training -}}
+{{- $kind := splitList ":" $t.data | first -}}
+{{- if has $kind (list "csv" "tsv" "parquet") -}}
+{{- if not $t.schema -}}
+{{- fail (printf "training.data=%s needs training.schema: the layout of %s: files (the label, dense and categorical columns, each table's rows), which every service reads, not only the data processors that read the files" $t.data $kind) -}}
+{{- end -}}
+{{- else if $t.schema -}}
+{{- fail (printf "training.schema applies to csv:, tsv: and parquet: data, not training.data=%s (%s data has its own layout): unset one of them" $t.data $kind) -}}
+{{- end -}}
+{{- with $t.schema -}}
+{{- if not .columns -}}
+{{- fail "training.schema has no columns: give its columns (each a name and a role), or {} for no schema" -}}
+{{- end -}}
+{{- if and .format (ne .format $kind) -}}
+{{- fail (printf "training.schema.format is %s but training.data=%s is %s: data" .format $t.data $kind) -}}
+{{- end -}}
+{{- $labels := list -}}
+{{- $seen := dict -}}
+{{- $noRows := list -}}
+{{- range .columns -}}
+{{- if hasKey $seen .name -}}
+{{- fail (printf "training.schema: column %s is named twice" .name) -}}
+{{- end -}}
+{{- $_ := set $seen .name true -}}
+{{- if eq .role "label" }}{{ $labels = append $labels .name }}{{ end -}}
+{{- if and (eq .role "categorical") (not .rows) }}{{ $noRows = append $noRows .name }}{{ end -}}
+{{- end -}}
+{{- if ne (len $labels) 1 -}}
+{{- fail (printf "training.schema needs exactly one column with role label (the click, 0 or 1), got %s" (ternary (join ", " $labels) "none" (gt (len $labels) 0))) -}}
+{{- end -}}
+{{- if eq (include "bagpipe.tableCount" $) "0" -}}
+{{- fail "training.schema needs at least one column with role categorical (one embedding table each)" -}}
+{{- end -}}
+{{- if and $noRows (not $t.tableRows) -}}
+{{- fail (printf "training.schema gives no rows for categorical column(s) %s: give each its rows there, or set training.tableRows (one entry per categorical column, in order)" (join ", " $noRows)) -}}
+{{- end -}}
+{{- end -}}
+{{- end -}}
+
+{{/* The number of embedding tables: training.schema's categorical columns, else the built-in layout's (22 for
+     avazu:, 26 for criteo: and synthetic data) */}}
+{{- define "bagpipe.tableCount" -}}
+{{- $t := .Values.training -}}
+{{- if $t.schema -}}
+{{- $n := 0 -}}
+{{- range $t.schema.columns }}{{ if eq .role "categorical" }}{{ $n = add1 $n }}{{ end }}{{ end -}}
+{{- $n -}}
+{{- else if hasPrefix "avazu:" $t.data -}}
+22
+{{- else -}}
+26
+{{- end -}}
+{{- end -}}
+
+{{/* training.schema as the services read it: the ConfigMap's schema.json, mounted read-only in the data
+     processors, the oracle, the embedding servers and the trainers */}}
+{{- define "bagpipe.schemaName" -}}
+{{- printf "%s-schema" (include "bagpipe.fullname" .) -}}
+{{- end -}}
+
+{{- define "bagpipe.schemaMountPath" -}}/etc/bagpipe/schema{{- end -}}
+
+{{- define "bagpipe.schemaJson" -}}
+{{- toPrettyJson .Values.training.schema -}}
+{{- end -}}
+
+{{- define "bagpipe.schemaVolumeMount" -}}
+- name: schema
+  mountPath: {{ include "bagpipe.schemaMountPath" . }}
+  readOnly: true
+{{- end -}}
+
+{{- define "bagpipe.schemaVolume" -}}
+- name: schema
+  configMap:
+    name: {{ include "bagpipe.schemaName" . }}
+{{- end -}}
+
+{{/* A component's pod annotations: its podAnnotations and, with training.schema, the schema's checksum, so a
+     changed schema rolls the pods that read it (files mounted from a ConfigMap change, but a running
+     service read its schema at start) */}}
+{{- define "bagpipe.podAnnotations" -}}
+{{- $annotations := deepCopy (.values.podAnnotations | default dict) -}}
+{{- if .root.Values.training.schema -}}
+{{- $_ := set $annotations "checksum/schema" (include "bagpipe.schemaJson" .root | sha256sum) -}}
+{{- end -}}
+{{- with $annotations -}}
+annotations:
+  {{- toYaml . | nindent 2 }}
 {{- end -}}
 {{- end -}}
 
@@ -163,9 +268,14 @@ command: ["bagpipe", {{ .service | default .component | quote }}]
 - $(POD_IP)
 {{- end -}}
 
+{{/* The input and its tables: data processors, the oracle, embedding servers and trainers */}}
 {{- define "bagpipe.tableArgs" -}}
 - --data
 - {{ .Values.training.data | quote }}
+{{- if .Values.training.schema }}
+- --schema
+- {{ printf "%s/schema.json" (include "bagpipe.schemaMountPath" .) | quote }}
+{{- end }}
 {{- if .Values.training.tableRows }}
 - --table-rows
 - {{ include "bagpipe.intList" .Values.training.tableRows | quote }}

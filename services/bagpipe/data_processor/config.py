@@ -13,25 +13,31 @@ from bagpipe.config_args import (
     data_field,
     non_negative_int,
     positive_int,
+    schema_field,
     table_rows_field,
 )
 from bagpipe.core.data import SyntheticConfig, SyntheticSource
+from bagpipe.core.schema import TABLE_KINDS, Schema, schema_of
 from bagpipe.data_processor.files import (
     DEFAULT_SHUFFLE_BUFFER,
     AvazuConfig,
     AvazuCSVSource,
     CriteoConfig,
     CriteoTSVSource,
+    FileConfig,
     FileSource,
 )
 from bagpipe.flags import flag
+
+FILE_KINDS = ("criteo", "avazu", *TABLE_KINDS)
 
 
 @dataclass(frozen=True)
 class SourceConfig:
     """Which source to read and how.
 
-    ``data`` is 'synthetic', 'criteo:PATH[,PATH...]' or 'avazu:PATH[,PATH...]'.
+    ``data`` is 'synthetic', 'criteo:PATH[,PATH...]', 'avazu:PATH[,PATH...]', or 'csv:', 'tsv:' or
+    'parquet:PATH[,PATH...]' laid out as ``schema`` says (``core/schema.py``).
     """
 
     data: str = data_field(positional=True)
@@ -50,11 +56,17 @@ class SourceConfig:
     shuffle_buffer: int = flag(
         "samples permuted together", default=DEFAULT_SHUFFLE_BUFFER, parse=positive_int
     )
+    schema: str | None = schema_field()
 
     def __post_init__(self) -> None:
         kind, _, paths = self.data.partition(":")
-        if self.data != "synthetic" and not (kind in ("criteo", "avazu") and paths):
-            raise ValueError(f"data: expected 'synthetic', 'criteo:PATH' or 'avazu:PATH', got {self.data!r}")
+        if self.data != "synthetic" and not (kind in FILE_KINDS and paths):
+            raise ValueError(
+                "data: expected 'synthetic', 'criteo:PATH', 'avazu:PATH', 'csv:PATH', 'tsv:PATH' or "
+                f"'parquet:PATH', got {self.data!r}"
+            )
+        if self.schema is not None and kind not in TABLE_KINDS:
+            raise ValueError(f"schema: applies to csv:, tsv: and parquet: data, not {kind}")
         if self.shuffle_seed is not None and self.data == "synthetic":
             raise ValueError(
                 "shuffle_seed: synthetic samples are drawn at random already; it applies to files"
@@ -84,17 +96,23 @@ class SourceConfig:
         if self.data == "synthetic":
             return SyntheticSource(self.synthetic())
         kind, _, listed = self.data.partition(":")
-        paths = tuple(p for p in listed.split(",") if p)
-        config, source = (AvazuConfig, AvazuCSVSource) if kind == "avazu" else (CriteoConfig, CriteoTSVSource)
-        return source(
-            config(
-                paths=paths,
-                table_rows=self.table_rows,
-                skip_bad_rows=self.skip_bad_rows,
-                shuffle_seed=self.shuffle_seed,
-                shuffle_buffer=self.shuffle_buffer,
-            )
+        config = {"avazu": AvazuConfig, "criteo": CriteoConfig}.get(kind, FileConfig)
+        files = config(
+            paths=tuple(p for p in listed.split(",") if p),
+            table_rows=self.table_rows,
+            skip_bad_rows=self.skip_bad_rows,
+            shuffle_seed=self.shuffle_seed,
+            shuffle_buffer=self.shuffle_buffer,
         )
+        if kind in TABLE_KINDS:
+            from bagpipe.data_processor.tables import TableSource  # (pyarrow: only where such data is read)
+
+            return TableSource(files, self.layout(), kind)
+        return AvazuCSVSource(files) if kind == "avazu" else CriteoTSVSource(files)  # (their own parsers)
+
+    def layout(self) -> Schema:
+        """The data's schema, with its tables' sizes (``table_rows``)."""
+        return schema_of(self.data, self.schema).with_table_rows(self.table_rows)
 
 
 @dataclass(frozen=True)

@@ -39,6 +39,7 @@ import logging
 import re
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
+from typing import ClassVar
 
 import numpy as np
 
@@ -106,14 +107,14 @@ class FileConfig:
     shuffle_seed: int | None = None
     shuffle_buffer: int = DEFAULT_SHUFFLE_BUFFER
 
-    num_tables = CRITEO_NUM_TABLES
+    num_tables: ClassVar[int | None] = None  # (the format's tables, where it has a fixed number)
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "paths", tuple(str(p) for p in self.paths))
         object.__setattr__(self, "table_rows", tuple(int(rows) for rows in self.table_rows))
         if not self.paths:
             raise ValueError("paths: must name at least one file")
-        if len(self.table_rows) != self.num_tables:
+        if self.num_tables is not None and len(self.table_rows) != self.num_tables:
             raise ValueError(f"table_rows: must have {self.num_tables} values, got {len(self.table_rows)}")
         if min(self.table_rows) < 1:
             raise ValueError(f"table_rows: every table needs >= 1 row, got {list(self.table_rows)}")
@@ -125,6 +126,8 @@ class FileConfig:
 
 class CriteoConfig(FileConfig):
     """Criteo TSV files (26 tables)."""
+
+    num_tables = CRITEO_NUM_TABLES
 
 
 class AvazuConfig(FileConfig):

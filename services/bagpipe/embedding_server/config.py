@@ -18,10 +18,11 @@ from bagpipe.config_args import (
     positive_float,
     positive_int,
     resume_batch_field,
+    schema_field,
     seed_field,
     table_rows_field,
 )
-from bagpipe.core.model_config import LINEAR_MODELS, row_width
+from bagpipe.core.model_config import first_order, is_builtin, model_class, row_width
 from bagpipe.core.optim_config import OptimizerConfig
 from bagpipe.cpu_priority import PRIORITIES
 from bagpipe.embedding_server.client import MAX_ROWS_PER_RPC
@@ -81,17 +82,21 @@ class EmbeddingServerConfig:
         default="normal",
         choices=PRIORITIES,
     )
+    schema: str | None = schema_field()  # (the data's layout: how many tables)
 
     @property
     def linear(self) -> bool:
-        """Rows carry the model's first-order weight after the embedding."""
-        return self.model in LINEAR_MODELS
+        """Rows carry the model's first-order weight after the embedding (a model class of the user's says
+        so by ``first_order``: it is imported to read it)."""
+        return first_order(self.model)
 
     @property
     def row_width(self) -> int:
         return row_width(self.model, self.embedding_dim)
 
     def __post_init__(self) -> None:
+        if not is_builtin(self.model):
+            model_class(self.model)  # (ValueError "model: ...": the server needs its row width)
         if self.shard < 0:
             raise ValueError(f"shard: must be >= 0, got {self.shard}")
         if self.initial_shards < 1:

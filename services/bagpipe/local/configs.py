@@ -75,6 +75,7 @@ def embedding_server(
         address=address,
         coordination=coordination,
         data=args.data,
+        schema=args.schema,
         checkpoint_dir=gen.checkpoint_dir,  # (a joining server too: it rebuilds from there on a roll-back)
         resume_batch=gen.start if resume and gen.checkpoint_dir else 0,
         migration_rows_per_second=args.migration_rows_per_second,
@@ -110,6 +111,7 @@ def source(args: RunConfig) -> SourceConfig:
         skip_bad_rows=args.skip_bad_rows,
         shuffle_seed=args.shuffle_seed,
         shuffle_buffer=args.shuffle_buffer,
+        schema=args.schema,
     )
 
 
@@ -134,6 +136,7 @@ def oracle(args: RunConfig, gen: GenerationSpec) -> OracleConfig:
         checkpoint_every=gen.checkpoint_every,
         eval_every=args.eval_every,
         start_batch=gen.start,
+        schema=args.schema,
     )
 
 
@@ -189,6 +192,7 @@ def trainer(
         eval_data=args.eval_data,
         eval_every=args.eval_every,
         eval_samples=args.eval_samples,
+        schema=args.schema,
     )
 
 

@@ -37,6 +37,7 @@ from bagpipe.config_args import (
     table_rows_field,
 )
 from bagpipe.controller.config import ControllerConfig
+from bagpipe.core.model_config import is_builtin
 from bagpipe.core.optim_config import OptimizerConfig
 from bagpipe.cpu_priority import PRIORITIES
 from bagpipe.data_processor.config import SourceConfig
@@ -69,6 +70,7 @@ class RunConfig:
     skip_bad_rows: bool = like(SourceConfig, "skip_bad_rows")
     shuffle_seed: int | None = like(SourceConfig, "shuffle_seed")
     shuffle_buffer: int = like(SourceConfig, "shuffle_buffer")
+    schema: str | None = like(SourceConfig, "schema")
     # model and optimizer
     model: str = like(_Model, "model")
     embedding_dim: int = like(_Model, "embedding_dim")
@@ -191,7 +193,7 @@ class RunConfig:
     GROUPS = {
         "data and input checking": (
             "data", "scale", "table_rows", "zipf_alpha", "hot_fraction", "hot_share", "skip_bad_rows",
-            "shuffle_seed", "shuffle_buffer",
+            "shuffle_seed", "shuffle_buffer", "schema",
         ),
         "model and optimizer": (
             "model", "embedding_dim", "bottom_mlp", "top_mlp", "deep_mlp", "cross_layers", "optimizer", "lr",
@@ -224,7 +226,8 @@ class RunConfig:
         flags.check(self)  # each value as its flag would read it (types, ranges, choices)
         if self.data == "synthetic" and self.iterations == 0:
             raise ValueError("iterations: synthetic data is endless; give a number of iterations")
-        if self.model != "dlrm" and (self.bottom_mlp or self.top_mlp):
+        # (a model class of the user's takes none of the sizes: model_config_of says so)
+        if is_builtin(self.model) and self.model != "dlrm" and (self.bottom_mlp or self.top_mlp):
             field = "bottom_mlp" if self.bottom_mlp else "top_mlp"
             raise ValueError(f"{field}: belongs to --model dlrm; {self.model} takes --deep-mlp")
         if self.model == "dlrm" and self.deep_mlp:

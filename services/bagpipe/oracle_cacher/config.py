@@ -19,6 +19,7 @@ from bagpipe.config_args import (
     non_negative_int,
     resolve_latest,
     reuse_delay_field,
+    schema_field,
     table_rows_field,
 )
 from bagpipe.core.plans import MAX_TRAINERS
@@ -68,6 +69,7 @@ class OracleConfig:
         adds=_add_checkpoint_dir,
         text_default=0,
     )
+    schema: str | None = schema_field()  # (the data's layout: how many tables)
 
     @property
     def window(self) -> int:

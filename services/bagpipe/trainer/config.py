@@ -23,6 +23,7 @@ from bagpipe.config_args import (
     model_config_of,
     positive_int,
     resume_batch_field,
+    schema_field,
     seed_field,
     table_rows_field,
     table_rows_of,
@@ -30,6 +31,7 @@ from bagpipe.config_args import (
 )
 from bagpipe.core.model_config import ModelConfig
 from bagpipe.core.optim_config import OptimizerConfig
+from bagpipe.core.schema import TABLE_KINDS
 from bagpipe.flags import flag
 
 DEFAULT_COLLECTIVE_TIMEOUT_S = 120.0
@@ -102,6 +104,7 @@ class TrainerConfig:
     eval_data: str | None = eval_data_field()
     eval_every: int = eval_every_field()
     eval_samples: int = eval_samples_field()
+    schema: str | None = schema_field()
     exit_when_done: bool = flag(
         "exit after training instead of serving /metrics until SIGTERM", default=False
     )
@@ -135,9 +138,10 @@ class TrainerConfig:
             if self.eval_data == "synthetic":
                 if self.data != "synthetic":
                     raise ValueError("eval_data: synthetic held-out samples need --data synthetic")
-            elif eval_kind not in ("criteo", "avazu") or not paths:
+            elif eval_kind not in ("criteo", "avazu", *TABLE_KINDS) or not paths:
                 raise ValueError(
-                    f"eval_data: expected 'synthetic', 'criteo:PATH' or 'avazu:PATH', got {self.eval_data!r}"
+                    f"eval_data: expected 'synthetic' or a file source like --data's (KIND:PATH), got "
+                    f"{self.eval_data!r}"
                 )
             elif eval_kind != kind:
                 raise ValueError(f"eval_data: {eval_kind}: data is not in the format of --data {kind}")

@@ -64,12 +64,21 @@ def append_eval(path: Path, result: EvalResult) -> None:
         writer.writerow(result.as_dict())
 
 
-def load_held_out(data: str, table_rows: tuple[int, ...], seed: int, limit: int, batch_size: int) -> Samples:
+def load_held_out(
+    data: str,
+    table_rows: tuple[int, ...],
+    seed: int,
+    limit: int,
+    batch_size: int,
+    schema: str | None = None,
+) -> Samples:
     """All held-out samples of ``data`` (at most ``limit``; 0: the whole file, or
-    DEFAULT_SYNTHETIC_SAMPLES for synthetic data)."""
+    DEFAULT_SYNTHETIC_SAMPLES for synthetic data), laid out as the training data (``schema``)."""
+    from bagpipe.core.schema import TABLE_KINDS
     from bagpipe.data_processor.config import SourceConfig
 
-    source = SourceConfig(data=data, table_rows=table_rows, seed=seed).open()
+    layout = schema if data.partition(":")[0] in TABLE_KINDS else None
+    source = SourceConfig(data=data, table_rows=table_rows, seed=seed, schema=layout).open()
     parts: list[Samples] = []
     if data == "synthetic":
         want = limit or DEFAULT_SYNTHETIC_SAMPLES

@@ -1,0 +1,1 @@
+"""The input layouts shipped with bagpipe (``core/schema.py``): Criteo's and Avazu's."""
