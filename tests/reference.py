@@ -1,10 +1,12 @@
 """Plain single-process synchronous training: the result every Bagpipe run must reproduce.
 
-Full embedding tables as ``nn.Embedding(sparse=True)`` (and, for W&D and DeepFM, one
-``nn.Embedding(rows, 1, sparse=True)`` per table for the first-order weights), the whole global batch in
-one step, mean loss, and the stock ``torch.optim`` optimizers (``SparseAdam`` for the tables under Adam)
-— deliberately none of Bagpipe's cache, planner, row layout or row optimizer, so that agreement between
-the two is evidence and not an echo.
+Full embedding tables as ``nn.Embedding(sparse=True)`` (and, for the models with first-order weights —
+W&D, DeepFM, a model class with ``first_order = True`` — one ``nn.Embedding(rows, 1, sparse=True)`` per
+table for them), the whole global batch in one step, mean loss, and the stock ``torch.optim`` optimizers
+(``SparseAdam`` for the tables under Adam) — deliberately none of Bagpipe's cache, planner, row layout or
+row optimizer, so that agreement between the two is evidence and not an echo. The model is called as its
+interface says (core/model.py): ``model(dense, embedded)``, or ``model(dense, embedded, first_order)``
+with the first-order weights from their own tables.
 """
 
 from __future__ import annotations
@@ -50,11 +52,12 @@ def train_reference(
         dense = torch.from_numpy(batch.dense)
         labels = torch.from_numpy(batch.labels)
         sparse = torch.from_numpy(batch.sparse)
-        per_table = [
-            torch.cat([tables[section][str(t)](sparse[:, t]) for section in sections], dim=1)
-            for t in range(model_config.num_tables)
-        ]
-        loss = batch_loss(model(dense, torch.stack(per_table, dim=1)), labels, len(labels))
+        looked_up = [
+            torch.stack([table(sparse[:, int(t)]) for t, table in tables[section].items()], dim=1)
+            for section in sections
+        ]  # [b, tables, dim], and [b, tables, 1] for the first-order weights
+        inputs = [looked_up[0]] + [first.squeeze(2) for first in looked_up[1:]]
+        loss = batch_loss(model(dense, *inputs), labels, len(labels))
         dense_opt.zero_grad()
         emb_opt.zero_grad()
         loss.backward()

@@ -22,6 +22,7 @@ from bagpipe.trainer import config as trainer
 from bagpipe.trainer.config import TrainerConfig
 
 ROWS = tuple(range(3, 29))
+MODEL_CLASS = "tests.unit.core.test_model_class"  # (its model classes)
 WHERE = Coordination("redis://10.0.0.2:7000/3", "job-7", "DEBUG", "10.1.2.3", "0.0.0.0:9100")
 
 
@@ -184,6 +185,7 @@ def test_data_processor_round_trip() -> None:
             "--hot-share",
             "0.8",
         ],
+        ["--model", f"{MODEL_CLASS}:FineFirstOrder", "--embedding-dim", "8", "--optimizer", "adagrad"],
     ],
 )
 def test_bagpipe_run_starts_each_service_with_the_config_it_built(flags: list[str], tmp_path: Path) -> None:
@@ -216,6 +218,21 @@ def test_bagpipe_run_starts_each_service_with_the_config_it_built(flags: list[st
     # a joining server has the checkpoints too: a roll-back may rebuild its shard from them
     assert netns.coordination.redis_url == "redis://10.9.0.1:6399/0"
     assert netns.checkpoint_dir == spec.checkpoint_dir and netns.resume_batch == 0
+
+
+@pytest.mark.parametrize(("name", "width"), [("Fine", 8), ("FineFirstOrder", 9)])
+def test_a_model_class_reaches_every_process_with_its_row_width(
+    name: str, width: int, tmp_path: Path
+) -> None:
+    """``--model MODULE:CLASS``: the servers store rows as wide as its ``first_order`` says, the trainers
+    build it; both read it back from their command lines."""
+    args = cli.parse_run(["--model", f"{MODEL_CLASS}:{name}", "--embedding-dim", "8"])
+    spec = configs.GenerationSpec("redis://127.0.0.1:6399/0", "job-x", 0, 0, tmp_path / "ck", tmp_path)
+    server = embedding_server.parse(embedding_server.argv(configs.embedding_server(args, spec, 0, False)))
+    trained = trainer.parse(trainer.argv(configs.trainer(args, spec, 0, "tcp://127.0.0.1:29999")))
+    assert server.model == trained.model.name == f"{MODEL_CLASS}:{name}"
+    assert server.row_width == trained.model.row_width == width
+    assert server.linear == trained.model.linear == (width == 9)
 
 
 def test_a_bad_value_names_its_flag(capsys: pytest.CaptureFixture[str]) -> None:

@@ -2,13 +2,19 @@
 
 The embedding tables do not live in the modules: the trainer gathers the rows of a batch from its cache
 (the single-process reference from full tables), so the same module serves both and the dense parameters
-are all a trainer owns. ``forward(dense, rows)`` takes the batch's dense features [b, num_dense] (already
-log(1+x)) and its rows [b, num_tables, row_width] and returns one logit per sample.
+are all a trainer owns. Every model, built-in or the user's own (``--model MODULE:CLASS``), is a
+``torch.nn.Module`` with one interface:
 
-A row is the category's ``embedding_dim`` vector; for Wide&Deep and DeepFM it has one more column, the
-category's first-order weight (W&D's wide part, DeepFM's linear term), so that a category's parameters
-and optimizer state travel as one row. The interchange checkpoint keeps that column apart, under
-``"linear"`` (see core/checkpoint.py).
+* ``forward(dense, embedded)``: the batch's dense features [b, num_dense] (float32, already log(1+x)) and
+  one embedding per table [b, num_tables, embedding_dim] give one logit per sample [b];
+* with the class attribute ``first_order = True``, ``forward(dense, embedded, first_order)``: also each
+  category's first-order weight [b, num_tables] (W&D's wide part, DeepFM's linear term).
+
+A stored row is the category's ``embedding_dim`` vector, then its first-order weight for the models that
+have one, so that a category's parameters and optimizer state travel as one row; ``row_logits`` hands a
+model its rows so split. The interchange checkpoint keeps that column apart, under ``"linear"`` (see
+core/checkpoint.py). A model class of the user's is built as ``Class(num_dense=..., num_tables=...,
+embedding_dim=...)`` with torch's random generator seeded by ``seed`` (``build_model``).
 
 * ``dlrm`` — facebookresearch/dlrm: bottom MLP on the dense features (ReLU after every layer), dot
   products of every pair of [bottom output, embeddings] (strictly lower triangle) concatenated with the
@@ -49,6 +55,8 @@ from bagpipe.core.model_config import (  # noqa: F401
     LINEAR_MODELS,
     MODELS,
     ModelConfig,
+    is_builtin,
+    model_class,
 )
 
 logger = logging.getLogger(__name__)
@@ -74,6 +82,8 @@ def _relu_all(layers: nn.ModuleList, x: torch.Tensor) -> torch.Tensor:
 class _Model(nn.Module):
     """Shared initialisation: every Linear in registration order, then the cross layers."""
 
+    first_order = False  # (see the module's docstring)
+
     def __init__(self, config: ModelConfig) -> None:
         super().__init__()
         self.config = config
@@ -90,12 +100,6 @@ class _Model(nn.Module):
                     size = module.weight.numel()
                     module.weight.normal_(0.0, (2.0 / (size + 1)) ** 0.5, generator=gen)
                     module.bias.zero_()
-
-    def _split(self, rows: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor | None]:
-        dim = self.config.embedding_dim
-        if self.config.linear:
-            return rows[..., :dim], rows[..., dim]
-        return rows, None
 
 
 class _PairDots(torch.autograd.Function):
@@ -244,12 +248,29 @@ class _BatchRows(torch.autograd.Function):
 def batch_logits(
     model: nn.Module, dense: torch.Tensor, rows: torch.Tensor, inverse: torch.Tensor
 ) -> torch.Tensor:
-    """``model(dense, batch_rows(rows, inverse))``: a batch's logits from its unique rows [u, w] and
-    ``inverse`` [b, t] (positions in ``rows``), differentiable in ``rows``. DLRM reads the rows by index in
-    its interaction instead of gathering them first (``DLRM.forward_unique``): the same bits."""
+    """``row_logits(model, dense, batch_rows(rows, inverse))``: a batch's logits from its unique rows
+    [u, w] and ``inverse`` [b, t] (positions in ``rows``), differentiable in ``rows``. DLRM reads the rows
+    by index in its interaction instead of gathering them first (``DLRM.forward_unique``): the same
+    bits."""
     if isinstance(model, DLRM):
         return model.forward_unique(dense, rows, inverse)
-    return model(dense, batch_rows(rows, inverse))  # type: ignore[no-any-return]
+    return row_logits(model, dense, batch_rows(rows, inverse))
+
+
+def row_logits(model: nn.Module, dense: torch.Tensor, rows: torch.Tensor) -> torch.Tensor:
+    """``model``'s logits [b] from the batch's rows as stored [b, t, w]: ``model(dense, embedded)``, or
+    with ``first_order``, ``model(dense, embedded, first_order)`` (the rows' last column apart)."""
+    if getattr(model, "first_order", False):
+        logits = model(dense, rows[..., :-1], rows[..., -1])
+    else:
+        logits = model(dense, rows)
+    if not isinstance(logits, torch.Tensor) or logits.shape != dense.shape[:1]:
+        got = list(logits.shape) if isinstance(logits, torch.Tensor) else type(logits).__name__
+        raise ValueError(
+            f"model: {type(model).__qualname__}.forward returned {got}, expected one logit per sample "
+            f"[{dense.shape[0]}]"
+        )
+    return logits
 
 
 def batch_rows(rows: torch.Tensor, inverse: torch.Tensor) -> torch.Tensor:
@@ -295,41 +316,40 @@ class DLRM(_Model):
 
 
 class _LinearAndDeep(_Model):
-    """A first-order part (a Linear on the dense features, named ``first_order``, plus the categories'
+    """A first-order part (a Linear on the dense features, named ``linear_name``, plus the categories'
     first-order weights) beside a deep tower on [dense, embeddings flattened]: W&D and DeepFM."""
 
-    first_order = "wide"
+    first_order = True
+    linear_name = "wide"
 
     def __init__(self, config: ModelConfig, seed: int = 0) -> None:
         super().__init__(config)
-        self.add_module(self.first_order, nn.Linear(config.num_dense, 1))
+        self.add_module(self.linear_name, nn.Linear(config.num_dense, 1))
         self.deep_mlp = _mlp(config.flat_size, config.deep_mlp)
         self.deep_out = nn.Linear(config.deep_mlp[-1], 1)
         self.reset_parameters(seed)
 
-    def _parts(self, dense: torch.Tensor, rows: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """The embeddings [b, tables, dim] and the logit of the first-order part plus the deep tower."""
-        embedded, weights = self._split(rows)
-        assert weights is not None
+    def _logit(self, dense: torch.Tensor, embedded: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
+        """The logit of the first-order part plus the deep tower."""
         deep = _relu_all(self.deep_mlp, torch.cat([dense, embedded.flatten(1)], dim=1))
-        linear = getattr(self, self.first_order)
-        return embedded, (linear(dense) + self.deep_out(deep)).squeeze(1) + weights.sum(1)
+        linear = getattr(self, self.linear_name)
+        return (linear(dense) + self.deep_out(deep)).squeeze(1) + weights.sum(1)
 
 
 class WideAndDeep(_LinearAndDeep):
     """Wide (linear on dense features + first-order weights) plus deep (MLP on dense + embeddings)."""
 
-    def forward(self, dense: torch.Tensor, rows: torch.Tensor) -> torch.Tensor:
-        return self._parts(dense, rows)[1]
+    def forward(self, dense: torch.Tensor, embedded: torch.Tensor, first_order: torch.Tensor) -> torch.Tensor:
+        return self._logit(dense, embedded, first_order)
 
 
 class DeepFM(_LinearAndDeep):
     """First order (linear on dense features + first-order weights), FM second order, deep MLP."""
 
-    first_order = "linear"
+    linear_name = "linear"
 
-    def forward(self, dense: torch.Tensor, rows: torch.Tensor) -> torch.Tensor:
-        embedded, logit = self._parts(dense, rows)
+    def forward(self, dense: torch.Tensor, embedded: torch.Tensor, first_order: torch.Tensor) -> torch.Tensor:
+        logit = self._logit(dense, embedded, first_order)
         return logit + 0.5 * (embedded.sum(1).pow(2) - embedded.pow(2).sum(1)).sum(1)
 
 
@@ -364,15 +384,29 @@ class DeepCross(_Model):
         return self.combine(torch.cat([x, deep], dim=1)).squeeze(1)
 
 
+# the built-in models by name
+BUILTIN: dict[str, type[_Model]] = {"dlrm": DLRM, "wdl": WideAndDeep, "deepfm": DeepFM, "dcn": DeepCross}
+
+
 def build_model(config: ModelConfig, seed: int = 0) -> nn.Module:
-    """The model ``config.name`` names, initialised from ``seed``."""
-    kinds: dict[str, Callable[[ModelConfig, int], nn.Module]] = {
-        "dlrm": DLRM,
-        "wdl": WideAndDeep,
-        "deepfm": DeepFM,
-        "dcn": DeepCross,
-    }
-    return kinds[config.name](config, seed)
+    """The model ``config.name`` names, initialised from ``seed``: a built-in from its sizes, a model class
+    of the user's as ``Class(num_dense=..., num_tables=..., embedding_dim=...)`` with torch's random
+    generator seeded by ``seed`` (and left as it was), so that every trainer builds the same one."""
+    if is_builtin(config.name):
+        builtin: Callable[[ModelConfig, int], nn.Module] = BUILTIN[config.name]
+        return builtin(config, seed)
+    cls = model_class(config.name)
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(seed)
+        model = cls(
+            num_dense=config.num_dense, num_tables=config.num_tables, embedding_dim=config.embedding_dim
+        )
+    # (the trainers all-reduce every parameter's gradient, and torch's optimizers refuse none)
+    frozen = [name for name, p in model.named_parameters() if not p.requires_grad]
+    if frozen or not list(model.parameters()):
+        why = f"frozen parameters {', '.join(frozen)}" if frozen else "no parameters"
+        raise ValueError(f"model: {config.name}: has {why}; Bagpipe trains every dense parameter")
+    return model
 
 
 def batch_loss(logits: torch.Tensor, labels: torch.Tensor, global_batch_size: int) -> torch.Tensor:

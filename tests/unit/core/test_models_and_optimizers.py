@@ -22,6 +22,7 @@ from bagpipe.core.model import (
     batch_rows,
     build_model,
     pair_dots,
+    row_logits,
 )
 from bagpipe.core.optim import (
     OPTIMIZERS,
@@ -83,8 +84,8 @@ def test_a_samples_interaction_does_not_depend_on_the_batch_around_it() -> None:
 @pytest.mark.parametrize("name", MODELS)
 def test_a_batch_from_its_unique_rows_gives_the_bits_of_its_gathered_rows(name: str) -> None:
     """``batch_logits`` (DLRM's interaction reading the unique rows by index, the other models gathering
-    first) against ``model(dense, batch_rows(rows, inverse))``: the same logits, and the same gradients
-    for the unique rows and every dense parameter."""
+    first) against ``row_logits(model, dense, batch_rows(rows, inverse))``: the same logits, and the same
+    gradients for the unique rows and every dense parameter."""
     model_config = config(name)
     model = build_model(model_config, seed=3)
     gen = torch.Generator().manual_seed(4)
@@ -93,7 +94,7 @@ def test_a_batch_from_its_unique_rows_gives_the_bits_of_its_gathered_rows(name: 
     dense = torch.rand(BATCH, 13, generator=gen)
     outcomes = []
     for logits_of in (
-        lambda rows: model(dense, batch_rows(rows, inverse)),
+        lambda rows: row_logits(model, dense, batch_rows(rows, inverse)),
         lambda rows: batch_logits(model, dense, rows, inverse),
     ):
         rows = unique.clone().requires_grad_()
@@ -128,7 +129,7 @@ def test_row_layout_and_row_optimizer_equal_stock_pytorch(name: str, optimizer: 
         keys = torch.from_numpy(b.sparse + np.arange(TABLES) * ROWS)
         unique, inverse = torch.unique(keys, return_inverse=True)
         rows = weights[unique].clone().requires_grad_()
-        logits = model(torch.from_numpy(b.dense), batch_rows(rows, inverse))
+        logits = row_logits(model, torch.from_numpy(b.dense), batch_rows(rows, inverse))
         loss = batch_loss(logits, torch.from_numpy(b.labels), BATCH)
         dense_opt.zero_grad()
         loss.backward()
