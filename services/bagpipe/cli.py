@@ -61,6 +61,15 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--output", default=None, help="also write the JSON here")
     add_cache_args(s)
     s.set_defaults(lookahead=200, scale=1.0)  # the Kaggle cardinalities, as in paper §3.3
+
+    e = sub.add_parser(
+        "export",
+        help="write a trained model (an interchange checkpoint) in another framework's format: the state "
+        "dict of TorchRec's DLRM, and OUT.json, the sizes to build it with (docs/models.md)",
+    )
+    e.add_argument("--to", required=True, choices=["torchrec"], help="the format (torchrec: its DLRM)")
+    e.add_argument("checkpoint", metavar="CHECKPOINT", help="an interchange checkpoint (--save-final)")
+    e.add_argument("out", metavar="OUT", help="the state dict goes here, its build description to OUT.json")
     return p
 
 
@@ -193,6 +202,14 @@ def main(argv: list[str] | None = None) -> None:
         if args.iterations < 1:
             raise SystemExit(f"--iterations: must be >= 1, got {args.iterations}")
         plan_stats_main(args)
+    elif args.command == "export":
+        from bagpipe.export import export
+
+        try:
+            print(export(args.checkpoint, args.out, args.to))
+        except (OSError, ValueError) as e:
+            print(f"bagpipe export: {e}", file=sys.stderr)
+            raise SystemExit(1) from None
 
 
 if __name__ == "__main__":

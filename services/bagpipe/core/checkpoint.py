@@ -14,15 +14,22 @@ table loads into ``nn.Embedding`` and its state into the stock optimizer's ``sta
 Servers and caches keep a category's embedding vector and first-order weight as one row
 (core/model.py); ``table_rows``/``table_state`` join the two sections into that row, ``put_table``
 splits it again.
+
+``--init-from`` reads its file through ``load_init`` (trainers and embedding servers alike), which also
+takes the state dict of TorchRec's DLRM (core/interop.py).
 """
 
 from __future__ import annotations
 
 import os
+from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
 import torch
+
+from bagpipe.core import interop
+from bagpipe.core.model_config import ModelConfig
 
 
 def save(path: str | os.PathLike[str], checkpoint: dict[str, Any]) -> None:
@@ -44,11 +51,34 @@ def load_plain(path: str | os.PathLike[str]) -> dict[str, Any]:
 
 def load(path: str | os.PathLike[str]) -> dict[str, Any]:
     """Loads and checks the top-level layout; names the missing part on error."""
-    ckpt = load_plain(path)
+    return _interchange(path, load_plain(path))
+
+
+def _interchange(path: str | os.PathLike[str], ckpt: dict[str, Any]) -> dict[str, Any]:
     for key in ("dense", "embeddings"):
         if not isinstance(ckpt.get(key), dict):
             raise ValueError(f"{path}: interchange checkpoint has no '{key}' dictionary")
     return ckpt
+
+
+def load_init(
+    path: str | os.PathLike[str],
+    model: str,
+    embedding_dim: int,
+    table_rows: Sequence[int],
+    dense: ModelConfig | None = None,
+) -> dict[str, Any]:
+    """``--init-from``'s file as an interchange checkpoint, for a run of ``model`` with these tables: an
+    interchange checkpoint as ``load`` reads it (its tensors are checked where they are loaded), or a
+    TorchRec DLRM state dict (recognised by its keys) mapped to one by ``interop.from_torchrec``. That has
+    no optimizer state, so the run's optimizer starts afresh, and its sizes are checked here against the
+    run's (with ``dense``, the trainer's model, the dense sizes too): ValueError names each that differs."""
+    ckpt = load_plain(path)
+    if not interop.is_torchrec_dlrm(ckpt):
+        return _interchange(path, ckpt)
+    converted = interop.from_torchrec(ckpt)
+    interop.check_fits(converted["meta"], model, embedding_dim, table_rows, dense)
+    return converted
 
 
 def max_abs_difference(a: dict[str, Any], b: dict[str, Any]) -> dict[str, float]:

@@ -30,8 +30,8 @@ def build_store(cfg: EmbeddingServerConfig, shard_map: ShardMap, batch: int) -> 
     if cfg.init_from:
         from bagpipe.core import checkpoint  # (loads torch, which the server needs for nothing else)
 
-        ckpt = checkpoint.load(cfg.init_from)
-        try:
+        try:  # (an interchange checkpoint, or TorchRec DLRM's state dict)
+            ckpt = checkpoint.load_init(cfg.init_from, cfg.model, cfg.embedding_dim, cfg.table_rows)
             store.load_checkpoint(ckpt, cfg.optimizer.state_keys, cfg.embedding_dim, cfg.linear)
         except ValueError as e:
             raise SystemExit(f"--init-from {cfg.init_from}: {e}") from None

@@ -8,6 +8,7 @@ process's traceback seconds later, or a hang.
 from __future__ import annotations
 
 import os
+import pickle
 from pathlib import Path
 from typing import TYPE_CHECKING
 
@@ -43,6 +44,22 @@ def _paths(source: str) -> list[str]:
     return [p for p in source.partition(":")[2].split(",") if p]
 
 
+def _init_from_fits(config: RunConfig) -> None:
+    """``--init-from`` loads as the trainers and embedding servers will load it (``checkpoint.load_init``):
+    a TorchRec DLRM state dict of other sizes than the flags' is refused here, in one line, instead of by
+    every service (and every restart of it)."""
+    from bagpipe.config_args import model_config_of, table_rows_of
+    from bagpipe.core import checkpoint  # (torch: a second or two, only for a run that starts from a model)
+
+    assert config.init_from is not None
+    table_rows = table_rows_of(config)
+    model = model_config_of(config, len(table_rows))
+    try:
+        checkpoint.load_init(config.init_from, config.model, config.embedding_dim, table_rows, model)
+    except (ValueError, RuntimeError, OSError, pickle.UnpicklingError) as e:  # (torch.load's errors too)
+        raise BadFlag("--init-from", f"{config.init_from}: {e}") from None
+
+
 def check_inputs(config: RunConfig) -> None:
     """Raises BadFlag (a SystemExit with one line) for the first input of ``config`` that is missing or
     does not parse: the data files (their first chunk, as every data processor checks it), the held-out
@@ -61,6 +78,7 @@ def check_inputs(config: RunConfig) -> None:
             _readable_file("--eval-data", path)
     if config.init_from:
         _readable_file("--init-from", config.init_from)
+        _init_from_fits(config)
     if config.device == "cuda":
         import torch  # (only here: a second of every job's start-up otherwise)
 

@@ -157,8 +157,14 @@ class Trainer:
         if self.start_batch:  # resumed: the recovery checkpoint's dense model, not --init-from's
             assert self.config.checkpoint_dir is not None
             ckpt = snapshots.read_dense(self.config.checkpoint_dir, self.start_batch)
-        elif self.config.init_from:
-            ckpt = checkpoint.load(self.config.init_from)
+        elif self.config.init_from:  # (an interchange checkpoint, or TorchRec DLRM's state dict)
+            model = self.config.model
+            try:
+                ckpt = checkpoint.load_init(
+                    self.config.init_from, model.name, model.embedding_dim, self.config.table_rows, model
+                )
+            except ValueError as e:
+                raise SystemExit(f"--init-from {self.config.init_from}: {e}") from None
         else:
             return
         try:
@@ -424,7 +430,7 @@ class Trainer:
         self._connect()
         if config.eval_data:
             samples = load_held_out(
-                config.eval_data, config.table_rows, config.seed, config.eval_samples, 4096
+                config.eval_data, config.table_rows, config.seed, config.eval_samples, 4096, config.schema
             )
             self.held_out = HeldOut(samples, self.offsets, self.rank, config.world_size)
         self._background_group = None
