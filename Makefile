@@ -15,7 +15,7 @@ IMAGE_REGISTRY ?=
 # a container engine that actually answers (a docker CLI without a daemon does not count)
 ENGINE ?= $(shell for e in docker podman buildah; do command -v $$e >/dev/null && $$e info >/dev/null 2>&1 && { echo $$e; break; }; done)
 
-.PHONY: help venv tools protos check-protos run test lint lint-docker bench bench-full bench-torchrec-env images push clean
+.PHONY: help venv tools protos check-protos run test lint lint-docker bench bench-medium bench-full bench-torchrec-env images push clean
 
 help:  ## list the targets
 	@grep -E '^[a-z-]+:.*## ' $(MAKEFILE_LIST) | awk -F':.*## ' '{printf "  %-14s %s\n", $$1, $$2}'
@@ -74,6 +74,10 @@ $(TORCHREC_STAMP):
 	touch $@
 
 bench-torchrec-env: $(TORCHREC_STAMP)  ## TorchRec 1.8 for CPU in bench/.venv-torchrec, the bench's outside reference (~2 min, once)
+
+bench-medium: $(STAMP)  ## the paper's DLRM at batch 4,096 and scale 0.1, one pair per link (~30 min)
+	@$(MAKE) --no-print-directory bench-torchrec-env || echo "TorchRec could not be installed: the bench runs without its reference"
+	$(PY) bench/harness.py --profile medium
 
 bench-full: $(STAMP)  ## the full profile: the paper's model and batch size (hours on 2 cores)
 	@$(MAKE) --no-print-directory bench-torchrec-env || echo "TorchRec could not be installed: the bench runs without its reference"

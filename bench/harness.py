@@ -71,6 +71,7 @@ from bagpipe.config_args import (  # noqa: E402
 from bagpipe.local.keeper import children_matching, process_cpu_seconds  # noqa: E402
 from bagpipe.local.launcher import run as run_job  # noqa: E402
 from bagpipe.local.record import run_record  # noqa: E402
+from bagpipe.local.redis_server import free_port  # noqa: E402
 from bagpipe.trainer.worker import trainer_device  # noqa: E402
 from machine_probe import describe as describe_machine  # noqa: E402
 
@@ -120,9 +121,35 @@ PROFILES: dict[str, dict[str, Any]] = {
             "target_replays": 6,
             "target_timed": 200,  # the target's point (batch 16,384, 26 tables, L=200), as the bench alone
         },
-        "rates": ["10gbit", "1gbit"],
+        # 100 Mbit/s: the paper's low-bandwidth cloud regime (its bagpipe/ideal target is 1.10)
+        "rates": ["10gbit", "1gbit", "100mbit"],
+        # TorchRec's distributed job beside bagpipe's (section torchrec): pairs per link, run in turns
+        "torchrec_pairs": 3,
         # one server with every Kaggle row (33.8 M, dim 16, Adagrad: 4.3 GB), 16 k keys per lookup
         "embedding_server": {"scale": 1.0, "keys": 16384, "concurrency": 4, "seconds": 20},
+    },
+    # the paper's DLRM (Table 2) at batch 4,096 and scale 0.1 (3.4 M rows): whether the quick profile's
+    # ratios hold when the model is bigger; one pair per link, about 30 minutes on 2 cores
+    "medium": {
+        "model": [
+            "--embedding-dim",
+            "48",
+            "--bottom-mlp",
+            "512,256,64,48",
+            "--top-mlp",
+            "1024,1024,1024,256,128,1",
+        ],
+        "batch": 4096,
+        "scale": "0.1",
+        "iterations": 100,
+        "pair_iterations": 160,
+        "repeats": 1,
+        "link_repeats": 1,
+        "no_cache_rounds": 1,
+        "optimizer": ["--optimizer", "adagrad", "--lr", "0.05"],
+        "rates": ["1gbit", "100mbit"],
+        "torchrec_pairs": 1,
+        "sections": ["systems", "network", "torchrec"],
     },
     # the paper's DLRM (Table 2) and batch; hours on 2 cores
     "full": {
@@ -635,7 +662,7 @@ def set_up_link(rate: str) -> None:
         ["ip", "link", "set", "lo", "up"],
     ):
         sh("ip", "netns", "exec", NETNS, *cmd)
-    burst = "4mb" if rate.startswith("10") else "1mb"
+    burst = {"10gbit": "4mb", "1gbit": "1mb"}.get(rate, "256kb")  # (about 3 ms of the rate, at least)
     tbf = ["root", "tbf", "rate", rate, "burst", burst, "latency", "20ms"]
     sh("tc", "qdisc", "add", "dev", HOST_IF, *tbf)
     sh("ip", "netns", "exec", NETNS, "tc", "qdisc", "add", "dev", NS_IF, *tbf)
@@ -915,7 +942,159 @@ def section_torchrec(profile: dict[str, Any], out: Path) -> dict[str, Any]:
         return {"skipped": f"torchrec_reference.py failed: {done.stderr.strip().splitlines()[-1:]}"}
     result = json.loads(done.stdout.strip().splitlines()[-1])
     log(f"torchrec compute reference: median {result['median_ms']:.1f} ms")
+    if trainer_device(profile.get("device", "auto"), 0).type == "cpu":
+        result["distributed"] = torchrec_distributed(python, profile, out)
     return result
+
+
+TORCHREC_DMP = REPO / "bench" / "torchrec_dmp.py"
+
+
+def torchrec_dmp_job(
+    python: Path,
+    profile: dict[str, Any],
+    *extra: str,
+    netns: str | None = None,
+    iterations: int | None = None,
+    timeout: float = 1200,
+) -> dict[str, Any]:
+    """One TorchRec DMP job of two gloo ranks on this machine (rank 1 inside ``netns``, behind its link,
+    when given), on the profile's data and model; rank 0's JSON, or ``{"failed": its last line}``."""
+    model = dict(zip(profile["model"][::2], profile["model"][1::2], strict=True))
+    master = f"{HOST_IP if netns else '127.0.0.1'}:{free_port()}"
+    common = [
+        str(TORCHREC_DMP),
+        "--world-size",
+        "2",
+        "--master",
+        master,
+        "--batch-size",
+        str(profile["batch"]),
+        "--scale",
+        profile["scale"],
+        "--embedding-dim",
+        model["--embedding-dim"],
+        "--bottom-mlp",
+        model["--bottom-mlp"],
+        "--top-mlp",
+        model["--top-mlp"],
+        "--iterations",
+        str(iterations or profile["iterations"]),
+        *extra,
+    ]
+    env = dict(os.environ, OMP_NUM_THREADS="1")
+    ranks = []
+    for rank in (0, 1):
+        prefix = ["ip", "netns", "exec", netns] if netns and rank == 1 else []
+        # (gloo binds the interface the peer reaches: the link's ends when rank 1 is behind it)
+        rank_env = {**env, "GLOO_SOCKET_IFNAME": (NS_IF if rank else HOST_IF)} if netns else env
+        ranks.append(
+            subprocess.Popen(
+                [*prefix, str(python), *common, "--rank", str(rank)],
+                stdout=subprocess.PIPE,
+                stderr=subprocess.PIPE,
+                text=True,
+                env=rank_env,
+            )
+        )
+    outs = []
+    for proc in ranks:
+        try:
+            outs.append(proc.communicate(timeout=timeout))
+        except subprocess.TimeoutExpired:
+            for p in ranks:
+                p.kill()
+            return {"failed": f"timed out after {timeout:.0f} s"}
+    if any(p.returncode for p in ranks):
+        errors = [e.strip().splitlines()[-1] for (_, e), p in zip(outs, ranks, strict=True) if p.returncode]
+        return {"failed": errors[0] if errors else "no output"}
+    return dict(json.loads(outs[0][0].strip().splitlines()[-1]))
+
+
+def torchrec_loss_check(python: Path, profile: dict[str, Any], out: Path) -> dict[str, Any]:
+    """Both systems from the same initial model on the same batches with SGD: Bagpipe's initial model,
+    exported to TorchRec's DLRM (``bagpipe export --to torchrec``), loaded into the sharded one; the loss
+    curves must agree to float noise."""
+    n = 40
+    init = out / "runs" / "torchrec-check-initial.pt"
+    sgd = {**profile, "optimizer": ["--optimizer", "sgd", "--lr", "0.05"]}
+    ours = job("torchrec-check-bagpipe", sgd, out, "--save-initial", str(init), iterations=n)
+    summary = json.loads((out / "runs" / "torchrec-check-bagpipe" / "summary.json").read_text())
+    exported = out / "runs" / "torchrec-check-initial-torchrec.pt"
+    from bagpipe.export import export
+
+    export(init, exported, "torchrec")
+    theirs = torchrec_dmp_job(
+        python, sgd, "--optimizer", "sgd", "--lr", "0.05", "--init", str(exported), iterations=n
+    )
+    if "failed" in theirs:
+        return {"skipped": f"torchrec_dmp.py failed: {theirs['failed']}"}
+    diffs = [abs(a - b) for a, b in zip(summary["losses"], theirs["losses"], strict=True)]
+    log(f"torchrec loss check: max |loss difference| over {n} batches {max(diffs):.2g}")
+    return {
+        "iterations": n,
+        "optimizer": "sgd 0.05",
+        "bagpipe_losses": summary["losses"],
+        "torchrec_losses": theirs["losses"],
+        "max_abs_difference": max(diffs),
+        "bagpipe_median_ms": ours["median_ms"],
+    }
+
+
+def torchrec_distributed(python: Path, profile: dict[str, Any], out: Path) -> dict[str, Any]:
+    """TorchRec's distributed training beside Bagpipe's, in turns, on loopback and with TorchRec's rank 1
+    (Bagpipe's embedding servers) behind the 1 Gbit/s link; the sharding it cannot run on CPU, with
+    TorchRec's error; and the loss curves of both from one initial model."""
+    results: dict[str, Any] = {"check": torchrec_loss_check(python, profile, out)}
+    refused = {}
+    for sharding in ("row_wise", "column_wise"):
+        tried = torchrec_dmp_job(python, profile, "--sharding", sharding, iterations=3, timeout=300)
+        refused[sharding] = tried.get("failed") or f"ran: {tried.get('sharding_types')}"
+        log(f"torchrec {sharding}: {refused[sharding]}")
+    results["other_shardings"] = refused
+    pairs = profile.get("torchrec_pairs", 3)
+    for regime in ("loopback", "1gbit"):
+        with contextlib.ExitStack() as stack:
+            ns = stack.enter_context(limited_link(regime)) if regime != "loopback" else None
+            if regime != "loopback" and ns is None:
+                results[regime] = {"skipped": "no limited link here (the log says why)"}
+                continue
+            link = ["--embedding-server-netns", ns, "--netns-addresses", f"{HOST_IP},{NS_IP}"] if ns else []
+            ours, theirs = [], []
+            for i in range(pairs):  # in turns, each first in every other pair
+                order = ("bagpipe", "torchrec") if i % 2 == 0 else ("torchrec", "bagpipe")
+                for system in order:
+                    if system == "bagpipe":
+                        ours.append(job(f"torchrec-pair-{regime}-bagpipe-{i + 1}", profile, out, *link))
+                    else:
+                        got = torchrec_dmp_job(python, profile, netns=ns)
+                        if "failed" in got:
+                            return {
+                                **results,
+                                regime: {"skipped": f"torchrec_dmp.py failed: {got['failed']}"},
+                            }
+                        log(f"torchrec {regime} {i + 1}: median {got['median_ms']:.1f} ms")
+                        theirs.append(got)
+            bagpipe = pooled(ours)
+            times = [t for j in theirs for t in j["iteration_ms"]]
+            median = statistics.median(times)
+            results[regime] = {
+                "bagpipe_median_ms": bagpipe["median_ms"],
+                "bagpipe_repeat_medians_ms": bagpipe.get("repeat_medians_ms", [bagpipe["median_ms"]]),
+                "torchrec_median_ms": median,
+                "torchrec_repeat_medians_ms": [j["median_ms"] for j in theirs],
+                "torchrec_over_bagpipe": median / bagpipe["median_ms"],
+                "bagpipe_samples_per_second": profile["batch"] / (bagpipe["median_ms"] / 1000),
+                "torchrec_samples_per_second": profile["batch"] / (median / 1000),
+                "plan": theirs[0]["plan"],
+                "sharding_types": theirs[0]["sharding_types"],
+                "plan_text": theirs[0]["plan_text"],
+            }
+            log(
+                f"torchrec/bagpipe {regime}: {median:.1f} / {bagpipe['median_ms']:.1f} ms = "
+                f"{results[regime]['torchrec_over_bagpipe']:.2f}x"
+            )
+    return results
 
 
 SECTIONS = {
@@ -1186,6 +1365,22 @@ def targets(results: dict[str, Any]) -> list[str]:
     if "1gbit" in net:
         r = net["1gbit"]["no_cache_over_bagpipe"]
         rows.append(("no-cache/bagpipe at 1gbit (median)", r, ">= 2.5", r >= 2.5))
+    if "bagpipe_over_ideal" in net.get("100mbit", {}):
+        r = net["100mbit"]["bagpipe_over_ideal"]
+        rows.append(("bagpipe/ideal at 100mbit (median)", r, "<= 1.10", r <= 1.10))
+        notes.append(f"  (no-cache/bagpipe at 100mbit: {net['100mbit']['no_cache_over_bagpipe']:.2f}x)")
+    distributed = results.get("torchrec", {}).get("distributed", {})
+    for regime in ("loopback", "1gbit"):
+        if "torchrec_over_bagpipe" in distributed.get(regime, {}):
+            r = distributed[regime]["torchrec_over_bagpipe"]
+            want = ">= 3.0" if regime == "1gbit" else "-"
+            rows.append((f"torchrec DMP/bagpipe at {regime} (median)", r, want, r >= 3.0 or want == "-"))
+    check = distributed.get("check", {})
+    if "max_abs_difference" in check:
+        diff = check["max_abs_difference"]
+        notes.append(
+            f"  (torchrec's loss curve against bagpipe's, one start, SGD: max |difference| {diff:.2g})"
+        )
     if "bagpipe_over_ideal_spread" in results.get("skew", {}):
         r = results["skew"]["bagpipe_over_ideal_spread"]
         rows.append(("bagpipe/ideal spread across the skew sweep", r, "<= 0.10", r <= 0.10))
@@ -1233,7 +1428,9 @@ def main() -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--profile", choices=sorted(PROFILES), default="quick")
     p.add_argument(
-        "--only", default=",".join(SECTIONS), help=f"comma-separated sections of {', '.join(SECTIONS)}"
+        "--only",
+        default=None,
+        help=f"comma-separated sections of {', '.join(SECTIONS)} (default: the profile's, or all of them)",
     )
     p.add_argument("--out", default=str(REPO / "bench" / "results"))
     p.add_argument(
@@ -1249,6 +1446,7 @@ def main() -> None:
         "with an fbgemm-gpu built for its torch)",
     )
     a = p.parse_args()
+    a.only = a.only or ",".join(PROFILES[a.profile].get("sections", SECTIONS))
     out = Path(a.out)
     out.mkdir(parents=True, exist_ok=True)
     profile = {**PROFILES[a.profile], "device": a.device, "torchrec_python": a.torchrec_python}

@@ -168,24 +168,6 @@ def test_sidecar_says_how_to_build_torchrec_dlrm(tmp_path: Path) -> None:
     assert list(state)[: len(rows)] == [f"{interop.TABLES}t{t}.weight" for t in range(len(rows))]
 
 
-@pytest.fixture(scope="module")
-def torchrec_python() -> Path:
-    """TorchRec's interpreter, or a skip that says what is missing and how to make it."""
-    make = "make bench-torchrec-env creates it (torch 2.13, fbgemm-gpu-cpu 1.8, torchrec 1.8; ~2 min)"
-    if not TORCHREC_PYTHON.exists():
-        pytest.skip(f"TorchRec's interpreter {TORCHREC_PYTHON.relative_to(ROOT)} does not exist: {make}")
-    probe = subprocess.run(
-        [str(TORCHREC_PYTHON), "-c", "import torchrec.models.dlrm"],
-        capture_output=True,
-        text=True,
-        timeout=300,
-    )
-    if probe.returncode:
-        why = (probe.stderr.strip().splitlines() or ["no output"])[-1]
-        pytest.skip(f"{TORCHREC_PYTHON.relative_to(ROOT)} cannot import torchrec ({why}): {make}")
-    return TORCHREC_PYTHON
-
-
 def test_torchrec_dlrm_loads_the_export_strictly_and_gives_bagpipe_logits(
     tmp_path: Path, torchrec_python: Path
 ) -> None:
