@@ -1,5 +1,7 @@
 """The recommendation models, with their embedding rows passed in from outside.
 
+(Over 400 lines: the four built-in models and the user's class share one interface and one builder.)
+
 The embedding tables do not live in the modules: the trainer gathers the rows of a batch from its cache
 (the single-process reference from full tables), so the same module serves both and the dense parameters
 are all a trainer owns. Every model, built-in or the user's own (``--model MODULE:CLASS``), is a
