@@ -915,22 +915,12 @@ def section_torchrec(profile: dict[str, Any], out: Path) -> dict[str, Any]:
         reason = f"{python} is missing: `make bench-torchrec-env` installs TorchRec 1.8 (~2 min)"
         log(f"torchrec skipped: {reason}")
         return {"skipped": reason}
-    model = dict(zip(profile["model"][::2], profile["model"][1::2], strict=True))
     argv = [
         str(python),
         str(REPO / "bench" / "torchrec_reference.py"),
-        "--batch-size",
-        str(profile["batch"]),
+        *torchrec_sizes(profile),
         "--trainers",
         "2",
-        "--scale",
-        profile["scale"],
-        "--embedding-dim",
-        model["--embedding-dim"],
-        "--bottom-mlp",
-        model["--bottom-mlp"],
-        "--top-mlp",
-        model["--top-mlp"],
         "--iterations",
         "60",
         "--device",
@@ -950,6 +940,15 @@ def section_torchrec(profile: dict[str, Any], out: Path) -> dict[str, Any]:
 TORCHREC_DMP = REPO / "bench" / "torchrec_dmp.py"
 
 
+def torchrec_sizes(profile: dict[str, Any]) -> list[str]:
+    """The profile's batch, data and DLRM sizes as the TorchRec scripts take them."""
+    model = dict(zip(profile["model"][::2], profile["model"][1::2], strict=True))
+    sizes = ["--batch-size", str(profile["batch"]), "--scale", profile["scale"]]
+    return sizes + [
+        flag for name in ("--embedding-dim", "--bottom-mlp", "--top-mlp") for flag in (name, model[name])
+    ]
+
+
 def torchrec_dmp_job(
     python: Path,
     profile: dict[str, Any],
@@ -960,7 +959,6 @@ def torchrec_dmp_job(
 ) -> dict[str, Any]:
     """One TorchRec DMP job of two gloo ranks on this machine (rank 1 inside ``netns``, behind its link,
     when given), on the profile's data and model; rank 0's JSON, or ``{"failed": its last line}``."""
-    model = dict(zip(profile["model"][::2], profile["model"][1::2], strict=True))
     master = f"{HOST_IP if netns else '127.0.0.1'}:{free_port()}"
     common = [
         str(TORCHREC_DMP),
@@ -968,16 +966,7 @@ def torchrec_dmp_job(
         "2",
         "--master",
         master,
-        "--batch-size",
-        str(profile["batch"]),
-        "--scale",
-        profile["scale"],
-        "--embedding-dim",
-        model["--embedding-dim"],
-        "--bottom-mlp",
-        model["--bottom-mlp"],
-        "--top-mlp",
-        model["--top-mlp"],
+        *torchrec_sizes(profile),
         "--iterations",
         str(iterations or profile["iterations"]),
         *extra,
