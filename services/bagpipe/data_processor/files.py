@@ -488,6 +488,15 @@ class FileSource:
             logger.debug("%s: skipping %d bad rows from line %d", path, bad.size, first_line + int(bad[0]))
         return samples
 
+    def _lines(
+        self, path: str, first_line: int, data: bytes, newlines: np.ndarray, i: int, j: int
+    ) -> Samples:
+        """Samples of the chunk's lines [i, j) (``newlines``: where its lines end): the wanted run of a chunk
+        whose other lines are counted, never parsed."""
+        lo = 0 if i == 0 else int(newlines[i - 1]) + 1
+        hi = int(newlines[j - 1]) + 1
+        return self._parsed(path, first_line + i, data[lo:hi])
+
     def _value_error(self, path: str, number: int, line: bytes, samples: Samples, i: int) -> DataFormatError:
         """The first value of sample ``i`` (line ``number``) out of its domain, named by its column."""
         fields = line.split(bytes([self.separator]))
@@ -520,34 +529,16 @@ class FileSource:
             if self.config.skip_bad_rows:
                 samples = self._parsed(path, first_line, data)
                 n = len(samples)
-                cursor = position
-                for a, b in wanted(position, n):
-                    if a > cursor:
-                        yield cursor, a - cursor, None
-                    i, j = a - position, b - position
-                    yield (
-                        a,
-                        b - a,
-                        Samples(
-                            dense=samples.dense[i:j], sparse=samples.sparse[i:j], labels=samples.labels[i:j]
-                        ),
-                    )
-                    cursor = b
+                yield from runs_of(position, n, wanted(position, n), functools.partial(_slice, samples))
             else:
                 n = data.count(b"\n")
                 runs = wanted(position, n)
-                newlines = np.flatnonzero(np.frombuffer(data, dtype=np.uint8) == 10) if runs else None
-                cursor = position
-                for a, b in runs:  # unwanted lines are counted, the wanted run [a, b) parsed
-                    if a > cursor:
-                        yield cursor, a - cursor, None
-                    i, j = a - position, b - position
-                    lo = 0 if i == 0 else int(newlines[i - 1]) + 1  # type: ignore[index]
-                    hi = int(newlines[j - 1]) + 1  # type: ignore[index]
-                    yield a, b - a, self._parsed(path, first_line + i, data[lo:hi])
-                    cursor = b
-            if position + n > cursor:
-                yield cursor, position + n - cursor, None
+                if runs:  # (unwanted lines are counted, never parsed)
+                    newlines = np.flatnonzero(np.frombuffer(data, dtype=np.uint8) == 10)
+                    lines = functools.partial(self._lines, path, first_line, data, newlines)
+                    yield from runs_of(position, n, runs, lines)
+                elif n:
+                    yield position, n, None
             position += n
             self.samples_read = position
 
@@ -635,11 +626,31 @@ class FileSource:
             a, b = max(lo, block.first), min(hi, block.first + len(block.samples))
             if a < b:
                 s, i, j = block.samples, a - block.first, b - block.first
-                parts.append(Samples(dense=s.dense[i:j], sparse=s.sparse[i:j], labels=s.labels[i:j]))
+                parts.append(_slice(s, i, j))
         blocks[:] = [b for b in blocks if b.first + len(b.samples) > hi]
         out = _concat(parts)
         assert len(out) == batch_size, f"batch {number}: {len(out)} of {batch_size} samples"
         return out
+
+
+def runs_of(
+    position: int, count: int, runs: list[tuple[int, int]], take: Callable[[int, int], Samples]
+) -> Iterator[tuple[int, int, Samples | None]]:
+    """``(first, count, samples)`` over the ``count`` samples of a block that starts at ``position`` in the
+    stream: each wanted run ``[a, b)`` (absolute) with ``take(a - position, b - position)``, the gaps
+    between them as None."""
+    cursor = position
+    for a, b in runs:
+        if a > cursor:
+            yield cursor, a - cursor, None
+        yield a, b - a, take(a - position, b - position)
+        cursor = b
+    if position + count > cursor:
+        yield cursor, position + count - cursor, None
+
+
+def _slice(samples: Samples, i: int, j: int) -> Samples:
+    return Samples(dense=samples.dense[i:j], sparse=samples.sparse[i:j], labels=samples.labels[i:j])
 
 
 def _concat(parts: list[Samples]) -> Samples:

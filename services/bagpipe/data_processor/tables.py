@@ -30,7 +30,15 @@ import pyarrow.compute as pc
 
 from bagpipe.core.data import DataFormatError, Samples
 from bagpipe.core.schema import Column, Schema
-from bagpipe.data_processor.files import CHUNK_BYTES, FileConfig, FileSource, _fnv_rows, _hex_rows
+from bagpipe.data_processor.files import (
+    CHUNK_BYTES,
+    FileConfig,
+    FileSource,
+    _fnv_rows,
+    _hex_rows,
+    _slice,
+    runs_of,
+)
 
 logger = logging.getLogger(__name__)
 
@@ -74,23 +82,17 @@ class TableSource(FileSource):
                 samples: Samples | None = None
                 if self.config.skip_bad_rows:
                     samples = self._samples(path, first_row, load())
-                    n = len(samples)
-                    runs = wanted(position, n)
+                    n, runs = len(samples), wanted(position, len(samples))
                 else:
                     n, runs = count, wanted(position, count)
                     if runs:
                         samples = self._samples(path, first_row, load())
                 seen = seen or n > 0
-                cursor = position
-                for a, b in runs:
-                    if a > cursor:
-                        yield cursor, a - cursor, None
-                    assert samples is not None
-                    i, j = a - position, b - position
-                    yield a, b - a, Samples(samples.dense[i:j], samples.sparse[i:j], samples.labels[i:j])
-                    cursor = b
-                if position + n > cursor:
-                    yield cursor, position + n - cursor, None
+                if samples is None:  # (nothing of it wanted)
+                    if n:
+                        yield position, n, None
+                else:
+                    yield from runs_of(position, n, runs, functools.partial(_slice, samples))
                 position += n
                 self.samples_read = position
             if not seen and self.bad_rows == skipped:
@@ -121,14 +123,17 @@ class TableSource(FileSource):
                 path, 0, "columns", ",".join(f.schema_arrow.names), f"lack {', '.join(missing)}"
             )
         first = 0
+        read: dict[int, pa.Table] = {}  # (the row group last read: its blocks share one read)
         for group in range(f.metadata.num_row_groups):
             total = f.metadata.row_group(group).num_rows
             for start in range(0, total, PARQUET_ROWS):
                 n = min(PARQUET_ROWS, total - start)
 
                 def load(group: int = group, start: int = start, n: int = n) -> pa.RecordBatch:
-                    table = f.read_row_group(group, columns=self._read).slice(start, n)
-                    return table.combine_chunks().to_batches()[0] if n else pa.record_batch([], [])
+                    if group not in read:
+                        read.clear()
+                        read[group] = f.read_row_group(group, columns=self._read).combine_chunks()
+                    return read[group].slice(start, n).to_batches()[0]
 
                 yield first, n, load
                 first += n

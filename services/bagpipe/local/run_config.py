@@ -217,9 +217,7 @@ class RunConfig:
     def __post_init__(self) -> None:
         try:
             self._check()
-        except flags.ConfigError:
-            raise
-        except ValueError as e:
+        except ValueError as e:  # (a ConfigError too: its text is "field: why" as well)
             raise flags.ConfigError.of(RunConfig, e) from None
 
     def _check(self) -> None:
