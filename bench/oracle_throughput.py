@@ -7,7 +7,9 @@ holders, synchronisation sets, critical vs background, hand-overs, writers). Whi
 key, and every trainer's slice of the samples serialised as the ``Samples`` part it is sent, are the
 data processors' work (``StreamBatchesRequest.trainers`` and ``slices``), done on the batch before it
 reaches the oracle; it is timed separately and reported as the data processor's cost per batch, with
-the figure both would reach on one core. Runs on one core (numpy is single-threaded here). The window
+the figure both would reach on one core. Runs on one core (numpy is single-threaded here), unless
+``--threads`` splits each batch's planning between threads (the checks and serialising stay on one;
+the paper's oracle had a 72-core machine to itself). The window
 is filled before timing starts, so every timed batch is planned against a full window of L batches.
 The oracle's end-to-end figure adds the rest of what it does per batch: it checks that each trainer's
 samples are its own as they arrive (``codec.check_samples``) and, with each plan, serialises the batch's
@@ -68,11 +70,14 @@ def measure(
     zipf_alpha: float = 1.1,
     warmup: int | None = None,
     replays: int = 1,
+    threads: int = 1,
 ) -> dict[str, Any]:
     """Plans ``timed`` batches against a full window, after ``warmup`` batches (default: ``lookahead``)
     planned untimed; the first ``tables`` Kaggle tables. With ``replays`` above 1 the same batches are
     planned that many times, each by a new planner from an empty state: the result's figures are the
-    fastest replay's (end to end), and ``replays`` lists every one's."""
+    fastest replay's (end to end), and ``replays`` lists every one's. ``threads``: the planner's
+    (``LookaheadPlanner.threads``: each batch's keys split between them); the checks and serialising
+    run on one."""
     allocator.keep_freed_buffers()  # as the oracle service does
     if replays < 1:
         raise ValueError(f"replays: must be >= 1, got {replays}")
@@ -85,7 +90,7 @@ def measure(
     batches = {b: build_batch(b, source.batch(b, batch_size), offsets) for b in range(total)}
     gen_s = time.perf_counter() - t0
     runs = [
-        _replay(batches, int(offsets[-1]), batch_size, lookahead, warmup, timed, trainers)
+        _replay(batches, int(offsets[-1]), batch_size, lookahead, warmup, timed, trainers, threads)
         for _ in range(replays)
     ]
     best = max(runs, key=lambda r: r["end_to_end_samples_per_second"])
@@ -97,6 +102,7 @@ def measure(
         "total_rows": int(offsets[-1]),
         "lookahead": lookahead,
         "trainers": trainers,
+        "threads": threads,
         "timed_batches": timed,
         "zipf_alpha": zipf_alpha,
         "warmup_batches": warmup,
@@ -120,10 +126,11 @@ def _replay(
     warmup: int,
     timed: int,
     trainers: int,
+    threads: int,
 ) -> dict[str, Any]:
     """One planner from an empty state over ``batches`` (``measure``'s loop); its figures."""
     total = len(batches)
-    planner = LookaheadPlanner(num_keys, lookahead, trainers=trainers)
+    planner = LookaheadPlanner(num_keys, lookahead, trainers=trainers, threads=threads)
     unique = []
     for b in range(lookahead):
         arrays = batches[b]
@@ -179,6 +186,9 @@ def main() -> None:
     p.add_argument("--zipf-alpha", type=float, default=1.1)
     p.add_argument("--trainers", type=int, default=8, help="trainers the LRPP plan is made for (timed)")
     p.add_argument(
+        "--threads", type=int, default=1, help="threads that plan each batch (LookaheadPlanner.threads)"
+    )
+    p.add_argument(
         "--replays",
         type=int,
         default=5,
@@ -187,13 +197,13 @@ def main() -> None:
     p.add_argument("--out", default="bench/results/oracle_throughput.json")
     a = p.parse_args()
     result = measure(
-        a.batch_size, a.tables, a.lookahead, a.timed, a.trainers, a.zipf_alpha, a.warmup, a.replays
+        a.batch_size, a.tables, a.lookahead, a.timed, a.trainers, a.zipf_alpha, a.warmup, a.replays, a.threads
     )
     Path(a.out).parent.mkdir(parents=True, exist_ok=True)
     Path(a.out).write_text(json.dumps(result, indent=2))
     print(
         f"oracle: batch {a.batch_size}, {result['tables']} tables, L={a.lookahead}, LRPP for {a.trainers} "
-        "trainers: "
+        f"trainers, {a.threads} planning thread(s): "
         f"{result['samples_per_second'] / 1e6:.2f} M samples/s (median "
         f"{result['median_ms_per_batch']:.2f} ms/batch, "
         f"{result['unique_keys_per_batch']:,.0f} unique keys/batch); paper 3.27 M -> ratio "

@@ -137,6 +137,7 @@ def oracle(args: RunConfig, gen: GenerationSpec) -> OracleConfig:
         eval_every=args.eval_every,
         start_batch=gen.start,
         schema=args.schema,
+        planner_threads=args.planner_threads,
     )
 
 

@@ -42,6 +42,7 @@ from bagpipe.core.optim_config import OptimizerConfig
 from bagpipe.cpu_priority import PRIORITIES
 from bagpipe.data_processor.config import SourceConfig
 from bagpipe.flags import flag, like
+from bagpipe.oracle_cacher.config import OracleConfig
 from bagpipe.trainer.config import TrainerConfig
 
 # rows per second each embedding server sends while re-sharding a local run: there the services share the
@@ -123,6 +124,7 @@ class RunConfig:
     sync: str = like(
         _Cache, "delayed_sync", default="delayed", name=None, read=None, show=str, text_default=None
     )
+    planner_threads: int = like(OracleConfig, "planner_threads")
     # failures and recovery
     checkpoint_every: int = flag(
         "a consistent, incremental checkpoint after every this many batches, from which the job recovers "
@@ -204,7 +206,15 @@ class RunConfig:
             "batch_size", "iterations", "trainers", "embedding_servers", "data_processors", "device",
             "transfer_batches", "save_initial", "save_final", "run_dir", "quiet", "report", "log_level",
         ),
-        "cache": ("lookahead", "max_lookahead", "cache_rows", "reuse_delay", "cache_mode", "sync"),
+        "cache": (
+            "lookahead",
+            "max_lookahead",
+            "cache_rows",
+            "reuse_delay",
+            "cache_mode",
+            "sync",
+            "planner_threads",
+        ),
         "failures and recovery": (
             "checkpoint_every", "checkpoint_dir", "failure_timeout", "max_restarts", "resume",
             "keep_checkpoints", "checkpoint_full_every",

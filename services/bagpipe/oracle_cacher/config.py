@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import os
 from dataclasses import dataclass
 
 from bagpipe.config_args import (
@@ -17,6 +18,7 @@ from bagpipe.config_args import (
     lookahead_field,
     max_lookahead_field,
     non_negative_int,
+    positive_int,
     resolve_latest,
     reuse_delay_field,
     schema_field,
@@ -70,6 +72,12 @@ class OracleConfig:
         text_default=0,
     )
     schema: str | None = schema_field()  # (the data's layout: how many tables)
+    planner_threads: int = flag(
+        "threads that plan each batch, its keys split between them (the same plans; at most the cores "
+        "numba sees)",
+        default=1,
+        parse=positive_int,
+    )
 
     @property
     def window(self) -> int:
@@ -98,6 +106,11 @@ class OracleConfig:
             raise ValueError(f"cache_mode: must be one of {', '.join(CACHE_MODES)}, got {self.cache_mode!r}")
         if self.trainers > MAX_TRAINERS:
             raise ValueError(f"trainers: at most {MAX_TRAINERS}, got {self.trainers}")
+        cores = int(os.environ.get("NUMBA_NUM_THREADS") or os.cpu_count() or 1)  # (numba's thread count)
+        if not 1 <= self.planner_threads <= cores:
+            raise ValueError(
+                f"planner_threads: must be in [1, {cores}] (the cores here), got {self.planner_threads}"
+            )
         if self.data_processors < 1:
             raise ValueError(f"data_processors: must be >= 1, got {self.data_processors}")
         if self.iterations < 0:

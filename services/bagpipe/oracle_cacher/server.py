@@ -72,6 +72,7 @@ class Oracle(pb_grpc.OracleCacherServicer):
             capacity=config.cache_rows,
             reuse_delay=config.reuse_delay,
             delayed_sync=config.delayed_sync,
+            threads=config.planner_threads,
         )
         self.received: dict[int, _Received] = {}
         self.planned: dict[int, _Planned] = {}

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import numpy as np
 import pytest
+from bagpipe.core.plans import BatchPlan
 from bagpipe.oracle_cacher.lookahead import CapacityError, LookaheadPlanner, SlotAllocator
 
 
@@ -212,13 +213,20 @@ def test_a_reset_planner_plans_as_a_new_one(capacity: int | None) -> None:
     assert not used._slot_key.any()
     again, new = run(used, 25), run(fresh, 25)
     assert len(again) == len(new) == 35
-    for a, b in zip(again, new, strict=True):
+    assert_same_plans(again, new)
+
+
+def assert_same_plans(plans: list[BatchPlan], others: list[BatchPlan]) -> None:
+    """The two lists' plans are equal field by field (arrays: values and dtype)."""
+    assert len(plans) == len(others)
+    for a, b in zip(plans, others, strict=True):
         for name in a.__dataclass_fields__:
             x, y = getattr(a, name), getattr(b, name)
             if isinstance(x, np.ndarray):
-                assert np.array_equal(x, y), (a.batch, name)
+                assert x.dtype == y.dtype and np.array_equal(x, y), (a.batch, name)
             elif hasattr(x, "__dataclass_fields__"):
                 for sub in x.__dataclass_fields__:
-                    assert np.array_equal(getattr(x, sub), getattr(y, sub)), (a.batch, name, sub)
+                    u, v = getattr(x, sub), getattr(y, sub)
+                    assert u.dtype == v.dtype and np.array_equal(u, v), (a.batch, name, sub)
             else:
                 assert x == y, (a.batch, name)

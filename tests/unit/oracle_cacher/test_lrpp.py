@@ -9,10 +9,14 @@ write-back it needs, or when the cache holds more rows than allowed.
 
 from __future__ import annotations
 
+import numba
 import numpy as np
 import pytest
 from bagpipe.core.plans import for_trainer, mask_dtype, traffic, trainer_users
+from bagpipe.oracle_cacher import lookahead
 from bagpipe.oracle_cacher.lookahead import CapacityError, LookaheadPlanner
+
+from tests.unit.oracle_cacher.test_lookahead import assert_same_plans
 
 
 def bits(mask: int, trainers: int) -> list[int]:
@@ -28,10 +32,24 @@ def make_stream(n: int, trainers: int, keys: int, per: int, seed: int) -> list[l
 
 
 def plan_stream(
-    stream, trainers, lookahead, num_keys, capacity=None, delayed=True, reuse_delay=None, replicated=False
+    stream,
+    trainers,
+    window,
+    num_keys,
+    capacity=None,
+    delayed=True,
+    reuse_delay=None,
+    replicated=False,
+    threads=1,
 ):
     planner = LookaheadPlanner(
-        num_keys, lookahead, trainers, capacity=capacity, reuse_delay=reuse_delay, delayed_sync=delayed
+        num_keys,
+        window,
+        trainers,
+        capacity=capacity,
+        reuse_delay=reuse_delay,
+        delayed_sync=delayed,
+        threads=threads,
     )
     dt = mask_dtype(trainers)
     plans, nxt = [], 0
@@ -176,6 +194,33 @@ def test_a_small_cache_shrinks_the_window_and_stays_exact(capacity: int) -> None
     assert planner.slot_high_water <= capacity
     unbounded, _ = plan_stream(stream, 3, 16, 60)
     assert max(p.slot_high_water for p in unbounded) > capacity, "the capacity must actually bind"
+
+
+@pytest.mark.skipif(numba.config.NUMBA_NUM_THREADS < 2, reason="one core: no second thread to plan with")
+@pytest.mark.parametrize(
+    ("trainers", "capacity", "delayed"), [(3, None, True), (5, 30, True), (20, None, False), (64, None, True)]
+)
+def test_planning_split_between_threads_gives_the_same_plans(
+    monkeypatch: pytest.MonkeyPatch, trainers: int, capacity: int | None, delayed: bool
+) -> None:
+    """With two threads each batch's keys are planned in two parts (here of 4 keys or more), a thread
+    each: every plan is the one a single thread makes, field by field, and replays exactly."""
+    monkeypatch.setattr(lookahead, "_MIN_PART", 4)
+    stream = make_stream(60, trainers, keys=120, per=6, seed=trainers)
+    one, _ = plan_stream(stream, trainers, 6, 120, capacity=capacity, delayed=delayed)
+    two, planner = plan_stream(stream, trainers, 6, 120, capacity=capacity, delayed=delayed, threads=2)
+    assert min(p.unique for p in two) >= 2 * lookahead._MIN_PART, "every batch must be split"
+    assert_same_plans(one, two)
+    seen = replay(stream, two, trainers, capacity=capacity, delayed=delayed)
+    assert seen["handovers"] > 0 and sum(p.evict.size for p in two) > 0
+    assert planner.occupancy == 0
+
+
+def test_more_threads_than_numba_has_is_a_clear_error() -> None:
+    most = numba.config.NUMBA_NUM_THREADS
+    expected = rf"threads: must be in \[1, {most}\] \(numba's threads\), got {most + 1}"
+    with pytest.raises(ValueError, match=expected):
+        LookaheadPlanner(10, 2, threads=most + 1)
 
 
 def test_a_batch_larger_than_the_cache_is_a_clear_error() -> None:
