@@ -331,68 +331,75 @@ def _pop_records(  # type: ignore[no-untyped-def]
     hand-over, a new slot or an eviction, each in a loop of its own. One loop with a branch per case ran
     a fifth slower: a mispredicted branch drops the loads in flight with it."""
     one, ahead, lo_u, hi_u = np.uint64(1), np.uint64(_AHEAD), np.uint64(lo), np.uint64(hi)
-    for i in range(lo_u, hi_u):
-        if i + ahead < hi_u:
-            load_early(state, np.uint64(keys[i + ahead]))
-        rec = state[np.uint64(keys[i])]
-        ttl[i] = rec.latest
-        slots[i] = rec.slot
-        holders[i] = rec.holders
-        pending[i] = rec.handover_to
     urgent = not delayed
     evicted = lo_u
     waiting = lo_u
-    for i in range(lo_u, hi_u):
-        to = np.uint64(pending[i])
-        owners = np.uint64(holders[i]) & ~to  # those still waiting for a hand-over lack the newest value
-        holders[i] = owners
-        shared = owners & (owners - one) != 0  # more than one holder
-        background = shared & (not (next_used[i] | urgent))  # the next batch does not read it
-        sync_class[i] = np.uint8(shared) + np.uint8(background)  # PRIVATE, CRITICAL or BACKGROUND
-        evict[evicted] = i  # its last use in the window: evicted, written back by one of its holders
-        evicted += np.uint64(ttl[i] == x)
-        due[waiting] = i
-        waiting += np.uint64(to != 0)
-    for j in range(lo_u, waiting):  # (gathered first, in a loop without a branch, so the loads overlap)
-        due_at[j] = handover_at[np.uint64(keys[np.uint32(due[j])])]
     handed = lo_u
-    for j in range(lo_u, waiting):  # the hand-overs due after this batch
-        i = np.uint32(due[j])
-        k = keys[i]
-        if due_at[j] == x:
-            state[np.uint64(k)].handover_to = 0
-            owners = np.uint64(holders[i])
+    fetched, fetches = np.uint64(np.searchsorted(prefetch, lo)), np.uint64(prefetch.size)
+    for start in range(lo_u, hi_u, np.uint64(_CHUNK)):
+        end = min(hi_u, start + np.uint64(_CHUNK))
+        for i in range(start, end):
+            if i + ahead < hi_u:
+                load_early(state, np.uint64(keys[i + ahead]))
+            rec = state[np.uint64(keys[i])]
+            ttl[i] = rec.latest
+            slots[i] = rec.slot
+            holders[i] = rec.holders
+            pending[i] = rec.handover_to
+        evicting = evicted
+        waited = waiting
+        for i in range(start, end):
             to = np.uint64(pending[i])
-            handed_keys[handed] = k
-            handed_slots[handed] = slots[i]
-            handed_source[handed] = owners & (~owners + one)  # the lowest holder sends
-            handed_to[handed] = to
-            if urgent:
-                handed_critical[handed] = True
-            else:  # critical when a new holder reads the key in the next batch
-                readers = np.uint64(0)
-                if next_used[i]:  # (next_pos is set only then)
-                    readers = np.uint64(following_users[np.uint32(next_pos[i])])
-                handed_critical[handed] = (readers & to) != 0
-            handed += one
-    for j in range(np.uint64(np.searchsorted(prefetch, lo)), np.uint64(np.searchsorted(prefetch, hi))):
-        i = np.uint32(prefetch[j])
-        k = keys[i]
-        slot = new_slots[j]
-        slots[i] = slot
-        state[np.uint64(k)].slot = slot
-        slot_key[np.uint32(slot)] = k + 1
-        prefetch_keys[j] = k
-        prefetch_holders[j] = holders[i]
-    for j in range(lo_u, evicted):
-        i = np.uint32(evict[j])
-        k = keys[i]
-        slot_key[np.uint32(slots[i])] = 0
-        evict_keys[j] = k
-        writer[j] = _writer(np.uint64(holders[i]), k)
-        rec = state[np.uint64(k)]
-        rec.slot = -1
-        rec.holders = 0
+            owners = np.uint64(holders[i]) & ~to  # those still waiting for a hand-over lack the newest value
+            holders[i] = owners
+            shared = owners & (owners - one) != 0  # more than one holder
+            background = shared & (not (next_used[i] | urgent))  # the next batch does not read it
+            sync_class[i] = np.uint8(shared) + np.uint8(background)  # PRIVATE, CRITICAL or BACKGROUND
+            evict[evicted] = i  # its last use in the window: evicted, written back by one of its holders
+            evicted += np.uint64(ttl[i] == x)
+            due[waiting] = i
+            waiting += np.uint64(to != 0)
+        for j in range(waited, waiting):  # (gathered first, in a loop without a branch, so the loads overlap)
+            due_at[j] = handover_at[np.uint64(keys[np.uint32(due[j])])]
+        for j in range(waited, waiting):  # the hand-overs due after this batch
+            i = np.uint32(due[j])
+            k = keys[i]
+            if due_at[j] == x:
+                state[np.uint64(k)].handover_to = 0
+                owners = np.uint64(holders[i])
+                to = np.uint64(pending[i])
+                handed_keys[handed] = k
+                handed_slots[handed] = slots[i]
+                handed_source[handed] = owners & (~owners + one)  # the lowest holder sends
+                handed_to[handed] = to
+                if urgent:
+                    handed_critical[handed] = True
+                else:  # critical when a new holder reads the key in the next batch
+                    readers = np.uint64(0)
+                    if next_used[i]:  # (next_pos is set only then)
+                        readers = np.uint64(following_users[np.uint32(next_pos[i])])
+                    handed_critical[handed] = (readers & to) != 0
+                handed += one
+        while fetched < fetches and np.uint64(prefetch[fetched]) < end:
+            j = fetched
+            i = np.uint32(prefetch[j])
+            k = keys[i]
+            slot = new_slots[j]
+            slots[i] = slot
+            state[np.uint64(k)].slot = slot
+            slot_key[np.uint32(slot)] = k + 1
+            prefetch_keys[j] = k
+            prefetch_holders[j] = holders[i]
+            fetched += one
+        for j in range(evicting, evicted):
+            i = np.uint32(evict[j])
+            k = keys[i]
+            slot_key[np.uint32(slots[i])] = 0
+            evict_keys[j] = k
+            writer[j] = _writer(np.uint64(holders[i]), k)
+            rec = state[np.uint64(k)]
+            rec.slot = -1
+            rec.holders = 0
     return int(evicted - lo_u), int(handed - lo_u)
 
 
