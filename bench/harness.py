@@ -742,7 +742,7 @@ def in_own_process(script: str, **options: Any) -> dict[str, Any]:
 
 
 def oracle_measure(
-    batch_size: int, tables: int, lookahead: int, timed: int, replays: int = 1
+    batch_size: int, tables: int, lookahead: int, timed: int, replays: int = 1, threads: int = 1
 ) -> dict[str, Any]:
     """One point of ``bench/oracle_throughput.py``, in a process of its own, as an oracle runs: the
     earlier points' tables (540 MB at 26 tables) and allocator state do not carry into it."""
@@ -753,7 +753,14 @@ def oracle_measure(
         lookahead=lookahead,
         timed=timed,
         replays=replays,
+        threads=threads,
     )
+
+
+def oracle_threads() -> list[int]:
+    """The target point's planning threads: one (the figure for one core), and every core here (what
+    ``--planner-threads`` gives an oracle with the machine to itself)."""
+    return sorted({1, os.cpu_count() or 1})
 
 
 def section_oracle(profile: dict[str, Any], out: Path) -> dict[str, Any]:
@@ -770,14 +777,17 @@ def section_oracle(profile: dict[str, Any], out: Path) -> dict[str, Any]:
     for lookahead in o["lookaheads"]:
         if lookahead != 200:
             point = oracle_measure(batch_size=16384, tables=26, lookahead=lookahead, timed=o["timed"])
-        else:  # the target's point: the best of target_repeats processes' target_replays replays each
-            runs = [
+            points.append({"sweep": "lookahead", **point})
+            continue
+        for threads in oracle_threads():  # the target's point: the best of target_repeats processes'
+            runs = [  # target_replays replays each
                 oracle_measure(
                     batch_size=16384,
                     tables=26,
                     lookahead=200,
                     timed=o["target_timed"],
                     replays=o.get("target_replays", 1),
+                    threads=threads,
                 )
                 for _ in range(o.get("target_repeats", 1))
             ]
@@ -785,32 +795,33 @@ def section_oracle(profile: dict[str, Any], out: Path) -> dict[str, Any]:
             point["end_to_end_runs"] = [
                 r["end_to_end_samples_per_second"] for run in runs for r in run["replays"]
             ]
-        points.append({"sweep": "lookahead", **point})
+            points.append({"sweep": "lookahead" if threads == 1 else "threads", **point})
     for p in points:
         log(
-            f"oracle {p['sweep']}: batch {p['batch_size']}, {p['tables']} tables, L={p['lookahead']}: "
-            f"{p['samples_per_second'] / 1e6:.2f} M samples/s planning, "
+            f"oracle {p['sweep']}: batch {p['batch_size']}, {p['tables']} tables, L={p['lookahead']}, "
+            f"{p.get('threads', 1)} thread(s): {p['samples_per_second'] / 1e6:.2f} M samples/s planning, "
             f"{p['end_to_end_samples_per_second'] / 1e6:.2f} M end to end (samples checked, plan, serialised)"
         )
-    target = next(
-        (
-            p
-            for p in points
-            if (p["batch_size"], p["tables"], p["lookahead"], p["trainers"]) == (16384, 26, 200, 8)
-        ),
-        None,
-    )
-    if target is not None:
-        ratio = target["end_to_end_ratio_to_target"]
+    for target in oracle_targets(points):
         every = target.get("end_to_end_runs", [target["end_to_end_samples_per_second"]])
         runs = ", ".join(f"{r / 1e6:.2f}" for r in every)
         log(
-            f"oracle end to end at batch 16384, 26 tables, L=200, 8 trainers: "
-            f"{target['end_to_end_samples_per_second'] / 1e6:.2f} M samples/s (the best of {runs} M; "
-            f"median {statistics.median(every) / 1e6:.2f} M), "
-            f"target 5.00 M: ratio {ratio:.2f} ({'met' if ratio >= 1 else 'NOT met'})"
+            f"oracle end to end at batch 16384, 26 tables, L=200, 8 trainers, {target.get('threads', 1)} "
+            f"thread(s): {target['end_to_end_samples_per_second'] / 1e6:.2f} M samples/s (the best of "
+            f"{runs} M; median {statistics.median(every) / 1e6:.2f} M)"
         )
     return {"points": points, "paper_samples_per_second": 3.27e6}
+
+
+def oracle_targets(points: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """The points at the target's point (batch 16,384, 26 tables, L=200, 8 trainers), fewest threads
+    first."""
+    at = [
+        p
+        for p in points
+        if (p["batch_size"], p["tables"], p["lookahead"], p["trainers"]) == (16384, 26, 200, 8)
+    ]
+    return sorted(at, key=lambda p: p.get("threads", 1))
 
 
 def server_measure(scale: float, keys: int, concurrency: int, seconds: float) -> dict[str, Any]:
@@ -1160,7 +1171,7 @@ def plots(results: dict[str, Any], out: Path, profile: str) -> list[str]:
         for ax, (sweep, key) in zip(
             axes, (("batch", "batch_size"), ("tables", "tables"), ("lookahead", "lookahead")), strict=True
         ):
-            pts = [p for p in results["oracle"]["points"] if p["sweep"] == sweep]
+            pts = [p for p in results["oracle"]["points"] if p["sweep"] == sweep]  # (one thread)
             ax.plot([p[key] for p in pts], [p["median_ms_per_batch"] for p in pts], "o-")
             ax.set_xlabel(key)
             ax.set_ylabel("ms per batch")
@@ -1374,12 +1385,14 @@ def table(results: dict[str, Any]) -> str:
     if "oracle" in results:
         lines += [
             "",
-            "| oracle sweep | batch | tables | L | M samples/s | ms per batch |",
-            "|---|---|---|---|---|---|",
+            "| oracle sweep | batch | tables | L | threads | M samples/s planning | ms per batch | "
+            "M samples/s end to end |",
+            "|---|---|---|---|---|---|---|---|",
         ]
         lines += [
             f"| {p['sweep']} | {p['batch_size']} | {p['tables']} | {p['lookahead']} | "
-            f"{p['samples_per_second'] / 1e6:.2f} | {p['median_ms_per_batch']:.2f} |"
+            f"{p.get('threads', 1)} | {p['samples_per_second'] / 1e6:.2f} | {p['median_ms_per_batch']:.2f} | "
+            f"{p['end_to_end_samples_per_second'] / 1e6:.2f} |"
             for p in results["oracle"]["points"]
         ]
     return "\n".join(lines)
@@ -1416,18 +1429,21 @@ def targets(results: dict[str, Any]) -> list[str]:
     if "bagpipe_over_ideal_spread" in results.get("skew", {}):
         r = results["skew"]["bagpipe_over_ideal_spread"]
         rows.append(("bagpipe/ideal spread across the skew sweep", r, "<= 0.10", r <= 0.10))
-    oracle = [
-        p
-        for p in results.get("oracle", {}).get("points", [])
-        if p.get("lookahead") == 200 and "end_to_end_samples_per_second" in p
-    ]
-    if oracle:
-        r = oracle[-1]["end_to_end_samples_per_second"] / 1e6
-        rows.append(("oracle end to end, M samples/s (L=200, best)", r, ">= 10.0", r >= 10.0))
-        every = oracle[-1].get("end_to_end_runs", [])
-        if len(every) > 1:
-            m = statistics.median(every) / 1e6
-            notes.append(f"  (the oracle's median over its {len(every)} replays: {m:.3f} M)")
+    oracle = oracle_targets(results.get("oracle", {}).get("points", []))
+    if oracle:  # the goal with every core here planning; one core's figure beside it
+        best = oracle[-1]
+        r = best["end_to_end_samples_per_second"] / 1e6
+        name = f"oracle end to end, M samples/s ({best.get('threads', 1)} planning threads)"
+        rows.append((name, r, ">= 10.0", r >= 10.0))
+        for p in oracle:
+            every = p.get("end_to_end_runs", [])
+            if len(every) > 1:
+                m = statistics.median(every) / 1e6
+                notes.append(
+                    f"  (the oracle with {p.get('threads', 1)} planning thread(s): best "
+                    f"{p['end_to_end_samples_per_second'] / 1e6:.3f} M, median of its {len(every)} replays "
+                    f"{m:.3f} M)"
+                )
     server = results.get("embedding_server", {})
     if "rows_per_second" in server:
         r = server["rows_per_second"] / 1e6

@@ -3,6 +3,7 @@ planners give the same plans, and the figures reported are the fastest replay's,
 
 from __future__ import annotations
 
+import os
 import sys
 from pathlib import Path
 
@@ -29,3 +30,18 @@ def test_replays_report_the_fastest_and_keep_every_one() -> None:
 def test_replays_must_be_positive() -> None:
     with pytest.raises(ValueError, match="replays"):
         oracle_throughput.measure(batch_size=64, tables=3, lookahead=4, timed=6, trainers=2, replays=0)
+
+
+@pytest.mark.skipif((os.cpu_count() or 1) < 2, reason="one core: no second thread to plan with")
+def test_threads_plan_the_same_batches_alike(monkeypatch: pytest.MonkeyPatch) -> None:
+    """``--threads 2`` splits each batch between two threads (here every batch: parts of 4 keys or more)
+    and plans it as one thread does: the same plan bytes and cache occupancy."""
+    from bagpipe.oracle_cacher import lookahead
+
+    monkeypatch.setattr(lookahead, "_MIN_PART", 4)
+    one = oracle_throughput.measure(batch_size=64, tables=3, lookahead=4, timed=6, trainers=2)
+    two = oracle_throughput.measure(batch_size=64, tables=3, lookahead=4, timed=6, trainers=2, threads=2)
+    assert (one["threads"], two["threads"]) == (1, 2)
+    assert one["unique_keys_per_batch"] >= 8
+    for field in ("plan_bytes_per_batch", "peak_occupancy_rows", "unique_keys_per_batch"):
+        assert one[field] == two[field], field
