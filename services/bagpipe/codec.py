@@ -24,6 +24,7 @@ from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
+from numba import njit
 
 from bagpipe.core.data import BatchArrays, table_offsets
 from bagpipe.core.plans import (
@@ -39,6 +40,7 @@ from bagpipe.core.plans import (
 from bagpipe.errors import InvalidArgument
 from bagpipe.v1 import data_processor_pb2 as dpb
 from bagpipe.v1 import oracle_cacher_pb2 as opb
+from bagpipe.v1 import tensor_pb2
 from bagpipe.wire import encode_message, from_tensor, read_shallow, read_tensor, unwrap
 
 
@@ -186,7 +188,18 @@ def check_samples(data: bytes, batch: int, rank: int, size: int) -> bytes:
     labels, and returns it as it is, for the oracle to forward. It reads the scalars and the labels'
     shape only (a few microseconds, no copy), so a processor with another batch size is refused here,
     before the batch is planned; the trainer, which uses the tensors, checks them all (``decode_plan``:
-    dtypes, shapes, and the inverse indices against the rows) before it trains on any of them."""
+    dtypes, shapes, and the inverse indices against the rows) before it trains on any of them.
+
+    A compiled pass (``_samples_fit``) accepts the parts that pass; any other is read again here, which
+    says what is wrong (the oracle checks eight parts a batch: 15 us each here, 2 us compiled)."""
+    if _samples_fit(np.frombuffer(data, dtype=np.uint8), batch, rank, size):
+        return data
+    return _check_samples_read(data, batch, rank, size)
+
+
+def _check_samples_read(data: bytes, batch: int, rank: int, size: int) -> bytes:
+    """``check_samples`` read in Python, field by field: raises ``InvalidArgument`` saying what is
+    wrong."""
     where = f"batch {batch}: samples"
     if not data:
         raise InvalidArgument(where, f"expected trainer {rank}'s samples, got an empty part")
@@ -198,6 +211,97 @@ def check_samples(data: bytes, batch: int, rank: int, size: int) -> bytes:
     labels = read_tensor(spans.get(3, memoryview(b"")), f"{where}: labels")
     from_tensor(labels, f"{where}: labels", np.float32, shape=(size,))  # type: ignore[arg-type]
     return data
+
+
+@njit(cache=True, nogil=True)
+def _varint(buf, at, end):  # type: ignore[no-untyped-def]
+    """The varint at ``buf[at]`` and where the next field starts (-1: it runs past ``end``), as
+    ``wire._read_varint`` reads it."""
+    value = np.uint64(0)
+    shift = 0
+    while at < end and shift <= 63:
+        byte = buf[at]
+        if shift == 63 and byte & 0x7F > 1:  # (beyond 64 bits: left to the Python reader)
+            return value, -1
+        value |= np.uint64(byte & 0x7F) << np.uint64(shift)
+        at += 1
+        shift += 7
+        if byte < 0x80:
+            return value, at
+    return value, -1
+
+
+@njit(cache=True, nogil=True)
+def _next_field(buf, at, end):  # type: ignore[no-untyped-def]
+    """The field at ``buf[at]`` as ``wire._read_fields`` reads it: number, wire type, its varint (kind 0)
+    or its size (kind 2), where its value starts, and where the next field starts (-1: malformed)."""
+    tag, at = _varint(buf, at, end)
+    if at < 0:
+        return 0, 0, np.uint64(0), -1, -1
+    number, kind = int(tag >> np.uint64(3)), int(tag & np.uint64(7))
+    if kind == 0:
+        value, after = _varint(buf, at, end)
+        return number, kind, value, at, after
+    if kind == 2:
+        size, start = _varint(buf, at, end)
+        if start < 0 or start + int(size) > end:
+            return number, kind, size, start, -1
+        return number, kind, size, start, start + int(size)
+    if kind == 1 or kind == 5:
+        return number, kind, np.uint64(0), at, at + (8 if kind == 1 else 4)
+    return number, kind, np.uint64(0), at, -1
+
+
+@njit(cache=True, nogil=True)
+def _samples_fit(buf, batch, rank, size):  # type: ignore[no-untyped-def]
+    """True when ``buf`` is a ``BatchPart`` holding trainer ``rank``'s ``Samples`` of ``batch`` with
+    ``size`` float32 labels, read field by field as ``check_samples`` reads it (the last of a repeated
+    field counts); False for anything else, which ``check_samples`` reads again to say why."""
+    end = buf.size
+    number, kind, length, at, after = _next_field(buf, 0, end)
+    if number != 3 or kind != 2 or after != end:  # (one embedded message: the whole part)
+        return False
+    got_batch = np.int64(0)
+    got_rank = np.int64(0)
+    labels, labels_end = 0, 0
+    while at < end:
+        number, kind, value, start, after = _next_field(buf, at, end)
+        if after < 0:
+            return False
+        if kind == 0 and number == 1:
+            got_batch = np.int64(value)
+        elif kind == 0 and number == 5:
+            got_rank = np.int64(value)
+        elif kind == 2 and number == 3:
+            labels, labels_end = start, after
+        at = after
+    if at != end or got_batch != batch or got_rank != rank:
+        return False
+    dtype, dims, first, data = 0, 0, np.int64(0), 0
+    at = labels
+    while at < labels_end:  # the labels' Tensor: dtype, its dimensions (packed or not), data
+        number, kind, value, start, after = _next_field(buf, at, labels_end)
+        if after < 0:
+            return False
+        if number == 1 and kind == 0:
+            dtype = int(value)
+        elif number == 2 and kind == 0:
+            dims += 1
+            first = np.int64(value)
+        elif number == 2 and kind == 2:
+            while start < after:
+                dim, start = _varint(buf, start, after)
+                if start < 0:
+                    return False
+                dims += 1
+                first = np.int64(dim)
+        elif number == 3 and kind == 2:
+            data = after - start
+        at = after
+    return at == labels_end and dtype == _FLOAT32 and dims == 1 and first == size and data == 4 * size
+
+
+_FLOAT32 = int(tensor_pb2.DTYPE_FLOAT32)
 
 
 def _check_slice(got_batch: int, got_rank: int, batch: int, rank: int) -> None:

@@ -7,7 +7,15 @@ import dataclasses
 
 import numpy as np
 import pytest
-from bagpipe.codec import check_samples, decode_batch, decode_plan, encode_batch, encode_plans
+from bagpipe.codec import (
+    _check_samples_read,
+    _samples_fit,
+    check_samples,
+    decode_batch,
+    decode_plan,
+    encode_batch,
+    encode_plans,
+)
 from bagpipe.core.data import SyntheticConfig, SyntheticSource, table_offsets
 from bagpipe.core.plans import for_trainer, trainer_users
 from bagpipe.data_processor.batches import numbered_batches
@@ -129,6 +137,51 @@ def test_a_batch_in_slices_is_its_keys_then_every_trainers_samples_as_a_plan_par
     whole, _ = _batch(arrays, last, users)
     with pytest.raises(InvalidArgument, match=r"batch 1: dense: the samples were asked for in 3 slices"):
         _decode(whole, slices=TRAINERS)
+
+
+def _read_in_python(data: bytes, batch: int, rank: int, size: int) -> bool:
+    try:
+        _check_samples_read(data, batch, rank, size)
+    except InvalidArgument:
+        return False
+    return True
+
+
+def test_the_compiled_samples_check_accepts_exactly_what_the_python_reader_accepts() -> None:
+    """``check_samples`` answers from a compiled pass where it can (``_samples_fit``): it must accept
+    only parts the field-by-field Python reader accepts, and accept the parts data processors and
+    protobuf write, so that only a bad part pays for the Python reader, which says what is wrong."""
+    arrays, last = _batches(2)[1]
+    users = trainer_users(arrays.inverse, arrays.keys.size, TRAINERS)
+    _, samples = _batch(arrays, last, users, slices=TRAINERS)
+    per = BATCH // TRAINERS
+    labels = arrays.labels[:per]
+    written = [
+        *samples,  # as encode_batch writes them, and as protobuf does, with fields in other orders,
+        dpb.BatchPart(samples=dpb.BatchPart.FromString(samples[0]).samples).SerializeToString(),
+    ]
+    reordered = dpb.Samples(batch=1, rank=0, labels=to_tensor(labels))
+    written.append(b"\x1a" + bytes([len(reordered.SerializeToString())]) + reordered.SerializeToString())
+    for rank, data in enumerate(samples):
+        assert _samples_fit(np.frombuffer(data, dtype=np.uint8), 1, rank, per)
+    for data in written[TRAINERS:]:
+        assert _samples_fit(np.frombuffer(data, dtype=np.uint8), 1, 0, per)
+    rng = np.random.default_rng(5)
+    tried = accepted = 0
+    for data in written:
+        for rank, batch, size in ((0, 1, per), (1, 1, per), (0, 2, per), (0, 1, per + 1), (0, 1, 0)):
+            cases = [data, data[:-1], data + b"\x00", b"", data[: len(data) // 2]]
+            for _ in range(60):  # bytes flipped at random, then bytes of the head (tags, sizes, scalars)
+                mutated = bytearray(data)
+                where = rng.integers(0, len(data) if rng.random() < 0.5 else min(len(data), 24))
+                mutated[where] = rng.integers(0, 256)
+                cases.append(bytes(mutated))
+            for case in cases:
+                fast = bool(_samples_fit(np.frombuffer(case, dtype=np.uint8), batch, rank, size))
+                assert fast == _read_in_python(case, batch, rank, size), (case[:32], batch, rank, size)
+                tried += 1
+                accepted += fast
+    assert accepted > 50 and tried > 1000
 
 
 def test_batch_masks_of_64_trainers_keep_the_top_bit() -> None:
