@@ -309,6 +309,7 @@ def _pop_records(  # type: ignore[no-untyped-def]
     prefetch_holders,
     evict,
     evict_keys,
+    evict_slots,
     writer,
     due,
     handed_keys,
@@ -322,9 +323,10 @@ def _pop_records(  # type: ignore[no-untyped-def]
 ):
     """Lines 12-25 of Algorithm 1 for batch ``x`` (see ``pop``): the keys at ``prefetch`` get
     ``new_slots``; ``following_users`` are the users of batch ``x+1``'s keys (empty when it is not in the
-    window; then ``next_used`` is all False). Returns how many of ``evict``, ``evict_keys`` and ``writer``
-    and of the ``handed_*`` arrays it filled. Only the keys at positions ``lo .. hi-1`` and the prefetches
-    among them (a part, see ``LookaheadPlanner.threads``): the lists are filled from ``lo`` on.
+    window; then ``next_used`` is all False). Returns how many of ``evict``, ``evict_keys``,
+    ``evict_slots`` and ``writer`` and of the ``handed_*`` arrays it filled. Only the keys at positions
+    ``lo .. hi-1`` and the prefetches among them (a part, see ``LookaheadPlanner.threads``): the lists
+    are filled from ``lo`` on.
 
     In chunks of ``_POP_CHUNK`` keys, and in phases, each a loop that does one thing: gather the chunk's
     records (nothing else in the loop, so that many loads are in flight at once), work out every key's
@@ -399,6 +401,7 @@ def _pop_records(  # type: ignore[no-untyped-def]
             k = keys[i]
             slot_key[np.uint32(slots[i])] = 0
             evict_keys[j] = k
+            evict_slots[j] = slots[i]
             writer[j] = _writer(np.uint64(holders[i]), k)
             rec = state[np.uint64(k)]
             rec.slot = -1
@@ -432,8 +435,8 @@ def _push_parts(  # type: ignore[no-untyped-def]
 def _pop_parts(  # type: ignore[no-untyped-def]
     state, handover_at, slot_key, keys, next_used, next_pos, prefetch, new_slots, x, delayed,
     following_users, ttl, slots, holders, pending, sync_class, prefetch_keys, prefetch_holders, evict,
-    evict_keys, writer, due, handed_keys, handed_slots, handed_source, handed_to, handed_critical, due_at,
-    cuts, done,
+    evict_keys, evict_slots, writer, due, handed_keys, handed_slots, handed_source, handed_to,
+    handed_critical, due_at, cuts, done,
 ):  # fmt: skip
     """``_pop_records`` for the parts ``cuts[p] .. cuts[p+1]-1``, one a thread (``done[p]``: the part's
     results), then each part's lists moved up behind the part's before it: ``_pop_records``'s results
@@ -442,8 +445,8 @@ def _pop_parts(  # type: ignore[no-untyped-def]
         evicted, handed = _pop_records(
             state, handover_at, slot_key, keys, next_used, next_pos, prefetch, new_slots, x, delayed,
             following_users, ttl, slots, holders, pending, sync_class, prefetch_keys, prefetch_holders,
-            evict, evict_keys, writer, due, handed_keys, handed_slots, handed_source, handed_to,
-            handed_critical, due_at, cuts[p], cuts[p + 1],
+            evict, evict_keys, evict_slots, writer, due, handed_keys, handed_slots, handed_source,
+            handed_to, handed_critical, due_at, cuts[p], cuts[p + 1],
         )  # fmt: skip
         done[p, 0] = evicted
         done[p, 1] = handed
@@ -452,6 +455,7 @@ def _pop_parts(  # type: ignore[no-untyped-def]
         at, count = cuts[p], done[p, 0]
         _move(evict, at, evicted, count)
         _move(evict_keys, at, evicted, count)
+        _move(evict_slots, at, evicted, count)
         _move(writer, at, evicted, count)
         evicted += count
         count = done[p, 1]
@@ -740,6 +744,7 @@ class LookaheadPlanner:
         prefetch_holders = np.empty(prefetch.size, dtype=self.mask)
         evict, writer, due = (np.empty(size, dtype=np.int32) for _ in range(3))
         evict_keys = np.empty(size, dtype=np.int64)
+        evict_slots = np.empty(size, dtype=np.int32)  # (gathered where the slots are in cache)
         following = self._window[0] if self._window else None  # batch x+1: push is in order
         h = Handovers(
             np.empty(size, np.int64),
@@ -772,6 +777,7 @@ class LookaheadPlanner:
                 prefetch_holders,
                 evict,
                 evict_keys,
+                evict_slots,
                 writer,
                 due,
                 h.keys,
@@ -787,7 +793,7 @@ class LookaheadPlanner:
         evict, writer, evict_keys = evict[:evicted], writer[:evicted], evict_keys[:evicted]
         handovers = Handovers(*(a[:handed] for a in (h.keys, h.slots, h.source, h.recipients, h.critical)))
         if evict.size:
-            self._allocator.release(slots[evict], x)
+            self._allocator.release(evict_slots[:evicted], x)
         self.occupancy -= evict.size
         if self.capacity is not None:
             assert self.occupancy + evict.size == self._live[0], "live-row accounting is off"
