@@ -7,6 +7,7 @@ global batches.
 
 from __future__ import annotations
 
+import os
 from pathlib import Path
 
 import pytest
@@ -120,7 +121,8 @@ def test_replicated_cache_with_critical_sync_matches_synchronous_training(run_jo
 
 
 def test_a_cache_smaller_than_the_window_shrinks_lookahead_and_stays_exact(run_job) -> None:
-    """No --lookahead: the oracle picks L from --cache-rows (live rows at L=8 peak near 580 here)."""
+    """No --lookahead: the oracle picks L from --cache-rows (live rows at L=8 peak near 580 here). The
+    oracle plans with every core here (--planner-threads: numba's threads, in the service's process)."""
     iterations, cache_rows = 24, 450
     summary, paths = run_job(
         "small-cache",
@@ -131,6 +133,7 @@ def test_a_cache_smaller_than_the_window_shrinks_lookahead_and_stays_exact(run_j
             iterations=iterations,
             optimizer="adagrad",
             lr="0.05",
+            planner_threads=min(2, os.cpu_count() or 1),
         ),
     )
     assert summary["iterations"] == iterations
