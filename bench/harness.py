@@ -72,6 +72,7 @@ from bagpipe.local.keeper import children_matching, process_cpu_seconds  # noqa:
 from bagpipe.local.launcher import run as run_job  # noqa: E402
 from bagpipe.local.record import run_record  # noqa: E402
 from bagpipe.local.redis_server import free_port  # noqa: E402
+from bagpipe.oracle_cacher.config import planner_cores  # noqa: E402
 from bagpipe.trainer.worker import trainer_device  # noqa: E402
 from machine_probe import describe as describe_machine  # noqa: E402
 
@@ -760,7 +761,7 @@ def oracle_measure(
 def oracle_threads() -> list[int]:
     """The target point's planning threads: one (the figure for one core), and every core here (what
     ``--planner-threads`` gives an oracle with the machine to itself)."""
-    return sorted({1, os.cpu_count() or 1})
+    return sorted({1, planner_cores()})
 
 
 def section_oracle(profile: dict[str, Any], out: Path) -> dict[str, Any]:

@@ -244,7 +244,7 @@ def _next_field(buf, at, end):  # type: ignore[no-untyped-def]
         return number, kind, value, at, after
     if kind == 2:
         size, start = _varint(buf, at, end)
-        if start < 0 or start + int(size) > end:
+        if start < 0 or size > np.uint64(end - start):  # (compared unsigned: a size of 2^63 or more too)
             return number, kind, size, start, -1
         return number, kind, size, start, start + int(size)
     if kind == 1 or kind == 5:

@@ -7,7 +7,6 @@ global batches.
 
 from __future__ import annotations
 
-import os
 from pathlib import Path
 
 import pytest
@@ -17,6 +16,7 @@ from bagpipe.core.data import SyntheticConfig, SyntheticSource, scaled_table_row
 from bagpipe.core.model import ModelConfig
 from bagpipe.core.optim import OptimizerConfig
 from bagpipe.data_processor.files import CriteoConfig, CriteoTSVSource
+from bagpipe.oracle_cacher.config import planner_cores
 
 from tests.integration.conftest import adam_eps, flags
 from tests.reference import train_reference
@@ -133,7 +133,7 @@ def test_a_cache_smaller_than_the_window_shrinks_lookahead_and_stays_exact(run_j
             iterations=iterations,
             optimizer="adagrad",
             lr="0.05",
-            planner_threads=min(2, os.cpu_count() or 1),
+            planner_threads=min(2, planner_cores()),
         ),
     )
     assert summary["iterations"] == iterations

@@ -3,11 +3,11 @@ planners give the same plans, and the figures reported are the fastest replay's,
 
 from __future__ import annotations
 
-import os
 import sys
 from pathlib import Path
 
 import pytest
+from bagpipe.oracle_cacher.config import planner_cores
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "bench"))
 oracle_throughput = pytest.importorskip("oracle_throughput")
@@ -32,7 +32,7 @@ def test_replays_must_be_positive() -> None:
         oracle_throughput.measure(batch_size=64, tables=3, lookahead=4, timed=6, trainers=2, replays=0)
 
 
-@pytest.mark.skipif((os.cpu_count() or 1) < 2, reason="one core: no second thread to plan with")
+@pytest.mark.skipif(planner_cores() < 2, reason="one core: no second thread to plan with")
 def test_threads_plan_the_same_batches_alike(monkeypatch: pytest.MonkeyPatch) -> None:
     """``--threads 2`` splits each batch between two threads (here every batch: parts of 4 keys or more)
     and plans it as one thread does: the same plan bytes and cache occupancy."""

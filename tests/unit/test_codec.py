@@ -182,6 +182,21 @@ def test_the_compiled_samples_check_accepts_exactly_what_the_python_reader_accep
                 tried += 1
                 accepted += fast
     assert accepted > 50 and tried > 1000
+    # a length of 2^63 or more is past the end, not a step back (that looped, or landed on a field that
+    # ended the message where the Python reader refuses it)
+    inner = dpb.Samples(batch=1, rank=0, labels=to_tensor(labels)).SerializeToString()
+    for tail in (b"\x3a" + _varint(2**64 - 11), b"\x48\x8a\x01\x0a" + _varint(2**64 - 13)):
+        case = b"\x1a" + _varint(len(inner + tail)) + inner + tail
+        assert not _samples_fit(np.frombuffer(case, dtype=np.uint8), 1, 0, per)
+        assert not _read_in_python(case, 1, 0, per)
+
+
+def _varint(value: int) -> bytes:
+    out = bytearray()
+    while value > 0x7F:
+        out.append(value & 0x7F | 0x80)
+        value >>= 7
+    return bytes([*out, value])
 
 
 def test_batch_masks_of_64_trainers_keep_the_top_bit() -> None:

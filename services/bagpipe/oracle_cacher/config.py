@@ -36,6 +36,14 @@ def _add_checkpoint_dir(p: argparse.ArgumentParser) -> None:
     )
 
 
+def planner_cores() -> int:
+    """The most threads a planner may have here: numba's thread count, as numba reckons it without
+    importing it (``NUMBA_NUM_THREADS``, else the cores this process may run on)."""
+    if os.environ.get("NUMBA_NUM_THREADS"):
+        return int(os.environ["NUMBA_NUM_THREADS"])
+    return len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
+
+
 @dataclass(frozen=True)
 class OracleConfig:
     """Lookahead planning for ``trainers`` trainers over ``table_rows`` tables."""
@@ -106,7 +114,7 @@ class OracleConfig:
             raise ValueError(f"cache_mode: must be one of {', '.join(CACHE_MODES)}, got {self.cache_mode!r}")
         if self.trainers > MAX_TRAINERS:
             raise ValueError(f"trainers: at most {MAX_TRAINERS}, got {self.trainers}")
-        cores = int(os.environ.get("NUMBA_NUM_THREADS") or os.cpu_count() or 1)  # (numba's thread count)
+        cores = planner_cores()
         if not 1 <= self.planner_threads <= cores:
             raise ValueError(
                 f"planner_threads: must be in [1, {cores}] (the cores here), got {self.planner_threads}"
