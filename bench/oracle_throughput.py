@@ -88,12 +88,12 @@ def measure(
     total = lookahead + warmup + timed
     t0 = time.perf_counter()  # generated and deduplicated first, as the data processors would
     batches = {b: build_batch(b, source.batch(b, batch_size), offsets) for b in range(total)}
+    gen_s = time.perf_counter() - t0
     # the data processors' part, before the oracle's loop, as their own processes do it: which trainers
     # use each key, and the samples cut per trainer and serialised (done in the loop, its 2 ms of numpy
     # a batch between the oracle's steps took the oracle's records out of the caches: planning took 10%
     # longer); timed in a pass of its own, which reuses its memory as a data processor does
     processed = {b: _processed(batches[b], b == total - 1, trainers) for b in range(total)}
-    gen_s = time.perf_counter() - t0
     processing = []
     for b in range(lookahead + warmup, total):
         start = time.perf_counter()

@@ -258,7 +258,7 @@ def _samples_fit(buf, batch, rank, size):  # type: ignore[no-untyped-def]
     ``size`` float32 labels, read field by field as ``check_samples`` reads it (the last of a repeated
     field counts); False for anything else, which ``check_samples`` reads again to say why."""
     end = buf.size
-    number, kind, length, at, after = _next_field(buf, 0, end)
+    number, kind, _, at, after = _next_field(buf, 0, end)
     if number != 3 or kind != 2 or after != end:  # (one embedded message: the whole part)
         return False
     got_batch = np.int64(0)
