@@ -12,10 +12,17 @@ HELM := .tools/helm/helm
 IMAGE_TAG ?= 0.1.0
 IMAGE ?= bagpipe
 IMAGE_REGISTRY ?=
-# a container engine that actually answers (a docker CLI without a daemon does not count)
-ENGINE ?= $(shell for e in docker podman buildah; do command -v $$e >/dev/null && $$e info >/dev/null 2>&1 && { echo $$e; break; }; done)
+# a container engine that actually answers (a docker CLI without a daemon does not count); ENGINE is the old
+# name of CONTAINER_ENGINE
+CONTAINER_ENGINE ?= $(or $(ENGINE),$(shell for e in docker podman buildah; do command -v $$e >/dev/null && $$e info >/dev/null 2>&1 && { echo $$e; break; }; done))
+# the image's base and torch (tools/build-image.sh): empty picks the defaults, with the fallbacks it describes
+BASE_IMAGE ?=
+DEBIAN_BASE ?= localhost/bagpipe-base:bookworm
+TORCH_SOURCE ?=
+TORCH_WHEELS ?=
+export BASE_IMAGE DEBIAN_BASE TORCH_SOURCE TORCH_WHEELS
 
-.PHONY: help venv tools protos check-protos run test lint lint-docker bench bench-medium bench-full bench-torchrec-env images push clean
+.PHONY: help venv tools protos check-protos run test lint lint-docker bench bench-medium bench-full bench-torchrec-env base-image image images push cluster-test clean
 
 help:  ## list the targets
 	@grep -E '^[a-z-]+:.*## ' $(MAKEFILE_LIST) | awk -F':.*## ' '{printf "  %-14s %s\n", $$1, $$2}'
@@ -83,20 +90,23 @@ bench-full: $(STAMP)  ## the full profile: the paper's model and batch size (hou
 	@$(MAKE) --no-print-directory bench-torchrec-env || echo "TorchRec could not be installed: the bench runs without its reference"
 	$(PY) bench/harness.py --profile full
 
-images:  ## build bagpipe:$(IMAGE_TAG) (CPU) and bagpipe:$(IMAGE_TAG)-cuda from docker/Dockerfile (needs docker, podman or buildah; none here: lint only)
-	@if [ -z "$(ENGINE)" ]; then \
-		echo "no working container engine (docker, podman or buildah) here: linting the Dockerfile instead"; \
-		$(MAKE) --no-print-directory lint-docker; exit 0; fi; \
-	set -e; engine=$$(basename $(ENGINE)); build="$(ENGINE) build"; [ $$engine = buildah ] && build="$(ENGINE) bud"; \
-	$$build -f docker/Dockerfile --build-arg TORCH_VARIANT=cpu -t $(IMAGE):$(IMAGE_TAG) .; \
-	$$build -f docker/Dockerfile --build-arg TORCH_VARIANT=cu128 -t $(IMAGE):$(IMAGE_TAG)-cuda .
+base-image:  ## make $(DEBIAN_BASE) from Debian's packages alone (debootstrap, root): the base where no image registry is reachable
+	@test -n "$(CONTAINER_ENGINE)" || { echo "base-image: no working container engine (docker, podman or buildah) here"; exit 1; }
+	tools/debian-base-image.sh $(CONTAINER_ENGINE) $(DEBIAN_BASE)
+
+image:  ## build $(IMAGE):$(IMAGE_TAG), the CPU image (docker, podman or buildah; CONTAINER_ENGINE= picks one)
+	@test -n "$(CONTAINER_ENGINE)" || { echo "image: no working container engine (docker, podman or buildah) here"; exit 1; }
+	tools/build-image.sh $(CONTAINER_ENGINE) cpu $(IMAGE):$(IMAGE_TAG)
+
+images: image  ## build the CPU image and $(IMAGE):$(IMAGE_TAG)-cuda (torch's cu128 build)
+	tools/build-image.sh $(CONTAINER_ENGINE) cu128 $(IMAGE):$(IMAGE_TAG)-cuda
 
 push:  ## push both images to $(IMAGE_REGISTRY) (IMAGE_REGISTRY=registry.example.com/team make images push)
 	@test -n "$(IMAGE_REGISTRY)" || { echo "push: set IMAGE_REGISTRY (e.g. IMAGE_REGISTRY=ghcr.io/you make images push)"; exit 1; }
-	@test -n "$(ENGINE)" || { echo "push: no working container engine (docker, podman or buildah) here"; exit 1; }
+	@test -n "$(CONTAINER_ENGINE)" || { echo "push: no working container engine (docker, podman or buildah) here"; exit 1; }
 	set -e; for t in $(IMAGE_TAG) $(IMAGE_TAG)-cuda; do \
-		$(ENGINE) tag $(IMAGE):$$t $(IMAGE_REGISTRY)/$(IMAGE):$$t; \
-		$(ENGINE) push $(IMAGE_REGISTRY)/$(IMAGE):$$t; done
+		$(CONTAINER_ENGINE) tag $(IMAGE):$$t $(IMAGE_REGISTRY)/$(IMAGE):$$t; \
+		$(CONTAINER_ENGINE) push $(IMAGE_REGISTRY)/$(IMAGE):$$t; done
 
 lint-docker: $(STAMP)  ## hadolint every Dockerfile
 	$(VENV)/bin/hadolint docker/Dockerfile

@@ -64,7 +64,6 @@ def test_trainer_round_trip() -> None:
             eval_data="synthetic",
             eval_every=7,
             eval_samples=999,
-            exit_when_done=True,
         ),
         TrainerConfig(
             1,

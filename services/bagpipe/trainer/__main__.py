@@ -1,4 +1,5 @@
-"""``python -m bagpipe.trainer``: train until the oracle's last plan, then exit."""
+"""``python -m bagpipe.trainer``: train until the oracle's last plan, then exit once the controller says
+the job is done."""
 
 from __future__ import annotations
 
@@ -10,8 +11,20 @@ import signal
 import sys
 import threading
 
+import redis
+
 from bagpipe import allocator, security, serving
-from bagpipe.control.generation import EXIT_RESTART, Membership, Restart, Watch, join
+from bagpipe.control.generation import (
+    DONE,
+    EXIT_RESTART,
+    POLL_S,
+    Generation,
+    Membership,
+    Restart,
+    Watch,
+    current,
+    join,
+)
 from bagpipe.control.registry import Registry
 from bagpipe.core import snapshots
 from bagpipe.core.snapshots import EXIT_CHECKPOINT_FAILED
@@ -108,16 +121,26 @@ def main(argv: list[str] | None = None) -> None:
             raise SystemExit(f"trainer {cfg.rank}: {lost}") from None
         raise
     trainer.close()  # (the watch goes on: a failure elsewhere before the job's end makes it train again)
-    if not cfg.exit_when_done:
-        # keep /metrics and /healthz up (Prometheus' last scrape, a StatefulSet that must not restart)
-        done = threading.Event()
-        signal.signal(signal.SIGTERM, lambda *_: done.set())
-        signal.signal(signal.SIGINT, lambda *_: done.set())
-        logger.info("training done; serving metrics until stopped (SIGTERM)")
-        while not done.wait(1.0):
+    # The job ends when the controller says so (every trainer stored its statistics). Until then a failure
+    # elsewhere may still start a new generation, which this process must join (the watch makes way, exit
+    # 75); once it is done the process exits 0, so that a Job's pod completes and frees its CPUs or GPUs.
+    stopped = threading.Event()
+    signal.signal(signal.SIGTERM, lambda *_: stopped.set())
+    signal.signal(signal.SIGINT, lambda *_: stopped.set())
+    logger.info("rank %d: training done; waiting for the job's end", cfg.rank)
+    with metrics.heartbeat_while("waiting for the job's end"):
+        while not stopped.wait(POLL_S) and not _job_done(registry, generation):
             pass
     watch.stop()
     http.stop()
+
+
+def _job_done(registry: Registry, generation: Generation) -> bool:
+    try:
+        now = current(registry)
+    except redis.RedisError:  # (Redis restarting: the watch makes way if it comes back empty)
+        return False
+    return now is not None and now.id == generation.id and now.state == DONE
 
 
 if __name__ == "__main__":

@@ -105,9 +105,6 @@ class TrainerConfig:
     eval_every: int = eval_every_field()
     eval_samples: int = eval_samples_field()
     schema: str | None = schema_field()
-    exit_when_done: bool = flag(
-        "exit after training instead of serving /metrics until SIGTERM", default=False
-    )
 
     def __post_init__(self) -> None:
         if self.transfer_batches < 1:
