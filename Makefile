@@ -58,8 +58,13 @@ check-protos: $(STAMP)  ## fail if the committed generated code is not what prot
 run: $(STAMP)  ## train the default job (DLRM, synthetic Criteo-like data, 2 trainers, 2 embedding servers); no root, no apt
 	$(VENV)/bin/bagpipe run $(RUN_ARGS)
 
-test: $(STAMP) $(PROMTOOL) $(HELM) check-protos  ## run the test suite (chart and Dockerfile checks included)
-	$(PY) -m pytest -q tests
+test: $(STAMP) $(PROMTOOL) $(HELM) check-protos  ## run the test suite (chart and Dockerfile checks included; the containers are cluster-test's)
+	$(PY) -m pytest -q tests --ignore=tests/cluster
+
+cluster-test: $(STAMP) $(PROMTOOL) $(HELM)  ## the chart's pods as podman containers (tests/cluster): builds the image, then a small job through failures
+	@command -v podman >/dev/null || { echo "cluster-test: skipped: podman is not installed (apt-get install podman runc)"; exit 0; }; \
+	podman info >/dev/null 2>&1 || { echo "cluster-test: skipped: podman does not answer here ($$(podman info 2>&1 | tail -n 1))"; exit 0; }; \
+	$(MAKE) --no-print-directory image CONTAINER_ENGINE=podman && $(PY) -m pytest -q -rs tests/cluster
 
 lint: $(STAMP)  ## ruff and mypy
 	$(VENV)/bin/ruff check services tests bench

@@ -1,7 +1,9 @@
 """``python -m bagpipe.probe``: waits until services are ready (the Helm chart's test, or a script's).
 
 ``--ready URL`` must answer 200 and ``--grpc-health HOST:PORT`` must report SERVING, within
-``--timeout`` seconds; exits 1 naming what did not.
+``--timeout`` seconds; exits 1 naming what did not. With ``--redis`` and ``--job`` it reads the job's state
+first: a failed job fails the probe with the controller's reason, and with ``--released-when-done`` a job
+that is done passes without the checks (its serving tiers were scaled to zero once it finished).
 """
 
 from __future__ import annotations
@@ -16,6 +18,8 @@ import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from bagpipe import serving
+from bagpipe.control.generation import DONE, FAILED, current
+from bagpipe.control.registry import Registry
 
 
 def http_ready(url: str) -> str | None:
@@ -44,8 +48,25 @@ def main(argv: list[str] | None = None) -> int:
     )
     p.add_argument("--grpc-health", action="append", default=[], metavar="HOST:PORT", help="must be SERVING")
     p.add_argument("--timeout", type=float, default=120.0, help="seconds to keep trying (default 120)")
+    p.add_argument("--redis", metavar="URL", help="the job's Redis: read its state first")
+    p.add_argument("--job", help="the job's name in Redis (with --redis)")
+    p.add_argument(
+        "--released-when-done",
+        action="store_true",
+        help="a job that is done passes without the checks (its serving tiers were scaled to zero)",
+    )
     a = p.parse_args(argv)
+    if bool(a.redis) != bool(a.job):
+        p.error("--redis and --job go together")
     deadline = time.monotonic() + a.timeout
+    if a.redis:
+        generation = current(Registry(a.redis, a.job))
+        if generation is not None and generation.state == FAILED:
+            print(f"the job failed: {generation.reason}", file=sys.stderr)
+            return 1
+        if generation is not None and generation.state == DONE and a.released_when_done:
+            print(f"the job is done (generation {generation.number}); its serving tiers were released")
+            return 0
     while True:
         problems = [x for x in map(http_ready, a.ready) if x] + [
             x for x in map(grpc_serving, a.grpc_health) if x

@@ -49,7 +49,6 @@ import subprocess
 import threading
 import time
 import urllib.request
-from collections.abc import Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -161,35 +160,45 @@ class Pod:
 class Cluster:
     """The rendered ``manifests`` of one release, run as podman containers under ``workdir``."""
 
-    def __init__(
-        self,
-        manifests: list[dict[str, Any]],
-        namespace: str,
-        workdir: Path,
-        *,
-        prometheus: bool = True,
-    ) -> None:
+    def __init__(self, namespace: str, workdir: Path, *, prometheus: bool = True) -> None:
+        """A network and (``prometheus``) a Prometheus address for a release in ``namespace``: render the
+        chart with :meth:`prometheus_url` as ``controller.prometheusUrl``, then :meth:`start` it."""
         self.namespace = namespace
         self.workdir = workdir
-        self.objects = manifests
         self.net = f"bagpipe-test-{_suffix(6)}"
         self.subnet = ipaddress.ip_network(f"10.{random.randint(90, 250)}.{random.randint(0, 255)}.0/24")
-        self._hosts = iter(list(self.subnet.hosts())[1:])
-        self.gateway = str(next(self.subnet.hosts()))
+        hosts = iter(self.subnet.hosts())
+        self.gateway = str(next(hosts))
+        self._hosts = hosts
         self.pods: dict[str, Pod] = {}
         self.workloads: dict[str, Workload] = {}
         self.released: list[str] = []
+        self.releases: list[str] = []
         self.events: list[str] = []
+        self.secrets: dict[str, dict[str, str]] = {}
+        self.config_maps: dict[str, dict[str, str]] = {}
+        self.services: list[dict[str, Any]] = []
+        self.service_monitors: list[dict[str, Any]] = []
+        self.tests: list[dict[str, Any]] = []
         self._lock = threading.RLock()
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._loop, name="kubelet", daemon=True)
         self._prometheus: subprocess.Popen[bytes] | None = None
-        self.prometheus_port = 0
+        self._with_prometheus = prometheus
+        with socket.socket() as s:
+            s.bind(("", 0))
+            self.prometheus_port = s.getsockname()[1]
+        self.claims = workdir / "volumes"
+        (workdir / "logs").mkdir(parents=True, exist_ok=True)
+
+    def _load(self, manifests: list[dict[str, Any]]) -> None:
         by_kind: dict[str, list[dict[str, Any]]] = {}
         for o in manifests:
             by_kind.setdefault(o["kind"], []).append(o)
         self.secrets = {o["metadata"]["name"]: self._secret_data(o) for o in by_kind.get("Secret", [])}
-        self.config_maps = {o["metadata"]["name"]: dict(o.get("data") or {}) for o in by_kind.get("ConfigMap", [])}
+        self.config_maps = {
+            o["metadata"]["name"]: dict(o.get("data") or {}) for o in by_kind.get("ConfigMap", [])
+        }
         self.services = by_kind.get("Service", [])
         self.service_monitors = by_kind.get("ServiceMonitor", [])
         for kind in ("StatefulSet", "Deployment", "Job"):
@@ -197,13 +206,40 @@ class Cluster:
                 spec = o["spec"]
                 replicas = spec.get("parallelism", 1) if kind == "Job" else spec.get("replicas", 1)
                 self.workloads[o["metadata"]["name"]] = Workload(kind, o["metadata"]["name"], spec, replicas)
-        self.tests = [o for o in by_kind.get("Pod", []) if o["metadata"].get("annotations", {}).get("helm.sh/hook") == "test"]
-        self.claims = workdir / "volumes"
-        (workdir / "logs").mkdir(parents=True, exist_ok=True)
-        self._with_prometheus = prometheus
+        self.releases = self._without_api_server()
+        hook = "helm.sh/hook"
+        self.tests = [
+            o for o in by_kind.get("Pod", []) if o["metadata"].get("annotations", {}).get(hook) == "test"
+        ]
+
+    def _without_api_server(self) -> list[str]:
+        """The controller's command line without what needs the Kubernetes API: ``--kill kubernetes``
+        becomes ``--kill none`` and the ``--release`` workloads are returned (:meth:`release` does that)."""
+        releases: list[str] = []
+        for w in self.workloads.values():
+            for container in w.template["spec"]["containers"]:
+                args = container.get("args") or []
+                if "--kill" not in args:
+                    continue
+                kept: list[str] = []
+                it = iter(args)
+                for a in it:
+                    if a == "--release":
+                        releases.append(next(it))
+                    elif a == "--kill":
+                        next(it)
+                        kept += ["--kill", "none"]
+                    elif a == "--namespace":
+                        next(it)
+                    else:
+                        kept.append(a)
+                container["args"] = kept
+        return releases
 
     # ---- life
-    def start(self) -> None:
+    def start(self, manifests: list[dict[str, Any]]) -> None:
+        """Starts every workload of the rendered ``manifests`` (the kubelet's loop runs from here on)."""
+        self._load(manifests)
         podman("network", "create", "--subnet", str(self.subnet), "--gateway", self.gateway, self.net)
         if self._with_prometheus:
             self._start_prometheus()
@@ -225,13 +261,6 @@ class Cluster:
             self._prometheus.terminate()
             with contextlib.suppress(subprocess.TimeoutExpired):
                 self._prometheus.wait(10)
-
-    def __enter__(self) -> Cluster:
-        self.start()
-        return self
-
-    def __exit__(self, *exc: object) -> None:
-        self.close()
 
     # ---- what a test asks
     def workload(self, suffix: str) -> Workload:
@@ -263,10 +292,16 @@ class Cluster:
             self._reconcile(w)
 
     def release(self, names: list[str]) -> None:
-        """What the controller's ``--release`` asks of the API server: scale each to zero."""
+        """What the controller's ``--release`` asks of the API server once the job is done: each workload
+        scaled to zero."""
         for name in names:
             self.released.append(name)
-            self.scale(name.partition("/")[2], 0)
+            kind, _, workload = name.partition("/")
+            (w,) = [w for w in self.workloads.values() if w.name == workload and w.kind.lower() == kind]
+            self.events.append(f"{time.strftime('%X')} release {name}")
+            with self._lock:
+                w.replicas = 0
+                self._reconcile(w)
 
     def running(self, suffix: str) -> int:
         return len(self.pods_of(suffix))
@@ -293,7 +328,10 @@ class Cluster:
         return codes
 
     def log(self, pod: Pod) -> str:
-        return podman("logs", pod.container, check=False).stdout + podman("logs", pod.container, check=False).stderr
+        return (
+            podman("logs", pod.container, check=False).stdout
+            + podman("logs", pod.container, check=False).stderr
+        )
 
     def prometheus_url(self) -> str:
         return f"http://{self.gateway}:{self.prometheus_port}"
@@ -333,7 +371,15 @@ class Cluster:
             labels["batch.kubernetes.io/job-completion-index"] = str(index)
             annotations["batch.kubernetes.io/job-completion-index"] = str(index)
             hostname = f"{w.name}-{index}"
-        pod = Pod(w, name, w.template["spec"].get("hostname", hostname), str(next(self._hosts)), labels, annotations, index)
+        pod = Pod(
+            w,
+            name,
+            w.template["spec"].get("hostname", hostname),
+            str(next(self._hosts)),
+            labels,
+            annotations,
+            index,
+        )
         self.pods[name] = pod
         self.events.append(f"{time.strftime('%X')} new pod {name} ({pod.ip})")
         self._run(pod)
@@ -512,7 +558,9 @@ class Cluster:
         pod.started = time.monotonic()
         pod.started_ok = "startupProbe" not in container
         pod.probe_due = pod.started + float(
-            (container.get("startupProbe") or container.get("livenessProbe") or {}).get("initialDelaySeconds", 0)
+            (container.get("startupProbe") or container.get("livenessProbe") or {}).get(
+                "initialDelaySeconds", 0
+            )
         )
         pod.probe_failures = 0
         pod.exit_code = None
@@ -532,7 +580,9 @@ class Cluster:
                 self.events.append("kubelet loop failed; see the log")
 
     def _states(self) -> dict[str, dict[str, Any]]:
-        out = podman("ps", "-a", "--filter", f"label=bagpipe-test={self.net}", "--format", "json", check=False)
+        out = podman(
+            "ps", "-a", "--filter", f"label=bagpipe-test={self.net}", "--format", "json", check=False
+        )
         return {c["Names"][0]: c for c in json.loads(out.stdout or "[]")}
 
     def _tick(self) -> None:
@@ -570,6 +620,7 @@ class Cluster:
             if len(w.completed) == w.spec.get("completions", 1):
                 w.completed_at = time.monotonic()
                 self.events.append(f"{time.strftime('%X')} job {w.name} complete")
+                self.release(self.releases)
             return
         action = None
         for rule in (w.spec.get("podFailurePolicy") or {}).get("rules", []):
@@ -585,7 +636,9 @@ class Cluster:
         else:
             w.failures += 1
             if w.failures > int(w.spec.get("backoffLimit", 6)):
-                w.failed = f"backoffLimit {w.spec.get('backoffLimit', 6)} passed (pod {pod.name} exited {code})"
+                w.failed = (
+                    f"backoffLimit {w.spec.get('backoffLimit', 6)} passed (pod {pod.name} exited {code})"
+                )
 
     # ---- probes
     def _probe(self, pod: Pod) -> None:
@@ -606,7 +659,9 @@ class Cluster:
         if pod.probe_failures < int(probe.get("failureThreshold", 3)):
             return
         what = "liveness" if pod.started_ok else "startup"
-        self.events.append(f"{time.strftime('%X')} {pod.name}: {what} probe failed {pod.probe_failures} times")
+        self.events.append(
+            f"{time.strftime('%X')} {pod.name}: {what} probe failed {pod.probe_failures} times"
+        )
         grace = int(pod.spec.get("terminationGracePeriodSeconds", 30))
         if podman("stop", "-t", str(grace), pod.container, check=False, timeout=grace + 30).returncode != 0:
             podman("rm", "-f", "-t", "0", pod.container, check=False)  # (a frozen one: SIGKILL and thaw)
@@ -632,7 +687,9 @@ class Cluster:
                 with urllib.request.urlopen(url, timeout=timeout) as r:
                     return 200 <= r.status < 400
             if "tcpSocket" in probe:
-                with socket.create_connection((pod.ip, self._port(container, probe["tcpSocket"]["port"])), timeout):
+                with socket.create_connection(
+                    (pod.ip, self._port(container, probe["tcpSocket"]["port"])), timeout
+                ):
                     return True
             if "grpc" in probe:
                 g = probe["grpc"]
@@ -642,7 +699,9 @@ class Cluster:
                     )
                 return bool(answer.status == health_pb2.HealthCheckResponse.SERVING)
             if "exec" in probe:
-                done = podman("exec", pod.container, *probe["exec"]["command"], check=False, timeout=timeout + 5)
+                done = podman(
+                    "exec", pod.container, *probe["exec"]["command"], check=False, timeout=timeout + 5
+                )
                 return done.returncode == 0
         except (OSError, grpc.RpcError, subprocess.TimeoutExpired):
             return False
@@ -659,9 +718,6 @@ class Cluster:
     def _start_prometheus(self) -> None:
         directory = self.workdir / "prometheus"
         directory.mkdir(parents=True, exist_ok=True)
-        with socket.socket() as s:
-            s.bind((self.gateway, 0))
-            self.prometheus_port = s.getsockname()[1]
         jobs = []
         for sm in self.service_monitors:
             for i, endpoint in enumerate(sm["spec"]["endpoints"]):
@@ -691,17 +747,23 @@ class Cluster:
                 )
         (directory / "prometheus.yml").write_text(json.dumps({"scrape_configs": jobs}, indent=1))
         self._write_targets()
-        self._prometheus = subprocess.Popen(
-            [str(PROMETHEUS), f"--config.file={directory / 'prometheus.yml'}",
-             f"--storage.tsdb.path={directory / 'data'}", f"--web.listen-address={self.gateway}:{self.prometheus_port}"],
-            stdout=open(directory / "prometheus.log", "w"), stderr=subprocess.STDOUT,
-        )  # fmt: skip
+        with open(directory / "prometheus.log", "w") as log:  # (the child keeps its own descriptor)
+            self._prometheus = subprocess.Popen(
+                [
+                    str(PROMETHEUS),
+                    f"--config.file={directory / 'prometheus.yml'}",
+                    f"--storage.tsdb.path={directory / 'data'}",
+                    f"--web.listen-address=0.0.0.0:{self.prometheus_port}",
+                ],
+                stdout=log,
+                stderr=subprocess.STDOUT,
+            )
+        ready = f"http://127.0.0.1:{self.prometheus_port}/-/ready"
         deadline = time.monotonic() + 30
         while True:
-            with contextlib.suppress(OSError):
-                with urllib.request.urlopen(f"{self.prometheus_url()}/-/ready", timeout=2) as r:
-                    if r.status == 200:
-                        return
+            with contextlib.suppress(OSError), urllib.request.urlopen(ready, timeout=2) as r:
+                if r.status == 200:
+                    return
             if time.monotonic() > deadline:
                 raise RuntimeError(f"prometheus did not start; see {directory / 'prometheus.log'}")
             time.sleep(0.2)
@@ -712,7 +774,11 @@ class Cluster:
         directory = self.workdir / "prometheus"
         for sm in self.service_monitors:
             selector = sm["spec"]["selector"].get("matchLabels", {})
-            services = [s for s in self.services if all(s["metadata"].get("labels", {}).get(k) == v for k, v in selector.items())]
+            services = [
+                s
+                for s in self.services
+                if all(s["metadata"].get("labels", {}).get(k) == v for k, v in selector.items())
+            ]
             for i, endpoint in enumerate(sm["spec"]["endpoints"]):
                 name = f"serviceMonitor/{self.namespace}/{sm['metadata']['name']}/{i}"
                 groups = []
@@ -722,30 +788,33 @@ class Cluster:
                         continue
                     for pod in self.pods.values():
                         sel = svc["spec"].get("selector") or {}
-                        if pod.deleting or pod.finished or not all(pod.labels.get(k) == v for k, v in sel.items()):
+                        if (
+                            pod.deleting
+                            or pod.finished
+                            or not all(pod.labels.get(k) == v for k, v in sel.items())
+                        ):
                             continue
                         (container,) = self._containers(pod)
-                        port = self._port(container, ports[endpoint["port"]].get("targetPort", endpoint["port"]))
+                        port = self._port(
+                            container, ports[endpoint["port"]].get("targetPort", endpoint["port"])
+                        )
                         labels = {
                             "__meta_kubernetes_namespace": self.namespace,
                             "__meta_kubernetes_service_name": svc["metadata"]["name"],
                             "__meta_kubernetes_pod_name": pod.name,
                             "__meta_kubernetes_pod_ip": pod.ip,
                         }
-                        labels.update({f"__meta_kubernetes_pod_label_{_sanitize(k)}": v for k, v in pod.labels.items()})
-                        labels.update({f"__meta_kubernetes_pod_annotation_{_sanitize(k)}": v for k, v in pod.annotations.items()})
+                        labels.update(
+                            {f"__meta_kubernetes_pod_label_{_sanitize(k)}": v for k, v in pod.labels.items()}
+                        )
+                        labels.update(
+                            {
+                                f"__meta_kubernetes_pod_annotation_{_sanitize(k)}": v
+                                for k, v in pod.annotations.items()
+                            }
+                        )
                         groups.append({"targets": [f"{pod.ip}:{port}"], "labels": labels})
                 target = directory / f"{_sanitize(name)}.json"
                 tmp = target.with_suffix(".tmp")
                 tmp.write_text(json.dumps(groups))
                 tmp.replace(target)
-
-
-@contextlib.contextmanager
-def cluster(manifests: list[dict[str, Any]], namespace: str, workdir: Path) -> Iterator[Cluster]:
-    c = Cluster(manifests, namespace, workdir)
-    try:
-        c.start()
-        yield c
-    finally:
-        c.close()

@@ -64,6 +64,7 @@ def test_trainer_round_trip() -> None:
             eval_data="synthetic",
             eval_every=7,
             eval_samples=999,
+            serve_after_done=True,
         ),
         TrainerConfig(
             1,

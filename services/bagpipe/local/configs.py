@@ -194,6 +194,7 @@ def trainer(
         eval_every=args.eval_every,
         eval_samples=args.eval_samples,
         schema=args.schema,
+        serve_after_done=True,  # (the launcher reads every trainer's last metrics, then stops it)
     )
 
 

@@ -132,6 +132,10 @@ def main(argv: list[str] | None = None) -> None:
         while not stopped.wait(POLL_S) and not _job_done(registry, generation):
             pass
     watch.stop()
+    if cfg.serve_after_done and not stopped.is_set():
+        logger.info("rank %d: the job is done; serving metrics until stopped (SIGTERM)", cfg.rank)
+        while not stopped.wait(1.0):  # (a timed wait: the signal handler runs between two)
+            pass
     http.stop()
 
 

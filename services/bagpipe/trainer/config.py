@@ -105,6 +105,11 @@ class TrainerConfig:
     eval_every: int = eval_every_field()
     eval_samples: int = eval_samples_field()
     schema: str | None = schema_field()
+    serve_after_done: bool = flag(
+        "after the job's end keep serving /metrics until SIGTERM instead of exiting (the local launcher "
+        "reads the trainers' last metrics; a Job's pod must exit to complete)",
+        default=False,
+    )
 
     def __post_init__(self) -> None:
         if self.transfer_batches < 1:
