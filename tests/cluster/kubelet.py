@@ -125,7 +125,7 @@ class Workload:
     completed: set[int] = field(default_factory=set)
     failures: int = 0
     failed: str | None = None
-    completed_at: float | None = None
+    completed_at: float | None = None  # (wall clock: files' times compare with it)
 
     @property
     def template(self) -> dict[str, Any]:
@@ -175,6 +175,7 @@ class Cluster:
         self.released: list[str] = []
         self.releases: list[str] = []
         self.events: list[str] = []
+        self.started_at = 0.0
         self.secrets: dict[str, dict[str, str]] = {}
         self.config_maps: dict[str, dict[str, str]] = {}
         self.services: list[dict[str, Any]] = []
@@ -240,6 +241,7 @@ class Cluster:
     def start(self, manifests: list[dict[str, Any]]) -> None:
         """Starts every workload of the rendered ``manifests`` (the kubelet's loop runs from here on)."""
         self._load(manifests)
+        self.started_at = time.time()
         podman("network", "create", "--subnet", str(self.subnet), "--gateway", self.gateway, self.net)
         if self._with_prometheus:
             self._start_prometheus()
@@ -618,7 +620,7 @@ class Cluster:
             assert pod.index is not None
             w.completed.add(pod.index)
             if len(w.completed) == w.spec.get("completions", 1):
-                w.completed_at = time.monotonic()
+                w.completed_at = time.time()
                 self.events.append(f"{time.strftime('%X')} job {w.name} complete")
                 self.release(self.releases)
             return
