@@ -1087,9 +1087,10 @@ def test_bundled_redis_requires_the_password_its_clients_send(tmp_path: Path) ->
 
     port, chart_port = free_port(), argv[argv.index("--port") + 1]
     argv[argv.index("--port") + 1], argv[argv.index("--dir") + 1] = str(port), str(tmp_path)
-    assert argv[0] == "redis-server"
+    # the bagpipe image's own Redis (Debian's, at /usr/bin); here the venv's redis-server stands in for it
+    assert redis["command"] == ["/usr/bin/redis-server"] and redis["image"] == "bagpipe:0.1.0"
     server = Path(find_redis_server())
-    proc = subprocess.Popen([str(server), *argv[1:]], stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    proc = subprocess.Popen([str(server), *argv], stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
     try:
         deadline = time.monotonic() + 10
         while True:
@@ -1100,7 +1101,8 @@ def test_bundled_redis_requires_the_password_its_clients_send(tmp_path: Path) ->
         # readiness: an authenticated PING; without the password it fails
         probe = redis["readinessProbe"]["exec"]["command"]
         assert probe[:2] == ["sh", "-c"] and f"-p {chart_port}" in probe[2]
-        script = probe[2].replace(f"-p {chart_port}", f"-p {port}")
+        assert probe[2].startswith("/usr/bin/redis-cli ")
+        script = probe[2].replace(f"-p {chart_port}", f"-p {port}").replace("/usr/bin/redis-cli", "redis-cli")
         path = f"{server.parent}{os.pathsep}{os.environ['PATH']}"
         assert shutil.which("redis-cli", path=path), "redis-cli beside redis-server"
 

@@ -80,7 +80,7 @@ def test_with_tls_the_bundled_redis_speaks_only_tls_with_the_jobs_certificate() 
     docs = render(*TLS)
     pod, container = redis_container(docs)
     argv = [str(a) for a in container["args"]]
-    assert argv[0] == "redis-server"
+    assert container["command"] == ["/usr/bin/redis-server"], "Debian's, with TLS, in the bagpipe image"
     assert flag(argv, "--port") == "0", "no plaintext port"
     assert flag(argv, "--tls-port") == "6379" and container["ports"] == [
         {"name": "redis", "containerPort": 6379}
@@ -93,7 +93,7 @@ def test_with_tls_the_bundled_redis_speaks_only_tls_with_the_jobs_certificate() 
     # its readiness probe is a TLS client with the same files; liveness only opens the port
     script = container["readinessProbe"]["exec"]["command"][2]
     words = script.split()
-    assert words[:2] == ["redis-cli", "--tls"] and "-p 6379 ping" in script
+    assert words[:2] == ["/usr/bin/redis-cli", "--tls"] and "-p 6379 ping" in script
     assert {files[flag(words, f)] for f in ("--cert", "--key", "--cacert")} == {
         ("x", k) for k in TLS_KEYS.values()
     }
@@ -103,13 +103,24 @@ def test_with_tls_the_bundled_redis_speaks_only_tls_with_the_jobs_certificate() 
     check_consistency(docs)
 
 
+def test_the_bundled_redis_runs_from_redis_image_when_asked() -> None:
+    """``redis.image.bagpipe: false``: the official image's entrypoint with ``redis-server`` first, and
+    its own ``redis-cli`` in the probe."""
+    docs = render("--set", "redis.image.bagpipe=false")
+    _, container = redis_container(docs)
+    assert container["image"] == "docker.io/library/redis:7.2.7-alpine" and "command" not in container
+    assert container["args"][0] == "redis-server" and flag(container["args"], "--port") == "6379"
+    assert container["readinessProbe"]["exec"]["command"][2] == "redis-cli -p 6379 ping | grep -qx PONG"
+
+
 def test_without_tls_the_bundled_redis_is_plaintext_as_before() -> None:
     docs = render()
     pod, container = redis_container(docs)
     argv = [str(a) for a in container["args"]]
     assert flag(argv, "--port") == "6379" and not [a for a in argv if a.startswith("--tls")]
     assert not secret_files(pod, container)
-    assert container["readinessProbe"]["exec"]["command"][2] == "redis-cli -p 6379 ping | grep -qx PONG"
+    probe = container["readinessProbe"]["exec"]["command"][2]
+    assert probe == "/usr/bin/redis-cli -p 6379 ping | grep -qx PONG"
     assert services_redis_urls(docs) == {"redis://bagpipe-redis:6379/0"}
 
 
@@ -158,7 +169,7 @@ def test_the_tls_redis_answers_its_probe_and_the_services_and_no_plaintext_clien
     server = Path(find_redis_server())
     log = tmp_path / "redis.out"
     with log.open("wb") as out:
-        proc = subprocess.Popen([str(server), *argv[1:]], stdout=out, stderr=subprocess.STDOUT)
+        proc = subprocess.Popen([str(server), *argv], stdout=out, stderr=subprocess.STDOUT)
     try:
         deadline = time.monotonic() + 10
         while True:
@@ -171,7 +182,9 @@ def test_the_tls_redis_answers_its_probe_and_the_services_and_no_plaintext_clien
             assert time.monotonic() < deadline, "redis-server did not listen"
             time.sleep(0.05)
         # readiness: an authenticated PING over TLS with the job's certificate
+        # (the redis-cli beside the redis-server found here stands in for the image's /usr/bin/redis-cli)
         script = container["readinessProbe"]["exec"]["command"][2].replace("-p 6379", f"-p {port}")
+        script = script.replace("/usr/bin/redis-cli", "redis-cli")
         for path, here in local.items():
             script = script.replace(path, here)
         path = f"{server.parent}{os.pathsep}{os.environ['PATH']}"
