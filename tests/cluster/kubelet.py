@@ -161,15 +161,13 @@ class Cluster:
     """The rendered ``manifests`` of one release, run as podman containers under ``workdir``."""
 
     def __init__(self, namespace: str, workdir: Path, *, prometheus: bool = True) -> None:
-        """A network and (``prometheus``) a Prometheus address for a release in ``namespace``: render the
-        chart with :meth:`prometheus_url` as ``controller.prometheusUrl``, then :meth:`start` it."""
+        """A container network and (``prometheus``) a Prometheus address for a release in ``namespace``:
+        render the chart with :meth:`prometheus_url` as ``controller.prometheusUrl``, then :meth:`start`
+        it; :meth:`close` removes everything."""
         self.namespace = namespace
         self.workdir = workdir
         self.net = f"bagpipe-test-{_suffix(6)}"
-        self.subnet = ipaddress.ip_network(f"10.{random.randint(90, 250)}.{random.randint(0, 255)}.0/24")
-        hosts = iter(self.subnet.hosts())
-        self.gateway = str(next(hosts))
-        self._hosts = hosts
+        self._pick_subnet()
         self.pods: dict[str, Pod] = {}
         self.workloads: dict[str, Workload] = {}
         self.released: list[str] = []
@@ -191,6 +189,20 @@ class Cluster:
             self.prometheus_port = s.getsockname()[1]
         self.claims = workdir / "volumes"
         (workdir / "logs").mkdir(parents=True, exist_ok=True)
+        for attempt in range(5):  # (a random /24 may overlap a network this host already has)
+            made = podman("network", "create", "--subnet", str(self.subnet), "--gateway", self.gateway,
+                          self.net, check=False)  # fmt: skip
+            if made.returncode == 0:
+                break
+            if attempt == 4:
+                raise RuntimeError(f"podman network create: {made.stderr.strip()}")
+            self._pick_subnet()
+
+    def _pick_subnet(self) -> None:
+        self.subnet = ipaddress.ip_network(f"10.{random.randint(90, 250)}.{random.randint(0, 255)}.0/24")
+        hosts = iter(self.subnet.hosts())
+        self.gateway = str(next(hosts))
+        self._hosts = hosts
 
     def _load(self, manifests: list[dict[str, Any]]) -> None:
         by_kind: dict[str, list[dict[str, Any]]] = {}
@@ -242,7 +254,6 @@ class Cluster:
         """Starts every workload of the rendered ``manifests`` (the kubelet's loop runs from here on)."""
         self._load(manifests)
         self.started_at = time.time()
-        podman("network", "create", "--subnet", str(self.subnet), "--gateway", self.gateway, self.net)
         if self._with_prometheus:
             self._start_prometheus()
         with self._lock:
