@@ -35,6 +35,7 @@ from tests.chart.test_chart import (
     pod_specs,
     render,
     run,
+    start_chart_redis,
     tls_env,
 )
 
@@ -80,7 +81,7 @@ def test_with_tls_the_bundled_redis_speaks_only_tls_with_the_jobs_certificate() 
     docs = render(*TLS)
     pod, container = redis_container(docs)
     argv = [str(a) for a in container["args"]]
-    assert container["command"] == ["/usr/bin/redis-server"], "Debian's, with TLS, in the bagpipe image"
+    assert "exec /usr/bin/redis-server - " in container["command"][2], "Debian's, with TLS, in the image"
     assert flag(argv, "--port") == "0", "no plaintext port"
     assert flag(argv, "--tls-port") == "6379" and container["ports"] == [
         {"name": "redis", "containerPort": 6379}
@@ -108,8 +109,8 @@ def test_the_bundled_redis_runs_from_redis_image_when_asked() -> None:
     its own ``redis-cli`` in the probe."""
     docs = render("--set", "redis.image.bagpipe=false")
     _, container = redis_container(docs)
-    assert container["image"] == "docker.io/library/redis:7.2.7-alpine" and "command" not in container
-    assert container["args"][0] == "redis-server" and flag(container["args"], "--port") == "6379"
+    assert container["image"] == "docker.io/library/redis:7.2.7-alpine"
+    assert "exec redis-server - " in container["command"][2] and flag(container["args"], "--port") == "6379"
     assert container["readinessProbe"]["exec"]["command"][2] == "redis-cli -p 6379 ping | grep -qx PONG"
 
 
@@ -169,7 +170,7 @@ def test_the_tls_redis_answers_its_probe_and_the_services_and_no_plaintext_clien
     server = Path(find_redis_server())
     log = tmp_path / "redis.out"
     with log.open("wb") as out:
-        proc = subprocess.Popen([str(server), *argv], stdout=out, stderr=subprocess.STDOUT)
+        proc = start_chart_redis(container, argv, env, server, stdout=out, stderr=subprocess.STDOUT)
     try:
         deadline = time.monotonic() + 10
         while True:

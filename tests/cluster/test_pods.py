@@ -4,6 +4,7 @@ ends with the model ``bagpipe run`` computes with the same flags."""
 
 from __future__ import annotations
 
+import base64
 import json
 import os
 import random
@@ -18,6 +19,7 @@ from bagpipe.cli import parse_run
 from bagpipe.core import checkpoint
 from bagpipe.local.launcher import run
 
+from tests.certificates import certificates
 from tests.cluster.conftest import FIGURES
 from tests.cluster.kubelet import Cluster, Pod, can_run_containers, render
 from tests.integration.conftest import flags
@@ -92,16 +94,20 @@ def reference(references: Callable[[int], dict[str, Any]]) -> dict[str, Any]:
 
 
 @contextmanager
-def cluster(workdir: Path, iterations: int = ITERATIONS) -> Iterator[Cluster]:
-    """The chart with VALUES (and ``iterations``) running under podman in ``workdir``."""
+def cluster(
+    workdir: Path, iterations: int = ITERATIONS, extra: tuple[dict[str, Any], ...] = (), **values: Any
+) -> Iterator[Cluster]:
+    """The chart with VALUES (and ``iterations``, and top-level ``values``) running under podman in
+    ``workdir``, beside the ``extra`` objects a user would have made (a Secret)."""
     c = Cluster(NAMESPACE, workdir)
     values = {
         **VALUES,
         "controller": {**VALUES["controller"], "prometheusUrl": c.prometheus_url()},
         "training": {**VALUES["training"], "iterations": iterations},
+        **values,
     }
     try:
-        c.start(render(RELEASE, NAMESPACE, values))
+        c.start([*render(RELEASE, NAMESPACE, values), *extra])
         yield c
     finally:
         c.close()
@@ -231,3 +237,22 @@ def test_scaling_the_embedding_servers_2_3_2_keeps_the_model(tmp_path: Path, ref
         assert shards_with_rows(job) == {0, 1}
         still_training(job, SCALING_ITERATIONS)
         finish(job, references(SCALING_ITERATIONS), "embedding servers scaled 2 -> 3 -> 2")
+
+
+def test_with_tls_the_job_completes_over_mutual_tls_and_the_bundled_redis_speaks_only_tls(
+    tmp_path: Path, reference
+) -> None:
+    """``tls.enabled`` with a Secret like cert-manager's: every gRPC call and the Redis connections (the
+    bagpipe image's Debian Redis, TLS only) use the job's certificate; the model is the same."""
+    files = certificates(
+        tmp_path / "certificates", "bagpipe", {"cert": "tls.crt", "key": "tls.key", "ca": "ca.crt"}
+    )
+    data = {Path(f).name: base64.b64encode(Path(f).read_bytes()).decode() for f in files.values()}
+    secret = {"apiVersion": "v1", "kind": "Secret", "metadata": {"name": "job-tls"}, "data": data}
+    tls = {"enabled": True, "secretName": "job-tls"}
+    with cluster(tmp_path / "job", extra=(secret,), tls=tls) as job:
+        finish(job, reference, "mutual TLS, TLS Redis")
+        with pytest.raises(redis.ConnectionError), redis_of(job) as r:  # (no plaintext port)
+            r.ping()
+        codes = job.run_test_pods()
+        assert codes and all(code == 0 for code in codes.values()), (codes, job.events)
