@@ -28,17 +28,14 @@ from typing import Any
 
 import torch
 
-from bagpipe.core import interop
+from bagpipe.core import durable, interop
 from bagpipe.core.model_config import ModelConfig
 
 
 def save(path: str | os.PathLike[str], checkpoint: dict[str, Any]) -> None:
-    """Writes atomically (temporary file, then rename) so a reader never sees half a checkpoint."""
-    target = Path(path)
-    target.parent.mkdir(parents=True, exist_ok=True)
-    tmp = target.with_name(target.name + ".tmp")
-    torch.save(checkpoint, tmp)
-    os.replace(tmp, target)
+    """Writes atomically and durably (a fsynced temporary file renamed into place, its directory fsynced), so
+    a reader never sees half a checkpoint and a power loss leaves the old file or the new one."""
+    durable.write_atomically(Path(path), lambda tmp: torch.save(checkpoint, tmp))
 
 
 def load_plain(path: str | os.PathLike[str]) -> dict[str, Any]:

@@ -17,23 +17,24 @@ before ``n`` (or the run's initial rows), then every incremental one after it up
 through ``previous``. Every ``full_every``-th checkpoint is full, so a restore reads a bounded number of
 files however long the run; a link that is missing is refused (``BrokenChain``), never skipped. ``prune``
 keeps the newest ``keep`` complete checkpoints and the links they stand on. Every file is fsynced before
-the manifest names it. Files hold global keys, so they restore onto any number of servers. Nothing here
+the manifest names it, and every directory made or removed is fsynced into its parent (``durable``).
+Files hold global keys, so they restore onto any number of servers. Nothing here
 opens a socket; the services call it.
 """
 
 from __future__ import annotations
 
-import contextlib
 import json
 import logging
 import os
-import shutil
 import zipfile
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
 import numpy as np
+
+from bagpipe.core import durable
 
 logger = logging.getLogger(__name__)
 
@@ -77,10 +78,9 @@ def latest(directory: str | os.PathLike[str]) -> int | None:
 
 
 def _remove(path: Path) -> None:
-    """Removes a checkpoint's directory, its manifest first: half removed, it is no checkpoint at all."""
-    with contextlib.suppress(FileNotFoundError):
-        (path / MANIFEST).unlink()
-    shutil.rmtree(path, ignore_errors=True)
+    """Removes a checkpoint's directory, its manifest first and durably: half removed, it is no checkpoint
+    at all, whenever the power goes."""
+    durable.remove_tree(path, MANIFEST)
 
 
 def discard_after(directory: str | os.PathLike[str], next_batch: int) -> list[int]:
@@ -97,37 +97,6 @@ def discard_after(directory: str | os.PathLike[str], next_batch: int) -> list[in
 def discard(directory: str | os.PathLike[str], next_batch: int) -> None:
     """Removes checkpoint ``next_batch`` whatever it holds (one that could not be completed)."""
     _remove(path_of(directory, next_batch))
-
-
-def _fsync_dir(path: Path) -> None:
-    fd = os.open(path, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
-
-
-def _atomic(target: Path, write: Callable[[Path], object]) -> None:
-    """Writes ``target`` through a temporary file that is fsynced, renamed into place, and its directory
-    fsynced: after a crash the file is whole or absent. On error (a full disk) the temporary file is removed
-    and ``target``, if it existed, is untouched."""
-    target.parent.mkdir(parents=True, exist_ok=True)
-    tmp = target.with_name(f".{target.name}.tmp")
-    try:
-        write(tmp)
-        fd = os.open(tmp, os.O_RDONLY)
-        try:
-            os.fsync(fd)
-        finally:
-            os.close(fd)
-        os.replace(tmp, target)
-    except BaseException as e:
-        with contextlib.suppress(OSError):
-            tmp.unlink()
-        if isinstance(e, OSError) and e.filename is None:  # (ENOSPC from a write names no file)
-            raise OSError(e.errno, e.strerror, str(target)) from e
-        raise
-    _fsync_dir(target.parent)
 
 
 def row_file(shard: int, full: bool) -> str:
@@ -171,7 +140,7 @@ def write_rows(
             _write_npy(archive, "rows", np.dtype(np.float32), (n, rows.shape[1]), chunks(rows))
             _write_npy(archive, "state", np.dtype(np.float32), (n, state.shape[1]), chunks(state))
 
-    _atomic(target, write)
+    durable.write_atomically(target, write)
     return name, target.stat().st_size
 
 
@@ -190,7 +159,7 @@ class Gathered:
 def write_dense(directory: str | os.PathLike[str], next_batch: int, content: dict[str, Any]) -> None:
     import torch  # (trainers only; the embedding servers never load it)
 
-    _atomic(path_of(directory, next_batch) / DENSE, lambda tmp: torch.save(content, tmp))
+    durable.write_atomically(path_of(directory, next_batch) / DENSE, lambda tmp: torch.save(content, tmp))
 
 
 def read_dense(directory: str | os.PathLike[str], next_batch: int) -> dict[str, Any]:
@@ -214,7 +183,7 @@ def mark_complete(directory: str | os.PathLike[str], next_batch: int, manifest: 
     for name in [DENSE, *manifest.get("row_files", [])]:
         if not (where / name).is_file():
             raise FileNotFoundError(f"checkpoint {next_batch}: {name} is missing, cannot mark it complete")
-    _atomic(
+    durable.write_atomically(
         where / MANIFEST,
         lambda tmp: tmp.write_text(json.dumps({"next_batch": next_batch, **manifest}, indent=1)),
     )

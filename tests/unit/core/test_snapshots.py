@@ -5,13 +5,15 @@ restore into fresh stores, compared with the rows the stores held at that checkp
 from __future__ import annotations
 
 import os
+import shutil
 import subprocess
 from pathlib import Path
 from typing import Any
 
 import numpy as np
 import pytest
-from bagpipe.core import snapshots
+import torch
+from bagpipe.core import checkpoint, snapshots
 from bagpipe.core.data import table_offsets
 from bagpipe.core.shard_map import ShardMap
 from bagpipe.embedding_server.shard_store import ShardStore
@@ -146,6 +148,58 @@ def test_files_are_fsynced_before_the_manifest_names_them(tmp_path: Path, monkey
     assert names.index(".rows-0.npz.tmp") < names.index(".COMPLETE.tmp")
     assert names.index(".rows-1.npz.tmp") < names.index(".COMPLETE.tmp")
     assert synced[-1] == where and names[-2] == ".COMPLETE.tmp"
+    # the new checkpoint's directory is fsynced into the checkpoint directory before any file of it is
+    # named there (else a power loss can take the whole checkpoint, manifest included)
+    assert synced.index(str(tmp_path)) < names.index(".rows-0.npz.tmp")
+
+
+def test_a_removed_checkpoint_loses_its_manifest_durably_before_its_files(
+    tmp_path: Path, monkeypatch: Any
+) -> None:
+    """Pruning, discarding: the manifest's removal reaches the disk before any file goes, so a power loss
+    in between leaves no checkpoint that names missing files."""
+    _run(tmp_path, 2, full_every=4)
+    events: list[str] = []
+    real_fsync, real_unlink, real_rmtree = os.fsync, Path.unlink, shutil.rmtree
+    monkeypatch.setattr(
+        os,
+        "fsync",
+        lambda fd: (events.append(f"fsync {os.readlink(f'/proc/self/fd/{fd}')}"), real_fsync(fd))[1],
+    )
+    monkeypatch.setattr(
+        Path, "unlink", lambda self, *a, **k: (events.append(f"unlink {self}"), real_unlink(self, *a, **k))[1]
+    )
+    monkeypatch.setattr(
+        shutil,
+        "rmtree",
+        lambda path, *a, **k: (events.append(f"rmtree {path}"), real_rmtree(path, *a, **k))[1],
+    )
+    where = snapshots.path_of(tmp_path, 10)
+    snapshots.discard(tmp_path, 10)
+    assert events == [
+        f"unlink {where / 'COMPLETE'}",
+        f"fsync {where}",
+        f"rmtree {where}",
+        f"fsync {tmp_path}",
+    ]
+    assert snapshots.complete(tmp_path) == [5]
+
+
+def test_the_final_model_is_fsynced_with_its_new_directories(tmp_path: Path, monkeypatch: Any) -> None:
+    synced: list[str] = []
+    real = os.fsync
+    monkeypatch.setattr(
+        os, "fsync", lambda fd: (synced.append(os.readlink(f"/proc/self/fd/{fd}")), real(fd))[1]
+    )
+    target = tmp_path / "model" / "run-1" / "final.pt"
+    checkpoint.save(target, {"dense": {"w": torch.ones(2)}, "embeddings": {}})
+    assert synced == [
+        str(tmp_path),
+        str(tmp_path / "model"),
+        str(target.with_name(".final.pt.tmp")),
+        str(target.parent),
+    ]
+    assert torch.equal(checkpoint.load_plain(target)["dense"]["w"], torch.ones(2))
 
 
 @pytest.fixture
