@@ -36,6 +36,12 @@ class FailedPrecondition(BagpipeError):
     code = grpc.StatusCode.FAILED_PRECONDITION
 
 
+class Unavailable(BagpipeError):
+    """Worth retrying: what failed may pass (a transient error of a volume, say)."""
+
+    code = grpc.StatusCode.UNAVAILABLE
+
+
 class PermissionDenied(BagpipeError):
     code = grpc.StatusCode.PERMISSION_DENIED
 

@@ -24,6 +24,7 @@ opens a socket; the services call it.
 
 from __future__ import annotations
 
+import errno
 import json
 import logging
 import os
@@ -46,11 +47,20 @@ DEFAULT_FULL_EVERY = 8  # every this many checkpoints one is full: a chain is at
 # since a replay would fail the same way (the launcher gives up; the chart's Job fails by its
 # podFailurePolicy), and the complete checkpoints before it are intact to resume from
 EXIT_CHECKPOINT_FAILED = 74
+# why a checkpoint cannot be written that a replay would meet again: a full disk or quota, a read-only
+# volume. Anything else (EIO or ESTALE on a network volume, EMFILE, a timeout) may pass, and is recovered
+# from like any other failure
+FINAL_ERRNOS = frozenset({errno.ENOSPC, errno.EDQUOT, errno.EROFS})
 _CHUNK_ROWS = 1 << 16  # rows a full snapshot writes at a time (no copy of the whole shard)
 
 
 class BrokenChain(ValueError):
     """A checkpoint cannot be restored: a link of its chain, or a file a manifest lists, is missing."""
+
+
+def final(error: BaseException) -> bool:
+    """Whether ``error``, met writing a checkpoint, would fail a replay the same way (``FINAL_ERRNOS``)."""
+    return isinstance(error, OSError) and error.errno in FINAL_ERRNOS
 
 
 def path_of(directory: str | os.PathLike[str], next_batch: int) -> Path:

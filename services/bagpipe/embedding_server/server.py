@@ -42,7 +42,7 @@ from bagpipe.embedding_server import metrics
 from bagpipe.embedding_server.caps import request_caps
 from bagpipe.embedding_server.client import MAX_ROWS_PER_RPC
 from bagpipe.embedding_server.shard_store import Migration, ShardStore
-from bagpipe.errors import FailedPrecondition, InvalidArgument
+from bagpipe.errors import FailedPrecondition, InvalidArgument, Unavailable
 from bagpipe.health_service import HealthService
 from bagpipe.v1 import embedding_server_pb2 as pb
 from bagpipe.v1 import embedding_server_pb2_grpc as pb_grpc
@@ -112,6 +112,16 @@ async def _off_loop(pool: ThreadPoolExecutor | None, work: Any, *args: Any) -> A
         while not done.done():  # (however often the call is cancelled meanwhile)
             with contextlib.suppress(asyncio.CancelledError):
                 await asyncio.wait([done])
+
+
+def _refuse_unwritten(error: BaseException) -> None:
+    """A snapshot the disk refused: ``directory:`` (FAILED_PRECONDITION) when a replay would fail the same
+    way (a full or read-only volume: the trainer fails the job, exit 74), ``snapshot:`` (UNAVAILABLE) when it
+    may pass (the trainer's failure is recovered from like any other)."""
+    if isinstance(error, OSError):
+        if snapshots.final(error):
+            raise FailedPrecondition(f"directory: cannot write the snapshot: {error}") from error
+        raise Unavailable(f"snapshot: cannot write the snapshot (may pass): {error}") from error
 
 
 class EmbeddingServicer(pb_grpc.EmbeddingServerServicer):
@@ -281,8 +291,7 @@ class EmbeddingServicer(pb_grpc.EmbeddingServerServicer):
                     name, size = await _off_loop(None, write, keys, gathered, gathered_state)
                 except BaseException as e:
                     self.store.keep_all()
-                    if isinstance(e, OSError):
-                        raise FailedPrecondition(f"directory: cannot write the snapshot: {e}") from e
+                    _refuse_unwritten(e)
                     raise
         else:
             async with self._gate.changing():  # (between write-backs), written out off the loop
@@ -294,8 +303,7 @@ class EmbeddingServicer(pb_grpc.EmbeddingServerServicer):
                 name, size = await asyncio.to_thread(write, keys, rows, state)
             except BaseException as e:  # (a cancelled call too) the next snapshot must still hold them
                 await asyncio.shield(self._keep_changes(keys))
-                if isinstance(e, OSError):
-                    raise FailedPrecondition(f"directory: cannot write the snapshot: {e}") from e
+                _refuse_unwritten(e)
                 raise
         metrics.SNAPSHOT_SECONDS.observe(time.perf_counter() - t0)
         metrics.SNAPSHOT_ROWS.inc(keys.size)

@@ -52,7 +52,8 @@ logger = logging.getLogger(__name__)
 
 
 class CheckpointFailed(Exception):
-    """A recovery checkpoint could not be written (a full disk); the message names where."""
+    """A recovery checkpoint could not be written, and a replay would fail the same way (a full disk or
+    quota, a read-only volume: ``snapshots.final``); the message names where."""
 
 
 def trainer_device(choice: str, rank: int) -> torch.device:
@@ -326,11 +327,16 @@ class Trainer:
             full = snapshots.full_due(directory, previous, self.config.checkpoint_full_every)
             written = self._write_checkpoint(directory, next_batch, previous, full)
         except (OSError, grpc.RpcError) as e:
-            if isinstance(e, grpc.RpcError) and not (
-                e.code() == grpc.StatusCode.FAILED_PRECONDITION
+            disk_full = (
+                snapshots.final(e)
+                if isinstance(e, OSError)
+                else e.code() == grpc.StatusCode.FAILED_PRECONDITION
                 and (e.details() or "").startswith("directory:")
-            ):
-                raise  # (a server gone: the failure detector's case, not the disk's)
+            )
+            if not disk_full:
+                # (a server gone, a volume's passing error: recovered from like any failure; the next
+                # generation's rank 0 removes what this one began)
+                raise
             snapshots.discard(directory, next_batch)
             why = e.details() if isinstance(e, grpc.RpcError) else str(e)
             logger.error("checkpoint %d not written: %s", next_batch, why)

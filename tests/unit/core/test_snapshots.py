@@ -4,6 +4,7 @@ restore into fresh stores, compared with the rows the stores held at that checkp
 
 from __future__ import annotations
 
+import errno
 import os
 import shutil
 import subprocess
@@ -230,3 +231,19 @@ def test_a_full_disk_names_the_directory_and_damages_nothing(small_disk: Path) -
     after = {p: p.read_bytes() for p in small_disk.rglob("*") if p.is_file()}
     assert after == before and snapshots.complete(small_disk) == [5, 10]
     assert np.array_equal(_restored(small_disk, 10), held[10])
+
+
+@pytest.mark.parametrize(
+    ("error", "final"),
+    [
+        (OSError(errno.ENOSPC, "No space left on device"), True),
+        (OSError(errno.EDQUOT, "Disk quota exceeded"), True),
+        (OSError(errno.EROFS, "Read-only file system"), True),
+        (OSError(errno.EIO, "Input/output error"), False),
+        (OSError(errno.ESTALE, "Stale file handle"), False),
+        (OSError(errno.EMFILE, "Too many open files"), False),
+        (TimeoutError("the re-sharding lock"), False),
+    ],
+)
+def test_only_a_full_or_read_only_volume_is_a_final_checkpoint_error(error: OSError, final: bool) -> None:
+    assert snapshots.final(error) is final

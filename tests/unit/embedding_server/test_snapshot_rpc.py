@@ -5,6 +5,7 @@ and a failed write that keeps the changes for the next one."""
 from __future__ import annotations
 
 import asyncio
+import errno
 import threading
 from pathlib import Path
 from typing import Any
@@ -16,7 +17,7 @@ from bagpipe.core.data import table_offsets
 from bagpipe.core.shard_map import ShardMap
 from bagpipe.embedding_server.server import EmbeddingServicer
 from bagpipe.embedding_server.shard_store import ShardStore
-from bagpipe.errors import FailedPrecondition
+from bagpipe.errors import FailedPrecondition, Unavailable
 from bagpipe.v1 import embedding_server_pb2 as pb
 
 DIM = STATE = 2
@@ -94,14 +95,25 @@ def test_a_retry_while_the_first_call_still_writes_waits_for_its_answer(
     assert np.array_equal(np.sort(_saved(tmp_path, 5, first.file)[0]), keys)
 
 
+@pytest.mark.parametrize(
+    ("error", "refusal", "prefix"),
+    [
+        (OSError(errno.ENOSPC, "No space left on device"), FailedPrecondition, "directory"),
+        (OSError(errno.EROFS, "Read-only file system"), FailedPrecondition, "directory"),
+        (OSError(errno.EIO, "Input/output error"), Unavailable, "snapshot"),
+        (OSError(errno.ESTALE, "Stale file handle"), Unavailable, "snapshot"),
+    ],
+)
 def test_a_snapshot_that_could_not_be_written_is_written_whole_by_the_retry(
-    tmp_path: Path, monkeypatch: Any
+    tmp_path: Path, monkeypatch: Any, error: OSError, refusal: type, prefix: str
 ) -> None:
+    """A full or read-only volume is refused as the directory's fault (the trainer fails the job: a replay
+    would meet it again); any other error of the volume as one that may pass (retried, recovered from)."""
     store = _store()
     keys = np.arange(30, dtype=np.int64)
     _write(store, keys, 4.0)
     write_rows = snapshots.write_rows
-    failures = [OSError(28, "No space left on device", str(tmp_path))]
+    failures = [OSError(error.errno, error.strerror, str(tmp_path))]
 
     def flaky(*args: Any, **kwargs: Any) -> Any:
         if failures:
@@ -112,7 +124,7 @@ def test_a_snapshot_that_could_not_be_written_is_written_whole_by_the_retry(
 
     async def scenario() -> Any:
         servicer = EmbeddingServicer(store)
-        with pytest.raises(FailedPrecondition, match=f"directory: cannot write the snapshot: .*{tmp_path}"):
+        with pytest.raises(refusal, match=f"{prefix}: cannot write the snapshot.*: .*{tmp_path}"):
             await servicer.Snapshot(_request(tmp_path, 5), None)  # type: ignore[arg-type]
         return await servicer.Snapshot(_request(tmp_path, 5), None)  # type: ignore[arg-type]
 
