@@ -262,13 +262,17 @@ class Cluster:
         self._thread.start()
 
     def close(self) -> None:
+        """Stops the loop, then removes every container of this cluster (whatever state the pods are in),
+        the network and Prometheus."""
         self._stop.set()
         if self._thread.is_alive():
             self._thread.join(timeout=30)
         with self._lock:
             for pod in list(self.pods.values()):
                 self._save_log(pod)
-                podman("rm", "-f", "-t", "0", pod.container, check=False)
+        left = podman("ps", "-aq", "--filter", f"label=bagpipe-test={self.net}", check=False).stdout.split()
+        if left:
+            podman("rm", "-f", "-t", "0", *left, check=False)
         podman("network", "rm", "-f", self.net, check=False)
         if self._prometheus is not None:
             self._prometheus.terminate()
@@ -519,6 +523,8 @@ class Cluster:
         return out
 
     def _run(self, pod: Pod) -> None:
+        if self._stop.is_set():  # (closing: nothing starts again)
+            return
         (container,) = self._containers(pod)
         spec = pod.spec
         pod_sc = spec.get("securityContext") or {}
