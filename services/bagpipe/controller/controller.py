@@ -98,7 +98,9 @@ class Controller:
         actuator: Actuator,
         source: ScrapeSource | PrometheusSource | None = None,
         clock: Callable[[], float] = time.time,
+        monotonic: Callable[[], float] = time.monotonic,
     ) -> None:
+        """``clock`` dates the records (wall time); ``monotonic`` times the failure detector."""
         self.config = config
         self.registry = registry
         self.actuator = actuator
@@ -108,6 +110,7 @@ class Controller:
             else ScrapeSource(registry.metrics_endpoints)
         )
         self._clock = clock
+        self._monotonic = monotonic
         self.generation: Generation | None = None
         self.number = 0  # the last generation made (kept here too: Redis may lose it)
         self.since = clock()  # when the generation in force entered its state
@@ -194,7 +197,7 @@ class Controller:
 
     def _watch_training(self) -> None:
         # (a new detector each generation, over the one source: Detector.close would close that)
-        self.detector = Detector(self.source, self.config.failure_timeout, clock=time.monotonic)
+        self.detector = Detector(self.source, self.config.failure_timeout, clock=self._monotonic)
         self.watched = set()
 
     def _train(self, generation: Generation) -> None:
