@@ -13,8 +13,10 @@ exposition each time cost the services and the launcher more CPU than the rest o
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import logging
+import socket
 import threading
 import time
 import urllib.parse
@@ -31,9 +33,13 @@ logger = logging.getLogger(__name__)
 Health = Callable[[], str | None]  # None when healthy, else what is wrong
 
 STOP_POLL_S = 0.05  # how often the serving thread looks for a stop request
-# a connection that sends no complete request within this is closed (its thread ends): idle or slow
-# clients cannot pile up
+# a connection that sends nothing for this long is closed (its thread ends): idle clients cannot pile up
 REQUEST_TIMEOUT_S = 1.0
+# and one whose whole request and answer take longer than this, however steadily it trickles bytes: a
+# client sending a byte a second would otherwise hold its slot for ever, and once every slot is held the
+# kubelet's probe and the controller's scrape are refused and the member is taken for dead. A scrape,
+# a probe or a health check takes milliseconds
+REQUEST_DEADLINE_S = 2.0
 # connections served at once (a thread each, most of them idle for at most REQUEST_TIMEOUT_S); more are
 # closed as they come. Far above what Prometheus, probes and the controller open (one or two each), so that
 # a few hundred idle connections still leave room for a scrape
@@ -45,14 +51,31 @@ LISTEN_BACKLOG = 1024
 
 class _BoundedServer(ThreadingHTTPServer):
     """A thread a connection, at most ``MAX_CONNECTIONS`` at once, each closed after ``REQUEST_TIMEOUT_S``
-    without a request."""
+    of silence or ``REQUEST_DEADLINE_S`` in all (a reaper thread shuts late connections down)."""
 
     daemon_threads = True
     request_queue_size = LISTEN_BACKLOG
 
     def __init__(self, *args: Any, **kwargs: Any) -> None:
         self._slots = threading.BoundedSemaphore(MAX_CONNECTIONS)
+        self._deadlines: dict[socket.socket, float] = {}
+        self._deadlines_lock = threading.Lock()
+        self._closing = threading.Event()
         super().__init__(*args, **kwargs)
+        threading.Thread(target=self._reap, name="metrics-http-deadline", daemon=True).start()
+
+    def _reap(self) -> None:
+        while not self._closing.wait(REQUEST_DEADLINE_S / 8):
+            now = time.monotonic()
+            with self._deadlines_lock:
+                late = [request for request, deadline in self._deadlines.items() if deadline < now]
+            for request in late:  # (its thread's read or write then fails, and the thread ends)
+                with contextlib.suppress(OSError):
+                    request.shutdown(socket.SHUT_RDWR)
+
+    def server_close(self) -> None:
+        self._closing.set()
+        super().server_close()
 
     def process_request(self, request: Any, client_address: Any) -> None:
         if not self._slots.acquire(blocking=False):
@@ -65,9 +88,13 @@ class _BoundedServer(ThreadingHTTPServer):
             raise
 
     def process_request_thread(self, request: Any, client_address: Any) -> None:
+        with self._deadlines_lock:
+            self._deadlines[request] = time.monotonic() + REQUEST_DEADLINE_S
         try:
             super().process_request_thread(request, client_address)
         finally:
+            with self._deadlines_lock:
+                self._deadlines.pop(request, None)
             self._slots.release()
 
 

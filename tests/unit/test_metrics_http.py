@@ -64,3 +64,31 @@ def test_connections_past_the_bound_are_closed_at_once(monkeypatch) -> None:
         for s in held:
             s.close()
         server.stop()
+
+
+def test_clients_that_trickle_bytes_lose_their_slot_at_the_deadline(monkeypatch) -> None:
+    """A byte every half second never trips the per-read timeout; the whole-request deadline still frees
+    the slot, so a probe gets through while every slot is being held that way."""
+    monkeypatch.setattr(metrics_http, "MAX_CONNECTIONS", 4)
+    server = MetricsServer("127.0.0.1:0", "test_trickle")
+    slow = [socket.create_connection(("127.0.0.1", server.port), timeout=5) for _ in range(4)]
+    request = b"GET /metrics HTTP/1.1\r\nX-Padding: " + b"x" * 200
+    cut: set[int] = set()
+    try:
+        for i in range(int(4 * metrics_http.REQUEST_DEADLINE_S / 0.5)):
+            for n, s in enumerate(slow):
+                if n not in cut:
+                    try:
+                        s.sendall(request[i : i + 1])
+                    except OSError:
+                        cut.add(n)
+            if len(cut) == len(slow):
+                break
+            time.sleep(0.5)
+        assert len(cut) == len(slow), "a trickling client kept its connection past the deadline"
+        status, _ = _get(server.address, "/healthz")
+        assert status == 200
+    finally:
+        for s in slow:
+            s.close()
+        server.stop()
