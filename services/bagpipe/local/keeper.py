@@ -16,6 +16,7 @@ from pathlib import Path
 
 import psutil
 
+from bagpipe.control.generation import EXIT_RESTART
 from bagpipe.core import snapshots
 from bagpipe.errors import EXIT_DATA_ERROR
 from bagpipe.local.redis_server import RedisServer
@@ -31,6 +32,7 @@ class Process:
     command: list[str] = field(default_factory=list)
     env: dict[str, str] = field(default_factory=dict)
     restarts: int = 0
+    failures: int = 0  # the restarts after an exit other than EXIT_RESTART (a recovery's own)
 
 
 @dataclass
@@ -138,15 +140,20 @@ class ComponentFailure(Exception):
 # exits a new process would repeat (a checkpoint that cannot be written, bad input data): they fail the
 # run, as the chart's podFailurePolicy fails the Job, instead of being restarted
 FINAL_EXITS = (snapshots.EXIT_CHECKPOINT_FAILED, EXIT_DATA_ERROR)
-# a process that fails this often is not recovering: the run gives up (a kubelet's CrashLoopBackOff)
-MAX_PROCESS_RESTARTS = 20
+# a process that fails this many times more than the controller's --max-restarts allows is in a crash loop
+# the controller cannot see (it never joins a generation): the run gives up. Exits with EXIT_RESTART, a
+# recovery's normal way to start a process again, do not count (the chart's podFailurePolicy ignores them)
+CRASH_LOOP_RESTARTS = 20
 
 
-def keep_alive(job: Keeper, redis_server: RedisServer, redis_silent: list[float], timeout: float) -> None:
+def keep_alive(
+    job: Keeper, redis_server: RedisServer, redis_silent: list[float], timeout: float, max_restarts: int = 0
+) -> None:
     """What a kubelet does: starts again every process that exited with a failure, with the same command
     line, and Redis when it exited or did not answer for ``timeout`` seconds (its liveness probe). Raises
     ComponentFailure for a checkpoint that could not be written (exit 74, as the chart's podFailurePolicy
-    fails the Job: a new process would fail the same way) and for a process in a crash loop."""
+    fails the Job: a new process would fail the same way) and for a process that failed more than
+    ``max_restarts`` (the controller's) + ``CRASH_LOOP_RESTARTS`` times."""
     if redis_server.proc.poll() is None and redis_silent[0] and time.monotonic() - redis_silent[0] > timeout:
         logger.warning("redis does not answer for %.1f s: killing it", time.monotonic() - redis_silent[0])
         redis_server.proc.kill()
@@ -159,7 +166,7 @@ def keep_alive(job: Keeper, redis_server: RedisServer, redis_silent: list[float]
         code = p.proc.poll()
         if code is None or code == 0:
             continue
-        if code in FINAL_EXITS or p.restarts >= MAX_PROCESS_RESTARTS:
+        if code in FINAL_EXITS or p.failures >= max_restarts + CRASH_LOOP_RESTARTS:
             failure = ComponentFailure(
                 p.name,
                 "exited",
@@ -169,4 +176,6 @@ def keep_alive(job: Keeper, redis_server: RedisServer, redis_silent: list[float]
             failure.exit_code = code
             raise failure
         logger.info("%s exited with %d: starting it again", p.name, code)
+        if code != EXIT_RESTART:
+            p.failures += 1
         job.restart(p)

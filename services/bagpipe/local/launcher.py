@@ -313,7 +313,7 @@ def _keep(
     cannot_scale = "--system ideal keeps the embeddings in shared memory" if args.system == "ideal" else None
     while True:
         try:
-            keep_alive(job, redis_server, redis_silent, args.failure_timeout)
+            keep_alive(job, redis_server, redis_silent, args.failure_timeout, args.max_restarts)
         except ComponentFailure as failure:
             if failure.exit_code == EXIT_DATA_ERROR:  # (its last line: "... bad data: FILE:LINE: field ...")
                 last = tail(failure.log, 1) if failure.log else ""

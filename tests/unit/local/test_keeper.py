@@ -54,3 +54,38 @@ def test_an_exit_a_restart_would_repeat_fails_the_run_at_once(code: int, tmp_pat
         assert failure.value.exit_code == code and job.processes[0].restarts == 0
     finally:
         server.stop()
+
+
+def test_a_recoverys_restarts_do_not_count_and_the_crash_loop_bound_follows_max_restarts(
+    tmp_path: Path,
+) -> None:
+    """Exit 75 is how every recovery starts a process again: never a failure, however many. Failures count
+    up to --max-restarts plus the crash-loop bound, not a fixed 20 that capped --max-restarts in secret."""
+    from bagpipe.local import keeper
+
+    server = RedisServer(tmp_path)
+    job = Keeper(tmp_path)
+
+    def process(name: str, code: int) -> Process:
+        command = [sys.executable, "-c", f"raise SystemExit({code})"]
+        p = Process(name, subprocess.Popen(command), tmp_path / f"{name}.log", command)
+        job.processes[:] = [p]
+        return p
+
+    try:
+        rejoining = process("trainer-0", 75)
+        for _ in range(3 * keeper.CRASH_LOOP_RESTARTS):
+            rejoining.proc.wait()
+            keep_alive(job, server, [0.0], timeout=1.0, max_restarts=3)
+        assert rejoining.failures == 0 and rejoining.restarts == 3 * keeper.CRASH_LOOP_RESTARTS
+
+        crashing = process("embedding-server-0", 1)
+        allowed = 30 + keeper.CRASH_LOOP_RESTARTS  # (--max-restarts 30)
+        for _ in range(allowed):
+            crashing.proc.wait()
+            keep_alive(job, server, [0.0], timeout=1.0, max_restarts=30)
+        crashing.proc.wait()
+        with pytest.raises(ComponentFailure, match=f"after {allowed} restarts"):
+            keep_alive(job, server, [0.0], timeout=1.0, max_restarts=30)
+    finally:
+        server.stop()
