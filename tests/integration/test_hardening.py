@@ -705,3 +705,28 @@ def test_a_lost_redis_is_named_in_one_line_not_a_traceback(tmp_path: Path) -> No
     _, err = proc.communicate(timeout=60)
     assert proc.returncode == 1
     assert "Redis does not answer" in err and "Traceback" not in err, err
+
+
+@pytest.mark.parametrize(
+    ("module", "flags"),
+    [
+        ("bagpipe.controller", ["--trainers", "2", "--data-processors", "1"]),
+        ("bagpipe.trainer", ["--rank", "0", "--world-size", "1", "--dist-init", "tcp://127.0.0.1:1"]),
+        (
+            "bagpipe.oracle_cacher",
+            ["--table-rows", ",".join(["10"] * 26), "--trainers", "1", "--batch-size", "8"],
+        ),
+        ("bagpipe.embedding_server", ["--shard", "0", "--table-rows", ",".join(["10"] * 26)]),
+    ],
+)
+def test_a_redis_that_cannot_be_resolved_at_start_is_one_line(module: str, flags: list[str]) -> None:
+    """In a cluster Redis's name may not resolve yet when a pod starts: the service exits 1 with one line
+    naming Redis, and the restart policy tries again; no traceback."""
+    done = subprocess.run(
+        [sys.executable, "-m", module, *flags, "--redis", "redis://no-such-host.invalid:6379/0"],
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert done.returncode == 1, done.stderr
+    assert "Redis does not answer" in done.stderr and "Traceback" not in done.stderr, done.stderr

@@ -26,6 +26,11 @@ def actuator_of(cfg: ControllerConfig) -> Actuator:
 def main(argv: list[str] | None = None) -> None:
     cfg = parse(argv)
     serving.configure_logging(cfg.coordination.log_level)
+    # (a Redis that cannot be reached, even at start: one line naming it, and the restart policy retries)
+    serving.run_service(lambda: _run(cfg), "bagpipe.controller")
+
+
+def _run(cfg: ControllerConfig) -> None:
     registry = Registry(cfg.coordination.redis_url, cfg.coordination.job)
     http = serving.start_metrics(
         cfg.coordination.metrics_address, "controller", "0", registry, None, cfg.coordination.advertise_host

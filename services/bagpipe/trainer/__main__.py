@@ -29,7 +29,7 @@ from bagpipe.control.registry import Registry
 from bagpipe.core import snapshots
 from bagpipe.core.snapshots import EXIT_CHECKPOINT_FAILED
 from bagpipe.trainer import metrics
-from bagpipe.trainer.config import parse
+from bagpipe.trainer.config import TrainerConfig, parse
 from bagpipe.trainer.worker import CheckpointFailed, Trainer
 
 logger = logging.getLogger("bagpipe.trainer")
@@ -49,6 +49,11 @@ def generation_url(dist_init: str, generation: str) -> str:
 def main(argv: list[str] | None = None) -> None:
     cfg = parse(argv)
     serving.configure_logging(cfg.coordination.log_level)
+    # (a Redis that cannot be reached, even at start: one line naming it, and the restart policy retries)
+    serving.run_service(lambda: _run(cfg), "bagpipe.trainer")
+
+
+def _run(cfg: TrainerConfig) -> None:
     allocator.keep_freed_buffers()
     faulthandler.register(signal.SIGUSR1)  # `kill -USR1` prints every thread's stack to the log
     registry = Registry(cfg.coordination.redis_url, cfg.coordination.job)
