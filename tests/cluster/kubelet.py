@@ -173,6 +173,7 @@ class Cluster:
         self.released: list[str] = []
         self.releases: list[str] = []
         self.events: list[str] = []
+        self.restarted: dict[str, int] = {}  # containers started again in place, by pod
         self.started_at = 0.0
         self.secrets: dict[str, dict[str, str]] = {}
         self.config_maps: dict[str, dict[str, str]] = {}
@@ -627,8 +628,7 @@ class Cluster:
         w = pod.workload
         policy = pod.spec.get("restartPolicy", "Always")
         if policy == "Always":
-            pod.restarts += 1
-            self._run(pod)
+            self._restart(pod)
             return
         pod.finished, pod.exit_code = True, code
         if w.kind != "Job":
@@ -659,6 +659,11 @@ class Cluster:
                     f"backoffLimit {w.spec.get('backoffLimit', 6)} passed (pod {pod.name} exited {code})"
                 )
 
+    def _restart(self, pod: Pod) -> None:
+        pod.restarts += 1
+        self.restarted[pod.name] = pod.restarts
+        self._run(pod)
+
     # ---- probes
     def _probe(self, pod: Pod) -> None:
         (container,) = self._containers(pod)
@@ -686,8 +691,7 @@ class Cluster:
             podman("rm", "-f", "-t", "0", pod.container, check=False)  # (a frozen one: SIGKILL and thaw)
         pod.exits.append(137)
         if pod.spec.get("restartPolicy", "Always") == "Always":
-            pod.restarts += 1
-            self._run(pod)
+            self._restart(pod)
         else:
             self._exited(pod, 137)
 

@@ -181,10 +181,10 @@ def finish(c: Cluster, reference: dict[str, Any], what: str) -> None:
     assert diffs[worst] <= TOLERANCE, f"{worst} differs from bagpipe run's by {diffs[worst]:.3g}; {c.events}"
     moved = checkpoint.max_abs_difference(reference["initial"], reference["final"])
     assert max(moved.values()) > 100 * TOLERANCE
-    restarts = sum(len(p.exits) for p in c.pods.values() if not p.workload.name.endswith("-trainer"))
+    restarts = sum(c.restarted.values())
     FIGURES.append(
         f"{what}: trained in {jobs.completed_at - c.started_at:.0f} s, the Job complete {after:.1f} s after "
-        f"the final model, {restarts} serving container(s) restarted, model within {diffs[worst]:.1g} of "
+        f"the final model, {restarts} container(s) restarted in place, model within {diffs[worst]:.1g} of "
         "bagpipe run's"
     )
 
