@@ -78,6 +78,7 @@ def test_the_controller_runs_with_exactly_its_flags_and_validates_strictly(tmp_p
         "--trainers", "2",
         "--data-processors", "1",
         "--checkpoint-dir", "/bagpipe/checkpoints/bagpipe",
+        "--start-batch", "latest",
         "--failure-timeout", "60",
         "--max-restarts", "3",
         "--kill", "kubernetes",

@@ -36,7 +36,13 @@ def _complete_checkpoint(directory: Path, n: int, previous: int) -> None:
     snapshots.mark_complete(directory, n, {"previous": previous, "full": False, "row_files": [name]})
 
 
-def test_checkpoints_are_on_by_default_and_every_pod_resumes_from_the_newest(tmp_path: Path) -> None:
+def test_checkpoints_are_on_by_default_and_only_the_controller_chooses_where_the_job_begins(
+    tmp_path: Path,
+) -> None:
+    """``training.resumeBatch`` reaches the controller alone (``--start-batch``), read once when the job has
+    no generation yet; trainers and servers are started with ``--resume-batch latest`` (what a restarted
+    server loads before the generation's roll-back), so no process start depends on a checkpoint pruning
+    may remove. The oracle needs no volume: it plans from each generation's start."""
     docs = render()
     containers = {name.split("/")[-1]: c for name, c in bagpipe_containers(docs).items()}
     trainer, server, oracle = (containers[c] for c in ("trainer", "embedding-server", "oracle-cacher"))
@@ -46,20 +52,23 @@ def test_checkpoints_are_on_by_default_and_every_pod_resumes_from_the_newest(tmp
         assert args[args.index("--checkpoint-dir") + 1] == directory
         assert args[args.index("--resume-batch") + 1] == "latest"
     assert trainer["args"][trainer["args"].index("--keep-checkpoints") + 1] == "3"
-    assert oracle["args"][oracle["args"].index("--start-batch") + 1] == "latest"
+    assert "--start-batch" not in oracle["args"] and "--checkpoint-dir" not in oracle["args"]
     assert oracle["args"][oracle["args"].index("--checkpoint-every") + 1] == "50"
-    mounts = {m["name"]: m for m in oracle["volumeMounts"]}
-    assert mounts["run"] == {"name": "run", "mountPath": "/bagpipe", "readOnly": True}
-    # the services' own parsers, on the volume as a restarted install finds it: the newest complete one
+    assert "run" not in {m["name"] for m in oracle["volumeMounts"]}
+    for value, expected in (("latest", "latest"), ("50", 50)):
+        chosen = render("--set", f"training.resumeBatch={value}")
+        (control,) = [c for n, c in bagpipe_containers(chosen).items() if n.endswith("/controller")]
+        env = kubelet_env(control, chosen, POD_IP="10.1.2.3")
+        assert parse_container(control, env)[0].start_batch == expected
+    # a restarted server's own parser, on the volume as it finds it: the newest complete one
     local = tmp_path / "checkpoints"
     _complete_checkpoint(local, 50, 0)
     _complete_checkpoint(local, 100, 50)
     (snapshots.path_of(local, 150)).mkdir()  # (one being written when the pods stopped: not complete)
-    for container, field in ((trainer, "resume_batch"), (server, "resume_batch"), (oracle, "start_batch")):
+    for container in (trainer, server):
         env = kubelet_env(container, docs, POD_IP="10.1.2.3", POD_INDEX="0")
         moved = {**container, "args": [str(local) if a == directory else a for a in container["args"]]}
-        cfg, _ = parse_container(moved, env)
-        assert getattr(cfg, field) == 100, container["name"]
+        assert parse_container(moved, env)[0].resume_batch == 100, container["name"]
     # and a first install, with nothing on the volume yet, starts at 0
     env = kubelet_env(trainer, docs, POD_IP="10.1.2.3", POD_INDEX="0")
     empty = {**trainer, "args": [str(tmp_path / "none") if a == directory else a for a in trainer["args"]]}

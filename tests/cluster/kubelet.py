@@ -160,10 +160,13 @@ class Pod:
 class Cluster:
     """The rendered ``manifests`` of one release, run as podman containers under ``workdir``."""
 
-    def __init__(self, namespace: str, workdir: Path, *, prometheus: bool = True) -> None:
+    def __init__(
+        self, namespace: str, workdir: Path, *, prometheus: bool = True, claims: Path | None = None
+    ) -> None:
         """A container network and (``prometheus``) a Prometheus address for a release in ``namespace``:
         render the chart with :meth:`prometheus_url` as ``controller.prometheusUrl``, then :meth:`start`
-        it; :meth:`close` removes everything."""
+        it; :meth:`close` removes everything but the volumes. ``claims``: where the PersistentVolumeClaims'
+        folders are (another cluster's: the same volumes, as a release installed again finds them)."""
         self.namespace = namespace
         self.workdir = workdir
         self.net = f"bagpipe-test-{_suffix(6)}"
@@ -188,7 +191,7 @@ class Cluster:
         with socket.socket() as s:
             s.bind(("", 0))
             self.prometheus_port = s.getsockname()[1]
-        self.claims = workdir / "volumes"
+        self.claims = claims or workdir / "volumes"
         (workdir / "logs").mkdir(parents=True, exist_ok=True)
         for attempt in range(5):  # (a random /24 may overlap a network this host already has)
             made = podman("network", "create", "--subnet", str(self.subnet), "--gateway", self.gateway,

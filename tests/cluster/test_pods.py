@@ -16,7 +16,7 @@ from typing import Any
 import pytest
 import redis
 from bagpipe.cli import parse_run
-from bagpipe.core import checkpoint
+from bagpipe.core import checkpoint, snapshots
 from bagpipe.local.launcher import run
 
 from tests.certificates import certificates
@@ -95,15 +95,21 @@ def reference(references: Callable[[int], dict[str, Any]]) -> dict[str, Any]:
 
 @contextmanager
 def cluster(
-    workdir: Path, iterations: int = ITERATIONS, extra: tuple[dict[str, Any], ...] = (), **values: Any
+    workdir: Path,
+    iterations: int = ITERATIONS,
+    extra: tuple[dict[str, Any], ...] = (),
+    claims: Path | None = None,
+    training: dict[str, Any] | None = None,
+    **values: Any,
 ) -> Iterator[Cluster]:
-    """The chart with VALUES (and ``iterations``, and top-level ``values``) running under podman in
-    ``workdir``, beside the ``extra`` objects a user would have made (a Secret)."""
-    c = Cluster(NAMESPACE, workdir)
+    """The chart with VALUES (and ``iterations``, ``training`` values and top-level ``values``) running
+    under podman in ``workdir``, beside the ``extra`` objects a user would have made (a Secret), with its
+    volumes in ``claims`` (a reinstall's: the same volumes)."""
+    c = Cluster(NAMESPACE, workdir, claims=claims)
     values = {
         **VALUES,
         "controller": {**VALUES["controller"], "prometheusUrl": c.prometheus_url()},
-        "training": {**VALUES["training"], "iterations": iterations},
+        "training": {**VALUES["training"], "iterations": iterations, **(training or {})},
         **values,
     }
     try:
@@ -256,3 +262,21 @@ def test_with_tls_the_job_completes_over_mutual_tls_and_the_bundled_redis_speaks
             r.ping()
         codes = job.run_test_pods()
         assert codes and all(code == 0 for code in codes.values()), (codes, job.events)
+
+
+def test_a_release_installed_again_from_an_older_checkpoint_ends_with_the_same_model(
+    tmp_path: Path, reference
+) -> None:
+    """``training.resumeBatch: N`` on the volume of a finished run: the job begins at checkpoint N (not the
+    newest, whose later checkpoints it discards), replays the batches after it and ends with the model of
+    the run that never stopped; the restarted servers load the newest and roll back to N."""
+    claims = tmp_path / "volumes"
+    with cluster(tmp_path / "first", claims=claims) as job:
+        finish(job, reference, "first install")
+    kept = snapshots.complete(claims / f"{RELEASE}-bagpipe-run" / "checkpoints" / RELEASE)
+    assert len(kept) >= 2, kept
+    older = kept[-2]
+    with cluster(tmp_path / "again", claims=claims, training={"resumeBatch": older}) as job:
+        finish(job, reference, f"installed again from checkpoint {older} (newest {kept[-1]})")
+        with redis_of(job) as r:
+            assert int(r.hget(f"bagpipe:{RELEASE}:generation", "start_batch") or -1) == older

@@ -310,8 +310,10 @@ annotations:
 {{- if .Values.training.checkpointEvery }}
 - --checkpoint-dir
 - {{ include "bagpipe.checkpointDir" . | quote }}
+# a server that starts again loads the newest complete checkpoint; where the job begins is the controller's
+# --start-batch (training.resumeBatch), and every member takes each generation's start from it
 - --resume-batch
-- {{ include "bagpipe.resumeBatch" . | quote }}
+- latest
 {{- end }}
 {{- end -}}
 

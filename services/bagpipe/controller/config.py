@@ -4,7 +4,14 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from bagpipe.config_args import Coordination, command_line, non_negative_int, positive_float, positive_int
+from bagpipe.config_args import (
+    Coordination,
+    batch_or_latest,
+    command_line,
+    non_negative_int,
+    positive_float,
+    positive_int,
+)
 from bagpipe.control.detector import DEFAULT_TIMEOUT_S
 from bagpipe.flags import flag
 
@@ -21,6 +28,14 @@ class ControllerConfig:
     coordination: Coordination = Coordination()
     checkpoint_dir: str | None = flag(
         "the recovery checkpoints (a generation starts at the newest)", default=None
+    )
+    start_batch: int | str = flag(
+        "where the job's first generation begins: a complete checkpoint of --checkpoint-dir (with its chain "
+        "there), 0 for the start, or latest, the newest complete one (the start when there is none). Read "
+        "only while the job has no generation yet; every recovery begins at the newest",
+        default="latest",
+        parse=batch_or_latest,
+        metavar="BATCH|latest",
     )
     prometheus_url: str | None = flag(
         "read liveness and progress from this Prometheus's HTTP API (default: scrape every member's "

@@ -20,6 +20,7 @@ failure (the second is part of the same recovery); a lost checkpoint volume lose
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import os
 import signal
@@ -126,6 +127,28 @@ class Controller:
         directory = self.config.checkpoint_dir
         return (snapshots.latest(directory) or 0) if directory else 0
 
+    def _first_start(self) -> int | str:
+        """The first generation's start (``--start-batch``), or why it cannot be: a checkpoint that is not
+        complete, or whose chain is broken, is refused with what is there."""
+        chosen, directory = self.config.start_batch, self.config.checkpoint_dir
+        if chosen == "latest":
+            return self._start_batch()
+        if not chosen:
+            return 0
+        if not directory:
+            return f"--start-batch {chosen}: needs --checkpoint-dir"
+        done = snapshots.complete(directory)
+        if chosen not in done:
+            listed = ", ".join(map(str, done)) or "none"
+            return (
+                f"--start-batch {chosen}: no complete checkpoint {chosen} in {directory} (complete: {listed})"
+            )
+        try:
+            snapshots.files_of(directory, int(chosen))
+        except snapshots.BrokenChain as e:
+            return f"--start-batch {chosen}: {e}"
+        return int(chosen)
+
     def _serving(self) -> set[str] | None:
         """The members that must ack a generation: the embedding servers holding buckets, the oracle (None
         before the first server published the shard map: who holds buckets is not known yet)."""
@@ -145,7 +168,14 @@ class Controller:
             if self.generation is not None and self.generation.state not in (DONE, FAILED):
                 self._failed("redis", "exited", "lost the job's state (restarted empty)")
             elif self.generation is None:
-                self._begin("the job starts")
+                first = self._first_start()
+                if isinstance(first, str):  # (the job fails with why: every member sees it, none retries)
+                    self.number += 1
+                    failed = dataclasses.replace(Generation.new(self.number, 0, first), state=FAILED)
+                    self.registry.begin_generation(failed.record())
+                    logger.error("the job cannot start: %s", first)
+                else:
+                    self._begin("the job starts", first)
             return
         if (
             self.generation is None
@@ -260,8 +290,8 @@ class Controller:
             self._failed(process_name(worst.member), worst.kind, detail, member=worst.member)
 
     # ---- acting
-    def _begin(self, reason: str) -> Generation:
-        start = self._start_batch()
+    def _begin(self, reason: str, start: int | None = None) -> Generation:
+        start = self._start_batch() if start is None else start
         self.number += 1
         generation = Generation.new(self.number, start, reason)
         self.registry.begin_generation(generation.record())

@@ -305,3 +305,33 @@ def test_redis_lost_at_once_is_no_setup_error_and_giving_up_is_written_anew(
     generation = current(registry)
     assert generation is not None and generation.state == FAILED
     assert "redis failed after 1 restarts (--max-restarts)" in generation.reason
+
+
+@pytest.mark.parametrize(("chosen", "start"), [("latest", 15), (10, 10), (0, 0)])
+def test_the_first_generation_begins_at_the_chosen_checkpoint(
+    redis_url, tmp_path: Path, chosen: Any, start: int
+) -> None:
+    """``--start-batch``: the first generation only; a later one (a recovery) begins at the newest."""
+    for batch in (5, 10, 15):
+        _checkpoint(tmp_path / "checkpoints", batch)
+    registry, controller, _, _, _, _ = _job(redis_url, tmp_path, start_batch=chosen)
+    controller.step()
+    generation = current(registry)
+    assert generation is not None and (generation.number, generation.start_batch) == (1, start)
+
+
+@pytest.mark.parametrize("chosen", [7, 20])
+def test_a_chosen_checkpoint_that_is_not_there_fails_the_job_naming_what_is(
+    redis_url, tmp_path: Path, chosen: int
+) -> None:
+    for batch in (5, 10):
+        _checkpoint(tmp_path / "checkpoints", batch)
+    registry, controller, _, _, _, _ = _job(redis_url, tmp_path, start_batch=chosen)
+    controller.step()
+    generation = current(registry)
+    assert generation is not None and generation.state == FAILED
+    where = tmp_path / "checkpoints"
+    assert (
+        generation.reason
+        == f"--start-batch {chosen}: no complete checkpoint {chosen} in {where} (complete: 5, 10)"
+    )
