@@ -22,7 +22,10 @@ debian_base=${DEBIAN_BASE:-localhost/bagpipe-base:bookworm}
 build=("$engine" build)
 [ "$(basename "$engine")" = buildah ] && build=("$engine" bud)
 
-has_image() { "$engine" image inspect "$1" >/dev/null 2>&1; }
+has_image() {
+  if [ "$(basename "$engine")" = buildah ]; then "$engine" inspect --type image "$1" >/dev/null 2>&1
+  else "$engine" image inspect "$1" >/dev/null 2>&1; fi
+}
 if ! has_image "$base" && ! "$engine" pull -q "$base" >/dev/null 2>&1; then
   if [ "$base" != "$default_base" ]; then
     echo "$0: cannot pull the base image $base (BASE_IMAGE)" >&2

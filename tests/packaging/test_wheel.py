@@ -343,3 +343,34 @@ def test_the_wheel_trains_a_parquet_file_of_another_schema_as_synchronous_traini
         initial, reference_batches(columns, batch), model, OptimizerConfig("adagrad", 0.05)
     )
     assert_same_model(paths["final"], expected)
+
+
+def test_the_wheel_installs_from_a_package_index_by_its_ranges_and_trains(
+    dist: dict[str, Path], tmp_path: Path
+) -> None:
+    """What a user does: ``pip install torch==2.13.0`` (the pinned build, as docs/install.md says), then
+    ``pip install bagpipe-*.whl[parquet]``, every other dependency resolved by pip from pyproject.toml's
+    ranges against the package index this machine is configured with (not constraints.txt, not the
+    repository's venv); then ``pip check`` and a real job."""
+    index = _run([sys.executable, "-m", "pip", "index", "versions", "six"], 60)
+    if index.returncode != 0:
+        pytest.skip(f"no package index answers here: {index.stderr.strip().splitlines()[-1:]}")
+    venv = tmp_path / "venv"
+    assert _run([sys.executable, "-m", "venv", str(venv)], 120).returncode == 0
+    python, bin_dir = venv / "bin" / "python", venv / "bin"
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("PYTHON", "VIRTUAL_ENV", "BAGPIPE_"))}
+    env["PATH"] = f"{bin_dir}{os.pathsep}/usr/bin{os.pathsep}/bin"
+    pip = [str(python), "-m", "pip", "install", "-q"]
+    torch = _run([*pip, "torch==2.13.0"], 600, env=env)
+    assert torch.returncode == 0, torch.stdout[-3000:] + torch.stderr[-3000:]
+    installed = _run([*pip, f"{dist['wheel']}[parquet]"], 900, env=env)
+    assert installed.returncode == 0, installed.stdout[-3000:] + installed.stderr[-3000:]
+    check = _run([str(python), "-m", "pip", "check"], 120, env=env)
+    assert check.returncode == 0, check.stdout + check.stderr
+    work = tmp_path / "work"
+    work.mkdir()
+    run_dir = tmp_path / "run"
+    job = _run([str(bin_dir / "bagpipe"), "run", *JOB, "--run-dir", str(run_dir)], 300, cwd=work, env=env)
+    assert job.returncode == 0, job.stdout[-3000:] + job.stderr[-3000:]
+    summary = json.loads((run_dir / "summary.json").read_text())
+    assert summary["iterations"] == 4 and all(math.isfinite(x) for x in summary["losses"]), summary
