@@ -486,7 +486,6 @@ def check_consistency_with_files(docs: list[dict[str, Any]], root: Path) -> dict
     if "controller" in configs:  # it watches the members the workloads run and releases real workloads
         controller_cfg = configs["controller"][0]
         assert controller_cfg.trainers == replicas(trainer_load)
-        assert controller_cfg.data_processors == replicas(dp_load)
         assert controller_cfg.checkpoint_dir == trainer_args.checkpoint_dir
         for target in controller_cfg.release:
             kind, _, name = target.partition("/")

@@ -76,7 +76,6 @@ def test_the_controller_runs_with_exactly_its_flags_and_validates_strictly(tmp_p
     assert container["command"] == ["python", "-m", "bagpipe.controller"]
     assert container["args"] == [
         "--trainers", "2",
-        "--data-processors", "1",
         "--checkpoint-dir", "/bagpipe/checkpoints/bagpipe",
         "--start-batch", "latest",
         "--failure-timeout", "60",
@@ -91,7 +90,7 @@ def test_the_controller_runs_with_exactly_its_flags_and_validates_strictly(tmp_p
         "--advertise-host", "$(POD_IP)",
     ]  # fmt: skip
     cfg = parsed(docs)
-    assert (cfg.trainers, cfg.data_processors, cfg.kill, cfg.namespace) == (2, 1, "kubernetes", NAMESPACE)
+    assert (cfg.trainers, cfg.kill, cfg.namespace) == (2, "kubernetes", NAMESPACE)
     assert (cfg.failure_timeout, cfg.max_restarts, cfg.prometheus_url) == (60.0, 3, None)
     assert list(cfg.release) == SCALE_TARGETS
     # reads the checkpoints only: the run's volume, read only
@@ -112,7 +111,7 @@ def test_the_controller_runs_with_exactly_its_flags_and_validates_strictly(tmp_p
         "--set", "training.checkpointEvery=0",
     )  # fmt: skip
     cfg = parsed(docs)
-    assert (cfg.trainers, cfg.data_processors, cfg.failure_timeout, cfg.max_restarts) == (4, 3, 90.0, 0)
+    assert (cfg.trainers, cfg.failure_timeout, cfg.max_restarts) == (4, 90.0, 0)
     assert cfg.checkpoint_dir is None
     assert not [m for m in controller(docs)["volumeMounts"] if m["name"] == "run"]
 

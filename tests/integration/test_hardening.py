@@ -710,7 +710,7 @@ def test_a_lost_redis_is_named_in_one_line_not_a_traceback(tmp_path: Path) -> No
 @pytest.mark.parametrize(
     ("module", "flags"),
     [
-        ("bagpipe.controller", ["--trainers", "2", "--data-processors", "1"]),
+        ("bagpipe.controller", ["--trainers", "2"]),
         ("bagpipe.trainer", ["--rank", "0", "--world-size", "1", "--dist-init", "tcp://127.0.0.1:1"]),
         (
             "bagpipe.oracle_cacher",

@@ -24,7 +24,6 @@ class ControllerConfig:
     """What the controller watches and how it acts."""
 
     trainers: int = flag("the job's trainers", parse=positive_int)
-    data_processors: int = flag("the job's data processors", parse=positive_int)
     coordination: Coordination = Coordination()
     checkpoint_dir: str | None = flag(
         "the recovery checkpoints (a generation starts at the newest)", default=None

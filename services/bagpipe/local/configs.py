@@ -218,7 +218,6 @@ def checkpoint_every(args: RunConfig) -> int:
 def controller(args: RunConfig, gen: GenerationSpec, prometheus_url: str | None) -> ControllerConfig:
     return ControllerConfig(
         trainers=args.trainers,
-        data_processors=args.data_processors,
         coordination=gen.coordination(args),
         checkpoint_dir=gen.checkpoint_dir,
         prometheus_url=prometheus_url,

@@ -315,7 +315,6 @@ class Trainer:
         if directory is None:
             return
         self.stats.record_checkpoint(batch + 1, time.perf_counter() - t0 - evaluated, written)
-        self.registry.put_json("checkpoint", {"next_batch": batch + 1, "time": time.time()})
 
     def _seal_checkpoint(self, directory: str, next_batch: int) -> dict[str, float]:
         """(Rank 0.) The servers' snapshots, the dense part, the manifest that makes it count, then the

@@ -81,7 +81,6 @@ def _job(redis_url: str, tmp_path: Path, **config: Any):
     registry.publish_shard_map(ShardMap.create(64, 2))
     cfg = ControllerConfig(
         trainers=2,
-        data_processors=1,
         coordination=Coordination(redis_url, "job"),
         checkpoint_dir=str(tmp_path / "checkpoints"),
         **config,
@@ -228,7 +227,6 @@ def test_redis_losing_the_job_is_a_failure_of_redis(redis_url, tmp_path: Path) -
 def test_the_command_line_round_trips_and_bad_values_name_the_flag(capsys) -> None:
     cfg = ControllerConfig(
         trainers=3,
-        data_processors=2,
         checkpoint_dir="/run/checkpoints",
         prometheus_url="http://prometheus:9090",
         kill="kubernetes",
@@ -241,7 +239,7 @@ def test_the_command_line_round_trips_and_bad_values_name_the_flag(capsys) -> No
         parse([*argv(cfg), "--release", "pod/x"])
     assert "--release: expected statefulset/NAME or deployment/NAME, got 'pod/x'" in capsys.readouterr().err
     with pytest.raises(SystemExit):
-        parse(["--trainers", "1", "--data-processors", "1", "--release", "statefulset/a"])
+        parse(["--trainers", "1", "--release", "statefulset/a"])
     assert "needs --kill kubernetes" in capsys.readouterr().err
     assert json.dumps(argv(cfg))
 
