@@ -538,9 +538,13 @@ class Cluster:
             raise RuntimeError(f"pod {pod.name}: runAsNonRoot without a non-root runAsUser")
         env = self._env(pod, container)
         pod.container = f"{self.net}-{pod.name}"
+        # a pod's network outlives its containers: the same IP and MAC when one is started again (a new MAC
+        # behind the same IP leaves every peer's ARP entry stale for half a minute: its connections time out)
+        mac = "02:42:" + ":".join(f"{int(b):02x}" for b in pod.ip.split("."))
         args = [
             "run", "-d", "--name", pod.container, "--hostname", pod.hostname,
-            "--network", self.net, "--ip", pod.ip, "--label", f"bagpipe-test={self.net}",
+            "--network", self.net, "--ip", pod.ip, "--mac-address", mac,
+            "--label", f"bagpipe-test={self.net}",
             *(f"--ulimit={u}" for u in ULIMITS),
         ]  # fmt: skip
         for alias in self._aliases(pod):
