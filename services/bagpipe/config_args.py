@@ -500,22 +500,30 @@ def resume_batch_of(value: int | str, checkpoint_dir: str | None) -> int:
     """--resume-batch needs the complete checkpoint it names, and its whole chain; fails early, naming
     what is missing. ``latest`` becomes the newest complete checkpoint's batch."""
     batch = resolve_latest(value, checkpoint_dir, "--resume-batch")
+    refused = checkpoint_refusal("--resume-batch", batch, checkpoint_dir)
+    if refused is not None:
+        raise SystemExit(refused)
+    return batch
+
+
+def checkpoint_refusal(flag: str, batch: int, checkpoint_dir: str | None) -> str | None:
+    """Why ``flag``'s ``batch`` cannot be begun at (None when it can): batch 0 always can; any other needs
+    the complete checkpoint of that name in ``checkpoint_dir`` and its whole chain there."""
     if not batch:
-        return batch
+        return None
     from bagpipe.core import snapshots
 
     if not checkpoint_dir:
-        raise SystemExit("--resume-batch: needs --checkpoint-dir")
-    if batch not in snapshots.complete(checkpoint_dir):
-        raise SystemExit(
-            f"--resume-batch: no complete checkpoint {batch} in {checkpoint_dir} "
-            f"(complete: {snapshots.complete(checkpoint_dir) or 'none'})"
-        )
+        return f"{flag}: needs --checkpoint-dir"
+    done = snapshots.complete(checkpoint_dir)
+    if batch not in done:
+        listed = ", ".join(map(str, done)) or "none"
+        return f"{flag}: no complete checkpoint {batch} in {checkpoint_dir} (complete: {listed})"
     try:
         snapshots.files_of(checkpoint_dir, batch)
     except snapshots.BrokenChain as e:
-        raise SystemExit(f"--resume-batch: {e}") from None
-    return batch
+        return f"{flag}: {e}"
+    return None
 
 
 # the groups of flags ``bagpipe run`` takes from the declarations above

@@ -32,6 +32,7 @@ from typing import Any, Protocol
 import redis
 from prometheus_client import Counter, Gauge
 
+from bagpipe.config_args import checkpoint_refusal
 from bagpipe.control.detector import Detector, PrometheusSource, ScrapeSource
 from bagpipe.control.generation import (
     DONE,
@@ -130,24 +131,11 @@ class Controller:
     def _first_start(self) -> int | str:
         """The first generation's start (``--start-batch``), or why it cannot be: a checkpoint that is not
         complete, or whose chain is broken, is refused with what is there."""
-        chosen, directory = self.config.start_batch, self.config.checkpoint_dir
-        if chosen == "latest":
+        if self.config.start_batch == "latest":
             return self._start_batch()
-        if not chosen:
-            return 0
-        if not directory:
-            return f"--start-batch {chosen}: needs --checkpoint-dir"
-        done = snapshots.complete(directory)
-        if chosen not in done:
-            listed = ", ".join(map(str, done)) or "none"
-            return (
-                f"--start-batch {chosen}: no complete checkpoint {chosen} in {directory} (complete: {listed})"
-            )
-        try:
-            snapshots.files_of(directory, int(chosen))
-        except snapshots.BrokenChain as e:
-            return f"--start-batch {chosen}: {e}"
-        return int(chosen)
+        start = int(self.config.start_batch)
+        refused = checkpoint_refusal(f"--start-batch {start}", start, self.config.checkpoint_dir)
+        return start if refused is None else refused
 
     def _serving(self) -> set[str] | None:
         """The members that must ack a generation: the embedding servers holding buckets, the oracle (None
