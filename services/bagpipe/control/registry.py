@@ -63,11 +63,17 @@ def connection_options(url: str) -> dict[str, Any]:
 
 
 class Registry:
-    """Thin, typed access to a job's coordination state in Redis."""
+    """Thin, typed access to a job's coordination state in Redis.
 
-    def __init__(self, url: str, job: str) -> None:
+    ``fence`` (a trainer's: the id of the generation it trains in) fences what the trainer writes of its
+    training (progress, statistics, evaluations): a write lands only while that generation is the one in
+    force, in one Redis script with the check, so that a trainer of a generation that is over, not yet
+    ended, cannot write into the next one (the controller decides the job's end from the statistics)."""
+
+    def __init__(self, url: str, job: str, fence: str | None = None) -> None:
         self.url = url
         self.job = job
+        self.fence = fence
         self._redis = redis.Redis.from_url(url, **connection_options(url))
 
     def _key(self, *parts: str) -> str:
@@ -320,17 +326,35 @@ class Registry:
         return [json.loads(r) for r in self._redis.lrange(self._key("failures"), 0, -1)]
 
     # progress and liveness
-    def set_progress(self, rank: int, batch: int) -> None:
-        pipe = self._redis.pipeline(transaction=False)
-        pipe.hset(self._key("progress"), str(rank), batch)
-        pipe.hset(self._key("heartbeat"), str(rank), time.time())
-        pipe.execute()
+    def _fenced(self, script: str, keys: list[str], args: list[Any]) -> bool:
+        """Runs ``script`` (KEYS and ARGV from 2) if the generation in force is ``fence`` (or there is no
+        fence); whether it ran."""
+        check = "if redis.call('hget', KEYS[1], 'id') ~= ARGV[1] then return 0 end " if self.fence else ""
+        return bool(
+            self._redis.eval(
+                f"{check}{script} return 1",
+                len(keys) + 1,
+                self._key("generation"),
+                *keys,
+                self.fence or "",
+                *args,
+            )
+        )
+
+    def set_progress(self, rank: int, batch: int) -> bool:
+        """Trainer ``rank`` trained and wrote back ``batch``; False if fenced off (its generation is over)."""
+        return self._fenced(
+            "redis.call('hset', KEYS[2], ARGV[2], ARGV[3]) redis.call('hset', KEYS[3], ARGV[2], ARGV[4])",
+            [self._key("progress"), self._key("heartbeat")],
+            [str(rank), str(batch), repr(time.time())],
+        )
 
     def progress(self) -> dict[int, int]:
         return {int(k): int(v) for k, v in self._redis.hgetall(self._key("progress")).items()}
 
-    def put_json(self, name: str, value: Any) -> None:
-        self._redis.set(self._key(name), json.dumps(value))
+    def put_json(self, name: str, value: Any) -> bool:
+        """Stores ``value`` under ``name``; False if fenced off (``fence``: a generation that is over)."""
+        return self._fenced("redis.call('set', KEYS[2], ARGV[2])", [self._key(name)], [json.dumps(value)])
 
     def get_json(self, name: str) -> Any:
         text = self._redis.get(self._key(name))

@@ -121,7 +121,7 @@ class Controller:
         self.trained = False  # some generation trained a batch (a failure before is a setup error)
         self.recovering: int | None = None  # the failure record whose recovery is not timed yet
         self.released = False
-        self.handled = 0  # failures handled so far
+        self.records: list[dict[str, Any]] = []  # the failures handled so far (Redis may lose its list)
 
     # ---- what the job holds
     def _start_batch(self) -> int:
@@ -237,16 +237,27 @@ class Controller:
             bad = sorted(m for m, why in reports.items() if why.startswith(BAD_DATA))
             member = (bad or sorted(reports))[0]
             reason = reports[member]
+            if member.startswith("data_processor/"):
+                # a Deployment's pod comes back under another name: the oracle must not wait for this one
+                # (one still alive finds its registration gone and starts again, under its own name)
+                self.registry.forget_member(member)
             if reason.startswith(BAD_DATA):
                 self._failed(process_name(member), "data", reason, member=member, retry=False)
             else:
                 self._failed(process_name(member), "failed", reason, member=member)
             return
         acks, incarnations = self.registry.acks(generation.id), self.registry.incarnations()
-        # (a data processor started again is no failure by itself: it holds no state, and the oracle
-        # reports it if a stream it read broke)
+        # A member started again is a failure if it held some of the generation's state. Not so a data
+        # processor (it holds none: the oracle reports it if a stream it read broke), nor an embedding
+        # server holding no buckets (drained by a scale-down, then started again by a scale-up within one
+        # generation: it joins empty, and rows move to it).
+        holders = self._serving() or set()
         restarted = [
-            m for m, i in acks.items() if incarnations.get(m) != i and not m.startswith("data_processor/")
+            m
+            for m, i in acks.items()
+            if incarnations.get(m) != i
+            and not m.startswith("data_processor/")
+            and (m in holders or not m.startswith("embedding_server/"))
         ]
         if restarted:
             member = sorted(restarted)[0]
@@ -314,9 +325,8 @@ class Controller:
             "last_batch": max(progress.values()) if progress else failed.start_batch - 1,
             "generation_seconds": self._clock() - self.since,
         }
-        # (counted here too: a Redis started again has lost the list)
-        earlier = max(len(self.registry.failures()), self.handled)
-        self.handled = earlier + 1
+        earlier = len(self._failures())
+        self.records.append(record)
         index = self.registry.add_failure(record)
         # (Redis lost is never a setup error: the progress that would show it went with it)
         never_trained = component != "redis" and not self.trained and not progress
@@ -341,9 +351,19 @@ class Controller:
         self.registry.update_failure(index, record)
         self.recovering = index
 
+    def _failures(self) -> list[dict[str, Any]]:
+        """The failures handled so far, in Redis again where it lost them (a Redis started again, empty)
+        or taken from it (a controller started again)."""
+        records = self.registry.failures()
+        if len(records) > len(self.records):
+            self.records = records
+        for record in self.records[len(records) :]:
+            self.registry.add_failure(record)
+        return self.records
+
     def _timed_recovery(self) -> None:
         assert self.recovering is not None
-        records = self.registry.failures()
+        records = self._failures()
         if self.recovering < len(records):
             record = records[self.recovering]
             record["recovered_seconds"] = time.time() - record["detected_at"]

@@ -69,13 +69,15 @@ def trainer_device(choice: str, rank: int) -> torch.device:
 class Trainer:
     """One trainer process; ``run()`` trains until the oracle's last plan."""
 
-    def __init__(self, config: TrainerConfig) -> None:
+    def __init__(self, config: TrainerConfig, generation: str | None = None) -> None:
+        """``generation``: the id of the generation this process trains in, which fences its writes of
+        progress and statistics to Redis (``Registry``)."""
         self.config = config
         self.rank = config.rank
         self.device = trainer_device(config.device, self.rank)
         if self.device.type == "cuda":
             torch.cuda.set_device(self.device)  # NCCL's barrier and object collectives use the current one
-        self.registry = Registry(config.coordination.redis_url, config.coordination.job)
+        self.registry = Registry(config.coordination.redis_url, config.coordination.job, fence=generation)
         self.offsets = table_offsets(config.table_rows)
         self.width = config.model.row_width  # floats per stored row (embedding, first-order weight)
         self.state_width = config.optimizer.state_width(self.width)

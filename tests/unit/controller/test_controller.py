@@ -265,6 +265,10 @@ def test_a_processor_the_oracle_reports_is_blamed_and_its_restart_alone_is_not(
     assert (failure["component"], failure["kind"]) == ("data-processor-0", "failed")
     assert failure["detail"] == "data.tsv:7: field I3: '2.5' is not an integer"
     assert current(registry).number == 2
+    # forgotten: a Deployment's replacement comes back under another name, and the oracle must not wait for
+    # this one (were it alive, it would find its registration gone and start again)
+    assert "data_processor/0" not in registry.incarnations()
+    assert processor.lost() is not None
 
 
 def test_bad_data_fails_the_job_at_once_naming_the_line(redis_url, tmp_path: Path) -> None:
@@ -333,3 +337,68 @@ def test_a_chosen_checkpoint_that_is_not_there_fails_the_job_naming_what_is(
         generation.reason
         == f"--start-batch {chosen}: no complete checkpoint {chosen} in {where} (complete: 5, 10)"
     )
+
+
+def test_a_trainer_of_a_generation_that_is_over_cannot_end_the_next_one(redis_url, tmp_path: Path) -> None:
+    """A trainer's writes of progress and statistics are fenced by its generation: one of a generation the
+    controller has ended, not ended yet itself, writes nothing into the next (whose end the controller
+    decides from the statistics)."""
+    registry, controller, members, _, _, _ = _job(redis_url, tmp_path)
+    _form(registry, controller, members)
+    first = current(registry)
+    late = Registry(redis_url, "job", fence=first.id)  # (a trainer of the first generation)
+    assert late.set_progress(0, 4)
+    controller.step()
+    Membership(registry, "embedding_server", "1").announce()  # a failure: the next generation begins
+    controller.step()
+    assert current(registry).number == 2
+    assert not late.set_progress(0, 5)
+    assert [late.put_json(f"stats:{r}", {"iterations": 5}) for r in (0, 1)] == [False, False]
+    assert registry.progress() == {} and registry.get_json("stats:0") is None
+    controller.step()
+    assert current(registry).state == ROLLING_BACK  # (not done)
+    ours = Registry(redis_url, "job", fence=current(registry).id)
+    assert ours.put_json("stats:0", {"iterations": 5}) and registry.get_json("stats:0") == {"iterations": 5}
+
+
+def test_a_server_drained_and_started_again_within_a_generation_is_no_failure(
+    redis_url, tmp_path: Path
+) -> None:
+    """A scale-down then a scale-up in one generation: the server that left held no buckets when it came
+    back as a new process, so it lost nothing of the generation; once it holds buckets, a restart is a
+    failure again."""
+    registry, controller, members, _, _, _ = _job(redis_url, tmp_path)
+    _form(registry, controller, members)
+    registry.set_progress(0, 4)
+    drained = registry.shard_map().rebalance([0])
+    registry.replace_shard_map(drained)  # (the coordinator moved shard 1's buckets away)
+    back = Membership(registry, "embedding_server", "1")  # (stopped, then started again by a scale-up)
+    back.announce()
+    controller.step()
+    assert registry.failures() == [] and current(registry).number == 1
+    registry.replace_shard_map(drained.rebalance([0, 1]))  # (rows move to it)
+    registry.ack(current(registry).id, back.name, back.incarnation)  # (it joined the generation empty)
+    controller.step()
+    assert registry.failures() == []
+    Membership(registry, "embedding_server", "1").announce()  # now it held rows
+    controller.step()
+    [failure] = registry.failures()
+    assert failure["component"] == "embedding-server-1" and current(registry).number == 2
+
+
+def test_failure_records_survive_a_redis_started_again_empty(redis_url, tmp_path: Path) -> None:
+    registry, controller, members, _, _, _ = _job(redis_url, tmp_path)
+    _form(registry, controller, members)
+    registry.set_progress(0, 4)
+    controller.step()
+    Membership(registry, "trainer", "1").announce()
+    controller.step()
+    assert [f["component"] for f in registry.failures()] == ["trainer-1"]
+    registry._redis.flushdb()
+    controller.step()
+    records = registry.failures()
+    assert [(f["component"], f["generation"]) for f in records] == [("trainer-1", 1), ("redis", 2)]
+    assert records[0]["resumed_at_batch"] == 0
+    # a controller started again takes the list from Redis
+    again = Controller(controller.config, registry, Recorder(), Script())
+    assert again._failures() == records
