@@ -142,6 +142,11 @@ class Registry:
             pipe.set(key, new.to_json())
             pipe.execute()  # WatchError if another writer came first
 
+    def restore_shard_map(self, shard_map: ShardMap) -> None:
+        """Makes ``shard_map`` the map in force whatever Redis holds (the controller's, after Redis lost it:
+        a server started again may have published its initial map meanwhile)."""
+        self._redis.set(self._key("shard_map"), shard_map.to_json())
+
     def embedding_servers(self) -> tuple[ShardMap | None, dict[int, str]]:
         """The shard map in force and every registered embedding server's address, by shard."""
         return self.shard_map(), {int(k): v for k, v in self.members("embedding_server").items()}

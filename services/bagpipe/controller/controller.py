@@ -47,6 +47,7 @@ from bagpipe.control.locks import CHECKPOINT_LOCK_OWNER, RESHARD_LOCK
 from bagpipe.control.registry import Registry
 from bagpipe.controller.config import ControllerConfig
 from bagpipe.core import snapshots
+from bagpipe.core.shard_map import ShardMap
 from bagpipe.errors import BAD_DATA
 
 logger = logging.getLogger(__name__)
@@ -121,6 +122,7 @@ class Controller:
         self.trained = False  # some generation trained a batch (a failure before is a setup error)
         self.recovering: int | None = None  # the failure record whose recovery is not timed yet
         self.released = False
+        self.shard_map: ShardMap | None = None  # the last one seen in Redis
         self.records: list[dict[str, Any]] = []  # the failures handled so far (Redis may lose its list)
 
     # ---- what the job holds
@@ -143,6 +145,7 @@ class Controller:
         shard_map = self.registry.shard_map()
         if shard_map is None:
             return None
+        self.shard_map = shard_map
         return {f"embedding_server/{s}" for s in shard_map.owners} | {"oracle_cacher/0"}
 
     def _trainers(self) -> set[str]:
@@ -154,6 +157,7 @@ class Controller:
         now = self._clock()
         if generation is None:
             if self.generation is not None and self.generation.state not in (DONE, FAILED):
+                self._restore_shard_map()
                 self._failed("redis", "exited", "lost the job's state (restarted empty)")
             elif self.generation is None:
                 first = self._first_start()
@@ -360,6 +364,20 @@ class Controller:
         for record in self.records[len(records) :]:
             self.registry.add_failure(record)
         return self.records
+
+    def _restore_shard_map(self) -> None:
+        """Puts the last shard map seen back into a Redis that lost it. A server started again publishes the
+        map of its ``--initial-shards``, which after a scale-down names shards that no longer run (the next
+        generation would wait for their acks), and after a scale-up leaves the new servers out; the
+        generation that follows takes every server back to the checkpoint under the map restored."""
+        if self.shard_map is None:
+            return
+        self.registry.restore_shard_map(self.shard_map)
+        logger.info(
+            "restored shard map version %d (shards %s) into Redis",
+            self.shard_map.version,
+            self.shard_map.owners,
+        )
 
     def _timed_recovery(self) -> None:
         assert self.recovering is not None

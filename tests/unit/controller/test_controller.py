@@ -402,3 +402,30 @@ def test_failure_records_survive_a_redis_started_again_empty(redis_url, tmp_path
     # a controller started again takes the list from Redis
     again = Controller(controller.config, registry, Recorder(), Script())
     assert again._failures() == records
+
+
+def test_redis_lost_after_a_scale_down_forms_again_under_the_last_shard_map(
+    redis_url, tmp_path: Path
+) -> None:
+    """A server started again after Redis lost the job publishes the map of its --initial-shards, which names
+    a shard drained since: the controller puts the last map it saw back, and the generation forms without
+    waiting for the shard that is gone."""
+    registry, controller, members, _, _, _ = _job(redis_url, tmp_path)
+    _form(registry, controller, members)
+    registry.set_progress(0, 4)
+    drained = registry.shard_map().rebalance([0])
+    registry.replace_shard_map(drained)  # (a scale-down to one server)
+    controller.step()
+    registry._redis.flushdb()  # Redis restarted empty
+    for m in ("embedding_server/0", "oracle_cacher/0"):  # (started again as new processes)
+        members[m] = Membership(registry, *m.split("/"))
+        members[m].announce()
+    registry.publish_shard_map(ShardMap.create(64, 2))  # (server 0's --initial-shards 2, first)
+    controller.step()
+    assert registry.shard_map().to_json() == drained.to_json()
+    generation = current(registry)
+    assert generation.number == 2 and generation.state == ROLLING_BACK
+    for m in ("embedding_server/0", "oracle_cacher/0"):
+        registry.ack(generation.id, m, members[m].incarnation)
+    controller.step()
+    assert current(registry).state == FORMING
