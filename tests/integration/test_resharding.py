@@ -294,3 +294,28 @@ def test_a_server_failing_mid_migration_rolls_back_and_stays_exact(run_job, tmp_
     assert summary["recovery"]["failures"][0]["component"] == "embedding-server-2", summary["recovery"]
     assert summary["embedding_servers"] == 3 and summary["iterations"] == iterations
     assert_synchronous(paths, iterations, batch, "adagrad")
+
+
+def test_redis_lost_after_a_scale_down_recovers_with_the_servers_left(run_job, tmp_path: Path) -> None:
+    """S=2 -> 1, then Redis is killed: the servers start again and publish the map of their --initial-shards
+    (two), the controller puts the last map back, and the job forms again with the one server and ends with
+    the synchronous model."""
+    iterations, batch = 300, 64
+    extra = ("--failure-timeout", "5", "--log-level", "INFO")
+    job = BackgroundRun(
+        run_job, "down", *exact_flags(iterations, batch, "adagrad", migration_rows_per_second=10000), *extra
+    )
+    run_dir = tmp_path / "down"
+    try:
+        _when_trained(run_dir, 8, job)
+        _scaled(run_dir, 1)
+        _when_trained(run_dir, _trained(run_dir) + 3, job)
+        [redis_pid] = children_matching("redis-server")
+        os.kill(redis_pid, signal.SIGKILL)
+        killed_at = _trained(run_dir)
+    finally:
+        summary, paths = job.result()
+    assert killed_at < iterations, "Redis was killed after training ended"
+    assert [f["component"] for f in summary["recovery"]["failures"]] == ["redis"], summary["recovery"]
+    assert summary["embedding_servers"] == 1 and summary["iterations"] == iterations
+    assert_synchronous(paths, iterations, batch, "adagrad")
