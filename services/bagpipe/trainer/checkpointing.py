@@ -22,6 +22,7 @@ from typing import Any
 
 import grpc
 import numpy as np
+import redis
 import torch
 import torch.distributed as dist
 
@@ -121,9 +122,9 @@ def export(
 
 
 class Sealer:
-    """(Rank 0.) Seals recovery checkpoints into ``directory``: the servers' snapshots, the dense part, the
-    manifest that makes a checkpoint count, then the pruning of old ones. ``last`` is the checkpoint the
-    next one follows (0: none yet)."""
+    """(Rank 0 of generation ``generation``.) Seals recovery checkpoints into ``directory``: the servers'
+    snapshots, the dense part, the manifest that makes a checkpoint count, then the pruning of old ones.
+    ``last`` is the checkpoint the next one follows (0: none yet)."""
 
     def __init__(
         self,
@@ -132,6 +133,7 @@ class Sealer:
         servers: EmbeddingClient,
         dense: DenseModel,
         registry: Registry,
+        generation: str,
         last: int,
     ) -> None:
         self.directory = directory
@@ -139,6 +141,7 @@ class Sealer:
         self.servers = servers
         self.dense = dense
         self.registry = registry
+        self.generation = generation
         self.last = last
 
     def seal(self, next_batch: int) -> dict[str, float]:
@@ -168,7 +171,7 @@ class Sealer:
                 f"the complete checkpoints before it are intact (latest: {previous or 'none'})"
             ) from None
         self.last = next_batch
-        self._prune()
+        self._prune(next_batch)
         return written
 
     def _write(self, next_batch: int, previous: int, full: bool) -> dict[str, float]:
@@ -212,8 +215,22 @@ class Sealer:
         )
         return {"rows": float(rows), "bytes": float(size)}
 
-    def _prune(self) -> None:
+    def _prune(self, sealed: int) -> None:
+        """Prunes only while this generation is in force. The controller reads the newest checkpoint as it
+        begins the next generation; had it read before ``sealed`` was complete, it may have chosen the one
+        before, which pruning removes once ``sealed`` is full and only one is kept. Recording ``sealed`` in
+        the generation's record makes the controller read again if it has not begun the next one yet
+        (``Registry.begin_generation``); if it has, this generation is over and prunes nothing (its
+        successor's rank 0 does, and first removes what this one wrote after the start)."""
         keep = self.config.keep_checkpoints
+        try:
+            in_force = self.registry.checkpoint_sealed(self.generation, sealed)
+        except redis.RedisError as e:
+            logger.warning("checkpoints in %s not pruned: Redis: %s", self.directory, e)
+            return
+        if not in_force:
+            logger.warning("checkpoints not pruned after %d: this trainer's generation is over", sealed)
+            return
         try:
             removed = snapshots.prune(self.directory, keep)
         except OSError as e:  # (an old checkpoint left behind costs disk, not correctness)
@@ -224,7 +241,8 @@ class Sealer:
 
 
 class Checkpointer:
-    """One trainer's side of the recovery checkpoints; ``connect`` it to the row store before ``take``."""
+    """One trainer's side of the recovery checkpoints in generation ``generation``; ``connect`` it to the
+    row store before ``take``."""
 
     def __init__(
         self,
@@ -234,6 +252,7 @@ class Checkpointer:
         sync: Synchronizer,
         pipeline: Pipeline,
         registry: Registry,
+        generation: str,
     ) -> None:
         self.config = config
         self.dense = dense
@@ -241,6 +260,7 @@ class Checkpointer:
         self.sync = sync
         self.pipeline = pipeline
         self.registry = registry
+        self.generation = generation
         self.store: RowStore | None = None
         self.sealer: Sealer | None = None
 
@@ -251,7 +271,13 @@ class Checkpointer:
         directory = self.config.checkpoint_dir
         if self.config.rank == 0 and directory is not None and store is servers:
             self.sealer = Sealer(
-                directory, self.config, servers, self.dense, self.registry, self.config.resume_batch
+                directory,
+                self.config,
+                servers,
+                self.dense,
+                self.registry,
+                self.generation,
+                self.config.resume_batch,
             )
 
     def take(

@@ -59,9 +59,10 @@ def trainer_device(choice: str, rank: int) -> torch.device:
 
 
 class Trainer:
-    """One trainer process; ``run()`` trains until the oracle's last plan."""
+    """One trainer process of generation ``generation`` (control/generation.py); ``run()`` trains until
+    the oracle's last plan."""
 
-    def __init__(self, config: TrainerConfig) -> None:
+    def __init__(self, config: TrainerConfig, generation: str) -> None:
         self.config = config
         self.rank = config.rank
         self.device = trainer_device(config.device, self.rank)
@@ -88,7 +89,7 @@ class Trainer:
             self.cache, config.optimizer, config.world_size, self.pipeline, self._optimizer_step
         )
         self.checkpoints = Checkpointer(
-            config, self.dense, self.cache, self.sync, self.pipeline, self.registry
+            config, self.dense, self.cache, self.sync, self.pipeline, self.registry, generation
         )
         self.stats = TrainerStats(
             self.rank, self.start_batch, config.iteration_log, config.tensorboard if self.rank == 0 else None

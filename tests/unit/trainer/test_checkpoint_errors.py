@@ -49,8 +49,9 @@ def registry(tmp_path_factory: pytest.TempPathFactory) -> Any:
     server.stop()
 
 
-def sealer(directory: Path, registry: Registry, servers: Any, **config: Any) -> Sealer:
-    """Rank 0's sealer of a one-trainer job with a small model, checkpointing into ``directory``."""
+def sealer(directory: Path, registry: Registry, servers: Any, generation: str = "", **config: Any) -> Sealer:
+    """Rank 0's sealer, in generation ``generation`` (none: it never prunes), of a one-trainer job with a
+    small model, checkpointing into ``directory``."""
     cfg = TrainerConfig(
         0,
         1,
@@ -70,7 +71,7 @@ def sealer(directory: Path, registry: Registry, servers: Any, **config: Any) -> 
     dense = DenseModel(
         model, dense_optimizer(cfg.optimizer, list(model.parameters()), torch.device("cpu")), cfg.optimizer
     )
-    return Sealer(str(directory), cfg, servers, dense, registry, cfg.resume_batch)
+    return Sealer(str(directory), cfg, servers, dense, registry, generation, cfg.resume_batch)
 
 
 def seal(tmp_path: Path, registry: Registry, error: BaseException) -> Any:
