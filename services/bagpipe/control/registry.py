@@ -10,7 +10,7 @@ import json
 import logging
 import threading
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from typing import Any
 from urllib.parse import urlsplit
@@ -244,16 +244,44 @@ class Registry:
     def generation_record(self) -> dict[str, str]:
         return self._hash(self._key("generation"))
 
-    def begin_generation(self, record: dict[str, str]) -> None:
+    def begin_generation(self, record: dict[str, str] | Callable[[], dict[str, str]]) -> dict[str, str]:
         """Makes ``record`` the generation in force and forgets the trainers' progress and statistics of the
-        last one (the new one starts over from its checkpoint)."""
-        stats = list(
-            self._redis.scan_iter(self._key("stats", "*"))
-        )  # (a finished trainer's: it trains again)
+        last one (the new one starts over from its checkpoint); returns the record written.
+
+        ``record`` may be a function (the controller's, which reads the newest checkpoint): it is called
+        while the generation in force is watched, and called again if that generation recorded a sealed
+        checkpoint (``checkpoint_sealed``) before the new record was written. So a start read before rank 0
+        completed a newer checkpoint is never written once rank 0 may prune it."""
+        key = self._key("generation")
         with self._redis.pipeline() as pipe:
-            pipe.delete(self._key("generation"), self._key("progress"), self._key("heartbeat"), *stats)
-            pipe.hset(self._key("generation"), mapping=dict(record))  # type: ignore[arg-type]
-            pipe.execute()
+            while True:
+                try:
+                    pipe.watch(key)
+                    content = record if isinstance(record, dict) else record()
+                    # (a finished trainer's statistics: it trains again)
+                    stats = list(self._redis.scan_iter(self._key("stats", "*")))
+                    pipe.multi()
+                    pipe.delete(key, self._key("progress"), self._key("heartbeat"), *stats)
+                    pipe.hset(key, mapping=dict(content))  # type: ignore[arg-type]
+                    pipe.execute()
+                    return content
+                except redis.WatchError:
+                    logger.info("rank 0 sealed a checkpoint meanwhile: the start is read again")
+
+    def checkpoint_sealed(self, generation: str, next_batch: int) -> bool:
+        """Records that generation ``generation``'s rank 0 completed checkpoint ``next_batch``, if that
+        generation is still in force; returns whether it is (only then may rank 0 prune: a generation
+        begun after this reads ``next_batch`` or a newer one as the newest, see ``begin_generation``)."""
+        return bool(
+            self._redis.eval(
+                "if redis.call('hget', KEYS[1], 'id') == ARGV[1] then "
+                "redis.call('hset', KEYS[1], 'checkpoint', ARGV[2]) return 1 end return 0",
+                1,
+                self._key("generation"),
+                generation,
+                str(next_batch),
+            )
+        )
 
     def set_generation_state(self, generation: str, state: str, reason: str = "") -> bool:
         """Moves generation ``generation`` to ``state``, if it is still the one in force."""

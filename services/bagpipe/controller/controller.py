@@ -166,8 +166,8 @@ class Controller:
                     failed = dataclasses.replace(Generation.new(self.number, 0, first), state=FAILED)
                     self.registry.begin_generation(failed.record())
                     logger.error("the job cannot start: %s", first)
-                else:
-                    self._begin("the job starts", first)
+                else:  # (--start-batch latest: read as the generation begins)
+                    self._begin("the job starts", None if self.config.start_batch == "latest" else first)
             return
         if (
             self.generation is None
@@ -294,10 +294,19 @@ class Controller:
 
     # ---- acting
     def _begin(self, reason: str, start: int | None = None) -> Generation:
-        start = self._start_batch() if start is None else start
+        """Begins the next generation from ``start``, or from the newest complete checkpoint: read while
+        the generation in force is watched, so that its rank 0, which prunes only while its generation is
+        in force (``Registry.checkpoint_sealed``), can never prune the one read (a newer one completed
+        meanwhile makes the controller read again)."""
         self.number += 1
-        generation = Generation.new(self.number, start, reason)
-        self.registry.begin_generation(generation.record())
+
+        def record() -> dict[str, str]:
+            return Generation.new(
+                self.number, self._start_batch() if start is None else start, reason
+            ).record()
+
+        generation = Generation.of(self.registry.begin_generation(record))
+        assert generation is not None
         # a trainer of the last generation may have died holding the checkpoint's re-sharding lock: no
         # trainer holds it now, and a migration must not wait out its ttl
         if self.registry.break_lock(RESHARD_LOCK, CHECKPOINT_LOCK_OWNER):
@@ -305,7 +314,7 @@ class Controller:
         self.generation, self.since = generation, self._clock()
         GENERATION.set(generation.number)
         self.detector = None
-        logger.info("generation %d from batch %d: %s", generation.number, start, reason)
+        logger.info("generation %d from batch %d: %s", generation.number, generation.start_batch, reason)
         return generation
 
     def _failed(

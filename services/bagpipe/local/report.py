@@ -1,7 +1,7 @@
 """The run report: plots of a local run from the trainers' per-iteration CSV files.
 
 ``write_report`` makes ``iteration_breakdown.png`` (stacked stage times per trainer: the warm-up batch
-by batch on its own scale, beside the steady state), ``loss.png``,
+by batch on its own scale, told apart by summary.py's rule, beside the steady state), ``loss.png``,
 ``cache.png`` (hit rate, rows fetched and synchronised per iteration), ``eval.png`` (held-out logloss and
 AUC, with ``--eval-data``) and ``report.html``: the run record at the top (model, data, layout, git
 revision, package versions, every flag from config.json), then the plots and the summary. It opens
@@ -10,7 +10,6 @@ straight from the run directory.
 
 from __future__ import annotations
 
-import csv
 import html
 import json
 from pathlib import Path
@@ -22,18 +21,10 @@ matplotlib.use("Agg")
 import matplotlib.pyplot as plt  # noqa: E402
 
 from bagpipe.local.record import RECORD_KEY  # noqa: E402
+from bagpipe.local.summary import trainer_logs, warm_up  # noqa: E402
 from bagpipe.trainer.metrics import STAGES  # noqa: E402
 
 COLOURS = ("#8c8c8c", "#c7c7c7", "#1f77b4", "#aec7e8", "#d62728", "#ff9896", "#2ca02c", "#ffbb78")
-
-
-def read_iterations(path: Path) -> dict[str, list[float]]:
-    """A trainer's CSV as columns of floats."""
-    with open(path, newline="") as f:
-        rows = list(csv.DictReader(f))
-    if not rows:
-        return {}
-    return {k: [float(r[k]) for r in rows] for k in rows[0]}
 
 
 def _smooth(values: list[float], window: int) -> list[float]:
@@ -46,24 +37,9 @@ def _smooth(values: list[float], window: int) -> list[float]:
     return out
 
 
-def warm_up(iteration_seconds: list[float]) -> int:
-    """How many batches at the start are the job's warm-up: slower than 3x the median of the run's second
-    half (the first plans, the first lookups, compiling), at least the first."""
-    n = len(iteration_seconds)
-    if n < 2:
-        return 0
-    steady = sorted(iteration_seconds[n // 2 :])[len(iteration_seconds[n // 2 :]) // 2]
-    start = 1
-    while start < n // 2 and iteration_seconds[start] > 3 * steady:
-        start += 1
-    return start
-
-
 def write_report(run_dir: Path, summary: dict[str, Any]) -> Path:
     """Writes the plots and ``report.html`` into ``run_dir``; returns the HTML path."""
-    files = sorted((run_dir / "metrics").glob("trainer-*.csv"), key=lambda p: int(p.stem.split("-")[1]))
-    trainers = {int(p.stem.split("-")[1]): read_iterations(p) for p in files}
-    trainers = {r: cols for r, cols in trainers.items() if cols}
+    trainers = trainer_logs(run_dir)
     if not trainers:
         raise RuntimeError(f"no per-iteration metrics under {run_dir / 'metrics'}")
     window = max(1, min(20, len(next(iter(trainers.values()))["batch"]) // 20))

@@ -1,6 +1,15 @@
 """A local run's summary: throughput, stage times, cache and traffic figures, failures and recoveries,
 re-shardings, CPU per service, and the lines ``bagpipe run`` prints at the end (``summary.json`` holds
-the same)."""
+the same).
+
+Warm-up: the first iterations of a trainer are slow for reasons the rest of the run does not share (the
+first plans wait for the data processors and the oracle's window to fill, the first lookups, compiling).
+``warm_up`` is the rule that tells them apart: in each stretch of consecutive batches a trainer trained
+(the run, or a generation after a recovery: its trainers start again), the first iteration and every one
+right after it slower than ``WARM_UP_FACTOR`` times the median of the stretch's second half, at most half
+the stretch. The summary's steady state (``steady_state``) is every other iteration; the report draws
+the warm-up apart by the same rule.
+"""
 
 from __future__ import annotations
 
@@ -12,6 +21,88 @@ from bagpipe.trainer.metrics import STAGES
 
 if TYPE_CHECKING:
     from bagpipe.local.run_config import RunConfig
+
+# an iteration at the start of a stretch slower than this many times the stretch's steady median is warm-up
+WARM_UP_FACTOR = 3.0
+
+
+def read_iterations(path: Path) -> dict[str, list[float]]:
+    """A trainer's per-iteration log (``metrics/trainer-<rank>.csv``) as columns of floats."""
+    with open(path, newline="") as f:
+        rows = list(csv.DictReader(f))
+    if not rows:
+        return {}
+    return {k: [float(r[k]) for r in rows] for k in rows[0]}
+
+
+def trainer_logs(run_dir: Path) -> dict[int, dict[str, list[float]]]:
+    """Every trainer's per-iteration log that holds a row, by rank."""
+    paths = sorted((run_dir / "metrics").glob("trainer-*.csv"), key=lambda p: int(p.stem.split("-")[1]))
+    logs = {int(p.stem.split("-")[1]): read_iterations(p) for p in paths}
+    return {rank: cols for rank, cols in logs.items() if cols}
+
+
+def warm_up(iteration_seconds: list[float]) -> int:
+    """How many iterations at the start of a stretch of training are its warm-up: the first, and each one
+    right after it slower than ``WARM_UP_FACTOR`` times the median of the stretch's second half, at most
+    half the stretch (none with fewer than two iterations)."""
+    n = len(iteration_seconds)
+    if n < 2:
+        return 0
+    later = sorted(iteration_seconds[n // 2 :])
+    steady = later[len(later) // 2]
+    start = 1
+    while start < n // 2 and iteration_seconds[start] > WARM_UP_FACTOR * steady:
+        start += 1
+    return start
+
+
+def _stretches(batches: list[float]) -> list[tuple[int, int]]:
+    """[start, end) of each run of consecutive batches in a trainer's log (a recovery's replay starts
+    another)."""
+    cuts = [i for i in range(1, len(batches)) if batches[i] != batches[i - 1] + 1]
+    edges = [0, *cuts, len(batches)]
+    return list(zip(edges[:-1], edges[1:], strict=True))
+
+
+def steady_state(logs: list[dict[str, list[float]]]) -> dict[str, Any] | None:
+    """The trainers' steady state and warm-up (see ``warm_up``) from their per-iteration logs (columns:
+    ``batch``, ``iteration_seconds``, ``<stage>_seconds``), job-wide as the summary's other figures: the
+    slowest trainer's mean iteration and the mean over trainers of each stage, over the iterations after
+    the warm-up; the warm-up of the trainer whose warm-up took longest, its iterations and seconds. The
+    time of an iteration is its stages' (a checkpoint or an evaluation between two batches is not in it).
+    None without a row."""
+    parts = []
+    for cols in logs:
+        if not cols.get("batch"):
+            continue
+        warm: list[int] = []
+        steady: list[int] = []
+        for start, end in _stretches(cols["batch"]):
+            k = warm_up(cols["iteration_seconds"][start:end])
+            warm += range(start, start + k)
+            steady += range(start + k, end)
+        parts.append((cols, warm, steady))
+    if not parts:
+        return None
+
+    def mean(cols: dict[str, list[float]], key: str, rows: list[int]) -> float:
+        return sum(cols[key][i] for i in rows) / len(rows) if rows else 0.0
+
+    def warm_seconds(part: tuple[dict[str, list[float]], list[int], list[int]]) -> float:
+        return sum(part[0]["iteration_seconds"][i] for i in part[1])
+
+    longest = max(parts, key=warm_seconds)
+    return {
+        "steady_state": {
+            "iterations": min(len(steady) for _, _, steady in parts),
+            "seconds_per_iteration": max(mean(c, "iteration_seconds", steady) for c, _, steady in parts),
+            "stage_seconds_per_iteration": {
+                s: sum(mean(c, f"{s}_seconds", steady) for c, _, steady in parts) / len(parts) for s in STAGES
+            },
+        },
+        "warm_up": {"iterations": len(longest[1]), "seconds": warm_seconds(longest)},
+    }
 
 
 def iteration_log(run_dir: Path) -> list[tuple[int, float]]:
@@ -115,6 +206,7 @@ def summarize(
     n = len(stats)
     stages = {s: sum(st["stage_seconds_per_iteration"][s] for st in stats) / n for s in STAGES}
     losses = stats[0]["losses"]
+    steady = steady_state(list(trainer_logs(run_dir).values())) or {}
     return {
         "run_dir": str(run_dir),
         "iterations": stats[0]["iterations"],
@@ -133,8 +225,11 @@ def summarize(
         "cache_peak_occupancy_rows": max(st["cache_peak_occupancy_rows"] for st in stats),
         "cache_capacity_rows": max(st["cache_capacity_rows"] for st in stats),
         "samples_per_second": min(st["samples_per_second"] for st in stats),
+        # (over the whole run: the warm-up, checkpoints and evaluations in it)
         "seconds_per_iteration": max(st["seconds"] / max(1, st["iterations"]) for st in stats),
         "stage_seconds_per_iteration": stages,
+        "steady_state": steady.get("steady_state"),
+        "warm_up": steady.get("warm_up"),
         "cache_hit_rate": sum(st["cache_hit_rate"] for st in stats) / n,
         "rows_per_iteration": stats[0]["unique_rows_per_iteration"],
         "rows_fetched_per_iteration": sum(st["rows_prefetched_per_iteration"] for st in stats),
@@ -174,10 +269,26 @@ def format_summary(s: dict[str, Any]) -> str:
         f"{s['cache_capacity_rows']:,} allocated"
         + (f" (--cache-rows {s['cache_rows']:,})" if s["cache_rows"] else ""),
         f"samples/s            {s['samples_per_second']:,.0f}",
-        f"time per iteration   {1000 * s['seconds_per_iteration']:.1f} ms",
     ]
-    for stage, sec in s["stage_seconds_per_iteration"].items():
+    steady, warm = s.get("steady_state"), s.get("warm_up")
+    whole = f"{1000 * s['seconds_per_iteration']:.1f} ms"
+    if steady:
+        lines.append(
+            f"time per iteration   {1000 * steady['seconds_per_iteration']:.1f} ms in the steady state "
+            f"({steady['iterations']:,} iterations; {whole} over the whole run, warm-up and checkpoints "
+            "included)"
+        )
+        stages = steady["stage_seconds_per_iteration"]
+    else:
+        lines.append(f"time per iteration   {whole}")
+        stages = s["stage_seconds_per_iteration"]
+    for stage, sec in stages.items():
         lines.append(f"  {stage:<18} {1000 * sec:8.2f} ms")
+    if warm and warm["iterations"]:
+        lines.append(
+            f"warm-up              {warm['iterations']} iteration(s), {1000 * warm['seconds']:.1f} ms in all "
+            "(the first plans, lookups and compiling; not in the steady state)"
+        )
     lines += [
         f"cache hit rate       {100 * s['cache_hit_rate']:.1f}%",
         f"rows per iteration   {s['rows_per_iteration']:,.0f} used, "

@@ -29,8 +29,9 @@ from bagpipe.control.registry import Registry
 from bagpipe.core import snapshots
 from bagpipe.core.snapshots import EXIT_CHECKPOINT_FAILED
 from bagpipe.trainer import metrics
+from bagpipe.trainer.checkpointing import CheckpointFailed
 from bagpipe.trainer.config import TrainerConfig, parse
-from bagpipe.trainer.worker import CheckpointFailed, Trainer
+from bagpipe.trainer.worker import Trainer
 
 logger = logging.getLogger("bagpipe.trainer")
 

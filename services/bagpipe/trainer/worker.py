@@ -1,7 +1,5 @@
 """The trainer: one process of synchronous training with Bagpipe's cache.
 
-(Over 400 lines: one training step in order, with its checkpoint and evaluation points.)
-
 ``step()`` trains one batch, in the order TorchRec's ``TrainPipeline.progress()`` would read: take the
 batch's plan once its rows are prefetched (pipeline.py), forward and backward on the cached rows, the
 critical synchronisation (sync.py: the shared rows the next batch reads, then the dense gradients and the
@@ -9,7 +7,7 @@ loss), the optimizer (dense, private rows, critical rows) and the critical hand-
 synchronisation and the write-backs go on behind, overlapped with the next batch. stats.py records it.
 
 Threads: receiver, prefetcher and writer (pipeline.py), syncer (sync.py); the calling thread trains.
-Recovery checkpoints (``_checkpoint``) and held-out evaluation happen between two batches, where the
+Recovery checkpoints (checkpointing.py) and held-out evaluation happen between two batches, where the
 plan asks for them.
 """
 
@@ -22,24 +20,23 @@ import time
 from pathlib import Path
 from typing import Any
 
-import grpc
 import numpy as np
 import torch
 import torch.distributed as dist
 
 from bagpipe import security, serving
-from bagpipe.control.locks import CHECKPOINT_LOCK_OWNER, RESHARD_LOCK
 from bagpipe.control.registry import Registry
 from bagpipe.core import checkpoint, snapshots
 from bagpipe.core.data import table_offsets
 from bagpipe.core.embedding_init import InitialRows
 from bagpipe.core.model import batch_logits, batch_loss, build_model
-from bagpipe.core.optim import dense_optimizer, restore_state, saved_state, steps_taken
+from bagpipe.core.optim import dense_optimizer, restore_state, steps_taken
 from bagpipe.core.plans import TrainerBatch
 from bagpipe.core.row_store import RowStore
 from bagpipe.embedding_server.client import EmbeddingClient
-from bagpipe.trainer import metrics
+from bagpipe.trainer import checkpointing, metrics
 from bagpipe.trainer.cache import EmbeddingCache
+from bagpipe.trainer.checkpointing import Checkpointer, DenseModel
 from bagpipe.trainer.config import TrainerConfig
 from bagpipe.trainer.evaluation import HeldOut, append_eval, load_held_out
 from bagpipe.trainer.pipeline import Pipeline
@@ -49,11 +46,6 @@ from bagpipe.trainer.sync import Synchronizer, backend_for, init_process_group
 from bagpipe.v1 import oracle_cacher_pb2_grpc as opb_grpc
 
 logger = logging.getLogger(__name__)
-
-
-class CheckpointFailed(Exception):
-    """A recovery checkpoint could not be written, and a replay would fail the same way (a full disk or
-    quota, a read-only volume: ``snapshots.final``); the message names where."""
 
 
 def trainer_device(choice: str, rank: int) -> torch.device:
@@ -67,11 +59,12 @@ def trainer_device(choice: str, rank: int) -> torch.device:
 
 
 class Trainer:
-    """One trainer process; ``run()`` trains until the oracle's last plan."""
+    """One trainer process of generation ``generation`` (control/generation.py); ``run()`` trains until
+    the oracle's last plan."""
 
-    def __init__(self, config: TrainerConfig, generation: str | None = None) -> None:
-        """``generation``: the id of the generation this process trains in, which fences its writes of
-        progress and statistics to Redis (``Registry``)."""
+    def __init__(self, config: TrainerConfig, generation: str) -> None:
+        """``generation``: the id of the generation this process trains in, which fences its writes to Redis
+        (progress, statistics, a checkpoint sealed: ``Registry``)."""
         self.config = config
         self.rank = config.rank
         self.device = trainer_device(config.device, self.rank)
@@ -84,18 +77,21 @@ class Trainer:
         self.model = build_model(config.model, seed=config.seed).to(self.device)
         self.params = list(self.model.parameters())
         self.dense_opt = dense_optimizer(config.optimizer, self.params, self.device)
+        self.dense = DenseModel(self.model, self.dense_opt, config.optimizer)
         fixed = config.cache_rows is not None  # --cache-rows: a hard bound; otherwise it grows
         self.cache = EmbeddingCache(
             self.width, self.state_width, self.device, capacity=config.cache_rows or 1024, fixed=fixed
         )
         self.start_batch = config.resume_batch
-        self._last_checkpoint = config.resume_batch  # the checkpoint the next one follows (0: none yet)
         self.step_base = 0  # optimizer steps before batch 0 (Adam's bias correction counts from there)
         # the oracle binds this rank to this process
         self._token = [(security.TRAINER_KEY, secrets.token_hex(16))]
         self.pipeline = Pipeline(config, self.cache, self.registry, self._token, self.start_batch)
         self.sync = Synchronizer(
             self.cache, config.optimizer, config.world_size, self.pipeline, self._optimizer_step
+        )
+        self.checkpoints = Checkpointer(
+            config, self.dense, self.cache, self.sync, self.pipeline, self.registry, generation
         )
         self.stats = TrainerStats(
             self.rank, self.start_batch, config.iteration_log, config.tensorboard if self.rank == 0 else None
@@ -189,53 +185,10 @@ class Trainer:
         """The global optimizer step that training ``batch`` is (1 for the first batch of a fresh model)."""
         return self.step_base + batch + 1
 
-    def _optimizer_header(self) -> dict[str, Any]:
-        opt = self.config.optimizer
-        return {"name": opt.name, "lr": opt.lr, "eps": opt.epsilon, "betas": list(opt.betas)}
-
-    def _dense_state(self) -> dict[str, Any]:
-        return {k: v.detach().cpu().clone() for k, v in self.model.state_dict().items()}
-
     def export_checkpoint(self, path: str, next_batch: int, meta: dict[str, Any]) -> None:
-        """Writes the interchange checkpoint (core/checkpoint.py) after ``next_batch`` batches: dense model
-        here, embeddings from the row store."""
+        """The interchange checkpoint after ``next_batch`` batches (checkpointing.export)."""
         assert self.store is not None
-        model, opt = self.config.model, self.config.optimizer
-        out: dict[str, Any] = {  # (the sections in the contract's order; put_table fills the tables)
-            "dense": self._dense_state(),
-            "embeddings": {},
-            **({"linear": {}} if model.linear else {}),
-            "optimizer": {
-                **self._optimizer_header(),
-                "dense": saved_state(self.dense_opt, dict(self.model.named_parameters())),
-                "embeddings": {},
-                **({"linear": {}} if model.linear else {}),
-            },
-            "meta": {
-                **model.describe(),
-                "table_rows": list(self.config.table_rows),
-                "embedding_dim": model.embedding_dim,
-                "num_dense": model.num_dense,
-                "optimizer_steps": self.step_base + next_batch,
-                **meta,
-            },
-        }
-        step = self.step_base + next_batch if opt.name == "adam" else None
-        for t in range(self.offsets.size - 1):
-            keys = np.arange(self.offsets[t], self.offsets[t + 1], dtype=np.int64)
-            rows, state = self.store.lookup(keys)
-            checkpoint.put_table(
-                out,
-                t,
-                torch.from_numpy(rows),
-                torch.from_numpy(state),
-                model.embedding_dim,
-                opt.state_keys,
-                model.linear,
-                step,
-            )
-        checkpoint.save(path, out)
-        logger.info("wrote checkpoint %s", path)
+        checkpointing.export(path, self.dense, self.store, self.config, self.step_base + next_batch, meta)
 
     # ---- the training step
     def step(self, batch: int) -> TrainerBatch:
@@ -277,130 +230,21 @@ class Trainer:
         self.stats.record(plan, timer, float(global_loss), self.cache.capacity, self.store)
         return plan
 
-    # ---- recovery checkpoints
+    # ---- between two batches
     def _checkpoint(self, plan: TrainerBatch) -> None:
-        """A consistent checkpoint after ``plan.batch`` (see core/snapshots.py).
-
-        Once this batch's background synchronisation and write-backs are done, every cached row is current
-        on its holders and every evicted one on the servers; each trainer then writes the cached rows it is
-        the designated writer of (the plan lists them) to the servers, which then hold the whole model.
-        Rank 0 has each server write what changed since the previous checkpoint, writes the dense model and
-        optimizer, and marks the checkpoint complete; the barriers keep every write-back of a later batch
-        out of the snapshot. The rows stay cached: training goes on as if nothing happened.
-        """
-        directory = self.config.checkpoint_dir  # (None: a flush for an evaluation only)
+        """A recovery checkpoint after ``plan.batch`` (checkpointing.py), or with no --checkpoint-dir the
+        flush an evaluation needs; the held-out evaluation, where due, while the servers hold every row."""
         with metrics.heartbeat_while("checkpoint"):
-            self._flush_and_seal(plan, directory)
+            taken = self.checkpoints.take(plan, self._evaluate_if_due)
+            if taken is not None:
+                self.stats.record_checkpoint(plan.batch + 1, *taken)
 
-    def _flush_and_seal(self, plan: TrainerBatch, directory: str | None) -> None:
-        assert (
-            self.store is not None and plan.checkpoint_keys is not None and plan.checkpoint_slots is not None
-        )
-        t0 = time.perf_counter()
-        batch = plan.batch
-        self.sync.wait_synced(batch)
-        self.pipeline.wait_written(batch)
-        if plan.checkpoint_keys.size:
-            with self.cache.lock.shared():
-                rows, state = self.cache.read(self.cache.index(plan.checkpoint_slots))
-            self.store.write_back(plan.checkpoint_keys, rows.numpy(), state.numpy())
-        if self.config.world_size > 1:
-            dist.barrier()
-        written = {"rows": float(plan.checkpoint_keys.size), "bytes": 0.0}
-        if self.rank == 0 and directory is not None:
-            written = self._seal_checkpoint(directory, batch + 1)
-        evaluated = 0.0
-        if self.held_out is not None and self.config.eval_every and (batch + 1) % self.config.eval_every == 0:
-            evaluated = self._evaluate(batch + 1)  # (the servers hold every newest row until the barrier)
-        if self.config.world_size > 1:
-            dist.barrier()
-        if directory is None:
-            return
-        self.stats.record_checkpoint(batch + 1, time.perf_counter() - t0 - evaluated, written)
-
-    def _seal_checkpoint(self, directory: str, next_batch: int) -> dict[str, float]:
-        """(Rank 0.) The servers' snapshots, the dense part, the manifest that makes it count, then the
-        pruning of old checkpoints. A checkpoint that cannot be written (a full disk) is removed and
-        CheckpointFailed names the directory (the trainer exits with ``snapshots.EXIT_CHECKPOINT_FAILED``):
-        the complete ones before it are untouched, and replaying would only fail the same way."""
-        previous = self._last_checkpoint
-        try:
-            full = snapshots.full_due(directory, previous, self.config.checkpoint_full_every)
-            written = self._write_checkpoint(directory, next_batch, previous, full)
-        except (OSError, grpc.RpcError) as e:
-            disk_full = (
-                snapshots.final(e)
-                if isinstance(e, OSError)
-                else e.code() == grpc.StatusCode.FAILED_PRECONDITION
-                and (e.details() or "").startswith("directory:")
-            )
-            if not disk_full:
-                # (a server gone, a volume's passing error: recovered from like any failure; the next
-                # generation's rank 0 removes what this one began)
-                raise
-            snapshots.discard(directory, next_batch)
-            why = e.details() if isinstance(e, grpc.RpcError) else str(e)
-            logger.error("checkpoint %d not written: %s", next_batch, why)
-            raise CheckpointFailed(
-                f"checkpoint {next_batch} could not be written to {directory}: {why}; "
-                f"the complete checkpoints before it are intact (latest: {previous or 'none'})"
-            ) from None
-        self._last_checkpoint = next_batch
-        try:
-            removed = snapshots.prune(directory, self.config.keep_checkpoints)
-        except OSError as e:  # (an old checkpoint left behind costs disk, not correctness)
-            logger.warning("checkpoints in %s not pruned: %s", directory, e)
-        else:
-            if removed:
-                logger.info("pruned checkpoints %s (keeping %d)", removed, self.config.keep_checkpoints)
-        return written
-
-    def _write_checkpoint(
-        self, directory: str, next_batch: int, previous: int, full: bool
-    ) -> dict[str, float]:
-        # recovery checkpoints are the servers' files (the shared-memory ideal system writes none)
-        assert self.servers is not None and self.store is self.servers
-        # the map in force stays fixed while the servers write (a re-sharding switch waits for this lock,
-        # which is renewed while they do)
-        owner = f"{CHECKPOINT_LOCK_OWNER}{self.config.coordination.job}-{next_batch}"
-        with self.registry.locked(RESHARD_LOCK, owner):
-            files = self.servers.snapshot(directory, next_batch, full)
-        snapshots.write_dense(
-            directory,
-            next_batch,
-            {
-                "dense": self._dense_state(),
-                "optimizer": {
-                    **self._optimizer_header(),
-                    "dense": saved_state(self.dense_opt, dict(self.model.named_parameters())),
-                },
-                "meta": {"next_batch": next_batch, "trainers": self.config.world_size},
-            },
-        )
-        rows = sum(f[1] for f in files)
-        size = sum(f[2] for f in files)
-        snapshots.mark_complete(
-            directory,
-            next_batch,
-            {
-                "previous": previous,
-                "full": full,
-                "row_files": [f[0] for f in files],
-                "rows": rows,
-                "bytes": size,
-                "time": time.time(),
-                "embedding_servers": len(files),
-                "trainers": self.config.world_size,
-            },
-        )
-        logger.info(
-            "checkpoint %d complete (%s): %d rows, %d bytes",
-            next_batch,
-            "full" if full else f"after {previous}",
-            rows,
-            size,
-        )
-        return {"rows": float(rows), "bytes": float(size)}
+    def _evaluate_if_due(self, trained: int) -> float:
+        """``_evaluate`` after ``trained`` batches if --eval-every asks for it then; the seconds it took."""
+        every = self.config.eval_every
+        if self.held_out is None or not every or trained % every:
+            return 0.0
+        return self._evaluate(trained)
 
     def _evaluate(self, trained: int) -> float:
         """Logloss and AUC on the held-out data after ``trained`` batches; returns the seconds it took."""
@@ -465,6 +309,7 @@ class Trainer:
         untouched = self.servers.untouched()
         logger.info("embedding servers untouched before batch %d: %s", self.start_batch, untouched)
         self.pipeline.connect(self.store, self.oracle, self.servers.initial_of if untouched else None)
+        self.checkpoints.connect(self.store, self.servers)
         if config.world_size > 1:
             dist.barrier()
 

@@ -3,15 +3,22 @@ from as any failure is."""
 
 from __future__ import annotations
 
+import dataclasses
 import errno
 from pathlib import Path
-from types import SimpleNamespace
 from typing import Any
 
 import grpc
 import pytest
+import torch
+from bagpipe.config_args import Coordination
+from bagpipe.control.registry import Registry
 from bagpipe.core import snapshots
-from bagpipe.trainer.worker import CheckpointFailed, Trainer
+from bagpipe.core.model import ModelConfig
+from bagpipe.core.optim import OptimizerConfig, dense_optimizer
+from bagpipe.local.redis_server import RedisServer
+from bagpipe.trainer.checkpointing import CheckpointFailed, DenseModel, Sealer
+from bagpipe.trainer.config import TrainerConfig
 
 
 class Refused(grpc.RpcError):
@@ -25,19 +32,52 @@ class Refused(grpc.RpcError):
         return self._details
 
 
-def seal(tmp_path: Path, error: BaseException) -> Any:
-    """``Trainer._seal_checkpoint`` of checkpoint 10 on a trainer whose writing meets ``error``."""
-    (tmp_path / "000000010").mkdir(parents=True)
+class FailingServers:
+    """The embedding servers' client as rank 0 uses it to seal, every snapshot meeting ``error``."""
 
-    def write(*_: Any) -> Any:
-        raise error
+    def __init__(self, error: BaseException) -> None:
+        self.error = error
 
-    trainer = SimpleNamespace(
-        _last_checkpoint=0,
-        _write_checkpoint=write,
-        config=SimpleNamespace(checkpoint_full_every=8, keep_checkpoints=3),
+    def snapshot(self, directory: str, next_batch: int, full: bool = False) -> list[tuple[str, int, int]]:
+        raise self.error
+
+
+@pytest.fixture(scope="module")
+def registry(tmp_path_factory: pytest.TempPathFactory) -> Any:
+    server = RedisServer(tmp_path_factory.mktemp("redis"))
+    yield Registry(server.url, "job")
+    server.stop()
+
+
+def sealer(directory: Path, registry: Registry, servers: Any, generation: str = "", **config: Any) -> Sealer:
+    """Rank 0's sealer, in generation ``generation`` (none: it never prunes), of a one-trainer job with a
+    small model, checkpointing into ``directory``."""
+    cfg = TrainerConfig(
+        0,
+        1,
+        "env://",
+        ModelConfig(),
+        OptimizerConfig(),
+        (5,) * 26,
+        0,
+        None,
+        None,
+        None,
+        "cpu",
+        Coordination(),
     )
-    return Trainer._seal_checkpoint(trainer, str(tmp_path), 10)  # type: ignore[arg-type]
+    cfg = dataclasses.replace(cfg, checkpoint_dir=str(directory), **config)
+    model = torch.nn.Linear(2, 1)
+    dense = DenseModel(
+        model, dense_optimizer(cfg.optimizer, list(model.parameters()), torch.device("cpu")), cfg.optimizer
+    )
+    return Sealer(str(directory), cfg, servers, dense, registry, generation, cfg.resume_batch)
+
+
+def seal(tmp_path: Path, registry: Registry, error: BaseException) -> Any:
+    """``Sealer.seal`` of checkpoint 10 whose servers' snapshots meet ``error``."""
+    (tmp_path / "000000010").mkdir(parents=True)
+    return sealer(tmp_path, registry, FailingServers(error)).seal(10)
 
 
 @pytest.mark.parametrize(
@@ -48,9 +88,11 @@ def seal(tmp_path: Path, error: BaseException) -> Any:
         Refused(grpc.StatusCode.FAILED_PRECONDITION, "directory: cannot write the snapshot: [Errno 30] ..."),
     ],
 )
-def test_a_full_or_read_only_volume_fails_the_job_naming_the_directory(tmp_path: Path, error: Any) -> None:
+def test_a_full_or_read_only_volume_fails_the_job_naming_the_directory(
+    tmp_path: Path, registry: Registry, error: Any
+) -> None:
     with pytest.raises(CheckpointFailed, match=f"checkpoint 10 could not be written to {tmp_path}"):
-        seal(tmp_path, error)
+        seal(tmp_path, registry, error)
     assert not snapshots.path_of(tmp_path, 10).exists(), "the incomplete checkpoint is removed"
 
 
@@ -64,6 +106,8 @@ def test_a_full_or_read_only_volume_fails_the_job_naming_the_directory(tmp_path:
         Refused(grpc.StatusCode.UNAVAILABLE, "connection refused"),
     ],
 )
-def test_any_other_error_is_recovered_from_as_a_failure(tmp_path: Path, error: Any) -> None:
+def test_any_other_error_is_recovered_from_as_a_failure(
+    tmp_path: Path, registry: Registry, error: Any
+) -> None:
     with pytest.raises(type(error)):
-        seal(tmp_path, error)
+        seal(tmp_path, registry, error)
