@@ -435,7 +435,13 @@ class Trainer:
         self._connect()
         if config.eval_data:
             samples = load_held_out(
-                config.eval_data, config.table_rows, config.seed, config.eval_samples, 4096, config.schema
+                config.eval_data,
+                config.table_rows,
+                config.seed,
+                config.eval_samples,
+                4096,
+                config.schema,
+                like=config.data,
             )
             self.held_out = HeldOut(samples, self.offsets, self.rank, config.world_size)
         self._background_group = None
