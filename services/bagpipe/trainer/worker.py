@@ -38,7 +38,7 @@ from bagpipe.core.optim import dense_optimizer, restore_state, saved_state, step
 from bagpipe.core.plans import TrainerBatch
 from bagpipe.core.row_store import RowStore
 from bagpipe.embedding_server.client import EmbeddingClient
-from bagpipe.trainer import metrics
+from bagpipe.trainer import faults, metrics
 from bagpipe.trainer.cache import EmbeddingCache
 from bagpipe.trainer.config import TrainerConfig
 from bagpipe.trainer.evaluation import HeldOut, append_eval, load_held_out
@@ -247,10 +247,11 @@ class Trainer:
         inverse = self.cache.index(share.inverse)
         with self.cache.lock.shared():
             rows = self.cache.weights.index_select(0, slots).requires_grad_()
-        loss = batch_loss(batch_logits(self.model, dense, rows, inverse), labels, plan.global_batch_size)
-        timer.mark("forward")
-        self.dense_opt.zero_grad(set_to_none=False)
-        loss.backward()
+        with faults.model_step(batch):  # (an error here is the model's: a replay would meet it again)
+            loss = batch_loss(batch_logits(self.model, dense, rows, inverse), labels, plan.global_batch_size)
+            timer.mark("forward")
+            self.dense_opt.zero_grad(set_to_none=False)
+            loss.backward()
         row_grad = rows.grad
         assert row_grad is not None
         timer.mark("backward")
@@ -269,10 +270,11 @@ class Trainer:
             self.pipeline.wait_written(batch)
         timer.mark("write_back")
 
+        loss_value = faults.finite_loss(batch, global_loss, self.config)  # (a diverged model: no checkpoint)
         if plan.checkpoint:
             self._checkpoint(plan)
         assert self.store is not None
-        self.stats.record(plan, timer, float(global_loss), self.cache.capacity, self.store)
+        self.stats.record(plan, timer, loss_value, self.cache.capacity, self.store)
         return plan
 
     # ---- recovery checkpoints
