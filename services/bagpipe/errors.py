@@ -54,3 +54,7 @@ class NotFound(BagpipeError):
 # field ...``): a restart would read the same line again, so the job fails at once, naming it
 BAD_DATA = "bad data: "
 EXIT_DATA_ERROR = 65  # (sysexits' EX_DATAERR) a data processor whose input's first lines do not parse
+# A failure report whose reason starts with this is a trainer's deterministic failure (trainer/faults.py: a
+# diverged model, a batch the model cannot take): a restart would replay the same batches into it, so the
+# job fails at once, with the cause and what to change
+TRAINING_FAULT = "training: "

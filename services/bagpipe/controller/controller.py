@@ -12,7 +12,10 @@ Redis and moves it on:
   failure detector (control/detector.py: Prometheus's HTTP API, or the members' /metrics) declares gone
   or stuck, is a failure. A stuck or silent member is ended (``--kill``: SIGKILL by pid, or its pod
   deleted) so that its keeper starts it again, and the next generation begins from the newest complete
-  checkpoint: the embedding servers and the oracle roll back in place, the trainers rejoin.
+  checkpoint: the embedding servers and the oracle roll back in place, the trainers rejoin. A failure a
+  member reports is one too (the oracle: a processor's broken stream, or its bad data; a trainer: a failure
+  the same batches would meet again, trainer/faults.py); bad data and a trainer's such failure fail the job
+  at once.
 
 The kinds of failure the controller does not handle: two members failing in one generation are one
 failure (the second is part of the same recovery); a lost checkpoint volume loses the job's checkpoints.
@@ -48,7 +51,7 @@ from bagpipe.control.registry import Registry
 from bagpipe.controller.config import ControllerConfig
 from bagpipe.core import snapshots
 from bagpipe.core.shard_map import ShardMap
-from bagpipe.errors import BAD_DATA
+from bagpipe.errors import BAD_DATA, TRAINING_FAULT
 
 logger = logging.getLogger(__name__)
 
@@ -236,10 +239,11 @@ class Controller:
             logger.info("job done after generation %d", generation.number)
             return
         reports = self.registry.reports(generation.id)
-        if reports:  # (a processor's stream broke, or its data is bad: the oracle says which)
-            # (bad data first: retrying another processor's failure would only read the bad line again)
-            bad = sorted(m for m, why in reports.items() if why.startswith(BAD_DATA))
-            member = (bad or sorted(reports))[0]
+        if reports:  # (a processor's stream broke, or its data is bad: the oracle says which; a trainer's
+            # deterministic failure: that trainer)
+            # (those that fail again first: retrying another member's failure would only meet them again)
+            final = sorted(m for m, why in reports.items() if why.startswith((BAD_DATA, TRAINING_FAULT)))
+            member = (final or sorted(reports))[0]
             reason = reports[member]
             if member.startswith("data_processor/"):
                 # a Deployment's pod comes back under another name: the oracle must not wait for this one
@@ -247,6 +251,8 @@ class Controller:
                 self.registry.forget_member(member)
             if reason.startswith(BAD_DATA):
                 self._failed(process_name(member), "data", reason, member=member, retry=False)
+            elif reason.startswith(TRAINING_FAULT):
+                self._failed(process_name(member), "training", reason, member=member, retry=False)
             else:
                 self._failed(process_name(member), "failed", reason, member=member)
             return
@@ -321,8 +327,8 @@ class Controller:
         self, component: str, kind: str, detail: str, member: str | None = None, retry: bool = True
     ) -> None:
         """Records a failure and begins the next generation, or fails the job: a failure before any batch
-        was trained (a setup error), bad data (``retry=False``: the same line would fail again), or one
-        restart too many."""
+        was trained (a setup error), bad data or a trainer's deterministic failure (``retry=False``: the
+        same line or batches would fail again), or one restart too many."""
         assert self.generation is not None
         failed = self.generation
         FAILURES.labels(kind).inc()
@@ -352,6 +358,8 @@ class Controller:
             reason = f"{component} failed {why}: {component} {detail}"
             if detail.startswith(BAD_DATA):  # (the line to fix, first; not retried: it fails again)
                 reason = f"{detail} (read by {component}; fix the input, or skip such rows: --skip-bad-rows)"
+            elif detail.startswith(TRAINING_FAULT):  # (the cause and what to change, first)
+                reason = f"{detail} (met by {component}; not retried: a restart would meet it again)"
             logger.error("%s", reason)
             if not self.registry.set_generation_state(failed.id, FAILED, reason):
                 # (its record is gone with Redis: the job's end must still be written for all to read)

@@ -23,7 +23,8 @@ left out where ``--table-rows`` gives the tables' sizes.
 The Criteo and Avazu layouts are two such schemas shipped with the package (``bagpipe/schemas``): the
 ``criteo:`` and ``avazu:`` sources, and synthetic data (Criteo's), follow them. A schema may also be
 inferred from a file (:meth:`Schema.infer`): a column named label, click, clicked or target is the label,
-floating-point columns are dense, the others categorical.
+floating-point columns are dense (``log1p`` where their first values are all >= 0, as counts are; else
+``none``), the others categorical; :meth:`Schema.describe` says in one line what it inferred.
 """
 
 from __future__ import annotations
@@ -200,7 +201,11 @@ class Schema:
     @classmethod
     def infer(cls, kind: str, path: str) -> Schema:
         """The schema of a ``kind`` (csv, tsv, parquet) file from its header (or Parquet's own schema) and
-        the types of its first rows; the tables' sizes are left to ``--table-rows``."""
+        the types of its first rows; the tables' sizes are left to ``--table-rows``. A dense column whose
+        first values (CSV and TSV: the first MiB's rows, which the types come from too; Parquet: its
+        statistics, or its first row group) are all >= 0 is taken for a count and gets ``log1p``: raw,
+        counts in the tens of thousands make the model diverge at once. One with a negative value gets
+        ``none``."""
         pa = _pyarrow(kind)
         if kind == "parquet":
             import pyarrow.parquet as pq
@@ -215,6 +220,10 @@ class Schema:
                 parse_options=csv.ParseOptions(delimiter="\t" if kind == "tsv" else ","),
             )
             types = {f.name: f.type for f in reader.schema}
+            try:
+                first = reader.read_next_batch()
+            except StopIteration:  # (a header alone: nothing says a column is a count)
+                first = None
             reader.close()
         labels = [n for n in types if n.lower() in LABEL_NAMES]
         if not labels:
@@ -222,19 +231,59 @@ class Schema:
                 f"schema: {path}: no label column to infer (a column named {', '.join(LABEL_NAMES)}); "
                 "give a schema file with --schema"
             )
+        dense = [n for n, t in types.items() if n != labels[0] and pa.types.is_floating(t)]
+        if kind == "parquet":
+            lowest = _parquet_minima(path, dense)
+        else:
+            lowest = {n: _minimum(first.column(n)) if first is not None else None for n in dense}
         columns = []
         for name, kind_ in types.items():
             if name == labels[0]:
-                role = "label"
-            elif pa.types.is_floating(kind_):
-                role = "dense"
+                columns.append(Column(name, "label"))
+            elif name in lowest:
+                low = lowest[name]
+                columns.append(
+                    Column(name, "dense", transform="none" if low is not None and low < 0 else "log1p")
+                )
             else:
-                role = "categorical"
-            hashing = "mod" if pa.types.is_integer(kind_) else "hash"
-            columns.append(
-                Column(name, role, hashing=hashing, transform="none" if role == "dense" else "log1p")
-            )
+                columns.append(
+                    Column(name, "categorical", hashing="mod" if pa.types.is_integer(kind_) else "hash")
+                )
         return cls(tuple(columns), kind, True, f"{path} (inferred)")
+
+    def describe(self) -> str:
+        """The columns' roles in one line (what an inferred schema took each column for)."""
+        groups: dict[str, list[str]] = {}
+        for c in self.columns:
+            how = {"dense": c.transform, "categorical": c.hashing}.get(c.role)
+            groups.setdefault(f"{c.role} ({how})" if how else c.role, []).append(c.name)
+        return "; ".join(f"{what}: {', '.join(names)}" for what, names in groups.items())
+
+
+def _minimum(column: Any) -> float | None:
+    """The least value of a pyarrow column (None: every value missing)."""
+    import pyarrow.compute as pc
+
+    low = pc.min(column).as_py()
+    return None if low is None else float(low)
+
+
+def _parquet_minima(path: str, names: list[str]) -> dict[str, float | None]:
+    """Each column's least value from the file's row-group statistics where every row group has them, else
+    from its first row group."""
+    import pyarrow.parquet as pq
+
+    file = pq.ParquetFile(path)
+    meta = file.metadata
+    position = {meta.schema.column(i).path: i for i in range(meta.num_columns)}
+    out: dict[str, float | None] = {}
+    for name in names:
+        groups = [meta.row_group(g).column(position[name]).statistics for g in range(meta.num_row_groups)]
+        if all(stats is not None and stats.has_min_max for stats in groups):
+            out[name] = min((float(stats.min) for stats in groups), default=None)
+        else:
+            out[name] = _minimum(file.read_row_group(0, columns=[name]).column(name))
+    return out
 
 
 def _pyarrow(kind: str) -> Any:

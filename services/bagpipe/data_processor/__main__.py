@@ -18,6 +18,7 @@ from bagpipe.control.generation import (
 )
 from bagpipe.control.registry import Registry
 from bagpipe.core.data import DataFormatError
+from bagpipe.core.schema import TABLE_KINDS
 from bagpipe.data_processor.config import DataProcessorConfig, parse
 from bagpipe.data_processor.server import create_server
 from bagpipe.errors import BAD_DATA, EXIT_DATA_ERROR
@@ -51,6 +52,8 @@ async def serve(cfg: DataProcessorConfig) -> None:
     registry.register("data_processor", member, control.address)
     http.ready.set()
     logger.info("data processor %s serving %s on %s", member, cfg.source.data, control.address)
+    if cfg.source.data.partition(":")[0] in TABLE_KINDS and not cfg.source.schema:
+        logger.info("schema inferred from the first file: %s", cfg.source.layout().describe())
     restart = await follow_until_stopped(follower, control.stop)
     try:
         registry.unregister("data_processor", member)

@@ -92,7 +92,8 @@ class SourceConfig:
         if isinstance(source, FileSource):
             source.check_head()
 
-    def open(self) -> SyntheticSource | FileSource:
+    def open(self, layout: Schema | None = None) -> SyntheticSource | FileSource:
+        """The source; csv:, tsv: and parquet: data laid out as ``layout`` where given (else ``layout()``)."""
         if self.data == "synthetic":
             return SyntheticSource(self.synthetic())
         kind, _, listed = self.data.partition(":")
@@ -107,7 +108,7 @@ class SourceConfig:
         if kind in TABLE_KINDS:
             from bagpipe.data_processor.tables import TableSource  # (pyarrow: only where such data is read)
 
-            return TableSource(files, self.layout(), kind)
+            return TableSource(files, layout or self.layout(), kind)
         return AvazuCSVSource(files) if kind == "avazu" else CriteoTSVSource(files)  # (their own parsers)
 
     def layout(self) -> Schema:

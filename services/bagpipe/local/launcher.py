@@ -25,10 +25,12 @@ import redis
 from tqdm.auto import tqdm  # (a notebook widget in Jupyter, text elsewhere)
 
 from bagpipe import security, serving
+from bagpipe.config_args import table_rows_of
 from bagpipe.control.generation import DONE, FAILED, current
 from bagpipe.control.registry import Registry
 from bagpipe.controller.config import argv as controller_argv
 from bagpipe.core import snapshots
+from bagpipe.core.schema import TABLE_KINDS, schema_of
 from bagpipe.data_processor import config as data_processor_config
 from bagpipe.embedding_server import config as embedding_server_config
 from bagpipe.errors import EXIT_DATA_ERROR
@@ -134,6 +136,7 @@ def _run(args: RunConfig, after_training: AfterTraining | None = None) -> dict[s
             )
         record = {**args.to_json(), "run_dir": str(run_dir), RECORD_KEY: run_record()}
         (run_dir / "config.json").write_text(json.dumps(record, indent=1))
+    _say_inferred_schema(args, run_dir)
     netns = args.embedding_server_netns
     extra_bind = args.netns_addresses.split(",")[0] if netns else None
     redis_server = RedisServer(run_dir, extra_bind=extra_bind)
@@ -276,6 +279,22 @@ def _save_scrapes(directory: Path, endpoints: dict[str, str]) -> None:
                 (directory / f"{service}-{member}.prom").write_bytes(r.read())
         except OSError as e:
             logger.warning("could not scrape %s at %s: %s", name, address, e)
+
+
+def _say_inferred_schema(args: RunConfig, run_dir: Path) -> None:
+    """Without ``--schema``, a csv:, tsv: or parquet: source's layout is inferred from its first file: said in
+    one line, and written to RUN_DIR/schema.json, for a ``--schema`` of one's own to start from."""
+    if args.schema or args.data.partition(":")[0] not in TABLE_KINDS:
+        return
+    layout = schema_of(args.data).with_table_rows(table_rows_of(args))
+    written = run_dir / "schema.json"
+    written.write_text(json.dumps(layout.to_dict(), indent=1))
+    first = args.data.partition(":")[2].split(",")[0]
+    print(
+        f"schema inferred from {first}: {layout.describe()} (in {written}: edit it and give it as "
+        "--schema to change it)",
+        file=sys.stderr,
+    )
 
 
 def _keep(

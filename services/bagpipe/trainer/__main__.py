@@ -28,7 +28,7 @@ from bagpipe.control.generation import (
 from bagpipe.control.registry import Registry
 from bagpipe.core import snapshots
 from bagpipe.core.snapshots import EXIT_CHECKPOINT_FAILED
-from bagpipe.trainer import metrics
+from bagpipe.trainer import faults, metrics
 from bagpipe.trainer.checkpointing import CheckpointFailed
 from bagpipe.trainer.config import TrainerConfig, parse
 from bagpipe.trainer.worker import Trainer
@@ -111,8 +111,13 @@ def _run(cfg: TrainerConfig) -> None:
             stats["samples_per_second"],
         )
     except BaseException as e:
-        if isinstance(e, Exception) and not isinstance(e, CheckpointFailed):
+        fault = faults.deterministic(e, cfg) if isinstance(e, Exception) else None
+        if fault is not None:  # (the same batches would meet it again: the controller fails the job at once)
+            logger.error("rank %d: %s; reported to the controller", cfg.rank, fault)
+            faults.report(registry, generation, cfg.rank, fault)
+        elif isinstance(e, Exception) and not isinstance(e, CheckpointFailed):
             logger.warning("rank %d: training failed (%s); waiting for the controller", cfg.rank, e)
+        if isinstance(e, Exception) and not isinstance(e, CheckpointFailed):
             ended.wait(FOLLOW_PEERS_S)  # (make_way ends the process if a new generation comes)
         watch.stop()
         trainer.close()

@@ -71,14 +71,19 @@ def load_held_out(
     limit: int,
     batch_size: int,
     schema: str | None = None,
+    like: str | None = None,
 ) -> Samples:
     """All held-out samples of ``data`` (at most ``limit``; 0: the whole file, or
-    DEFAULT_SYNTHETIC_SAMPLES for synthetic data), laid out as the training data (``schema``)."""
-    from bagpipe.core.schema import TABLE_KINDS
+    DEFAULT_SYNTHETIC_SAMPLES for synthetic data), laid out as the training data: ``schema``, or without
+    one the layout inferred from the training data ``like`` (its own values could infer other transforms
+    from the held-out file)."""
+    from bagpipe.core.schema import TABLE_KINDS, schema_of
     from bagpipe.data_processor.config import SourceConfig
 
-    layout = schema if data.partition(":")[0] in TABLE_KINDS else None
-    source = SourceConfig(data=data, table_rows=table_rows, seed=seed, schema=layout).open()
+    tables = data.partition(":")[0] in TABLE_KINDS
+    inferred = schema_of(like).with_table_rows(table_rows) if tables and not schema and like else None
+    config = SourceConfig(data=data, table_rows=table_rows, seed=seed, schema=schema if tables else None)
+    source = config.open(inferred)
     parts: list[Samples] = []
     if data == "synthetic":
         want = limit or DEFAULT_SYNTHETIC_SAMPLES

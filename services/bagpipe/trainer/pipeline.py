@@ -40,6 +40,7 @@ from bagpipe.core.row_store import RowStore
 from bagpipe.trainer import metrics
 from bagpipe.trainer.cache import EmbeddingCache
 from bagpipe.trainer.config import TrainerConfig
+from bagpipe.trainer.faults import describe
 from bagpipe.v1 import oracle_cacher_pb2 as opb
 from bagpipe.v1 import oracle_cacher_pb2_grpc as opb_grpc
 
@@ -78,6 +79,7 @@ class Pipeline:
         self.received: dict[int, TrainerBatch] = {}
         self.ready: set[int] = set()
         self.error: BaseException | None = None
+        self.failed_in = ""  # the thread that hit it
         self.current = start_batch - 1  # the batch the training thread is on
         self.starving = False  # the training thread waits for a plan or a write-back: write back now
         self.start_batch = start_batch
@@ -107,7 +109,12 @@ class Pipeline:
         with self.cond:
             if self.error is None:
                 self.error = error
+                self.failed_in = threading.current_thread().name
             self.cond.notify_all()
+
+    def _thread_failed(self) -> RuntimeError:
+        assert self.error is not None  # (its cause in the message: the log's one line says what it was)
+        return RuntimeError(f"the trainer's {self.failed_in} thread failed: {describe(self.error)}")
 
     def wait(self, predicate: Callable[[], bool], starving: bool = False) -> None:
         """Waits for ``predicate``; with ``starving``, flags the wait so the writer flushes its group."""
@@ -122,11 +129,11 @@ class Pipeline:
                 if flagged:  # (only the waiter that raised the flag lowers it: another thread's wait ending
                     self.starving = False  # must not cancel the flush this one asked for)
             if self.error is not None:
-                raise RuntimeError("a trainer thread failed") from self.error
+                raise self._thread_failed() from self.error
 
     def raise_error(self) -> None:
         if self.error is not None:
-            raise RuntimeError("a trainer thread failed") from self.error
+            raise self._thread_failed() from self.error
 
     # ---- the training thread's side
     def start(self) -> None:

@@ -34,7 +34,7 @@ from bagpipe.core.optim import dense_optimizer, restore_state, steps_taken
 from bagpipe.core.plans import TrainerBatch
 from bagpipe.core.row_store import RowStore
 from bagpipe.embedding_server.client import EmbeddingClient
-from bagpipe.trainer import checkpointing, metrics
+from bagpipe.trainer import checkpointing, faults, metrics
 from bagpipe.trainer.cache import EmbeddingCache
 from bagpipe.trainer.checkpointing import Checkpointer, DenseModel
 from bagpipe.trainer.config import TrainerConfig
@@ -202,10 +202,11 @@ class Trainer:
         inverse = self.cache.index(share.inverse)
         with self.cache.lock.shared():
             rows = self.cache.weights.index_select(0, slots).requires_grad_()
-        loss = batch_loss(batch_logits(self.model, dense, rows, inverse), labels, plan.global_batch_size)
-        timer.mark("forward")
-        self.dense_opt.zero_grad(set_to_none=False)
-        loss.backward()
+        with faults.model_step(batch):  # (an error here is the model's: a replay would meet it again)
+            loss = batch_loss(batch_logits(self.model, dense, rows, inverse), labels, plan.global_batch_size)
+            timer.mark("forward")
+            self.dense_opt.zero_grad(set_to_none=False)
+            loss.backward()
         row_grad = rows.grad
         assert row_grad is not None
         timer.mark("backward")
@@ -224,10 +225,11 @@ class Trainer:
             self.pipeline.wait_written(batch)
         timer.mark("write_back")
 
+        loss_value = faults.finite_loss(batch, global_loss, self.config)  # (a diverged model: no checkpoint)
         if plan.checkpoint:
             self._checkpoint(plan)
         assert self.store is not None
-        self.stats.record(plan, timer, float(global_loss), self.cache.capacity, self.store)
+        self.stats.record(plan, timer, loss_value, self.cache.capacity, self.store)
         return plan
 
     # ---- between two batches
@@ -281,7 +283,13 @@ class Trainer:
         self._connect()
         if config.eval_data:
             samples = load_held_out(
-                config.eval_data, config.table_rows, config.seed, config.eval_samples, 4096, config.schema
+                config.eval_data,
+                config.table_rows,
+                config.seed,
+                config.eval_samples,
+                4096,
+                config.schema,
+                like=config.data,
             )
             self.held_out = HeldOut(samples, self.offsets, self.rank, config.world_size)
         self._background_group = None

@@ -28,7 +28,7 @@ from bagpipe.controller.config import ControllerConfig, parse
 from bagpipe.controller.controller import Controller
 from bagpipe.core import snapshots
 from bagpipe.core.shard_map import ShardMap
-from bagpipe.errors import BAD_DATA
+from bagpipe.errors import BAD_DATA, TRAINING_FAULT
 from bagpipe.local.redis_server import RedisServer
 
 
@@ -290,6 +290,31 @@ def test_bad_data_fails_the_job_at_once_naming_the_line(redis_url, tmp_path: Pat
     assert ended is not None and ended.id == generation.id and ended.state == FAILED
     assert ended.reason.startswith(f"bad data: {line} (read by data-processor-1;")
     assert "--skip-bad-rows" in ended.reason
+
+
+def test_a_trainers_deterministic_failure_fails_the_job_at_once_with_its_cause(
+    redis_url, tmp_path: Path
+) -> None:
+    """A trainer that met a failure the same batches would meet again (a diverged model) reports it: the
+    job fails at once, with restarts left and after training began, and the trainer is not ended."""
+    registry, controller, members, _, actuator, _ = _job(redis_url, tmp_path, max_restarts=5)
+    _form(registry, controller, members)
+    generation = current(registry)
+    registry.set_progress(0, 4)
+    controller.step()
+    cause = "batch 5: the model diverged: the loss is nan; lower --lr (now 10)"
+    # (the peer it left waiting in a collective, reported too, and first by name: the cause still wins)
+    registry.report(generation.id, "oracle_cacher/0", "UNAVAILABLE: connection reset")
+    registry.report(generation.id, "trainer/1", TRAINING_FAULT + cause)
+    controller.step()
+    [failure] = registry.failures()
+    assert (failure["component"], failure["kind"]) == ("trainer-1", "training")
+    ended = current(registry)
+    assert ended is not None and ended.id == generation.id and ended.state == FAILED
+    assert ended.reason == (
+        f"training: {cause} (met by trainer-1; not retried: a restart would meet it again)"
+    )
+    assert actuator.killed == []
 
 
 def test_redis_lost_at_once_is_no_setup_error_and_giving_up_is_written_anew(

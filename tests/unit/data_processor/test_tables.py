@@ -15,6 +15,7 @@ from bagpipe.core.schema import Schema, SchemaError, built_in, schema_of
 from bagpipe.data_processor.config import SourceConfig
 from bagpipe.data_processor.files import AVAZU_TABLE_ROWS, CRITEO_NUM_DENSE, fnv1a64
 from bagpipe.local.run_config import RunConfig
+from bagpipe.trainer.evaluation import load_held_out
 
 SCHEMA = {
     "columns": [
@@ -103,6 +104,50 @@ def test_a_schema_is_inferred_from_the_header_with_table_rows(tmp_path: Path) ->
     assert config.table_rows == (11, 13)
     with pytest.raises(ValueError, match="table_rows: .* gives no rows for city, shop"):
         RunConfig(data=f"tsv:{tmp_path / 'd.tsv'}")
+
+
+@pytest.mark.parametrize("kind", ["csv", "parquet"])
+def test_an_inferred_dense_column_of_counts_gets_log1p_and_one_with_a_negative_value_none(
+    tmp_path: Path, kind: str
+) -> None:
+    """Counts such as Criteo's (``17668.0``) enter the model raw only where a value says they are not counts:
+    diverging at once is what raw counts do."""
+    columns = {
+        "label": [0, 1, 0, 1],
+        "clicks": [17668.0, None, 0.0, 3.0],
+        "delta": [1.5, 2.0, -0.5, 0.0],
+        "empty": [None, None, None, 2.0],
+        "shop": ["a", "b", "a", "c"],
+        "slot": [-1, 3, 2, 5],
+    }
+    path = tmp_path / f"d.{kind}"
+    if kind == "csv":
+        rows = zip(*columns.values(), strict=True)
+        lines = [",".join(columns), *(",".join("" if v is None else str(v) for v in row) for row in rows)]
+        path.write_text("\n".join(lines) + "\n")
+    else:
+        pq.write_table(pa.table(columns), path, row_group_size=2)  # (the negative one in the second group)
+    inferred = schema_of(f"{kind}:{path}")
+    assert [(c.name, c.transform) for c in inferred.dense] == [
+        ("clicks", "log1p"),
+        ("delta", "none"),
+        ("empty", "log1p"),
+    ]
+    assert inferred.describe() == (
+        "label: label; dense (log1p): clicks, empty; dense (none): delta; categorical (hash): shop; "
+        "categorical (mod): slot"
+    )
+
+
+def test_held_out_data_without_a_schema_is_laid_out_as_the_training_data_was_inferred(tmp_path: Path) -> None:
+    """The held-out file's own values would infer ``none`` for a column the training file's infer
+    ``log1p`` for: the model would be evaluated on inputs of another scale than it trained on."""
+    (tmp_path / "train.csv").write_text("label,clicks,shop\n1,3.0,a\n0,0.0,b\n")
+    (tmp_path / "held.csv").write_text("label,clicks,shop\n1,-2.0,a\n0,3.0,b\n")
+    assert schema_of(f"csv:{tmp_path / 'held.csv'}").dense[0].transform == "none"
+    held, train = f"csv:{tmp_path / 'held.csv'}", f"csv:{tmp_path / 'train.csv'}"
+    samples = load_held_out(held, (5,), 0, 0, 2, like=train)
+    assert samples.dense[:, 0].tolist() == pytest.approx([0.0, np.log1p(3.0)])
 
 
 def test_the_built_in_layouts_are_the_formats() -> None:
