@@ -1,0 +1,283 @@
+"""The disk half of an embedding server's row tier: rows (each with its optimizer state) that the server
+evicted from memory, in one file written as a log.
+
+Reads go around the page cache (``O_DIRECT``), so what they cost is the disk's and the memory they take is
+the server's own buffers; where the file system refuses ``O_DIRECT`` (tmpfs), the file is read and written
+through the cache and each range is dropped from it after use (``posix_fadvise(DONTNEED)``).
+
+Layout: the file is a sequence of segments (``segment_bytes``, 1 MiB by default) of 4 KiB pages, and a page
+holds whole rows (a row wider than a page takes whole pages of its own). A row written goes to a new slot at
+the log's head, never over its old one, so a write is one sequential run of whole pages and never reads a
+page first; the old slot is dead. ``location[row]`` is the row's slot (-1: not on disk). Segments all of
+whose slots are dead are used again; ``compact`` copies the live rows of the emptiest segments to the head
+once dead slots outnumber live ones, so the file stays within about twice the rows it holds.
+
+The file is the server's working space, not a checkpoint: a server started again begins with an empty one
+(its rows come from the checkpoint chain), so nothing here is fsynced.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import errno
+import mmap
+import os
+import threading
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+
+PAGE = 4096
+
+
+def _aligned(size: int) -> mmap.mmap:
+    """A zeroed buffer of ``size`` bytes (at least a page), starting on a page boundary as O_DIRECT needs."""
+    return mmap.mmap(-1, max(PAGE, -(-size // PAGE) * PAGE))
+
+
+@dataclass
+class LogStats:
+    """What the log did since it was opened: rows and bytes read and written, and the part of each done to
+    compact it."""
+
+    rows_read: int = 0
+    rows_written: int = 0
+    bytes_read: int = 0
+    bytes_written: int = 0
+    rows_compacted: int = 0
+    read_calls: int = 0
+
+
+class RowLog:
+    """Rows ``0 .. num_rows - 1`` of ``row_floats`` float32 each, on disk under ``directory``."""
+
+    def __init__(
+        self,
+        directory: Path,
+        row_floats: int,
+        num_rows: int,
+        segment_bytes: int = 1 << 20,
+        max_run_pages: int = 64,
+    ) -> None:
+        if row_floats < 1 or num_rows < 0:
+            raise ValueError(f"row_floats {row_floats}, num_rows {num_rows}: must be >= 1 and >= 0")
+        if segment_bytes < PAGE or segment_bytes % PAGE:
+            raise ValueError(f"segment_bytes: must be a positive multiple of {PAGE}, got {segment_bytes}")
+        self.row_floats = row_floats
+        self.row_bytes = 4 * row_floats
+        if self.row_bytes <= PAGE:
+            self.rows_per_page, self.pages_per_row = PAGE // self.row_bytes, 1
+        else:
+            self.rows_per_page, self.pages_per_row = 1, -(-self.row_bytes // PAGE)
+        self.pages_per_segment = segment_bytes // PAGE
+        if self.pages_per_segment < self.pages_per_row:
+            raise ValueError(f"segment_bytes {segment_bytes}: smaller than one row ({self.row_bytes} bytes)")
+        # slots per segment: a segment holds whole rows
+        self.slots_per_segment = (self.pages_per_segment // self.pages_per_row) * self.rows_per_page
+        self.max_run_pages = max(self.pages_per_row, max_run_pages)
+        self.location = np.full(num_rows, -1, dtype=np.int64)
+        self._owner = np.empty(0, dtype=np.int64)  # the row in each slot of the file (-1: dead or unused)
+        self._live = np.empty(0, dtype=np.int64)  # live slots per segment
+        self._free: list[int] = []  # segments with no live slot, to be written again
+        self._head: tuple[int, int] | None = None  # (segment, next slot in it) being filled
+        self.stats = LogStats()
+        self._lock = threading.Lock()
+        Path(directory).mkdir(parents=True, exist_ok=True)
+        self.path = Path(directory) / f"rows-{os.getpid()}-{id(self):x}.log"
+        flags = os.O_RDWR | os.O_CREAT | os.O_TRUNC
+        try:
+            self._fd = os.open(self.path, flags | getattr(os, "O_DIRECT", 0), 0o600)
+            self.direct = hasattr(os, "O_DIRECT")
+        except OSError as e:
+            if e.errno != errno.EINVAL:  # (tmpfs: no O_DIRECT; any other error is the volume's)
+                raise
+            self._fd = os.open(self.path, flags, 0o600)
+            self.direct = False
+
+    # ---- where a slot is
+    def _grid(self, buffer: mmap.mmap, pages: int) -> np.ndarray:
+        """``buffer`` (``pages`` whole pages) as ``[units, rows_per_page, row_floats]`` float32, a view: unit
+        ``u`` is page ``u`` (or the ``pages_per_row`` pages of one wide row)."""
+        units = pages // self.pages_per_row
+        unit_bytes = self.pages_per_row * PAGE
+        floats = np.frombuffer(buffer, dtype=np.float32, count=units * unit_bytes // 4)
+        return np.lib.stride_tricks.as_strided(
+            floats,
+            shape=(units, self.rows_per_page, self.row_floats),
+            strides=(unit_bytes, self.row_bytes, 4),
+            writeable=True,
+        )
+
+    def _offsets(self, slots: np.ndarray) -> np.ndarray:
+        """The byte offset in the file of each slot."""
+        segment, within = np.divmod(slots, self.slots_per_segment)
+        page = segment * self.pages_per_segment + (within // self.rows_per_page) * self.pages_per_row
+        return page * PAGE + (within % self.rows_per_page) * self.row_bytes
+
+    @property
+    def rows_on_disk(self) -> int:
+        return int(self._live.sum())
+
+    @property
+    def file_bytes(self) -> int:
+        return int(self._live.size) * self.pages_per_segment * PAGE
+
+    def on_disk(self, rows: np.ndarray) -> np.ndarray:
+        """Whether each of ``rows`` has a copy on disk."""
+        return self.location[rows] >= 0
+
+    # ---- writing
+    def _allocate(self, count: int) -> np.ndarray:
+        """``count`` new slots at the head, in order (new segments as needed); a write ends on a whole page,
+        so the head moves to the next page after it."""
+        slots = np.empty(count, dtype=np.int64)
+        done = 0
+        while done < count:
+            if self._head is None:
+                if self._free:
+                    segment = self._free.pop()
+                else:
+                    segment = self._live.size
+                    self._live = np.append(self._live, 0)
+                    self._owner = np.append(self._owner, np.full(self.slots_per_segment, -1, np.int64))
+                self._head = (segment, 0)
+            segment, at = self._head
+            take = min(count - done, self.slots_per_segment - at)
+            base = segment * self.slots_per_segment
+            slots[done : done + take] = np.arange(base + at, base + at + take)
+            done += take
+            at += take
+            at = -(-at // self.rows_per_page) * self.rows_per_page  # (the rest of the page stays unused)
+            self._head = None if at >= self.slots_per_segment else (segment, at)
+        return slots
+
+    def _kill(self, rows: np.ndarray) -> None:
+        """The slots of ``rows`` become dead."""
+        old = self.location[rows]
+        old = old[old >= 0]
+        if old.size:
+            self._owner[old] = -1
+            np.subtract.at(self._live, old // self.slots_per_segment, 1)
+            emptied = np.unique(old // self.slots_per_segment)
+            head = self._head[0] if self._head is not None else -1
+            self._free.extend(int(s) for s in emptied if self._live[s] == 0 and s != head)
+
+    def write(self, rows: np.ndarray, values: np.ndarray) -> None:
+        """Writes ``values[i]`` (``row_floats`` float32) as row ``rows[i]``; rows must be distinct."""
+        rows = np.asarray(rows, dtype=np.int64)
+        values = np.ascontiguousarray(values, dtype=np.float32).reshape(rows.size, self.row_floats)
+        if rows.size == 0:
+            return
+        with self._lock:
+            self._write(rows, values)
+
+    def _write(self, rows: np.ndarray, values: np.ndarray) -> None:
+        self._kill(rows)
+        slots = self._allocate(rows.size)
+        offsets = self._offsets(slots)
+        # runs of consecutive pages (slots are consecutive within a segment; a segment change breaks a run)
+        pages = offsets // PAGE
+        step = np.diff(pages)
+        breaks = np.flatnonzero((step != 0) & (step != self.pages_per_row)) + 1
+        for run in np.split(np.arange(rows.size), breaks):
+            first = int(pages[run[0]]) * PAGE
+            size = int(offsets[run[-1]]) + self.row_bytes - first
+            buffer = _aligned(size)
+            local = offsets[run] - first
+            grid = self._grid(buffer, len(buffer) // PAGE)
+            grid[local // (self.pages_per_row * PAGE), (local % PAGE) // self.row_bytes] = values[run]
+            written = os.pwritev(self._fd, [buffer], first)
+            if written != len(buffer):
+                raise OSError(errno.EIO, f"short write: {written} of {len(buffer)} bytes", str(self.path))
+            self._dropped(first, len(buffer))
+            self.stats.bytes_written += len(buffer)
+        self.location[rows] = slots
+        self._owner[slots] = rows
+        np.add.at(self._live, slots // self.slots_per_segment, 1)
+        self.stats.rows_written += int(rows.size)
+
+    def forget(self, rows: np.ndarray) -> None:
+        """Drops the disk copy of ``rows`` (a row that left the shard, or whose value came from elsewhere)."""
+        rows = np.asarray(rows, dtype=np.int64)
+        with self._lock:
+            self._kill(rows)
+            self.location[rows] = -1
+
+    # ---- reading
+    def read(self, rows: np.ndarray) -> np.ndarray:
+        """The values of ``rows`` (each must be on disk), ``[len(rows), row_floats]``: the pages they lie on,
+        read in offset order, adjacent ones in one call."""
+        rows = np.asarray(rows, dtype=np.int64)
+        with self._lock:
+            return self._read(rows)
+
+    def _read(self, rows: np.ndarray) -> np.ndarray:
+        out = np.empty((rows.size, self.row_floats), dtype=np.float32)
+        if rows.size == 0:
+            return out
+        slots = self.location[rows]
+        if (slots < 0).any():
+            missing = rows[slots < 0]
+            raise KeyError(f"rows not on disk: {missing[:8].tolist()}{' ...' if missing.size > 8 else ''}")
+        offsets = self._offsets(slots)
+        first_page = offsets // PAGE
+        span = np.arange(self.pages_per_row)
+        pages = np.unique((first_page[:, None] + span).ravel())
+        buffer = _aligned(pages.size * PAGE)
+        # runs of adjacent pages, each read in one call (bounded: a long run need not wait for its end)
+        starts = np.flatnonzero(np.diff(pages, prepend=-2) != 1)
+        bounds = list(starts) + [pages.size]
+        for a, b in zip(bounds[:-1], bounds[1:], strict=True):
+            for lo in range(int(a), int(b), self.max_run_pages):
+                hi = min(int(b), lo + self.max_run_pages)
+                part = memoryview(buffer)[lo * PAGE : hi * PAGE]
+                got = os.preadv(self._fd, [part], int(pages[lo]) * PAGE)
+                if got != len(part):
+                    raise OSError(errno.EIO, f"short read: {got} of {len(part)} bytes", str(self.path))
+                self._dropped(int(pages[lo]) * PAGE, len(part))
+                self.stats.read_calls += 1
+                self.stats.bytes_read += len(part)
+        grid = self._grid(buffer, pages.size)
+        unit = np.searchsorted(pages, first_page) // self.pages_per_row
+        out[:] = grid[unit, (offsets % PAGE) // self.row_bytes]
+        self.stats.rows_read += int(rows.size)
+        return out
+
+    def _dropped(self, offset: int, size: int) -> None:
+        if not self.direct:  # (through the page cache: what was read or written leaves it)
+            os.posix_fadvise(self._fd, offset, size, os.POSIX_FADV_DONTNEED)
+
+    # ---- keeping the file small
+    def compact(self, max_dead_ratio: float = 1.0) -> int:
+        """Copies the live rows of the emptiest segments to the head until dead slots are at most
+        ``max_dead_ratio`` times the live ones (counting whole segments); returns the rows copied."""
+        with self._lock:
+            copied = 0
+            while True:
+                used = np.setdiff1d(np.arange(self._live.size), np.array(self._free, dtype=np.int64))
+                head = self._head[0] if self._head is not None else -1
+                used = used[used != head]
+                live = int(self._live.sum())
+                dead = used.size * self.slots_per_segment - int(self._live[used].sum())
+                if used.size == 0 or dead <= max_dead_ratio * max(live, 1):
+                    return copied
+                victim = int(used[np.argmin(self._live[used])])
+                base = victim * self.slots_per_segment
+                rows = self._owner[base : base + self.slots_per_segment]
+                rows = rows[rows >= 0]
+                if rows.size:
+                    values = self._read(rows)
+                    self.stats.rows_read -= int(rows.size)  # (counted apart: not a read the tier asked for)
+                    self._write(rows, values)
+                    self.stats.rows_written -= int(rows.size)
+                    self.stats.rows_compacted += int(rows.size)
+                    copied += int(rows.size)
+                elif victim not in self._free:
+                    self._free.append(victim)
+
+    def close(self) -> None:
+        with contextlib.suppress(OSError):
+            os.close(self._fd)
+        with contextlib.suppress(FileNotFoundError):
+            self.path.unlink()
