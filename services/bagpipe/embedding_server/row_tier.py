@@ -1,0 +1,222 @@
+"""An embedding server's rows within a memory budget: at most ``capacity`` rows (each with its optimizer
+state) in memory, the others in a ``RowLog`` on disk, and those never written nowhere (they are computed from
+their seed where they are needed, as without the tier).
+
+What to keep and what to read ahead comes from the future, not the past. The oracle plans every batch L
+batches ahead, so a server can know, for each of its rows, the next batch whose fetch needs it
+(``Schedule``). The tier reads rows from disk before the fetch that needs them (``prefetch``: every row of a
+batch at once, in offset order), evicts the rows whose next use is furthest away (Belady's rule; rows with
+no use in sight first), and writes to disk only the rows it evicts that changed since they were last
+there. A row that has to be read while a fetch waits for it is counted (``TierStats.waited_rows``): with the
+schedule in time, none is.
+
+Local rows are the shard's (``ShardStore``'s); the caller holds the server's gate, as for its table.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+
+from bagpipe.embedding_server.row_log import RowLog
+
+NEVER = np.iinfo(np.int32).max  # the next use of a row no planned batch fetches
+
+
+class Schedule:
+    """The next batch that fetches each of ``rows`` local rows, from the batches planned so far.
+
+    Batches are added in order (``add``), and passed in order once their fetch is served (``passed``). Each
+    batch keeps, for each of its rows, the next batch planned after it that fetches the row, filled in as
+    later batches are added; passing the batch moves the rows' next use on to it."""
+
+    def __init__(self, rows: int) -> None:
+        self.next_use = np.full(rows, NEVER, dtype=np.int32)
+        self._last = np.full(rows, -1, dtype=np.int32)  # the last planned batch that fetches the row
+        self._last_at = np.zeros(rows, dtype=np.int32)  # the row's place in that batch's rows
+        self._batches: dict[int, tuple[np.ndarray, np.ndarray]] = {}  # batch -> (rows, next use of each)
+        self.now = 0  # the first batch not passed
+        self.horizon = -1  # the last batch planned
+
+    def add(self, batch: int, rows: np.ndarray) -> None:
+        """Batch ``batch`` (the one after the last added) fetches local ``rows`` (distinct)."""
+        if batch != max(self.horizon + 1, self.now):
+            raise ValueError(f"batch {batch}: batches are planned in order (next {self.horizon + 1})")
+        rows = np.asarray(rows, dtype=np.int64)
+        last = self._last[rows]
+        pending = last >= self.now  # (the row's next use is already a batch in sight: it stays)
+        if pending.any():
+            order = np.argsort(last[pending], kind="stable")
+            by_batch = last[pending][order]
+            places = self._last_at[rows[pending]][order]
+            bounds = np.flatnonzero(np.diff(by_batch)) + 1
+            for group in np.split(np.arange(by_batch.size), bounds):
+                self._batches[int(by_batch[group[0]])][1][places[group]] = batch
+        self.next_use[rows[~pending]] = batch
+        self._last[rows] = batch
+        self._last_at[rows] = np.arange(rows.size, dtype=np.int32)
+        self._batches[batch] = (rows, np.full(rows.size, NEVER, dtype=np.int32))
+        self.horizon = batch
+
+    def rows_of(self, batch: int) -> np.ndarray:
+        """The rows batch ``batch`` fetches (empty if it is not planned, or passed)."""
+        planned = self._batches.get(batch)
+        return planned[0] if planned is not None else np.zeros(0, dtype=np.int64)
+
+    def passed(self, batch: int) -> None:
+        """Batch ``batch``'s fetch was served: its rows' next use is the next planned batch that fetches
+        them."""
+        while self.now <= batch:
+            planned = self._batches.pop(self.now, None)
+            if planned is not None:
+                rows, following = planned
+                self.next_use[rows] = following
+            self.now += 1
+
+    def forget(self, rows: np.ndarray) -> None:
+        """``rows`` left the shard: no plan counts on them here any more."""
+        self.next_use[rows] = NEVER
+
+
+@dataclass
+class TierStats:
+    """Rows moved between memory and disk since the tier began."""
+
+    prefetched_rows: int = 0  # read from disk ahead of the fetch that needs them
+    waited_rows: int = 0  # read from disk while a fetch waited
+    evicted_rows: int = 0  # left memory
+    written_rows: int = 0  # of those, written to disk (changed since they were last there)
+
+
+class RowTier:
+    """Local rows ``0 .. rows - 1`` of ``width`` float32 each (a row and its optimizer state), at most
+    ``capacity`` of them in memory, the rest in a ``RowLog`` under ``directory``."""
+
+    def __init__(
+        self, rows: int, width: int, capacity: int, directory: Path, schedule: Schedule | None = None
+    ) -> None:
+        if capacity < 1:
+            raise ValueError(f"capacity: must be >= 1 row, got {capacity}")
+        self.width = width
+        self.capacity = capacity
+        self.memory = np.zeros((capacity, width), dtype=np.float32)
+        self.slot = np.full(rows, -1, dtype=np.int32)  # the memory slot of each row (-1: not in memory)
+        self._row_in = np.full(capacity, -1, dtype=np.int64)  # the row in each slot (-1: free)
+        self._dirty = np.zeros(capacity, dtype=bool)  # changed since last on disk
+        self._free = np.arange(capacity - 1, -1, -1, dtype=np.int32)  # a stack of free slots
+        self._free_count = capacity
+        self.log = RowLog(directory, width, rows)
+        self.schedule = schedule if schedule is not None else Schedule(rows)
+        self.stats = TierStats()
+
+    @property
+    def resident_rows(self) -> int:
+        return self.capacity - self._free_count
+
+    def in_memory(self, index: np.ndarray) -> np.ndarray:
+        return self.slot[index] >= 0
+
+    def stored(self, index: np.ndarray) -> np.ndarray:
+        """Whether each row is held (in memory or on disk): a row never written is neither."""
+        return (self.slot[index] >= 0) | self.log.on_disk(index)
+
+    # ---- moving rows in
+    def _take_slots(self, count: int, keep: np.ndarray) -> np.ndarray:
+        """``count`` free slots, evicting rows (never those of ``keep``) to free them."""
+        if count > self.capacity:
+            raise MemoryError(
+                f"{count} rows are needed in memory at once, more than the {self.capacity} the budget holds "
+                "(--row-memory)"
+            )
+        if count > self._free_count:
+            self._evict(count - self._free_count, keep)
+        taken = self._free[self._free_count - count : self._free_count][::-1].copy()
+        self._free_count -= count
+        return taken
+
+    def _evict(self, count: int, keep: np.ndarray) -> None:
+        """Frees at least ``count`` slots (an eighth of the budget more, so that evictions come in runs):
+        the rows used furthest in the future leave, and those changed since last on disk are written."""
+        used = np.flatnonzero(self._row_in >= 0)
+        used = used[~np.isin(self._row_in[used], keep)]
+        want = min(used.size, count + self.capacity // 8)
+        if want < count:
+            raise MemoryError(
+                f"{count} more rows are needed in memory, and only {used.size} can leave (--row-memory)"
+            )
+        if want < used.size:
+            furthest = np.argpartition(-self.schedule.next_use[self._row_in[used]].astype(np.int64), want - 1)
+            used = used[furthest[:want]]
+        rows = self._row_in[used]
+        dirty = self._dirty[used]
+        if dirty.any():
+            order = np.argsort(rows[dirty])  # (in row order: neighbours' rows end up near on disk)
+            self.log.write(rows[dirty][order], self.memory[used[dirty][order]])
+            self.stats.written_rows += int(dirty.sum())
+        self.slot[rows] = -1
+        self._row_in[used] = -1
+        self._dirty[used] = False
+        self._free[self._free_count : self._free_count + used.size] = used
+        self._free_count += used.size
+        self.stats.evicted_rows += int(used.size)
+
+    def _load(self, index: np.ndarray, keep: np.ndarray, waited: bool) -> None:
+        """Reads rows ``index`` (on disk, not in memory) into memory, evicting none of ``keep``."""
+        if index.size == 0:
+            return
+        slots = self._take_slots(index.size, keep)
+        self.memory[slots] = self.log.read(index)
+        self.slot[index] = slots
+        self._row_in[slots] = index
+        if waited:
+            self.stats.waited_rows += int(index.size)
+        else:
+            self.stats.prefetched_rows += int(index.size)
+
+    def prefetch(self, index: np.ndarray) -> int:
+        """Reads into memory those of ``index`` that are on disk only (ahead of the fetch that needs them);
+        returns how many."""
+        index = np.unique(np.asarray(index, dtype=np.int64))
+        missing = index[(self.slot[index] < 0) & self.log.on_disk(index)]
+        self._load(missing, index, waited=False)
+        return int(missing.size)
+
+    # ---- what the shard asks of it
+    def read(self, index: np.ndarray) -> np.ndarray:
+        """The rows ``index`` (each stored: see ``stored``), ``[n, width]``, a copy; rows not yet in memory
+        are read first (a wait)."""
+        index = np.asarray(index, dtype=np.int64)
+        missing = np.unique(index[self.slot[index] < 0])
+        if missing.size:
+            self._load(missing, index, waited=True)
+        return self.memory[self.slot[index]]
+
+    def write(self, index: np.ndarray, values: np.ndarray) -> None:
+        """Stores ``values`` as rows ``index`` (distinct); the disk copy of each, if any, is stale."""
+        index = np.asarray(index, dtype=np.int64)
+        missing = index[self.slot[index] < 0]
+        if missing.size:
+            slots = self._take_slots(missing.size, index)
+            self.slot[missing] = slots
+            self._row_in[slots] = missing
+        slots = self.slot[index]
+        self.memory[slots] = values
+        self._dirty[slots] = True
+        self.log.forget(index)
+
+    def drop(self, index: np.ndarray) -> None:
+        """Rows ``index`` are no longer held (they left the shard, or are initial again)."""
+        index = np.unique(np.asarray(index, dtype=np.int64))
+        slots = self.slot[index]
+        slots = slots[slots >= 0]
+        self._row_in[slots] = -1
+        self._dirty[slots] = False
+        self._free[self._free_count : self._free_count + slots.size] = slots
+        self._free_count += slots.size
+        self.slot[index] = -1
+        self.log.forget(index)
+
+    def close(self) -> None:
+        self.log.close()

@@ -1,0 +1,86 @@
+"""The row tier: the next use of every row from the planned batches, rows kept exactly through evictions to
+disk and reads back, and a schedule in time leaving no fetch waiting for the disk."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import numpy as np
+import pytest
+from bagpipe.embedding_server.row_tier import NEVER, RowTier, Schedule
+
+
+def test_the_next_use_of_every_row_follows_the_planned_batches() -> None:
+    rng = np.random.default_rng(1)
+    rows, lookahead, batches = 60, 5, 80
+    plans = [rng.choice(rows, size=int(rng.integers(0, 20)), replace=False) for _ in range(batches)]
+    schedule = Schedule(rows)
+    for b in range(lookahead):
+        schedule.add(b, plans[b])
+    for now in range(batches):
+        expected = np.full(rows, NEVER)
+        for b in range(min(batches, now + lookahead) - 1, now - 1, -1):  # (the nearest planned use wins)
+            expected[plans[b]] = b
+        np.testing.assert_array_equal(schedule.next_use, expected, err_msg=f"at batch {now}")
+        np.testing.assert_array_equal(schedule.rows_of(now), plans[now])
+        schedule.passed(now)
+        if now + lookahead < batches:
+            schedule.add(now + lookahead, plans[now + lookahead])
+    with pytest.raises(ValueError, match="in order"):
+        schedule.add(batches + 3, np.array([1]))
+
+
+def test_rows_come_back_exactly_through_evictions_and_reads(tmp_path: Path) -> None:
+    rng = np.random.default_rng(2)
+    tier = RowTier(500, 6, capacity=40, directory=tmp_path)
+    truth: dict[int, np.ndarray] = {}
+    for _ in range(200):
+        index = rng.choice(500, size=int(rng.integers(1, 30)), replace=False)
+        values = rng.standard_normal((index.size, 6)).astype(np.float32)
+        tier.write(index, values)
+        truth.update(zip(index.tolist(), values, strict=True))
+        asked = rng.choice(np.array(list(truth)), size=min(25, len(truth)), replace=False)
+        np.testing.assert_array_equal(tier.read(asked), np.stack([truth[r] for r in asked.tolist()]))
+        if rng.random() < 0.1:
+            gone = asked[:3]
+            tier.drop(gone)
+            for r in gone.tolist():
+                del truth[r]
+            assert not tier.stored(gone).any()
+        assert tier.resident_rows <= 40
+    assert tier.stored(np.array(list(truth))).all()
+    assert tier.stats.written_rows <= tier.stats.evicted_rows and tier.log.stats.rows_written > 0
+    with pytest.raises(MemoryError, match="--row-memory"):
+        tier.write(np.arange(41), np.zeros((41, 6), np.float32))
+    tier.close()
+
+
+def test_with_the_batches_planned_ahead_no_fetch_waits_and_only_changed_rows_are_written(
+    tmp_path: Path,
+) -> None:
+    """A training-like run: each batch fetches its rows (prefetched as soon as it is planned, L ahead) and
+    writes them back changed; the budget is a tenth of the rows."""
+    rng = np.random.default_rng(3)
+    rows, lookahead, batches, width = 2000, 4, 120, 4
+    popularity = 1.0 / np.arange(1, rows + 1) ** 1.1  # (a few hot rows, a long tail)
+    plans = [np.unique(rng.choice(rows, size=40, p=popularity / popularity.sum())) for _ in range(batches)]
+    schedule = Schedule(rows)
+    tier = RowTier(rows, width, capacity=rows // 10, directory=tmp_path, schedule=schedule)
+    truth = np.zeros((rows, width), np.float32)
+    written = np.zeros(rows, dtype=bool)
+    for b in range(lookahead):
+        schedule.add(b, plans[b])
+    for b in range(batches):
+        stored = plans[b][written[plans[b]]]
+        np.testing.assert_array_equal(tier.read(stored), truth[stored])
+        truth[plans[b]] += 1.0
+        tier.write(plans[b], truth[plans[b]])
+        written[plans[b]] = True
+        schedule.passed(b)
+        if b + lookahead < batches:
+            schedule.add(b + lookahead, plans[b + lookahead])
+            tier.prefetch(plans[b + lookahead])
+    assert tier.stats.waited_rows == 0
+    assert tier.stats.prefetched_rows > 0  # (the budget did bind)
+    assert tier.stats.written_rows <= tier.stats.evicted_rows
+    tier.close()
