@@ -88,6 +88,24 @@ class TierStats:
     waited_rows: int = 0  # read from disk while a fetch waited
     evicted_rows: int = 0  # left memory
     written_rows: int = 0  # of those, written to disk (changed since they were last there)
+    peeked_rows: int = 0  # read from disk without entering memory (snapshots, the undo log, re-sharding)
+
+
+@dataclass(frozen=True)
+class TierSpec:
+    """``--row-memory`` and ``--row-disk``: a shard's rows and state in memory take at most ``memory_bytes``,
+    the rest lies in files under ``directory``."""
+
+    memory_bytes: int
+    directory: Path
+
+    def capacity(self, width: int) -> int:
+        """The rows of ``width`` float32 that the budget holds."""
+        return self.memory_bytes // (4 * width)
+
+    def tier(self, rows: int, width: int, name: str) -> RowTier:
+        """A tier for ``rows`` rows, its files in ``directory/name``."""
+        return RowTier(rows, width, self.capacity(width), self.directory / name)
 
 
 class RowTier:
@@ -188,7 +206,11 @@ class RowTier:
         """The rows ``index`` (each stored: see ``stored``), ``[n, width]``, a copy; rows not yet in memory
         are read first (a wait)."""
         index = np.asarray(index, dtype=np.int64)
-        missing = np.unique(index[self.slot[index] < 0])
+        here = self.slot[index] >= 0
+        missing = np.unique(index[~here])
+        if missing.size and missing.size + np.unique(index[here]).size > self.capacity:
+            self.stats.waited_rows += int(missing.size)  # (more than the budget holds: read, not kept)
+            return self._peek(index)
         if missing.size:
             self._load(missing, index, waited=True)
         return self.memory[self.slot[index]]
@@ -205,6 +227,23 @@ class RowTier:
         self.memory[slots] = values
         self._dirty[slots] = True
         self.log.forget(index)
+
+    def peek(self, index: np.ndarray) -> np.ndarray:
+        """``read`` without moving any row in or out of memory (a snapshot's, an undo log's or a migration's
+        read: no fetch waits for it, and it must not push out the rows the next batches need)."""
+        index = np.asarray(index, dtype=np.int64)
+        out = self._peek(index)
+        self.stats.peeked_rows += int((self.slot[index] < 0).sum())
+        return out
+
+    def _peek(self, index: np.ndarray) -> np.ndarray:
+        out = np.empty((index.size, self.width), dtype=np.float32)
+        slots = self.slot[index]
+        here = slots >= 0
+        out[here] = self.memory[slots[here]]
+        if not here.all():
+            out[~here] = self.log.read(index[~here])
+        return out
 
     def drop(self, index: np.ndarray) -> None:
         """Rows ``index`` are no longer held (they left the shard, or are initial again)."""

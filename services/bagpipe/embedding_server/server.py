@@ -342,7 +342,8 @@ class EmbeddingServicer(pb_grpc.EmbeddingServerServicer):
                 rows = self.store.undo_to(batch)
                 said = f"undid {rows} rows in memory"
             else:
-                self.store = await _off_loop(None, rebuild, batch)
+                old, self.store = self.store, await _off_loop(None, rebuild, batch)
+                old.close()  # (a tier's files)
                 said = f"rebuilt {self.store.rows_held} rows from the checkpoints"
             metrics.UNDO_ROWS.set(self.store.undo_rows)
             metrics.ROWS_HELD.set(self.store.rows_held)

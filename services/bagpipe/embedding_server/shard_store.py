@@ -44,6 +44,7 @@ from bagpipe import allocator
 from bagpipe.core.embedding_init import fingerprint, init_rows
 from bagpipe.core.shard_map import ShardMap
 from bagpipe.core.snapshots import Gathered
+from bagpipe.embedding_server.row_tier import RowTier, TierSpec
 from bagpipe.errors import InvalidArgument
 from bagpipe.wire import Gather
 
@@ -206,7 +207,10 @@ class ShardStore:
         dim: int,
         state_width: int,
         seed: int,
+        tier: TierSpec | None = None,
     ) -> None:
+        """``tier``: rows and state within a memory budget, the rest on disk (``row_tier``); without it, every
+        row in memory."""
         if shard < 0:
             raise ValueError(f"shard: must be >= 0, got {shard}")
         if int(offsets[-1]) != shard_map.num_keys:
@@ -220,9 +224,16 @@ class ShardStore:
         self.state_width = state_width
         self._position, local_rows = shard_map.local_layout(shard)
         self._owned = shard_map.buckets_of(shard)  # the bucket at each local position
-        self.table, self.weights, self.state = packed_rows(local_rows, dim, state_width)
+        self.seed = seed
+        self.local_rows = local_rows
+        self.tier_spec = tier
+        # with a tier, rows never written are nowhere (computed where needed): no table
+        self.tier: RowTier | None = None
+        self.table, self.weights, self.state = packed_rows(0 if tier else local_rows, dim, state_width)
         local_keys = shard_map.local_keys(shard)
-        for start in range(0, local_rows, _INIT_CHUNK):
+        if tier is not None:
+            self.tier = tier.tier(local_rows, dim + state_width, f"shard-{shard}-v{shard_map.version}")
+        for start in range(0, local_rows if tier is None else 0, _INIT_CHUNK):
             keys = local_keys[start : start + _INIT_CHUNK]
             valid = keys >= 0
             self.weights[start : start + keys.size][valid] = init_rows(keys[valid], offsets, dim, seed)
@@ -265,9 +276,16 @@ class ShardStore:
         for t, table, saved in loaded:  # (all checked first: a bad checkpoint changes nothing)
             mine = np.flatnonzero((local_keys >= self.offsets[t]) & (local_keys < self.offsets[t + 1]))
             index = torch.from_numpy(local_keys[mine] - self.offsets[t])
-            self.weights[mine] = table.index_select(0, index).numpy()
-            if saved is not None:
-                self.state[mine] = saved[0].index_select(0, index).numpy()
+            if self.tier is not None:
+                packed = self.packed(mine, peek=True)
+                packed[:, : self.dim] = table.index_select(0, index).numpy()
+                if saved is not None:
+                    packed[:, self.dim :] = saved[0].index_select(0, index).numpy()
+                self._store(mine, packed)
+            else:
+                self.weights[mine] = table.index_select(0, index).numpy()
+                if saved is not None:
+                    self.state[mine] = saved[0].index_select(0, index).numpy()
             self._initial[mine] = False
 
     def local_index(self, keys: np.ndarray, field: str = "keys") -> np.ndarray:
@@ -301,6 +319,38 @@ class ShardStore:
         keys[keys >= self.shard_map.num_keys] = -1
         return keys.astype(np.int64, copy=False)
 
+    # ---- rows, wherever they lie
+    def packed(self, index: np.ndarray, peek: bool = False) -> np.ndarray:
+        """The rows of local ``index``, each followed by its state, ``[n, dim + state_width]``, a copy. With a
+        tier, rows never written are computed from their seed and the others read from where they lie
+        (``peek``: without entering memory, for a snapshot, the undo log or a migration)."""
+        if self.tier is None:
+            return self.table[index]
+        out = np.empty((index.size, self.dim + self.state_width), dtype=np.float32)
+        initial = self._initial[index]
+        if initial.any():
+            out[initial] = 0.0
+            out[initial, : self.dim] = init_rows(
+                self.keys_of(index[initial]), self.offsets, self.dim, self.seed
+            )
+        if not initial.all():
+            out[~initial] = (self.tier.peek if peek else self.tier.read)(index[~initial])
+        return out
+
+    def _store(self, index: np.ndarray, packed: np.ndarray) -> None:
+        """Stores whole rows (``index`` distinct), in runs the tier's budget holds."""
+        if self.tier is None:
+            self.table[index] = packed
+            return
+        step = max(1, self.tier.capacity // 2)
+        for start in range(0, index.size, step):
+            self.tier.write(index[start : start + step], packed[start : start + step])
+
+    def close(self) -> None:
+        """Removes the tier's files (a shard replaced by one built anew, or by a migration's)."""
+        if self.tier is not None:
+            self.tier.close()
+
     def lookup(self, keys: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
         """Copies of the rows and state of ``keys`` (views of one gathered ``[n, dim + state]`` block)."""
         packed = self.gather(keys)
@@ -311,8 +361,12 @@ class ShardStore:
         return np.asarray(self.rows(keys))
 
     def rows(self, keys: np.ndarray) -> Gather:
-        """``gather``, not yet done: a reply gathers the rows straight into its bytes (``wire.Gather``)."""
-        return Gather(self.table, self.local_index(keys))
+        """``gather``, not yet done: a reply gathers the rows straight into its bytes (``wire.Gather``).
+        With a tier, gathered now: a later request may move rows out of memory before the reply is copied."""
+        index = self.local_index(keys)
+        if self.tier is not None:
+            return Gather(self.packed(index), np.arange(index.size, dtype=np.int64))
+        return Gather(self.table, index)
 
     def gather_changed(self, keys: np.ndarray) -> tuple[np.ndarray, Gather]:
         """``rows`` without those still at their initial value: the positions in ``keys`` of those
@@ -320,6 +374,9 @@ class ShardStore:
         index = self.local_index(keys)
         initial = self._initial[index]
         positions = initial.nonzero()[0]
+        if self.tier is not None:  # (gathered now, as in ``rows``)
+            rows = self.tier.read(index[~initial])
+            return positions, Gather(rows, np.arange(rows.shape[0], dtype=np.int64))
         return positions, Gather(self.table, index[~initial] if positions.size else index)
 
     def untouched(self) -> bool:
@@ -338,6 +395,9 @@ class ShardStore:
             if values.shape != (index.size, width):
                 shape = list(values.shape)
                 raise InvalidArgument(name, f"shape {shape} for {index.size} keys of width {width}")
+        if self.tier is not None:
+            self._write_tiered(keys, index, rows, state)
+            return
         if self._undo is not None:
             # Before the store: a row's value at the segment's checkpoint is the one it holds now. If the
             # write is then refused, the logged value is the unchanged one, which a roll-back restores to
@@ -347,11 +407,8 @@ class ShardStore:
                 new = index[~logged]
                 self._undo[-1].add(new, self.table[new], self._initial[new])
                 self._undo_logged[new] = True
-        if self._seen.size * 8 < self.table.shape[0]:
-            self._seen = np.zeros((self.table.shape[0] + 7) // 8, dtype=np.uint8)
-        state_low = np.full(self.state_width, -_FLOAT32_MAX, dtype=np.float32)
-        state_low[self.non_negative if self.non_negative is not None else slice(None)] = 0
-        max_abs = np.float32(min(self.max_abs, _FLOAT32_MAX))  # (numpy too compares float32 in float32)
+        self._size_seen()
+        state_low, max_abs = self._limits()
         bad = _store_rows(
             self.table,
             index,
@@ -371,6 +428,55 @@ class ShardStore:
         if self.migration is not None:
             self.migration.dirty[index] = True
 
+    def _size_seen(self) -> None:
+        if self._seen.size * 8 < self.local_rows:
+            self._seen = np.zeros((self.local_rows + 7) // 8, dtype=np.uint8)
+
+    def _limits(self) -> tuple[np.ndarray, np.float32]:
+        """What ``_store_rows`` checks the values against: each state column's lowest value, and |row|'s
+        highest."""
+        state_low = np.full(self.state_width, -_FLOAT32_MAX, dtype=np.float32)
+        state_low[self.non_negative if self.non_negative is not None else slice(None)] = 0
+        return state_low, np.float32(min(self.max_abs, _FLOAT32_MAX))  # (float32, as numpy compares)
+
+    def _write_tiered(self, keys: np.ndarray, index: np.ndarray, rows: np.ndarray, state: np.ndarray) -> None:
+        """``write`` with a tier: the checks (the same kernels, storing into a request-sized block), then the
+        undo log, then the rows into the tier. A refused write changes nothing, the log included."""
+        self._size_seen()
+        state_low, max_abs = self._limits()
+        block = np.empty((index.size, self.dim + self.state_width), dtype=np.float32)
+        bad = _first_repeat(index, self._seen)
+        if bad < 0:
+            bad = _check_and_store(
+                block,
+                np.arange(index.size, dtype=np.int64),
+                np.ascontiguousarray(rows, dtype=np.float32),
+                np.ascontiguousarray(state, dtype=np.float32),
+                max_abs,
+                state_low,
+            )
+        if bad >= 0:
+            if np.unique(index).size != index.size:
+                raise InvalidArgument("keys", "duplicate keys in one write-back")
+            check_values(keys, rows, state, self.max_abs, self.non_negative)
+            raise AssertionError(f"write-back refused at key {int(keys[bad])} by no check")
+        self._log_undo(index)
+        self._store(index, block)
+        self._changed[index] = True
+        self._initial[index] = False
+        if self.migration is not None:
+            self.migration.dirty[index] = True
+
+    def _log_undo(self, index: np.ndarray) -> None:
+        """Saves the value at the segment's checkpoint of each row of ``index`` new to it (before a store)."""
+        if self._undo is None:
+            return
+        logged = self._undo_logged[index]
+        if not logged.all():
+            new = index[~logged]
+            self._undo[-1].add(new, self.packed(new, peek=True), self._initial[new])
+            self._undo_logged[new] = True
+
     def warm_up(self) -> None:
         """Compiles the write and key kernels (or loads them from numba's cache) for the arrays a server's
         requests bring (read-only views of their bytes), so that the first request does not wait."""
@@ -384,14 +490,24 @@ class ShardStore:
         the next snapshot holds only what changes after this one."""
         index = np.flatnonzero(self._changed)
         self._changed[index] = False
+        if self.tier is not None:
+            packed = self.packed(index, peek=True)
+            return self.keys_of(index), packed[:, : self.dim], packed[:, self.dim :]
         return self.keys_of(index), self.weights[index], self.state[index]
 
-    def take_all(self) -> tuple[np.ndarray, Gathered, Gathered]:
+    def take_all(self) -> tuple[np.ndarray, Gathered | _Peeked, Gathered | _Peeked]:
         """Global keys of every row no longer initial, and their rows and state as views gathered only as
         they are read (a full snapshot writes them a chunk at a time, with no write in between: no copy of
         the shard); forgets the changes, as ``take_changes`` does."""
         index = np.flatnonzero(~self._initial)
         self._changed[:] = False
+        if self.tier is not None:
+            width = self.dim + self.state_width
+            return (
+                self.keys_of(index),
+                _Peeked(self, index, slice(0, self.dim)),
+                _Peeked(self, index, slice(self.dim, width)),
+            )
         return self.keys_of(index), Gathered(self.weights, index), Gathered(self.state, index)
 
     def keep_all(self) -> None:
@@ -420,8 +536,11 @@ class ShardStore:
                 )
             mine = np.flatnonzero(self._position[keys % self.shard_map.num_buckets] >= 0)
             index = self.local_index(keys[mine])
-            self.weights[index] = rows[mine]
-            self.state[index] = state[mine]
+            if self.tier is not None:
+                self._store(index, np.concatenate([rows[mine], state[mine]], axis=1))
+            else:
+                self.weights[index] = rows[mine]
+                self.state[index] = state[mine]
             self._initial[index] = False
             restored += mine.size
         return restored
@@ -431,7 +550,7 @@ class ShardStore:
         """Starts an undo log (dropping any earlier one) whose baseline is checkpoint ``batch``: the shard
         holds that checkpoint's rows now (0 for a fresh shard, or the checkpoint it was restored from)."""
         self._undo = [_UndoSegment(batch)]
-        self._undo_logged = np.zeros(self.table.shape[0], dtype=bool)
+        self._undo_logged = np.zeros(self.local_rows, dtype=bool)
 
     def undo_checkpoint(self, batch: int) -> None:
         """This server takes its snapshot for checkpoint ``batch`` now: later writes log into a new segment
@@ -451,7 +570,7 @@ class ShardStore:
             self._undo.pop()
             if self._undo and current.rows:
                 older = self._undo[-1]
-                have = np.zeros(self.table.shape[0], dtype=bool)
+                have = np.zeros(self.local_rows, dtype=bool)
                 for chunk in older.index:
                     have[chunk] = True
                 index = np.concatenate(current.index)
@@ -489,6 +608,13 @@ class ShardStore:
         # a segment a row repeats only with the same value (a refused write): any order of stores will do
         for s in reversed(undone):
             index = np.concatenate(s.index)
+            if self.tier is not None:  # (a row repeats in a segment only with the same value: once)
+                index, first = np.unique(index, return_index=True)
+                initial = np.concatenate(s.initial)[first]
+                self.tier.drop(index[initial])  # (initial again: stored nowhere)
+                self._store(index[~initial], np.concatenate(s.packed)[first][~initial])
+                self._initial[index] = initial
+                continue
             self.table[index] = np.concatenate(s.packed)
             self._initial[index] = np.concatenate(s.initial)
         restored = np.unique(np.concatenate([c for s in undone for c in s.index])).size if undone else 0
@@ -540,6 +666,8 @@ class ShardStore:
         return self.migration
 
     def abort_migration(self) -> None:
+        if self.migration is not None:
+            self.migration.close()
         self.migration = None
 
     def read_rows(self, index: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
@@ -548,7 +676,8 @@ class ShardStore:
         m = self.migration
         assert m is not None
         m.dirty[index] = False
-        return self.keys_of(index), self.weights[index], self.state[index]
+        packed = self.packed(index, peek=True)
+        return self.keys_of(index), packed[:, : self.dim], packed[:, self.dim :]
 
     def finish_migration(self) -> None:
         """Switches to the new arrays once sealed and every incoming shard's last rows are in."""
@@ -558,6 +687,10 @@ class ShardStore:
         if m.changes_layout:
             self._position, self._owned = m.position, m.new_map.buckets_of(self.shard)
             self.table, self.weights, self.state, self._changed = m.table, m.weights, m.state, m.changed
+            if self.tier is not None:
+                self.tier.close()
+                self.tier = m.tier
+            self.local_rows = m.rows
             self._initial = m.initial
             self._invalidate_undo()  # (it indexes the old arrays)
             self.rows_held = int((m.new_map.local_keys(self.shard) >= 0).sum())
@@ -572,8 +705,8 @@ class Migration:
         self.store = store
         self.new_map = new_map
         self.attempt = attempt
-        self.dirty = np.zeros(store.weights.shape[0], dtype=bool)
-        here = store.keys_of(np.arange(store.table.shape[0]))  # (transient: the migration's own arrays
+        self.dirty = np.zeros(store.local_rows, dtype=bool)
+        here = store.keys_of(np.arange(store.local_rows))  # (transient: the migration's own arrays
         valid = here >= 0  # are the shard's size again anyway)
         goes_to = new_map.shard_of(np.where(valid, here, 0))
         # local rows that stay here, and those that leave, per new owner
@@ -589,11 +722,34 @@ class Migration:
         self.position, rows = new_map.local_layout(store.shard)
         if not self.changes_layout:  # the same buckets here: the arrays stay, only the version changes
             rows = 0
-        self.table, self.weights, self.state = packed_rows(rows, store.dim, store.state_width)
+        self.rows = rows
+        spec = store.tier_spec
+        self.tier: RowTier | None = None  # (with a tier, the new layout's: the budget again, for a while)
+        if spec is not None and rows:
+            name = f"shard-{store.shard}-v{new_map.version}-{attempt:x}"
+            self.tier = spec.tier(rows, store.dim + store.state_width, name)
+        self.table, self.weights, self.state = packed_rows(0 if spec else rows, store.dim, store.state_width)
         self.changed = np.zeros(rows, dtype=bool)
-        self.initial = np.zeros(rows, dtype=bool)  # (a staying row's copy brings its flag)
+        # (a staying row's copy brings its flag; with a tier, a row is initial until stored)
+        self.initial = np.full(rows, spec is not None, dtype=bool)
         self.sealed = False
         self.finals: set[int] = set()  # sources whose last rows have arrived
+
+    def _put(self, target: np.ndarray, rows: np.ndarray, state: np.ndarray, stored: np.ndarray) -> None:
+        """Rows into the new layout; with a tier, only those ``stored`` (the others are initial: nowhere)."""
+        if self.tier is None:
+            self.weights[target] = rows
+            self.state[target] = state
+            return
+        step = max(1, self.tier.capacity // 2)
+        target, packed = target[stored], np.concatenate([rows[stored], state[stored]], axis=1)
+        for start in range(0, target.size, step):
+            self.tier.write(target[start : start + step], packed[start : start + step])
+
+    def close(self) -> None:
+        """A migration dropped: its tier's files go."""
+        if self.tier is not None:
+            self.tier.close()
 
     @property
     def changes_layout(self) -> bool:
@@ -615,11 +771,11 @@ class Migration:
 
     def copy_staying(self, index: np.ndarray) -> None:
         """Copies local rows ``index`` (of rows that stay) into the new arrays."""
+        initial = self.store._initial[index]
         keys, rows, state = self.store.read_rows(index)
         target = self.new_index(keys)
-        self.weights[target] = rows
-        self.state[target] = state
-        self.initial[target] = self.store._initial[index]
+        self._put(target, rows, state, ~initial)
+        self.initial[target] = initial
 
     def receive(
         self, source: int, keys: np.ndarray, rows: np.ndarray, state: np.ndarray, changed: np.ndarray | None
@@ -642,8 +798,9 @@ class Migration:
         target = self.new_index(keys)
         flags = self.new_index(changed, "changed_keys") if changed is not None else None
         check_values(keys, rows, state, self.store.max_abs, self.store.non_negative)
-        self.weights[target] = rows
-        self.state[target] = state
+        self._put(target, rows, state, np.ones(target.size, dtype=bool))
+        if self.tier is not None:
+            self.initial[target] = False
         if flags is not None:
             self.changed[flags] = True
             self.finals.add(source)
@@ -666,3 +823,18 @@ class Migration:
             out[dst] = (k, w, st, store.keys_of(rows[store._changed[rows]]))
             store._changed[rows] = False
         return out
+
+
+class _Peeked:
+    """``snapshots.Gathered`` for a tiered shard: columns ``columns`` of the rows of local ``index``, read a
+    slice at a time without entering memory (a full snapshot reads each slice once for the rows, once for
+    the state)."""
+
+    def __init__(self, store: ShardStore, index: np.ndarray, columns: slice) -> None:
+        self.store = store
+        self.index = index
+        self.columns = columns
+        self.shape = (index.size, columns.stop - columns.start)
+
+    def __getitem__(self, part: slice) -> np.ndarray:
+        return self.store.packed(self.index[part], peek=True)[:, self.columns]
