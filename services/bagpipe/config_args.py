@@ -366,6 +366,24 @@ def non_negative_int(text: str) -> int:
     return int(_number(text, int, 0, inclusive=True))
 
 
+_UNITS = {"": 1, "B": 1, "KB": 10**3, "MB": 10**6, "GB": 10**9, "TB": 10**12}
+_UNITS.update({"KIB": 1 << 10, "MIB": 1 << 20, "GIB": 1 << 30, "TIB": 1 << 40})
+
+
+def byte_size(text: str) -> int:
+    """A number of bytes, with a unit or not: ``2GiB``, ``512MiB``, ``1.5GB``, ``4096``."""
+    number = text.strip().rstrip("BbIiKkMmGgTt")
+    unit = text.strip()[len(number) :].upper()
+    try:
+        value = float(number) * _UNITS[unit]
+    except (KeyError, ValueError):
+        wanted = "a size such as 2GiB, 512MiB or 4096"
+        raise argparse.ArgumentTypeError(f"expected {wanted}, got {text!r}") from None
+    if not value >= 1:
+        raise argparse.ArgumentTypeError(f"must be at least one byte, got {text!r}")
+    return int(value)
+
+
 def batch_or_latest(text: str) -> int | str:
     """A batch number (>= 0), or ``latest``: the newest complete checkpoint in --checkpoint-dir."""
     return "latest" if text == "latest" else non_negative_int(text)

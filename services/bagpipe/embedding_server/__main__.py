@@ -4,7 +4,11 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import shutil
 import sys
+from pathlib import Path
+
+import prometheus_client
 
 from bagpipe import allocator, cpu_priority, security, serving
 from bagpipe.control.generation import EXIT_RESTART, Follower, Generation, Membership, Restart
@@ -12,6 +16,7 @@ from bagpipe.control.registry import Registry
 from bagpipe.core import snapshots
 from bagpipe.core.data import table_offsets
 from bagpipe.core.shard_map import ShardMap
+from bagpipe.embedding_server import metrics
 from bagpipe.embedding_server.config import EmbeddingServerConfig, parse
 from bagpipe.embedding_server.resharder import Resharder
 from bagpipe.embedding_server.server import EmbeddingServicer, create_server
@@ -25,7 +30,7 @@ def build_store(cfg: EmbeddingServerConfig, shard_map: ShardMap, batch: int) -> 
     ``--init-from``'s), then the checkpoint chain up to ``batch`` (none for 0)."""
     offsets = table_offsets(cfg.table_rows)
     width = cfg.optimizer.state_width(cfg.row_width)
-    store = ShardStore(shard_map, cfg.shard, offsets, cfg.row_width, width, cfg.seed)
+    store = ShardStore(shard_map, cfg.shard, offsets, cfg.row_width, width, cfg.seed, tier=cfg.tier)
     store.non_negative = cfg.optimizer.non_negative_columns(cfg.row_width)
     if cfg.init_from:
         from bagpipe.core import checkpoint  # (loads torch, which the server needs for nothing else)
@@ -76,9 +81,14 @@ async def serve(cfg: EmbeddingServerConfig) -> None:
             f"shard map in Redis has {shard_map.num_keys} keys, this server's tables {int(offsets[-1])}: "
             "other --table-rows than the job's?"
         )
+    if cfg.row_disk:  # (what an earlier process of this shard left there: its rows come from the checkpoints)
+        for old in Path(cfg.row_disk).glob(f"shard-{cfg.shard}-v*"):
+            shutil.rmtree(old, ignore_errors=True)
     store = build_store(cfg, shard_map, cfg.resume_batch)
     store.warm_up()
     servicer = EmbeddingServicer(store, cfg.max_rows_per_request, cfg.lookup_threads)
+    # (its figures, read from the shard served at each scrape: a roll-back or a migration replaces it)
+    prometheus_client.REGISTRY.register(metrics.TierCollector(lambda: servicer.store.tier))
 
     def rebuild(batch: int) -> ShardStore:
         current = registry.shard_map()
@@ -147,6 +157,7 @@ async def serve(cfg: EmbeddingServerConfig) -> None:
     finally:  # (the server stops even when Redis is gone)
         await serving.stop_gracefully(server, health)
         http.stop()
+        servicer.store.close()  # (the tier's files)
     if ended and isinstance(ended[0], Restart):
         logger.warning("%s: starting again", ended[0].why)
         raise SystemExit(EXIT_RESTART)

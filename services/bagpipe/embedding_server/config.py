@@ -3,10 +3,12 @@
 from __future__ import annotations
 
 from dataclasses import dataclass
+from pathlib import Path
 
 from bagpipe import flags
 from bagpipe.config_args import (
     Coordination,
+    byte_size,
     checkpoint_dir_field,
     command_line,
     data_field,
@@ -26,6 +28,7 @@ from bagpipe.core.model_config import first_order, is_builtin, model_class, row_
 from bagpipe.core.optim_config import OptimizerConfig
 from bagpipe.cpu_priority import PRIORITIES
 from bagpipe.embedding_server.client import MAX_ROWS_PER_RPC
+from bagpipe.embedding_server.row_tier import TierSpec
 from bagpipe.embedding_server.shard_store import DEFAULT_MAX_ABS
 from bagpipe.flags import flag
 
@@ -83,6 +86,18 @@ class EmbeddingServerConfig:
         choices=PRIORITIES,
     )
     schema: str | None = schema_field()  # (the data's layout: how many tables)
+    row_memory: int | None = flag(
+        "bytes of rows and their optimizer state this server keeps in memory (e.g. 2GiB); the others lie in "
+        "files under --row-disk, read back ahead of the batches that need them (none: every row in memory)",
+        default=None,
+        parse=byte_size,
+        metavar="SIZE",
+    )
+    row_disk: str | None = flag(
+        "directory of the rows beyond --row-memory: a local volume (this server's files in it are its own, "
+        "and removed when it stops)",
+        default=None,
+    )
 
     @property
     def linear(self) -> bool:
@@ -93,6 +108,13 @@ class EmbeddingServerConfig:
     @property
     def row_width(self) -> int:
         return row_width(self.model, self.embedding_dim)
+
+    @property
+    def tier(self) -> TierSpec | None:
+        """``--row-memory`` and ``--row-disk``, or None (every row in memory)."""
+        if self.row_memory is None or self.row_disk is None:
+            return None
+        return TierSpec(self.row_memory, Path(self.row_disk))
 
     def __post_init__(self) -> None:
         if not is_builtin(self.model):
@@ -105,6 +127,12 @@ class EmbeddingServerConfig:
             raise ValueError(f"migration_rows_per_second: must be >= 0, got {self.migration_rows_per_second}")
         if self.lookup_threads < 0:
             raise ValueError(f"lookup_threads: must be >= 0, got {self.lookup_threads}")
+        if (self.row_memory is None) != (self.row_disk is None):
+            given = "row_memory" if self.row_memory is not None else "row_disk"
+            other = "--row-disk" if self.row_memory is not None else "--row-memory"
+            raise ValueError(f"{given}: needs {other} too")
+        if self.row_memory is not None and self.row_memory < 4 * self.row_width * 2:
+            raise ValueError(f"row_memory: must hold at least two rows, got {self.row_memory} bytes")
         if self.cpu_priority not in PRIORITIES:
             raise ValueError(f"cpu_priority: one of {', '.join(PRIORITIES)}, got {self.cpu_priority!r}")
 

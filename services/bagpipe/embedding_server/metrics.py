@@ -1,6 +1,15 @@
 """Prometheus metrics of the embedding server (the one place their names are defined)."""
 
+from __future__ import annotations
+
+from collections.abc import Callable, Iterator
+from typing import TYPE_CHECKING
+
 from prometheus_client import Counter, Gauge, Histogram
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
+
+if TYPE_CHECKING:
+    from bagpipe.embedding_server.row_tier import RowTier
 
 REQUESTS = Counter("bagpipe_embedding_server_requests_total", "RPCs served", ["op"])
 ROWS = Counter("bagpipe_embedding_server_rows_total", "Rows looked up or written back", ["op"])
@@ -61,3 +70,41 @@ UNDO_ROWS = Gauge(
     "bagpipe_embedding_server_undo_rows",
     "Rows the undo log holds (their values at the newest checkpoints, for an in-place roll-back)",
 )
+
+
+class TierCollector:
+    """The row tier's figures (``--row-memory``), read from the shard served at each scrape: a shard built
+    anew (a roll-back, a migration) starts its counters again, as a process started again would."""
+
+    def __init__(self, tier_of: Callable[[], RowTier | None]) -> None:
+        self._tier_of = tier_of
+
+    def collect(self) -> Iterator[GaugeMetricFamily | CounterMetricFamily]:
+        tier = self._tier_of()
+        if tier is None:
+            return
+        prefix = "bagpipe_embedding_server_tier"
+        for name, text, value in (
+            ("rows_in_memory", "Rows (with their state) in memory", tier.resident_rows),
+            ("memory_rows", "Rows the memory budget holds (--row-memory)", tier.capacity),
+            ("rows_on_disk", "Rows whose value lies on disk only or also", tier.log.rows_on_disk),
+            ("file_bytes", "Size of the rows' file on disk", tier.log.file_bytes),
+            ("read_ahead_batches", "Batches planned ahead whose rows are read in", tier.read_ahead),
+        ):
+            yield GaugeMetricFamily(f"{prefix}_{name}", text, value=value)
+        rows = CounterMetricFamily(f"{prefix}_rows", "Rows moved between memory and disk", labels=["op"])
+        stats, log = tier.stats, tier.log.stats
+        for op, value in (
+            ("prefetched", stats.prefetched_rows),
+            ("waited", stats.waited_rows),
+            ("evicted", stats.evicted_rows),
+            ("written", stats.written_rows),
+            ("peeked", stats.peeked_rows),
+            ("compacted", log.rows_compacted),
+        ):
+            rows.add_metric([op], value)
+        yield rows
+        io = CounterMetricFamily(f"{prefix}_disk_bytes", "Bytes read from and written to disk", labels=["op"])
+        io.add_metric(["read"], log.bytes_read)
+        io.add_metric(["write"], log.bytes_written)
+        yield io

@@ -249,6 +249,12 @@ class RowLog:
             os.posix_fadvise(self._fd, offset, size, os.POSIX_FADV_DONTNEED)
 
     # ---- keeping the file small
+    def wasteful(self, slack_segments: int = 4) -> bool:
+        """Whether the file holds more than twice its live rows' slots (and a few segments): time to
+        ``compact``."""
+        live_segments = -(-self.rows_on_disk // self.slots_per_segment)
+        return self._live.size - len(self._free) > 2 * live_segments + slack_segments
+
     def compact(self, max_dead_ratio: float = 1.0) -> int:
         """Copies the live rows of the emptiest segments to the head until dead slots are at most
         ``max_dead_ratio`` times the live ones (counting whole segments); returns the rows copied."""

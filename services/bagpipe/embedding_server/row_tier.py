@@ -130,6 +130,11 @@ class RowTier:
         self.stats = TierStats()
 
     @property
+    def read_ahead(self) -> int:
+        """Batches planned beyond the one being fetched (the schedule's depth)."""
+        return max(0, self.schedule.horizon - self.schedule.now + 1)
+
+    @property
     def resident_rows(self) -> int:
         return self.capacity - self._free_count
 
@@ -173,6 +178,8 @@ class RowTier:
             order = np.argsort(rows[dirty])  # (in row order: neighbours' rows end up near on disk)
             self.log.write(rows[dirty][order], self.memory[used[dirty][order]])
             self.stats.written_rows += int(dirty.sum())
+            if self.log.wasteful():
+                self.log.compact()
         self.slot[rows] = -1
         self._row_in[used] = -1
         self._dirty[used] = False

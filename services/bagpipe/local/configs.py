@@ -82,6 +82,8 @@ def embedding_server(
         model=args.model,
         lookup_threads=args.lookup_threads,
         cpu_priority=embedding_server_priority(args),
+        row_memory=args.row_memory,
+        row_disk=(args.row_disk or str(gen.run_dir / "rows")) if args.row_memory else args.row_disk,
     )
 
 

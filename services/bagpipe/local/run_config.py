@@ -30,6 +30,7 @@ from bagpipe.config_args import (
     _Evaluation,
     _Model,
     _Tables,
+    byte_size,
     data_field,
     non_negative_float,
     non_negative_int,
@@ -165,6 +166,18 @@ class RunConfig:
         default="auto",
         choices=("auto", *PRIORITIES),
     )
+    row_memory: int | None = flag(
+        "bytes of rows and optimizer state each embedding server keeps in memory (e.g. 2GiB), the others in "
+        "files under --row-disk (none: every row in memory)",
+        default=None,
+        parse=byte_size,
+        metavar="SIZE",
+    )
+    row_disk: str | None = flag(
+        "directory of the embedding servers' rows beyond --row-memory, a local disk (default with "
+        "--row-memory: RUN_DIR/rows)",
+        default=None,
+    )
     # benchmarking
     system: str = flag(
         "bagpipe; no-cache: L=1, every row fetched before and written back after each step on the critical "
@@ -219,7 +232,10 @@ class RunConfig:
             "checkpoint_every", "checkpoint_dir", "failure_timeout", "max_restarts", "resume",
             "keep_checkpoints", "checkpoint_full_every",
         ),
-        "scaling": ("migration_rows_per_second", "lookup_threads", "embedding_server_priority"),
+        "scaling": (
+            "migration_rows_per_second", "lookup_threads", "embedding_server_priority", "row_memory",
+            "row_disk",
+        ),
         "benchmarking": ("system", "embedding_server_netns", "netns_addresses"),
         "monitoring": ("prometheus", "prometheus_port", "prometheus_linger", "tensorboard"),
     }  # fmt: skip
