@@ -367,11 +367,12 @@ def non_negative_int(text: str) -> int:
 
 
 _UNITS = {"": 1, "B": 1, "KB": 10**3, "MB": 10**6, "GB": 10**9, "TB": 10**12}
-_UNITS.update({"KIB": 1 << 10, "MIB": 1 << 20, "GIB": 1 << 30, "TIB": 1 << 40})
+_UNITS.update({f"{p}I{b}": 1 << (10 * n) for n, p in enumerate("KMGT", 1) for b in ("", "B")})  # (2Gi, 2GiB)
 
 
 def byte_size(text: str) -> int:
-    """A number of bytes, with a unit or not: ``2GiB``, ``512MiB``, ``1.5GB``, ``4096``."""
+    """A number of bytes, with a unit or not: ``2GiB`` (or Kubernetes's ``2Gi``), ``512MiB``, ``1.5GB``,
+    ``4096``."""
     number = text.strip().rstrip("BbIiKkMmGgTt")
     unit = text.strip()[len(number) :].upper()
     try:

@@ -1470,3 +1470,17 @@ def test_without_a_schema_nothing_changes(values: Path | None) -> None:
             assert not [m for m in c.get("volumeMounts", []) if m["mountPath"] == SCHEMA_MOUNT], owner
     for name, load in workloads(docs).items():
         assert "checksum/schema" not in (load["spec"]["template"]["metadata"].get("annotations") or {}), name
+
+
+def test_a_row_memory_gives_each_server_its_budget_and_a_volume_for_the_rest() -> None:
+    docs = render("--set", "embeddingServer.rowMemory=512Mi")
+    (emb,) = workloads(docs)["bagpipe-embedding-server"]["spec"]["template"]["spec"]["containers"]
+    cfg = parse_container(emb, kubelet_env(emb, docs, POD_IP="10.0.0.1", POD_INDEX="1"))[0]
+    assert cfg.row_memory == 512 << 20 and cfg.tier is not None
+    mounts = {m["name"]: m["mountPath"] for m in emb["volumeMounts"]}
+    assert mounts["rows"] == cfg.row_disk
+    volumes = workloads(docs)["bagpipe-embedding-server"]["spec"]["template"]["spec"]["volumes"]
+    assert {"name": "rows", "emptyDir": {}} in volumes
+    plain = workloads(render())["bagpipe-embedding-server"]["spec"]["template"]["spec"]
+    assert "--row-memory" not in plain["containers"][0]["args"]
+    assert all(v["name"] != "rows" for v in plain["volumes"])

@@ -31,17 +31,19 @@ PASS_THROUGH = {
     "annotations",
     "podLabels",
     "extraFrom",
+    "volume",
 }
 # every container whose args the chart writes, and the module whose build_parser() reads them
 CONTAINER_PARSERS = {**PARSERS, "check-model": "bagpipe.check_model"}
 NOT_OURS = {"redis", "probe"}  # redis-server's flags; the test pod's probe takes only URLs
 # values that turn on every flag the chart writes only when asked (a DCN, eps, a seeded shuffle, a fixed L,
-# a bounded cache, evaluation, a starting model)
+# a bounded cache, evaluation, a starting model, a row tier)
 EVERY_OPTIONAL_FLAG = [
     *("--set", "training.model=dcn", "--set", "training.deepMlp={64,32}", "--set", "training.crossLayers=2"),
     *("--set-json", "training.eps=1e-8", "--set", "training.shuffleSeed=7", "--set", "training.lookahead=50"),
     *("--set", "training.cacheRows=100000", "--set", "training.initFrom=run-0/final.pt"),
     *("--set", "training.eval.data=synthetic", "--set", "training.eval.every=100"),
+    *("--set", "embeddingServer.rowMemory=1Gi"),
 ]
 
 
