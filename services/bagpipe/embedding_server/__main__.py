@@ -21,6 +21,7 @@ from bagpipe.embedding_server.config import EmbeddingServerConfig, parse
 from bagpipe.embedding_server.resharder import Resharder
 from bagpipe.embedding_server.server import EmbeddingServicer, create_server
 from bagpipe.embedding_server.shard_store import ShardStore
+from bagpipe.embedding_server.tier_feed import follow_fetches
 
 logger = logging.getLogger("bagpipe.embedding_server")
 
@@ -139,6 +140,9 @@ async def serve(cfg: EmbeddingServerConfig) -> None:
         resharder = Resharder(registry, cfg.migration_rows_per_second)
         coordinator = asyncio.create_task(resharder.run(control.stop, stop_on), name="resharder")
     following = asyncio.create_task(follower.run(control.stop), name="generations")
+    feeding = None  # (a row tier: the oracle's fetch stream feeds its schedule)
+    if cfg.tier is not None:
+        feeding = asyncio.create_task(follow_fetches(servicer, registry, control.stop), name="fetches")
 
     ended: list[BaseException] = []  # why the generations' follower stopped (a Restart, or a bug)
 
@@ -150,6 +154,8 @@ async def serve(cfg: EmbeddingServerConfig) -> None:
     following.add_done_callback(followed)
     await control.stop.wait()
     following.cancel()
+    if feeding is not None:
+        await feeding
     if coordinator is not None:
         await coordinator
     try:

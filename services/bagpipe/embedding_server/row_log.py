@@ -212,6 +212,13 @@ class RowLog:
         with self._lock:
             return self._read(rows)
 
+    def read_where(self, rows: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+        """``read``, with where each row was read from (its slot): a reader without the caller's lock
+        (a read-ahead) installs only the rows still there afterwards."""
+        rows = np.asarray(rows, dtype=np.int64)
+        with self._lock:
+            return self._read(rows), self.location[rows].copy()
+
     def _read(self, rows: np.ndarray) -> np.ndarray:
         out = np.empty((rows.size, self.row_floats), dtype=np.float32)
         if rows.size == 0:

@@ -42,7 +42,7 @@ class Schedule:
 
     def add(self, batch: int, rows: np.ndarray) -> None:
         """Batch ``batch`` (the one after the last added) fetches local ``rows`` (distinct)."""
-        if batch != max(self.horizon + 1, self.now):
+        if batch <= self.horizon or batch < self.now:
             raise ValueError(f"batch {batch}: batches are planned in order (next {self.horizon + 1})")
         rows = np.asarray(rows, dtype=np.int64)
         last = self._last[rows]
@@ -207,6 +207,35 @@ class RowTier:
         missing = index[(self.slot[index] < 0) & self.log.on_disk(index)]
         self._load(missing, index, waited=False)
         return int(missing.size)
+
+    def ahead(self, index: np.ndarray) -> np.ndarray:
+        """Those of ``index`` that a read-ahead must bring in: on disk, not in memory (unique)."""
+        index = np.unique(np.asarray(index, dtype=np.int64))
+        return index[(self.slot[index] < 0) & self.log.on_disk(index)]
+
+    def install(self, index: np.ndarray, where: np.ndarray, values: np.ndarray) -> int:
+        """Takes into memory the rows of a read-ahead (``RowLog.read_where``, run meanwhile without the
+        caller's lock) that are still on disk where they were read and not in memory; returns how many."""
+        fresh = (self.slot[index] < 0) & (self.log.location[index] == where)
+        index, values = index[fresh], values[fresh]
+        # Belady's rule for a read-ahead: a row comes in only in place of a row used later (or free room),
+        # so rows read for a far batch never push out those of a nearer one
+        due = self.schedule.next_use[index]
+        order = np.argsort(due, kind="stable")
+        index, values, due = index[order], values[order], due[order]
+        held = np.sort(self.schedule.next_use[self._row_in[self._row_in >= 0]])
+        later = held.size - np.searchsorted(held, due, side="right")  # rows in memory used after each
+        fits = np.arange(1, index.size + 1) - self._free_count <= later
+        count = int(np.argmin(fits)) if not fits.all() else index.size
+        index, values = index[:count], values[:count]
+        if index.size == 0:
+            return 0
+        slots = self._take_slots(index.size, index)
+        self.memory[slots] = values
+        self.slot[index] = slots
+        self._row_in[slots] = index
+        self.stats.prefetched_rows += int(index.size)
+        return int(index.size)
 
     # ---- what the shard asks of it
     def read(self, index: np.ndarray) -> np.ndarray:

@@ -41,6 +41,7 @@ from bagpipe.core.shard_map import ShardMap
 from bagpipe.embedding_server import metrics
 from bagpipe.embedding_server.caps import request_caps
 from bagpipe.embedding_server.client import MAX_ROWS_PER_RPC
+from bagpipe.embedding_server.row_tier import Schedule
 from bagpipe.embedding_server.shard_store import Migration, ShardStore
 from bagpipe.errors import FailedPrecondition, InvalidArgument, Unavailable
 from bagpipe.health_service import HealthService
@@ -323,6 +324,21 @@ class EmbeddingServicer(pb_grpc.EmbeddingServerServicer):
         self.store.forget_undo_before(snapshots.latest(directory) or 0)
         metrics.UNDO_ROWS.set(self.store.undo_rows)
 
+    async def read_ahead(self, index: np.ndarray) -> int:
+        """(A row tier.) Reads local rows ``index`` from disk into memory before the fetch that needs them:
+        which ones is decided under the gate, the read runs on a thread while requests are served, and the
+        rows still wanted then are taken in under the gate. Returns how many came in."""
+        tier = self.store.tier
+        if tier is None:
+            return 0
+        async with self._gate.changing():
+            wanted = tier.ahead(index)
+        if not wanted.size:
+            return 0
+        values, where = await asyncio.to_thread(tier.log.read_where, wanted)
+        async with self._gate.changing():
+            return tier.install(wanted, where, values) if self.store.tier is tier else 0
+
     async def roll_back(self, batch: int, version: int, rebuild: Callable[[int], ShardStore]) -> str:
         """Takes this shard back to checkpoint ``batch`` under shard-map ``version`` (the one in force):
         from the undo log when it reaches that far under that map (no file is read), else a shard built
@@ -345,6 +361,8 @@ class EmbeddingServicer(pb_grpc.EmbeddingServerServicer):
                 old, self.store = self.store, await _off_loop(None, rebuild, batch)
                 old.close()  # (a tier's files)
                 said = f"rebuilt {self.store.rows_held} rows from the checkpoints"
+            if self.store.tier is not None:  # (the plans start again from the checkpoint)
+                self.store.tier.schedule = Schedule(self.store.local_rows)
             metrics.UNDO_ROWS.set(self.store.undo_rows)
             metrics.ROWS_HELD.set(self.store.rows_held)
             metrics.SHARD_MAP_VERSION.set(self.store.shard_map.version)

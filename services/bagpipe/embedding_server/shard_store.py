@@ -312,6 +312,10 @@ class ShardStore:
             )
         return position * self.shard_map.rows_per_bucket + keys // self.shard_map.num_buckets
 
+    def holds(self, keys: np.ndarray) -> np.ndarray:
+        """Whether each of ``keys`` (in range) is on this shard."""
+        return self._position[keys % self.shard_map.num_buckets] >= 0
+
     def keys_of(self, index: np.ndarray) -> np.ndarray:
         """Global keys of local rows ``index`` (-1 for padding past the last key)."""
         per = self.shard_map.rows_per_bucket

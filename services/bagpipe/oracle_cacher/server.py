@@ -17,7 +17,7 @@ import functools
 import hmac
 import logging
 import time
-from collections.abc import Awaitable, Callable
+from collections.abc import AsyncIterator, Awaitable, Callable
 from dataclasses import dataclass, field
 
 import grpc
@@ -34,6 +34,7 @@ from bagpipe.oracle_cacher.lookahead import LookaheadPlanner
 from bagpipe.v1 import data_processor_pb2
 from bagpipe.v1 import oracle_cacher_pb2 as pb
 from bagpipe.v1 import oracle_cacher_pb2_grpc as pb_grpc
+from bagpipe.wire import to_tensor
 
 logger = logging.getLogger(__name__)
 
@@ -85,6 +86,9 @@ class Oracle(pb_grpc.OracleCacherServicer):
         self.owners: dict[int, str] = {}
         self.dispatched = [config.start_batch - 1] * config.trainers  # the last plan each rank was sent
         self.trained = [config.start_batch - 1] * config.trainers
+        # every planned batch's fetched keys and whether it is the last, until every trainer trained it (the
+        # embedding servers' fetch streams)
+        self.fetches: dict[int, tuple[np.ndarray, bool]] = {}
         self.cond = asyncio.Condition()
         self.readers_done = 0
         self.failure: str | None = None
@@ -269,6 +273,7 @@ class Oracle(pb_grpc.OracleCacherServicer):
                     self.early_reuses = self.planner.early_reuses
                 self.windows.append(plan.window)
                 self.planned[plan.batch] = _Planned(plan.depends_on, plan.last, encoded)
+                self.fetches[plan.batch] = (plan.prefetch_keys, plan.last)
                 self._update_queue_metrics()
                 self.cond.notify_all()
                 if plan.last:
@@ -353,9 +358,45 @@ class Oracle(pb_grpc.OracleCacherServicer):
             self.trained[rank] = request.trained
             for done in [b for b in self.sent if b <= min(self.trained)]:
                 del self.sent[done]
+            for done in [b for b in self.fetches if b <= min(self.trained)]:
+                del self.fetches[done]
             self._update_queue_metrics()
             self.cond.notify_all()
         return pb.ProgressAck()
+
+    async def StreamFetches(  # noqa: N802
+        self, request: pb.StreamFetchesRequest, context: grpc.aio.ServicerContext
+    ) -> AsyncIterator[pb.Fetches]:
+        """Every planned batch's fetched keys, in order from ``start`` (or from the oldest still kept: the
+        batches before it are trained), as soon as it is planned, and each move of the trainers' progress."""
+        batch = max(request.start, self.config.start_batch)
+        told = -2  # the progress last sent
+
+        def news() -> bool:
+            return (
+                self.failure is not None
+                or batch in self.fetches
+                or min(self.trained) != told
+                or (bool(self.fetches) and batch < min(self.fetches))
+            )
+
+        while True:
+            async with self.cond:
+                await self.cond.wait_for(news)
+                if self.failure is not None:
+                    await context.abort(grpc.StatusCode.ABORTED, self.failure)
+                if self.fetches and batch < min(self.fetches) and batch not in self.fetches:
+                    batch = min(self.fetches)  # (trained already: nobody fetches it any more)
+                found = self.fetches.get(batch)
+                told = min(self.trained)
+            if found is None:
+                yield pb.Fetches(batch=-1, trained=told)
+                continue
+            keys, last = found
+            yield pb.Fetches(batch=batch, keys=to_tensor(keys), last=last, trained=told)
+            if last:
+                return
+            batch += 1
 
     def _bind(self, rank: int, context: grpc.aio.ServicerContext) -> None:
         token = next((v for k, v in context.invocation_metadata() or () if k == TRAINER_KEY), "")
@@ -419,6 +460,9 @@ class Rewinding(pb_grpc.OracleCacherServicer):
 
     def ReportProgress(self, request: pb.ProgressReport, context: grpc.aio.ServicerContext):  # noqa: N802
         return self.oracle.ReportProgress(request, context)
+
+    def StreamFetches(self, request: pb.StreamFetchesRequest, context: grpc.aio.ServicerContext):  # noqa: N802
+        return self.oracle.StreamFetches(request, context)
 
     def counters(self) -> dict[str, float]:
         return self.oracle.counters()

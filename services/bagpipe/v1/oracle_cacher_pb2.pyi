@@ -7,6 +7,24 @@ from typing import ClassVar as _ClassVar, Optional as _Optional, Union as _Union
 
 DESCRIPTOR: _descriptor.FileDescriptor
 
+class StreamFetchesRequest(_message.Message):
+    __slots__ = ("start",)
+    START_FIELD_NUMBER: _ClassVar[int]
+    start: int
+    def __init__(self, start: _Optional[int] = ...) -> None: ...
+
+class Fetches(_message.Message):
+    __slots__ = ("batch", "keys", "last", "trained")
+    BATCH_FIELD_NUMBER: _ClassVar[int]
+    KEYS_FIELD_NUMBER: _ClassVar[int]
+    LAST_FIELD_NUMBER: _ClassVar[int]
+    TRAINED_FIELD_NUMBER: _ClassVar[int]
+    batch: int
+    keys: _tensor_pb2.Tensor
+    last: bool
+    trained: int
+    def __init__(self, batch: _Optional[int] = ..., keys: _Optional[_Union[_tensor_pb2.Tensor, _Mapping]] = ..., last: _Optional[bool] = ..., trained: _Optional[int] = ...) -> None: ...
+
 class StreamPlansRequest(_message.Message):
     __slots__ = ("rank", "start")
     RANK_FIELD_NUMBER: _ClassVar[int]

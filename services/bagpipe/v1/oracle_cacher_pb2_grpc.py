@@ -45,6 +45,11 @@ class OracleCacherStub:
                 request_serializer=bagpipe_dot_v1_dot_oracle__cacher__pb2.ProgressReport.SerializeToString,
                 response_deserializer=bagpipe_dot_v1_dot_oracle__cacher__pb2.ProgressAck.FromString,
                 _registered_method=True)
+        self.StreamFetches = channel.unary_stream(
+                '/bagpipe.v1.OracleCacher/StreamFetches',
+                request_serializer=bagpipe_dot_v1_dot_oracle__cacher__pb2.StreamFetchesRequest.SerializeToString,
+                response_deserializer=bagpipe_dot_v1_dot_oracle__cacher__pb2.Fetches.FromString,
+                _registered_method=True)
 
 
 class OracleCacherServicer:
@@ -66,6 +71,15 @@ class OracleCacherServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def StreamFetches(self, request, context):
+        """(An embedding server with a row tier.) Streams, for every batch in order from `start`, the keys the
+        trainers will fetch before it, as soon as the batch is planned, and how far every trainer has trained:
+        the server reads those rows from disk ahead of the fetch and evicts by next use.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_OracleCacherServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -78,6 +92,11 @@ def add_OracleCacherServicer_to_server(servicer, server):
                     servicer.ReportProgress,
                     request_deserializer=bagpipe_dot_v1_dot_oracle__cacher__pb2.ProgressReport.FromString,
                     response_serializer=bagpipe_dot_v1_dot_oracle__cacher__pb2.ProgressAck.SerializeToString,
+            ),
+            'StreamFetches': grpc.unary_stream_rpc_method_handler(
+                    servicer.StreamFetches,
+                    request_deserializer=bagpipe_dot_v1_dot_oracle__cacher__pb2.StreamFetchesRequest.FromString,
+                    response_serializer=bagpipe_dot_v1_dot_oracle__cacher__pb2.Fetches.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -135,6 +154,33 @@ class OracleCacher:
             '/bagpipe.v1.OracleCacher/ReportProgress',
             bagpipe_dot_v1_dot_oracle__cacher__pb2.ProgressReport.SerializeToString,
             bagpipe_dot_v1_dot_oracle__cacher__pb2.ProgressAck.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def StreamFetches(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_stream(
+            request,
+            target,
+            '/bagpipe.v1.OracleCacher/StreamFetches',
+            bagpipe_dot_v1_dot_oracle__cacher__pb2.StreamFetchesRequest.SerializeToString,
+            bagpipe_dot_v1_dot_oracle__cacher__pb2.Fetches.FromString,
             options,
             channel_credentials,
             insecure,

@@ -27,7 +27,7 @@ def test_the_next_use_of_every_row_follows_the_planned_batches() -> None:
         if now + lookahead < batches:
             schedule.add(now + lookahead, plans[now + lookahead])
     with pytest.raises(ValueError, match="in order"):
-        schedule.add(batches + 3, np.array([1]))
+        schedule.add(batches - 3, np.array([1]))
 
 
 def test_rows_come_back_exactly_through_evictions_and_reads(tmp_path: Path) -> None:
