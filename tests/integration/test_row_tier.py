@@ -73,7 +73,7 @@ def test_a_server_and_a_trainer_failing_with_rows_on_disk_stay_exact(run_job, tm
 def test_re_sharding_moves_rows_from_disk_and_stays_exact(run_job, tmp_path: Path) -> None:
     iterations, batch = 400, 64
     extra = exact_flags(iterations, batch, "adagrad", migration_rows_per_second=20000)
-    job = BackgroundRun(run_job, "scaled", *extra, *BUDGET)
+    job = BackgroundRun(run_job, "scaled", *extra, *BUDGET, "--lookup-threads", "2")
     run_dir = tmp_path / "scaled"
     try:
         _when_trained(run_dir, 10, job)
