@@ -220,12 +220,19 @@ async def _oracle_gates_plans() -> None:
         stub = opb_grpc.OracleCacherStub(ch)
         stream = stub.StreamPlans(opb.StreamPlansRequest(rank=0, start=0), timeout=30)
         it = stream.__aiter__()
+        prefetched: dict[int, np.ndarray] = {}  # each plan's fetched keys, as the trainers are told
+
+        async def fetches() -> list[opb.Fetches]:  # (an embedding server's stream, read all along)
+            return [m async for m in stub.StreamFetches(opb.StreamFetchesRequest(start=0), timeout=30)]
+
+        fetching = asyncio.create_task(fetches())
 
         async def next_plan() -> opb.Plan:  # each batch's rows, its samples, then its plan
             rows, samples, plan = await it.__anext__(), await it.__anext__(), await it.__anext__()
             kinds = (rows.WhichOneof("part"), samples.WhichOneof("part"), plan.WhichOneof("part"))
             assert kinds == ("rows", "samples", "plan")
             assert rows.rows.batch == samples.samples.batch == plan.plan.batch
+            prefetched[plan.plan.batch] = from_tensor(rows.rows.prefetch_keys, "keys", np.int64)
             return plan.plan
 
         assert [(await next_plan()).batch for _ in range(2)] == [0, 1]
@@ -241,6 +248,16 @@ async def _oracle_gates_plans() -> None:
             await stub.ReportProgress(opb.ProgressReport(rank=0, trained=b, written_back=b), timeout=5)
             rest.append(await next_plan())
         assert [p.batch for p in rest] == [3, 4, 5] and rest[-1].last
+        # the fetch stream told every batch's fetched keys, in order, and the progress as it moved
+        told = await fetching
+        batches = [m.batch for m in told if m.batch >= 0]
+        assert batches == sorted(set(batches)) and batches[-1] == 5 and told[-1].last
+        assert len(batches) >= 3 and batches[0] <= 1, batches
+        for m in told:
+            if m.batch >= 0:
+                assert np.array_equal(from_tensor(m.keys, "keys", np.int64), prefetched[m.batch]), m.batch
+        progress = [m.trained for m in told]
+        assert progress == sorted(progress) and progress[0] == -1
         # progress on a batch never sent, or going back, is refused
         for trained, field in ((6, "sent plans up to 5"), (2, "progress only moves on")):
             with pytest.raises(grpc.aio.AioRpcError) as err:
