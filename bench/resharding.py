@@ -24,7 +24,7 @@ from bagpipe.local.launcher import run
 from bagpipe.local.scaling import request_scale, wait_scaled
 
 sys.path.insert(0, str(Path(__file__).parent))
-from harness import PROFILES  # noqa: E402
+from suite.profiles import PROFILES  # noqa: E402
 
 RESULTS = Path(__file__).parent / "results"
 
