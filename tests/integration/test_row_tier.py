@@ -7,6 +7,8 @@ import re
 import signal
 from pathlib import Path
 
+import pytest
+
 from tests.integration.conftest import BackgroundRun, exact_flags
 from tests.integration.test_equivalence import assert_synchronous
 from tests.integration.test_recovery import run_with_failure
@@ -41,9 +43,11 @@ def _mostly_on_disk(run_dir: Path) -> None:
         assert figures['rows{op="written"}'] > 0 and figures['disk_bytes{op="read"}'] > 0, (name, figures)
 
 
-def test_rows_mostly_on_disk_train_the_synchronous_model(run_job, tmp_path: Path) -> None:
+@pytest.mark.parametrize("policy", ["lookahead", "lru", "next-batch"])
+def test_rows_mostly_on_disk_train_the_synchronous_model(run_job, tmp_path: Path, policy: str) -> None:
+    """With each policy (the benchmark's baselines too): what to keep never changes a value."""
     iterations, batch = 40, 64
-    _, paths = run_job("tier", *exact_flags(iterations, batch, "adagrad"), *BUDGET)
+    _, paths = run_job("tier", *exact_flags(iterations, batch, "adagrad"), *BUDGET, "--row-policy", policy)
     assert_synchronous(paths, iterations, batch, "adagrad")
     _mostly_on_disk(tmp_path / "tier")
     assert not list((tmp_path / "tier" / "rows").rglob("*.log")), "a server left its rows' file behind"

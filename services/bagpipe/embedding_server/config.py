@@ -28,7 +28,7 @@ from bagpipe.core.model_config import first_order, is_builtin, model_class, row_
 from bagpipe.core.optim_config import OptimizerConfig
 from bagpipe.cpu_priority import PRIORITIES
 from bagpipe.embedding_server.client import MAX_ROWS_PER_RPC
-from bagpipe.embedding_server.row_tier import TierSpec
+from bagpipe.embedding_server.row_tier import POLICIES, TierSpec
 from bagpipe.embedding_server.shard_store import DEFAULT_MAX_ABS
 from bagpipe.flags import flag
 
@@ -93,6 +93,13 @@ class EmbeddingServerConfig:
         parse=byte_size,
         metavar="SIZE",
     )
+    row_policy: str = flag(
+        "what the row tier keeps in memory and when it reads from disk: lookahead (the oracle's plans: "
+        "Belady's eviction, rows read before their fetch); for benchmarks only, lru (history-based eviction, "
+        "reads on demand) and next-batch (LRU, the next batch's rows read ahead)",
+        default="lookahead",
+        choices=POLICIES,
+    )
     row_disk: str | None = flag(
         "directory of the rows beyond --row-memory: a local volume (this server's files in it are its own, "
         "and removed when it stops)",
@@ -114,7 +121,7 @@ class EmbeddingServerConfig:
         """``--row-memory`` and ``--row-disk``, or None (every row in memory)."""
         if self.row_memory is None or self.row_disk is None:
             return None
-        return TierSpec(self.row_memory, Path(self.row_disk))
+        return TierSpec(self.row_memory, Path(self.row_disk), self.row_policy)
 
     def __post_init__(self) -> None:
         if not is_builtin(self.model):

@@ -100,6 +100,7 @@ class TierCollector:
             ("evicted", stats.evicted_rows),
             ("written", stats.written_rows),
             ("peeked", stats.peeked_rows),
+            ("wasted", stats.wasted_rows),
             ("compacted", log.rows_compacted),
         ):
             rows.add_metric([op], value)

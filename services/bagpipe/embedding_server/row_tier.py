@@ -23,6 +23,10 @@ import numpy as np
 from bagpipe.embedding_server.row_log import RowLog
 
 NEVER = np.iinfo(np.int32).max  # the next use of a row no planned batch fetches
+# what to keep and when to read: the oracle's lookahead (Bagpipe's), and, for the benchmark only, the
+# history-based eviction of multi-tier stores with reads on demand (lru), and next-batch prefetch with LRU
+# eviction as SSD-backed TorchRec kernels do (next-batch)
+POLICIES = ("lookahead", "lru", "next-batch")
 
 
 class Schedule:
@@ -89,6 +93,7 @@ class TierStats:
     evicted_rows: int = 0  # left memory
     written_rows: int = 0  # of those, written to disk (changed since they were last there)
     peeked_rows: int = 0  # read from disk without entering memory (snapshots, the undo log, re-sharding)
+    wasted_rows: int = 0  # read ahead, then evicted before any request used them
 
 
 @dataclass(frozen=True)
@@ -98,6 +103,7 @@ class TierSpec:
 
     memory_bytes: int
     directory: Path
+    policy: str = "lookahead"
 
     def capacity(self, width: int) -> int:
         """The rows of ``width`` float32 that the budget holds."""
@@ -105,7 +111,7 @@ class TierSpec:
 
     def tier(self, rows: int, width: int, name: str) -> RowTier:
         """A tier for ``rows`` rows, its files in ``directory/name``."""
-        return RowTier(rows, width, self.capacity(width), self.directory / name)
+        return RowTier(rows, width, self.capacity(width), self.directory / name, policy=self.policy)
 
 
 class RowTier:
@@ -113,10 +119,19 @@ class RowTier:
     ``capacity`` of them in memory, the rest in a ``RowLog`` under ``directory``."""
 
     def __init__(
-        self, rows: int, width: int, capacity: int, directory: Path, schedule: Schedule | None = None
+        self,
+        rows: int,
+        width: int,
+        capacity: int,
+        directory: Path,
+        schedule: Schedule | None = None,
+        policy: str = "lookahead",
     ) -> None:
         if capacity < 1:
             raise ValueError(f"capacity: must be >= 1 row, got {capacity}")
+        if policy not in POLICIES:
+            raise ValueError(f"policy: one of {', '.join(POLICIES)}, got {policy!r}")
+        self.policy = policy
         self.width = width
         self.capacity = capacity
         self.memory = np.zeros((capacity, width), dtype=np.float32)
@@ -125,6 +140,9 @@ class RowTier:
         self._dirty = np.zeros(capacity, dtype=bool)  # changed since last on disk
         self._free = np.arange(capacity - 1, -1, -1, dtype=np.int32)  # a stack of free slots
         self._free_count = capacity
+        self._used_at = np.zeros(capacity, dtype=np.int64)  # each slot's last use (lru, next-batch)
+        self._tick = 0
+        self._unused = np.zeros(capacity, dtype=bool)  # read ahead and not yet asked for
         self.log = RowLog(directory, width, rows)
         self.schedule = schedule if schedule is not None else Schedule(rows)
         self.stats = TierStats()
@@ -170,8 +188,13 @@ class RowTier:
                 f"{count} more rows are needed in memory, and only {used.size} can leave (--row-memory)"
             )
         if want < used.size:
-            furthest = np.argpartition(-self.schedule.next_use[self._row_in[used]].astype(np.int64), want - 1)
-            used = used[furthest[:want]]
+            if self.policy == "lookahead":  # the furthest next use first
+                order = -self.schedule.next_use[self._row_in[used]].astype(np.int64)
+            else:  # the least recently used first
+                order = self._used_at[used]
+            used = used[np.argpartition(order, want - 1)[:want]]
+        self.stats.wasted_rows += int(self._unused[used].sum())
+        self._unused[used] = False
         rows = self._row_in[used]
         dirty = self._dirty[used]
         if dirty.any():
@@ -195,6 +218,7 @@ class RowTier:
         self.memory[slots] = self.log.read(index)
         self.slot[index] = slots
         self._row_in[slots] = index
+        self._used(slots, asked=waited)
         if waited:
             self.stats.waited_rows += int(index.size)
         else:
@@ -218,15 +242,18 @@ class RowTier:
         caller's lock) that are still on disk where they were read and not in memory; returns how many."""
         fresh = (self.slot[index] < 0) & (self.log.location[index] == where)
         index, values = index[fresh], values[fresh]
-        # Belady's rule for a read-ahead: a row comes in only in place of a row used later (or free room),
-        # so rows read for a far batch never push out those of a nearer one
-        due = self.schedule.next_use[index]
-        order = np.argsort(due, kind="stable")
-        index, values, due = index[order], values[order], due[order]
-        held = np.sort(self.schedule.next_use[self._row_in[self._row_in >= 0]])
-        later = held.size - np.searchsorted(held, due, side="right")  # rows in memory used after each
-        fits = np.arange(1, index.size + 1) - self._free_count <= later
-        count = int(np.argmin(fits)) if not fits.all() else index.size
+        if self.policy == "lookahead":
+            # Belady's rule for a read-ahead: a row comes in only in place of a row used later (or free
+            # room), so rows read for a far batch never push out those of a nearer one
+            due = self.schedule.next_use[index]
+            order = np.argsort(due, kind="stable")
+            index, values, due = index[order], values[order], due[order]
+            held = np.sort(self.schedule.next_use[self._row_in[self._row_in >= 0]])
+            later = held.size - np.searchsorted(held, due, side="right")  # rows in memory used after each
+            fits = np.arange(1, index.size + 1) - self._free_count <= later
+            count = int(np.argmin(fits)) if not fits.all() else index.size
+        else:  # (the next batch's rows come in, in place of the least recently used)
+            count = min(index.size, self.capacity // 2)
         index, values = index[:count], values[:count]
         if index.size == 0:
             return 0
@@ -234,8 +261,15 @@ class RowTier:
         self.memory[slots] = values
         self.slot[index] = slots
         self._row_in[slots] = index
+        self._used(slots, asked=False)
         self.stats.prefetched_rows += int(index.size)
         return int(index.size)
+
+    def _used(self, slots: np.ndarray, asked: bool) -> None:
+        """``slots`` were used now (a request, ``asked``; or a read-ahead)."""
+        self._tick += 1
+        self._used_at[slots] = self._tick
+        self._unused[slots] = not asked
 
     # ---- what the shard asks of it
     def read(self, index: np.ndarray) -> np.ndarray:
@@ -249,7 +283,9 @@ class RowTier:
             return self._peek(index)
         if missing.size:
             self._load(missing, index, waited=True)
-        return self.memory[self.slot[index]]
+        slots = self.slot[index]
+        self._used(slots, asked=True)
+        return self.memory[slots]
 
     def write(self, index: np.ndarray, values: np.ndarray) -> None:
         """Stores ``values`` as rows ``index`` (distinct); the disk copy of each, if any, is stale."""
@@ -262,6 +298,7 @@ class RowTier:
         slots = self.slot[index]
         self.memory[slots] = values
         self._dirty[slots] = True
+        self._used(slots, asked=True)
         self.log.forget(index)
 
     def peek(self, index: np.ndarray) -> np.ndarray:
@@ -288,6 +325,7 @@ class RowTier:
         slots = slots[slots >= 0]
         self._row_in[slots] = -1
         self._dirty[slots] = False
+        self._unused[slots] = False
         self._free[self._free_count : self._free_count + slots.size] = slots
         self._free_count += slots.size
         self.slot[index] = -1

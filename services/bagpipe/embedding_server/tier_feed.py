@@ -44,7 +44,10 @@ async def _follow_once(servicer: EmbeddingServicer, registry: Registry, stop: as
     tier = store.tier
     if tier is None:
         return
+    if tier.policy == "lru":  # (reads on demand only: no plan is looked at)
+        return
     schedule = tier.schedule
+    read = -1  # (next-batch: the last dispatched batch whose next one was read ahead)
     address = (await asyncio.to_thread(registry.members, "oracle_cacher")).get("0")
     if address is None:
         return
@@ -58,9 +61,12 @@ async def _follow_once(servicer: EmbeddingServicer, registry: Registry, stop: as
                 return
             if message.trained >= 0:
                 schedule.passed(message.trained)
-            if message.batch < 0 or message.batch <= schedule.horizon:
-                continue
-            keys = from_tensor(message.keys, "keys", np.int64, ndim=1)
-            local = store.local_index(keys[store.holds(keys)])
-            schedule.add(message.batch, local)
-            await servicer.read_ahead(local)
+            if message.batch >= 0 and message.batch > schedule.horizon:
+                keys = from_tensor(message.keys, "keys", np.int64, ndim=1)
+                local = store.local_index(keys[store.holds(keys)])
+                schedule.add(message.batch, local)
+                if tier.policy == "lookahead":  # (as soon as it is planned)
+                    await servicer.read_ahead(local)
+            if tier.policy == "next-batch" and message.dispatched > read:
+                read = message.dispatched  # (the rows of the one batch the trainers fetch next)
+                await servicer.read_ahead(schedule.rows_of(read + 1))

@@ -83,6 +83,7 @@ def embedding_server(
         lookup_threads=args.lookup_threads,
         cpu_priority=embedding_server_priority(args),
         row_memory=args.row_memory,
+        row_policy=args.row_policy,
         row_disk=(args.row_disk or str(gen.run_dir / "rows")) if args.row_memory else args.row_disk,
     )
 

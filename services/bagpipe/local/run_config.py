@@ -42,6 +42,7 @@ from bagpipe.core.model_config import is_builtin
 from bagpipe.core.optim_config import OptimizerConfig
 from bagpipe.cpu_priority import PRIORITIES
 from bagpipe.data_processor.config import SourceConfig
+from bagpipe.embedding_server.row_tier import POLICIES
 from bagpipe.flags import flag, like
 from bagpipe.oracle_cacher.config import OracleConfig
 from bagpipe.trainer.config import TrainerConfig
@@ -173,6 +174,11 @@ class RunConfig:
         parse=byte_size,
         metavar="SIZE",
     )
+    row_policy: str = flag(
+        "the row tier's policy: lookahead (the oracle's plans); for benchmarks only, lru or next-batch",
+        default="lookahead",
+        choices=POLICIES,
+    )
     row_disk: str | None = flag(
         "directory of the embedding servers' rows beyond --row-memory, a local disk (default with "
         "--row-memory: RUN_DIR/rows)",
@@ -234,7 +240,7 @@ class RunConfig:
         ),
         "scaling": (
             "migration_rows_per_second", "lookup_threads", "embedding_server_priority", "row_memory",
-            "row_disk",
+            "row_disk", "row_policy",
         ),
         "benchmarking": ("system", "embedding_server_netns", "netns_addresses"),
         "monitoring": ("prometheus", "prometheus_port", "prometheus_linger", "tensorboard"),

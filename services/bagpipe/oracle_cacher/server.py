@@ -324,7 +324,10 @@ class Oracle(pb_grpc.OracleCacherServicer):
                     self.cond.notify_all()
                 self._update_queue_metrics()
             metrics.PLANS_DISPATCHED.inc()
-            self.dispatched[rank] = max(self.dispatched[rank], batch)
+            if batch > self.dispatched[rank]:
+                async with self.cond:  # (the fetch streams tell it)
+                    self.dispatched[rank] = batch
+                    self.cond.notify_all()
             yield entry.encoded.rows  # the same bytes on every trainer's stream
             yield entry.encoded.samples[rank]  # as the data processor sent them
             yield entry.encoded.plans[rank]
@@ -370,13 +373,13 @@ class Oracle(pb_grpc.OracleCacherServicer):
         """Every planned batch's fetched keys, in order from ``start`` (or from the oldest still kept: the
         batches before it are trained), as soon as it is planned, and each move of the trainers' progress."""
         batch = max(request.start, self.config.start_batch)
-        told = -2  # the progress last sent
+        told = (-2, -2)  # the progress last sent: trained, dispatched
 
         def news() -> bool:
             return (
                 self.failure is not None
                 or batch in self.fetches
-                or min(self.trained) != told
+                or (min(self.trained), min(self.dispatched)) != told
                 or (bool(self.fetches) and batch < min(self.fetches))
             )
 
@@ -388,12 +391,14 @@ class Oracle(pb_grpc.OracleCacherServicer):
                 if self.fetches and batch < min(self.fetches) and batch not in self.fetches:
                     batch = min(self.fetches)  # (trained already: nobody fetches it any more)
                 found = self.fetches.get(batch)
-                told = min(self.trained)
+                told = (min(self.trained), min(self.dispatched))
             if found is None:
-                yield pb.Fetches(batch=-1, trained=told)
+                yield pb.Fetches(batch=-1, trained=told[0], dispatched=told[1])
                 continue
             keys, last = found
-            yield pb.Fetches(batch=batch, keys=to_tensor(keys), last=last, trained=told)
+            yield pb.Fetches(
+                batch=batch, keys=to_tensor(keys), last=last, trained=told[0], dispatched=told[1]
+            )
             if last:
                 return
             batch += 1

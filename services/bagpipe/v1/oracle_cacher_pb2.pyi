@@ -14,16 +14,18 @@ class StreamFetchesRequest(_message.Message):
     def __init__(self, start: _Optional[int] = ...) -> None: ...
 
 class Fetches(_message.Message):
-    __slots__ = ("batch", "keys", "last", "trained")
+    __slots__ = ("batch", "keys", "last", "trained", "dispatched")
     BATCH_FIELD_NUMBER: _ClassVar[int]
     KEYS_FIELD_NUMBER: _ClassVar[int]
     LAST_FIELD_NUMBER: _ClassVar[int]
     TRAINED_FIELD_NUMBER: _ClassVar[int]
+    DISPATCHED_FIELD_NUMBER: _ClassVar[int]
     batch: int
     keys: _tensor_pb2.Tensor
     last: bool
     trained: int
-    def __init__(self, batch: _Optional[int] = ..., keys: _Optional[_Union[_tensor_pb2.Tensor, _Mapping]] = ..., last: _Optional[bool] = ..., trained: _Optional[int] = ...) -> None: ...
+    dispatched: int
+    def __init__(self, batch: _Optional[int] = ..., keys: _Optional[_Union[_tensor_pb2.Tensor, _Mapping]] = ..., last: _Optional[bool] = ..., trained: _Optional[int] = ..., dispatched: _Optional[int] = ...) -> None: ...
 
 class StreamPlansRequest(_message.Message):
     __slots__ = ("rank", "start")
