@@ -23,5 +23,15 @@ from __future__ import annotations
 import importlib
 from types import ModuleType
 
-NAMES = ("systems", "models", "torchrec", "network", "oracle", "embedding_server", "lookahead", "skew")
+NAMES = (
+    "systems",
+    "models",
+    "torchrec",
+    "network",
+    "oracle",
+    "embedding_server",
+    "lookahead",
+    "skew",
+    "tier",
+)
 SECTIONS: dict[str, ModuleType] = {name: importlib.import_module(f"{__name__}.{name}") for name in NAMES}

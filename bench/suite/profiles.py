@@ -66,6 +66,9 @@ PROFILES: dict[str, dict[str, Any]] = {
         "torchrec_pairs": 3,
         # one server with every Kaggle row (33.8 M, dim 16, Adagrad: 4.3 GB), 16 k keys per lookup
         "embedding_server": {"scale": 1.0, "keys": 16384, "concurrency": 4, "seconds": 20},
+        # the row tier: every row stored (the jobs start from a saved model), each server's --row-memory a
+        # fraction of its shard's rows and state; the baselines at the goal's fraction
+        "tier": {"scale": "0.02", "iterations": 150, "fractions": [1.0, 0.5, 0.2, 0.1, 0.05], "goal": 0.1},
     },
     # the paper's DLRM (Table 2) at batch 4,096 and scale 0.1 (3.4 M rows): whether the quick profile's
     # ratios hold when the model is bigger; one pair per link, about 17 minutes on 2 cores

@@ -16,6 +16,7 @@ import numpy as np
 
 from bagpipe import serving
 from bagpipe.control.registry import Registry
+from bagpipe.embedding_server.row_tier import RowTier
 from bagpipe.embedding_server.server import EmbeddingServicer
 from bagpipe.v1 import oracle_cacher_pb2 as pb
 from bagpipe.v1 import oracle_cacher_pb2_grpc as pb_grpc
@@ -24,6 +25,7 @@ from bagpipe.wire import from_tensor
 logger = logging.getLogger(__name__)
 
 RETRY_S = 0.5
+READ_CHUNK_ROWS = 4096  # rows a read-ahead takes in at once (the schedule is looked at again between)
 
 
 async def follow_fetches(servicer: EmbeddingServicer, registry: Registry, stop: asyncio.Event) -> None:
@@ -42,31 +44,61 @@ async def follow_fetches(servicer: EmbeddingServicer, registry: Registry, stop: 
 async def _follow_once(servicer: EmbeddingServicer, registry: Registry, stop: asyncio.Event) -> None:
     store = servicer.store
     tier = store.tier
-    if tier is None:
-        return
-    if tier.policy == "lru":  # (reads on demand only: no plan is looked at)
+    if tier is None or tier.policy == "lru":  # (lru reads on demand only: no plan is looked at)
         return
     schedule = tier.schedule
-    read = -1  # (next-batch: the last dispatched batch whose next one was read ahead)
     address = (await asyncio.to_thread(registry.members, "oracle_cacher")).get("0")
     if address is None:
         return
-    async with serving.aio_channel(address) as channel:
-        stream = pb_grpc.OracleCacherStub(channel).StreamFetches(
-            pb.StreamFetchesRequest(start=schedule.horizon + 1)
-        )
-        async for message in stream:
-            if stop.is_set() or servicer.store is not store or tier.schedule is not schedule:
-                stream.cancel()  # (a roll-back or a migration: the new schedule starts its own stream)
-                return
-            if message.trained >= 0:
-                schedule.passed(message.trained)
-            if message.batch >= 0 and message.batch > schedule.horizon:
-                keys = from_tensor(message.keys, "keys", np.int64, ndim=1)
-                local = store.local_index(keys[store.holds(keys)])
-                schedule.add(message.batch, local)
-                if tier.policy == "lookahead":  # (as soon as it is planned)
-                    await servicer.read_ahead(local)
-            if tier.policy == "next-batch" and message.dispatched > read:
-                read = message.dispatched  # (the rows of the one batch the trainers fetch next)
+    fetched = [-1]  # the last batch every trainer has fetched
+    changed = asyncio.Event()
+    # (the disk reads in a task of their own: the stream is read, and the schedule kept current, meanwhile)
+    reader = asyncio.create_task(_read_ahead(servicer, tier, fetched, changed), name="read-ahead")
+    try:
+        async with serving.aio_channel(address) as channel:
+            stream = pb_grpc.OracleCacherStub(channel).StreamFetches(
+                pb.StreamFetchesRequest(start=schedule.horizon + 1)
+            )
+            async for message in stream:
+                if stop.is_set() or servicer.store is not store or tier.schedule is not schedule:
+                    stream.cancel()  # (a roll-back or a migration: the new schedule starts its own stream)
+                    return
+                done = max(message.trained, message.fetched)
+                if done >= 0:  # (the batches whose rows the trainers have)
+                    schedule.passed(done)
+                    fetched[0] = max(fetched[0], message.fetched)
+                if message.batch > schedule.horizon and message.batch >= schedule.now:  # (not yet fetched)
+                    keys = from_tensor(message.keys, "keys", np.int64, ndim=1)
+                    schedule.add(message.batch, store.local_index(keys[store.holds(keys)]))
+                changed.set()
+    finally:
+        reader.cancel()
+        with contextlib.suppress(asyncio.CancelledError):
+            await reader
+
+
+async def _read_ahead(
+    servicer: EmbeddingServicer, tier: RowTier, fetched: list[int], changed: asyncio.Event
+) -> None:
+    """Each time the schedule moves: lookahead reads the planned batches ahead, nearest first, a chunk at a
+    time, until a batch does not fit (the budget holds rows used sooner: it is tried again as batches
+    pass); next-batch reads the one batch after the last fetched."""
+    read = -1  # (next-batch: the last fetched batch whose next one was read)
+    while True:
+        await changed.wait()
+        changed.clear()
+        schedule = tier.schedule
+        if tier.policy == "next-batch":
+            if fetched[0] > read:
+                read = fetched[0]
                 await servicer.read_ahead(schedule.rows_of(read + 1))
+            continue
+        for batch in range(schedule.now, schedule.horizon + 1):
+            missing = tier.ahead(schedule.rows_of(batch))
+            for start in range(0, missing.size, READ_CHUNK_ROWS):
+                part = missing[start : start + READ_CHUNK_ROWS]
+                if await servicer.read_ahead(part) < part.size:
+                    break
+            else:
+                continue
+            break

@@ -90,9 +90,10 @@ def embedding_server(
 
 def embedding_server_priority(args: RunConfig) -> str:
     """``--embedding-server-priority``; auto: idle, but normal for the no-cache baseline, whose trainers
-    wait for each fetch (its servers are on the critical path, and idle ones would slow it unfairly)."""
-    if args.embedding_server_priority == "auto":
-        return "normal" if args.system == "no-cache" else "idle"
+    wait for each fetch (its servers are on the critical path, and idle ones would slow it unfairly), and
+    with ``--row-memory``, whose reads from disk must keep ahead of the trainers' fetches."""
+    if args.embedding_server_priority == "auto":  # (a row tier's disk reads must keep ahead of the fetches)
+        return "normal" if args.system == "no-cache" or args.row_memory else "idle"
     return args.embedding_server_priority
 
 

@@ -163,7 +163,8 @@ class RunConfig:
         "CPU priority of the embedding servers, which share this machine's cores with the trainers: idle "
         "runs them only on cores the trainers leave idle (Linux SCHED_IDLE), where a prefetching trainer, "
         "which needs their answers batches later, loses nothing to them; normal, as every other process; "
-        "auto: idle, but normal with --system no-cache, whose trainers wait for every fetch",
+        "auto: idle, but normal with --system no-cache, whose trainers wait for every fetch, and with "
+        "--row-memory, whose disk reads must keep ahead of the fetches",
         default="auto",
         choices=("auto", *PRIORITIES),
     )

@@ -86,6 +86,7 @@ class Oracle(pb_grpc.OracleCacherServicer):
         self.owners: dict[int, str] = {}
         self.dispatched = [config.start_batch - 1] * config.trainers  # the last plan each rank was sent
         self.trained = [config.start_batch - 1] * config.trainers
+        self.fetched = [config.start_batch - 1] * config.trainers  # (the fetch streams tell its minimum)
         # every planned batch's fetched keys and whether it is the last, until every trainer trained it (the
         # embedding servers' fetch streams)
         self.fetches: dict[int, tuple[np.ndarray, bool]] = {}
@@ -342,6 +343,17 @@ class Oracle(pb_grpc.OracleCacherServicer):
         if not 0 <= rank < self.config.trainers:
             raise InvalidArgument("rank", f"must be in [0, {self.config.trainers}), got {rank}")
         self._bind(rank, context)
+        if request.fetch_only:  # (the prefetcher's: only how far this trainer has fetched)
+            if request.fetched > self.dispatched[rank]:
+                raise InvalidArgument(
+                    "fetched",
+                    f"rank {rank} fetched batch {request.fetched}, but was sent plans up to "
+                    f"{self.dispatched[rank]} only",
+                )
+            async with self.cond:
+                self.fetched[rank] = max(self.fetched[rank], request.fetched)
+                self.cond.notify_all()
+            return pb.ProgressAck()
         for name, value, now in (
             ("written_back", request.written_back, self.written_back[rank]),
             ("trained", request.trained, self.trained[rank]),
@@ -373,13 +385,13 @@ class Oracle(pb_grpc.OracleCacherServicer):
         """Every planned batch's fetched keys, in order from ``start`` (or from the oldest still kept: the
         batches before it are trained), as soon as it is planned, and each move of the trainers' progress."""
         batch = max(request.start, self.config.start_batch)
-        told = (-2, -2)  # the progress last sent: trained, dispatched
+        told = (-2, -2, -2)  # the progress last sent: trained, dispatched, fetched
 
         def news() -> bool:
             return (
                 self.failure is not None
                 or batch in self.fetches
-                or (min(self.trained), min(self.dispatched)) != told
+                or self._progress() != told
                 or (bool(self.fetches) and batch < min(self.fetches))
             )
 
@@ -391,17 +403,22 @@ class Oracle(pb_grpc.OracleCacherServicer):
                 if self.fetches and batch < min(self.fetches) and batch not in self.fetches:
                     batch = min(self.fetches)  # (trained already: nobody fetches it any more)
                 found = self.fetches.get(batch)
-                told = (min(self.trained), min(self.dispatched))
+                told = self._progress()
+            message = pb.Fetches(batch=-1, trained=told[0], dispatched=told[1], fetched=told[2])
             if found is None:
-                yield pb.Fetches(batch=-1, trained=told[0], dispatched=told[1])
+                yield message
                 continue
             keys, last = found
-            yield pb.Fetches(
-                batch=batch, keys=to_tensor(keys), last=last, trained=told[0], dispatched=told[1]
-            )
+            message.batch, message.last = batch, last
+            message.keys.CopyFrom(to_tensor(keys))
+            yield message
             if last:
                 return
             batch += 1
+
+    def _progress(self) -> tuple[int, int, int]:
+        """The last batch every trainer has trained, been sent and fetched."""
+        return min(self.trained), min(self.dispatched), min(self.fetched)
 
     def _bind(self, rank: int, context: grpc.aio.ServicerContext) -> None:
         token = next((v for k, v in context.invocation_metadata() or () if k == TRAINER_KEY), "")

@@ -277,7 +277,11 @@ class Pipeline:
             for plan in group:
                 self.cache.ensure_capacity(plan.slot_high_water)
             if self.config.fetch == "prefetch":
+                assert self.oracle is not None
                 self.fetch(*(plan.share for plan in group))
+                # (the servers' row tiers keep what comes next, not what was just fetched)
+                done = opb.ProgressReport(rank=self.config.rank, fetched=group[-1].batch, fetch_only=True)
+                self.oracle.ReportProgress(done, timeout=serving.RPC_TIMEOUT_S, metadata=self.token)
             with self.cond:
                 self.ready.update(plan.batch for plan in group)
                 self.cond.notify_all()

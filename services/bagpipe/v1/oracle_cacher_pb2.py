@@ -26,7 +26,7 @@ from bagpipe.v1 import data_processor_pb2 as bagpipe_dot_v1_dot_data__processor_
 from bagpipe.v1 import tensor_pb2 as bagpipe_dot_v1_dot_tensor__pb2
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x1e\x62\x61gpipe/v1/oracle_cacher.proto\x12\nbagpipe.v1\x1a\x1f\x62\x61gpipe/v1/data_processor.proto\x1a\x17\x62\x61gpipe/v1/tensor.proto\"%\n\x14StreamFetchesRequest\x12\r\n\x05start\x18\x01 \x01(\x03\"m\n\x07\x46\x65tches\x12\r\n\x05\x62\x61tch\x18\x01 \x01(\x03\x12 \n\x04keys\x18\x02 \x01(\x0b\x32\x12.bagpipe.v1.Tensor\x12\x0c\n\x04last\x18\x03 \x01(\x08\x12\x0f\n\x07trained\x18\x04 \x01(\x03\x12\x12\n\ndispatched\x18\x05 \x01(\x03\"1\n\x12StreamPlansRequest\x12\x0c\n\x04rank\x18\x01 \x01(\x05\x12\r\n\x05start\x18\x02 \x01(\x03\"\x82\x01\n\x08PlanPart\x12$\n\x04rows\x18\x01 \x01(\x0b\x32\x14.bagpipe.v1.PlanRowsH\x00\x12 \n\x04plan\x18\x02 \x01(\x0b\x32\x10.bagpipe.v1.PlanH\x00\x12&\n\x07samples\x18\x03 \x01(\x0b\x32\x13.bagpipe.v1.SamplesH\x00\x42\x06\n\x04part\"\x92\x02\n\x04Plan\x12\r\n\x05\x62\x61tch\x18\x01 \x01(\x03\x12\x17\n\x0fslot_high_water\x18\x05 \x01(\x03\x12\x19\n\x11global_batch_size\x18\x06 \x01(\x03\x12\x0c\n\x04last\x18\x07 \x01(\x08\x12\x11\n\tlookahead\x18\x08 \x01(\x05\x12\x12\n\ndepends_on\x18\t \x01(\x03\x12\x11\n\toccupancy\x18\n \x01(\x03\x12\x12\n\ncheckpoint\x18\x0b \x01(\x08\x12+\n\x0f\x63heckpoint_keys\x18\x0c \x01(\x0b\x32\x12.bagpipe.v1.Tensor\x12,\n\x10\x63heckpoint_slots\x18\r \x01(\x0b\x32\x12.bagpipe.v1.TensorJ\x04\x08\x02\x10\x03J\x04\x08\x03\x10\x04J\x04\x08\x04\x10\x05\"\xef\x04\n\x08PlanRows\x12!\n\x05slots\x18\x01 \x01(\x0b\x32\x12.bagpipe.v1.Tensor\x12!\n\x05users\x18\x02 \x01(\x0b\x32\x12.bagpipe.v1.Tensor\x12 \n\x04sync\x18\x03 \x01(\x0b\x32\x12.bagpipe.v1.Tensor\x12$\n\x08prefetch\x18\x04 \x01(\x0b\x32\x12.bagpipe.v1.Tensor\x12)\n\rprefetch_keys\x18\x05 \x01(\x0b\x32\x12.bagpipe.v1.Tensor\x12,\n\x10prefetch_holders\x18\x06 \x01(\x0b\x32\x12.bagpipe.v1.Tensor\x12!\n\x05\x65vict\x18\x07 \x01(\x0b\x32\x12.bagpipe.v1.Tensor\x12&\n\nevict_keys\x18\x08 \x01(\x0b\x32\x12.bagpipe.v1.Tensor\x12(\n\x0c\x65vict_writer\x18\t \x01(\x0b\x32\x12.bagpipe.v1.Tensor\x12*\n\x0ehandover_slots\x18\n \x01(\x0b\x32\x12.bagpipe.v1.Tensor\x12+\n\x0fhandover_source\x18\x0b \x01(\x0b\x32\x12.bagpipe.v1.Tensor\x12/\n\x13handover_recipients\x18\x0c \x01(\x0b\x32\x12.bagpipe.v1.Tensor\x12-\n\x11handover_critical\x18\r \x01(\x0b\x32\x12.bagpipe.v1.Tensor\x12\r\n\x05\x62\x61tch\x18\x0e \x01(\x03\x12*\n\x0eprefetch_first\x18\x0f \x01(\x0b\x32\x12.bagpipe.v1.Tensor\x12\x13\n\x0b\x66irst_since\x18\x10 \x01(\x03\"E\n\x0eProgressReport\x12\x0c\n\x04rank\x18\x01 \x01(\x05\x12\x0f\n\x07trained\x18\x02 \x01(\x03\x12\x14\n\x0cwritten_back\x18\x03 \x01(\x03\"\r\n\x0bProgressAck2\xe6\x01\n\x0cOracleCacher\x12\x45\n\x0bStreamPlans\x12\x1e.bagpipe.v1.StreamPlansRequest\x1a\x14.bagpipe.v1.PlanPart0\x01\x12\x45\n\x0eReportProgress\x12\x1a.bagpipe.v1.ProgressReport\x1a\x17.bagpipe.v1.ProgressAck\x12H\n\rStreamFetches\x12 .bagpipe.v1.StreamFetchesRequest\x1a\x13.bagpipe.v1.Fetches0\x01\x62\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x1e\x62\x61gpipe/v1/oracle_cacher.proto\x12\nbagpipe.v1\x1a\x1f\x62\x61gpipe/v1/data_processor.proto\x1a\x17\x62\x61gpipe/v1/tensor.proto\"%\n\x14StreamFetchesRequest\x12\r\n\x05start\x18\x01 \x01(\x03\"~\n\x07\x46\x65tches\x12\r\n\x05\x62\x61tch\x18\x01 \x01(\x03\x12 \n\x04keys\x18\x02 \x01(\x0b\x32\x12.bagpipe.v1.Tensor\x12\x0c\n\x04last\x18\x03 \x01(\x08\x12\x0f\n\x07trained\x18\x04 \x01(\x03\x12\x12\n\ndispatched\x18\x05 \x01(\x03\x12\x0f\n\x07\x66\x65tched\x18\x06 \x01(\x03\"1\n\x12StreamPlansRequest\x12\x0c\n\x04rank\x18\x01 \x01(\x05\x12\r\n\x05start\x18\x02 \x01(\x03\"\x82\x01\n\x08PlanPart\x12$\n\x04rows\x18\x01 \x01(\x0b\x32\x14.bagpipe.v1.PlanRowsH\x00\x12 \n\x04plan\x18\x02 \x01(\x0b\x32\x10.bagpipe.v1.PlanH\x00\x12&\n\x07samples\x18\x03 \x01(\x0b\x32\x13.bagpipe.v1.SamplesH\x00\x42\x06\n\x04part\"\x92\x02\n\x04Plan\x12\r\n\x05\x62\x61tch\x18\x01 \x01(\x03\x12\x17\n\x0fslot_high_water\x18\x05 \x01(\x03\x12\x19\n\x11global_batch_size\x18\x06 \x01(\x03\x12\x0c\n\x04last\x18\x07 \x01(\x08\x12\x11\n\tlookahead\x18\x08 \x01(\x05\x12\x12\n\ndepends_on\x18\t \x01(\x03\x12\x11\n\toccupancy\x18\n \x01(\x03\x12\x12\n\ncheckpoint\x18\x0b \x01(\x08\x12+\n\x0f\x63heckpoint_keys\x18\x0c \x01(\x0b\x32\x12.bagpipe.v1.Tensor\x12,\n\x10\x63heckpoint_slots\x18\r \x01(\x0b\x32\x12.bagpipe.v1.TensorJ\x04\x08\x02\x10\x03J\x04\x08\x03\x10\x04J\x04\x08\x04\x10\x05\"\xef\x04\n\x08PlanRows\x12!\n\x05slots\x18\x01 \x01(\x0b\x32\x12.bagpipe.v1.Tensor\x12!\n\x05users\x18\x02 \x01(\x0b\x32\x12.bagpipe.v1.Tensor\x12 \n\x04sync\x18\x03 \x01(\x0b\x32\x12.bagpipe.v1.Tensor\x12$\n\x08prefetch\x18\x04 \x01(\x0b\x32\x12.bagpipe.v1.Tensor\x12)\n\rprefetch_keys\x18\x05 \x01(\x0b\x32\x12.bagpipe.v1.Tensor\x12,\n\x10prefetch_holders\x18\x06 \x01(\x0b\x32\x12.bagpipe.v1.Tensor\x12!\n\x05\x65vict\x18\x07 \x01(\x0b\x32\x12.bagpipe.v1.Tensor\x12&\n\nevict_keys\x18\x08 \x01(\x0b\x32\x12.bagpipe.v1.Tensor\x12(\n\x0c\x65vict_writer\x18\t \x01(\x0b\x32\x12.bagpipe.v1.Tensor\x12*\n\x0ehandover_slots\x18\n \x01(\x0b\x32\x12.bagpipe.v1.Tensor\x12+\n\x0fhandover_source\x18\x0b \x01(\x0b\x32\x12.bagpipe.v1.Tensor\x12/\n\x13handover_recipients\x18\x0c \x01(\x0b\x32\x12.bagpipe.v1.Tensor\x12-\n\x11handover_critical\x18\r \x01(\x0b\x32\x12.bagpipe.v1.Tensor\x12\r\n\x05\x62\x61tch\x18\x0e \x01(\x03\x12*\n\x0eprefetch_first\x18\x0f \x01(\x0b\x32\x12.bagpipe.v1.Tensor\x12\x13\n\x0b\x66irst_since\x18\x10 \x01(\x03\"j\n\x0eProgressReport\x12\x0c\n\x04rank\x18\x01 \x01(\x05\x12\x0f\n\x07trained\x18\x02 \x01(\x03\x12\x14\n\x0cwritten_back\x18\x03 \x01(\x03\x12\x0f\n\x07\x66\x65tched\x18\x04 \x01(\x03\x12\x12\n\nfetch_only\x18\x05 \x01(\x08\"\r\n\x0bProgressAck2\xe6\x01\n\x0cOracleCacher\x12\x45\n\x0bStreamPlans\x12\x1e.bagpipe.v1.StreamPlansRequest\x1a\x14.bagpipe.v1.PlanPart0\x01\x12\x45\n\x0eReportProgress\x12\x1a.bagpipe.v1.ProgressReport\x1a\x17.bagpipe.v1.ProgressAck\x12H\n\rStreamFetches\x12 .bagpipe.v1.StreamFetchesRequest\x1a\x13.bagpipe.v1.Fetches0\x01\x62\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
@@ -36,19 +36,19 @@ if not _descriptor._USE_C_DESCRIPTORS:
   _globals['_STREAMFETCHESREQUEST']._serialized_start=104
   _globals['_STREAMFETCHESREQUEST']._serialized_end=141
   _globals['_FETCHES']._serialized_start=143
-  _globals['_FETCHES']._serialized_end=252
-  _globals['_STREAMPLANSREQUEST']._serialized_start=254
-  _globals['_STREAMPLANSREQUEST']._serialized_end=303
-  _globals['_PLANPART']._serialized_start=306
-  _globals['_PLANPART']._serialized_end=436
-  _globals['_PLAN']._serialized_start=439
-  _globals['_PLAN']._serialized_end=713
-  _globals['_PLANROWS']._serialized_start=716
-  _globals['_PLANROWS']._serialized_end=1339
-  _globals['_PROGRESSREPORT']._serialized_start=1341
-  _globals['_PROGRESSREPORT']._serialized_end=1410
-  _globals['_PROGRESSACK']._serialized_start=1412
-  _globals['_PROGRESSACK']._serialized_end=1425
-  _globals['_ORACLECACHER']._serialized_start=1428
-  _globals['_ORACLECACHER']._serialized_end=1658
+  _globals['_FETCHES']._serialized_end=269
+  _globals['_STREAMPLANSREQUEST']._serialized_start=271
+  _globals['_STREAMPLANSREQUEST']._serialized_end=320
+  _globals['_PLANPART']._serialized_start=323
+  _globals['_PLANPART']._serialized_end=453
+  _globals['_PLAN']._serialized_start=456
+  _globals['_PLAN']._serialized_end=730
+  _globals['_PLANROWS']._serialized_start=733
+  _globals['_PLANROWS']._serialized_end=1356
+  _globals['_PROGRESSREPORT']._serialized_start=1358
+  _globals['_PROGRESSREPORT']._serialized_end=1464
+  _globals['_PROGRESSACK']._serialized_start=1466
+  _globals['_PROGRESSACK']._serialized_end=1479
+  _globals['_ORACLECACHER']._serialized_start=1482
+  _globals['_ORACLECACHER']._serialized_end=1712
 # @@protoc_insertion_point(module_scope)

@@ -14,18 +14,20 @@ class StreamFetchesRequest(_message.Message):
     def __init__(self, start: _Optional[int] = ...) -> None: ...
 
 class Fetches(_message.Message):
-    __slots__ = ("batch", "keys", "last", "trained", "dispatched")
+    __slots__ = ("batch", "keys", "last", "trained", "dispatched", "fetched")
     BATCH_FIELD_NUMBER: _ClassVar[int]
     KEYS_FIELD_NUMBER: _ClassVar[int]
     LAST_FIELD_NUMBER: _ClassVar[int]
     TRAINED_FIELD_NUMBER: _ClassVar[int]
     DISPATCHED_FIELD_NUMBER: _ClassVar[int]
+    FETCHED_FIELD_NUMBER: _ClassVar[int]
     batch: int
     keys: _tensor_pb2.Tensor
     last: bool
     trained: int
     dispatched: int
-    def __init__(self, batch: _Optional[int] = ..., keys: _Optional[_Union[_tensor_pb2.Tensor, _Mapping]] = ..., last: _Optional[bool] = ..., trained: _Optional[int] = ..., dispatched: _Optional[int] = ...) -> None: ...
+    fetched: int
+    def __init__(self, batch: _Optional[int] = ..., keys: _Optional[_Union[_tensor_pb2.Tensor, _Mapping]] = ..., last: _Optional[bool] = ..., trained: _Optional[int] = ..., dispatched: _Optional[int] = ..., fetched: _Optional[int] = ...) -> None: ...
 
 class StreamPlansRequest(_message.Message):
     __slots__ = ("rank", "start")
@@ -106,14 +108,18 @@ class PlanRows(_message.Message):
     def __init__(self, slots: _Optional[_Union[_tensor_pb2.Tensor, _Mapping]] = ..., users: _Optional[_Union[_tensor_pb2.Tensor, _Mapping]] = ..., sync: _Optional[_Union[_tensor_pb2.Tensor, _Mapping]] = ..., prefetch: _Optional[_Union[_tensor_pb2.Tensor, _Mapping]] = ..., prefetch_keys: _Optional[_Union[_tensor_pb2.Tensor, _Mapping]] = ..., prefetch_holders: _Optional[_Union[_tensor_pb2.Tensor, _Mapping]] = ..., evict: _Optional[_Union[_tensor_pb2.Tensor, _Mapping]] = ..., evict_keys: _Optional[_Union[_tensor_pb2.Tensor, _Mapping]] = ..., evict_writer: _Optional[_Union[_tensor_pb2.Tensor, _Mapping]] = ..., handover_slots: _Optional[_Union[_tensor_pb2.Tensor, _Mapping]] = ..., handover_source: _Optional[_Union[_tensor_pb2.Tensor, _Mapping]] = ..., handover_recipients: _Optional[_Union[_tensor_pb2.Tensor, _Mapping]] = ..., handover_critical: _Optional[_Union[_tensor_pb2.Tensor, _Mapping]] = ..., batch: _Optional[int] = ..., prefetch_first: _Optional[_Union[_tensor_pb2.Tensor, _Mapping]] = ..., first_since: _Optional[int] = ...) -> None: ...
 
 class ProgressReport(_message.Message):
-    __slots__ = ("rank", "trained", "written_back")
+    __slots__ = ("rank", "trained", "written_back", "fetched", "fetch_only")
     RANK_FIELD_NUMBER: _ClassVar[int]
     TRAINED_FIELD_NUMBER: _ClassVar[int]
     WRITTEN_BACK_FIELD_NUMBER: _ClassVar[int]
+    FETCHED_FIELD_NUMBER: _ClassVar[int]
+    FETCH_ONLY_FIELD_NUMBER: _ClassVar[int]
     rank: int
     trained: int
     written_back: int
-    def __init__(self, rank: _Optional[int] = ..., trained: _Optional[int] = ..., written_back: _Optional[int] = ...) -> None: ...
+    fetched: int
+    fetch_only: bool
+    def __init__(self, rank: _Optional[int] = ..., trained: _Optional[int] = ..., written_back: _Optional[int] = ..., fetched: _Optional[int] = ..., fetch_only: _Optional[bool] = ...) -> None: ...
 
 class ProgressAck(_message.Message):
     __slots__ = ()
