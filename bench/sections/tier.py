@@ -57,7 +57,8 @@ def run(profile: dict[str, Any], out: Path) -> dict[str, Any]:
     tiered = {**profile, "scale": scale}
     saved = out / "runs" / "tier-model.pt"
     run_job(parse_run(job_argv("tier-save", tiered, out, "--save-initial", str(saved), iterations=1)[1:]))
-    start = ("--init-from", str(saved))
+    # (every job's servers at normal priority, as --row-memory puts them: the reference's too)
+    start = ("--init-from", str(saved), "--embedding-server-priority", "normal")
     per_server = shard_bytes(profile, scale)
     log(f"tier: {SERVERS} servers of {per_server / 2**20:.0f} MiB of rows and state each")
     reference = job("tier-memory", tiered, out, *start, iterations=iterations)
