@@ -5,6 +5,7 @@ from __future__ import annotations
 import importlib
 import json
 import re
+import tempfile
 from pathlib import Path
 
 from prometheus_client import REGISTRY
@@ -41,6 +42,15 @@ def defined_metric_names() -> set[str]:
     }
     for family in REGISTRY.collect():
         names.update(family.name + s for s in suffixes.get(family.type, ("",)))
+    # (the row tier's, which a server with --row-memory collects from its shard at each scrape)
+    from bagpipe.embedding_server.metrics import TierCollector
+    from bagpipe.embedding_server.row_tier import RowTier
+
+    with tempfile.TemporaryDirectory() as directory:
+        tier = RowTier(4, 2, 2, Path(directory))
+        for family in TierCollector(lambda: tier).collect():
+            names.update(family.name + s for s in suffixes.get(family.type, ("",)))
+        tier.close()
     return names
 
 
