@@ -25,6 +25,7 @@ from bagpipe.core.snapshots import path_of
 from bagpipe.data_processor.config import DataProcessorConfig, SourceConfig
 from bagpipe.data_processor.server import create_server as create_data_processor
 from bagpipe.embedding_server.caps import request_caps
+from bagpipe.embedding_server.client import MAX_ROWS_PER_RPC
 from bagpipe.embedding_server.server import create_server as create_embedding_server
 from bagpipe.embedding_server.shard_store import ShardStore
 from bagpipe.health_service import MAX_WATCHERS, HealthService
@@ -119,20 +120,28 @@ def test_unauthenticated_oversize_calls_are_refused_unread(tmp_path: Path) -> No
 async def _caps() -> None:
     store = _store()
     before = store.weights.copy()
-    server, port, _, _ = await create_embedding_server(store, max_rows=16)
-    caps = request_caps(store, 16)
+    server, port, _, _ = await create_embedding_server(store)
+    caps = request_caps(store)
     async with serving.aio_channel(f"127.0.0.1:{port}") as ch:
         stub = epb_grpc.EmbeddingServerStub(ch)
-        # a write-back of more rows than a request may carry is refused from its size, undecoded
-        keys = np.arange(400, dtype=np.int64) % 80
-        rows = to_tensor(np.zeros((400, DIM), dtype=np.float32))
-        big = epb.WriteBackRequest(shard_map_version=1, keys=to_tensor(keys), rows=rows, state=rows)
-        assert big.ByteSize() > caps["WriteBack"]
+        # a lookup of as many keys as a client sends in one request is answered; one more is refused
+        keys = np.arange(MAX_ROWS_PER_RPC + 1024, dtype=np.int64) % 80
+        most = epb.LookupRequest(shard_map_version=1, keys=to_tensor(keys[:MAX_ROWS_PER_RPC]))
+        assert (await stub.Lookup(most, timeout=30)).packed.shape[0] == MAX_ROWS_PER_RPC
+        over = epb.LookupRequest(shard_map_version=1, keys=to_tensor(keys[: MAX_ROWS_PER_RPC + 1]))
         with pytest.raises(grpc.aio.AioRpcError) as err:
-            await stub.WriteBack(big, timeout=5)
+            await stub.Lookup(over, timeout=30)
+        assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+        assert f"a client sends at most {MAX_ROWS_PER_RPC}" in (err.value.details() or "")
+        # a lookup of more keys than a request may carry, by more than its cap's envelope, is refused from
+        # its size, undecoded
+        big = epb.LookupRequest(shard_map_version=1, keys=to_tensor(keys))
+        assert big.ByteSize() > caps["Lookup"]
+        with pytest.raises(grpc.aio.AioRpcError) as err:
+            await stub.Lookup(big, timeout=5)
         assert err.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
-        assert f"WriteBack: a request of {big.ByteSize()} bytes" in err.value.details()
-        assert f"at most {caps['WriteBack']}" in err.value.details()
+        assert f"Lookup: a request of {big.ByteSize()} bytes" in err.value.details()
+        assert f"at most {caps['Lookup']}" in err.value.details()
         # a control message carries a path, not megabytes
         with pytest.raises(grpc.aio.AioRpcError) as err:
             await stub.Snapshot(epb.SnapshotRequest(directory="d" * (100 << 10), next_batch=1), timeout=5)

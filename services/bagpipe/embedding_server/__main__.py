@@ -78,7 +78,7 @@ async def serve(cfg: EmbeddingServerConfig) -> None:
         )
     store = build_store(cfg, shard_map, cfg.resume_batch)
     store.warm_up()
-    servicer = EmbeddingServicer(store, cfg.max_rows_per_request, cfg.lookup_threads)
+    servicer = EmbeddingServicer(store, cfg.lookup_threads)
 
     def rebuild(batch: int) -> ShardStore:
         current = registry.shard_map()
@@ -104,9 +104,7 @@ async def serve(cfg: EmbeddingServerConfig) -> None:
     )
     security.set_fence(follower.refusal)
     servicer.fence = follower.refusal
-    server, port, control, health = await create_server(
-        store, cfg.address, cfg.max_rows_per_request, cfg.lookup_threads, servicer
-    )
+    server, port, control, health = await create_server(store, cfg.address, cfg.lookup_threads, servicer)
     control.address = serving.advertised(control.address, cfg.coordination.advertise_host)
     serving.stop_on_signals(control.stop)  # (before it registers: see stop_on_signals)
     registry.register("embedding_server", str(cfg.shard), control.address)
