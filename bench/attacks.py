@@ -3,8 +3,8 @@
 The attacker knows the services' addresses but not the job's secret. Once the job trains, until it ends:
 - every ``--every`` seconds, 16 concurrent 256 MB ``WriteBack`` calls without the secret to embedding
   server 0 (each should be refused UNAUTHENTICATED, its body unread);
-- 64 open ``Health.Watch`` streams each to the data processor, the oracle and embedding server 0 (no secret
-  is needed for health);
+- as many open ``Health.Watch`` streams as a server takes (``health_service.MAX_WATCHERS``) each to the data
+  processor, the oracle and embedding server 0 (no secret is needed for health);
 - 200 idle TCP connections to every service's ``/metrics`` port, while a scrape of ``/metrics`` and of
   ``/healthz`` is timed each second.
 
@@ -38,6 +38,7 @@ from typing import Any
 import grpc
 import psutil
 from bagpipe.cli import parse_run
+from bagpipe.health_service import MAX_WATCHERS
 from bagpipe.local.launcher import run
 from bagpipe.local.record import run_record
 from grpc_health.v1 import health_pb2, health_pb2_grpc
@@ -47,7 +48,7 @@ RESULTS = Path(__file__).parent / "results"
 STOP = "attack.stop"  # (in the run's directory: the job is over, the attacker stops)
 MB = 1 << 20
 STRANGER_CALLS, STRANGER_BYTES = 16, 256 * MB
-WATCHERS, IDLE_CONNECTIONS = 64, 200
+WATCHERS, IDLE_CONNECTIONS = MAX_WATCHERS, 200
 
 
 def _trained(run_dir: Path) -> int:

@@ -36,8 +36,27 @@ RPC_TIMEOUT_S = 60.0
 MAX_CONCURRENT_RPCS = 1024
 # each stream's receive window, fixed (gRPC's BDP probing off): what a server buffers of a request it has
 # not read, at most. Probing grew the windows of 16 refused 256 MB calls to 36-111 MB in all; fixed at
-# 1 MiB they cost 5 MB, and 1 MiB a round trip is still 1 GB/s at a millisecond's round trip
+# 1 MiB they cost 5 MB, and 1 MiB a round trip is still 1 GB/s at a millisecond's round trip. A stranger's
+# open health watch holds one such window for as long as it stays open (its request is never read): the
+# watchers' cap bounds them to health_service.MAX_WATCHERS MiB
 STREAM_WINDOW_BYTES = 1 << 20
+# each server's bound on open connections; a connection past it is closed as it is accepted (the client
+# sees UNAVAILABLE). A job opens a few to each server per process (trainers, peers, the controller, the
+# launcher); an idle one costs the server 7-14 KB (bench/health_watches.py), so 2,048 of them 30 MB at most
+MAX_CONNECTIONS = 2048
+# a connection with no call in progress for this long is closed (GOAWAY; a job's client reconnects at its
+# next call), so that idle connections, a stranger's or a finished client's, do not hold the places above
+MAX_CONNECTION_IDLE_MS = 60_000
+# a connection with calls in progress (a health watch, a stream of batches) is pinged after this long
+# without traffic, and closed when the ping is not answered within KEEPALIVE_TIMEOUT_MS: a peer that
+# vanished without closing (a pod's node lost) gives back its connection and watch. Pings are allowed
+# whether or not data has flowed since the last one (a watch is silent until the status changes)
+KEEPALIVE_MS = 60_000
+KEEPALIVE_TIMEOUT_MS = 20_000
+# a client channel's streams with the servers' fixed window: what it reads ahead of a stream it does not
+# read is one window. The oracle's streams of batches: with BDP probing a processor ran about 6 MB (265
+# batches of 96 samples) ahead of an oracle whose own buffer was full
+FIXED_WINDOW = [("grpc.http2.bdp_probe", 0), ("grpc.http2.lookahead_bytes", STREAM_WINDOW_BYTES)]
 GRACE_S = 2.0
 
 
@@ -109,6 +128,11 @@ async def create_server(
             ("grpc.max_receive_message_length", guard.largest_cap),
             ("grpc.http2.bdp_probe", 0),
             ("grpc.http2.lookahead_bytes", STREAM_WINDOW_BYTES),
+            ("grpc.max_allowed_incoming_connections", MAX_CONNECTIONS),
+            ("grpc.max_connection_idle_ms", MAX_CONNECTION_IDLE_MS),
+            ("grpc.keepalive_time_ms", KEEPALIVE_MS),
+            ("grpc.keepalive_timeout_ms", KEEPALIVE_TIMEOUT_MS),
+            ("grpc.http2.max_pings_without_data", 0),
         ],
         interceptors=[guard],
         maximum_concurrent_rpcs=MAX_CONCURRENT_RPCS,
@@ -237,18 +261,18 @@ def channel(address: str, options: Sequence[tuple[str, Any]] = ()) -> grpc.Chann
     return security.secure(grpc.insecure_channel(address, options=CHANNEL_OPTIONS + list(options)))
 
 
-def aio_channel(address: str) -> grpc.aio.Channel:
+def aio_channel(address: str, options: Sequence[tuple[str, Any]] = ()) -> grpc.aio.Channel:
     """The same, for asyncio."""
     credentials = tls.channel_credentials()
     if credentials is not None:
         return grpc.aio.secure_channel(
             address,
             credentials[0],
-            options=CHANNEL_OPTIONS + credentials[1],
+            options=CHANNEL_OPTIONS + credentials[1] + list(options),
             interceptors=security.aio_interceptors(),
         )
     return grpc.aio.insecure_channel(
-        address, options=CHANNEL_OPTIONS, interceptors=security.aio_interceptors()
+        address, options=CHANNEL_OPTIONS + list(options), interceptors=security.aio_interceptors()
     )
 
 

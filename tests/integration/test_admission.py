@@ -1,5 +1,6 @@
 """Strangers cannot exhaust a service: a call without the job's secret is refused before its body is read,
-each method refuses a request over its cap before decoding it, and open health streams stall nothing.
+each method refuses a request over its cap before decoding it, open health streams stall nothing and are
+bounded, and so are connections, idle ones closed.
 
 Real gRPC servers on loopback. The memory test runs its server in a process of its own, so that the
 resident memory it reads is the server's alone.
@@ -24,9 +25,10 @@ from bagpipe.core.snapshots import path_of
 from bagpipe.data_processor.config import DataProcessorConfig, SourceConfig
 from bagpipe.data_processor.server import create_server as create_data_processor
 from bagpipe.embedding_server.caps import request_caps
+from bagpipe.embedding_server.client import MAX_ROWS_PER_RPC
 from bagpipe.embedding_server.server import create_server as create_embedding_server
 from bagpipe.embedding_server.shard_store import ShardStore
-from bagpipe.health_service import HealthService
+from bagpipe.health_service import MAX_WATCHERS, HealthService
 from bagpipe.v1 import data_processor_pb2, data_processor_pb2_grpc
 from bagpipe.v1 import embedding_server_pb2 as epb
 from bagpipe.v1 import embedding_server_pb2_grpc as epb_grpc
@@ -118,20 +120,28 @@ def test_unauthenticated_oversize_calls_are_refused_unread(tmp_path: Path) -> No
 async def _caps() -> None:
     store = _store()
     before = store.weights.copy()
-    server, port, _, _ = await create_embedding_server(store, max_rows=16)
-    caps = request_caps(store, 16)
+    server, port, _, _ = await create_embedding_server(store)
+    caps = request_caps(store)
     async with serving.aio_channel(f"127.0.0.1:{port}") as ch:
         stub = epb_grpc.EmbeddingServerStub(ch)
-        # a write-back of more rows than a request may carry is refused from its size, undecoded
-        keys = np.arange(400, dtype=np.int64) % 80
-        rows = to_tensor(np.zeros((400, DIM), dtype=np.float32))
-        big = epb.WriteBackRequest(shard_map_version=1, keys=to_tensor(keys), rows=rows, state=rows)
-        assert big.ByteSize() > caps["WriteBack"]
+        # a lookup of as many keys as a client sends in one request is answered; one more is refused
+        keys = np.arange(MAX_ROWS_PER_RPC + 1024, dtype=np.int64) % 80
+        most = epb.LookupRequest(shard_map_version=1, keys=to_tensor(keys[:MAX_ROWS_PER_RPC]))
+        assert (await stub.Lookup(most, timeout=30)).packed.shape[0] == MAX_ROWS_PER_RPC
+        over = epb.LookupRequest(shard_map_version=1, keys=to_tensor(keys[: MAX_ROWS_PER_RPC + 1]))
         with pytest.raises(grpc.aio.AioRpcError) as err:
-            await stub.WriteBack(big, timeout=5)
+            await stub.Lookup(over, timeout=30)
+        assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+        assert f"a client sends at most {MAX_ROWS_PER_RPC}" in (err.value.details() or "")
+        # a lookup of more keys than a request may carry, by more than its cap's envelope, is refused from
+        # its size, undecoded
+        big = epb.LookupRequest(shard_map_version=1, keys=to_tensor(keys))
+        assert big.ByteSize() > caps["Lookup"]
+        with pytest.raises(grpc.aio.AioRpcError) as err:
+            await stub.Lookup(big, timeout=5)
         assert err.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
-        assert f"WriteBack: a request of {big.ByteSize()} bytes" in err.value.details()
-        assert f"at most {caps['WriteBack']}" in err.value.details()
+        assert f"Lookup: a request of {big.ByteSize()} bytes" in err.value.details()
+        assert f"at most {caps['Lookup']}" in err.value.details()
         # a control message carries a path, not megabytes
         with pytest.raises(grpc.aio.AioRpcError) as err:
             await stub.Snapshot(epb.SnapshotRequest(directory="d" * (100 << 10), next_batch=1), timeout=5)
@@ -178,7 +188,7 @@ async def _health_streams_stall_nothing(tmp_path: Path) -> None:
     )
     store = _store()
     es, es_port, _, _ = await create_embedding_server(store)
-    watchers = [await _watch(f"127.0.0.1:{p}", 64) for p in (dp_port, es_port)]
+    watchers = [await _watch(f"127.0.0.1:{p}", MAX_WATCHERS) for p in (dp_port, es_port)]
     async with serving.aio_channel(f"127.0.0.1:{dp_port}") as ch:
         stub = data_processor_pb2_grpc.DataProcessorStub(ch)
         request = data_processor_pb2.StreamBatchesRequest(start=0, stride=1, end=8)
@@ -247,3 +257,163 @@ async def _health_answers() -> None:
 
 def test_health_checks_and_watches_follow_the_status() -> None:
     asyncio.run(_health_answers())
+
+
+async def _watches_over_the_cap() -> None:
+    store = _store()
+    server, port, _, _ = await create_embedding_server(store)
+    address = f"127.0.0.1:{port}"
+    # the strangers' watches come on two connections of their own, each request of nearly the stream's
+    # window, which the server holds unread while the watch is open
+    options = [("grpc.use_local_subchannel_pool", 1), ("grpc.max_send_message_length", 2 * MB)]
+    strangers = [grpc.aio.insecure_channel(address, options=options) for _ in range(2)]
+    watch = [ch.unary_stream("/grpc.health.v1.Health/Watch") for ch in strangers]
+    calls = [watch[i % 2](bytes(serving.STREAM_WINDOW_BYTES - 1024)) for i in range(MAX_WATCHERS + 8)]
+    outcomes = []
+    for call in calls:
+        try:
+            reply = health_pb2.HealthCheckResponse.FromString(await call.read())
+            outcomes.append(health_pb2.HealthCheckResponse.ServingStatus.Name(reply.status))
+        except grpc.aio.AioRpcError as e:
+            outcomes.append(e.code().name)
+            assert f"this server takes at most {MAX_WATCHERS}" in (e.details() or "")
+    assert outcomes.count("SERVING") == MAX_WATCHERS
+    assert outcomes.count("RESOURCE_EXHAUSTED") == 8
+    # a probe's check (no secret) and the job's own calls are answered meanwhile
+    async with grpc.aio.insecure_channel(address) as ch:
+        probe = await health_pb2_grpc.HealthStub(ch).Check(health_pb2.HealthCheckRequest(), timeout=10)
+        assert probe.status == health_pb2.HealthCheckResponse.SERVING
+    async with serving.aio_channel(address) as ch:
+        check = await health_pb2_grpc.HealthStub(ch).Check(
+            health_pb2.HealthCheckRequest(service="bagpipe.v1.EmbeddingServer"), timeout=10
+        )
+        assert check.status == health_pb2.HealthCheckResponse.SERVING
+        keys = to_tensor(np.arange(8, dtype=np.int64))
+        rows = to_tensor(np.full((8, DIM), 0.25, dtype=np.float32))
+        written = await epb_grpc.EmbeddingServerStub(ch).WriteBack(
+            epb.WriteBackRequest(shard_map_version=1, keys=keys, rows=rows, state=rows), timeout=10
+        )
+        assert written.rows == 8
+    # a watch that ends gives its place back
+    calls[0].cancel()
+    again = watch[0](b"")
+    assert health_pb2.HealthCheckResponse.FromString(await again.read()).status == (
+        health_pb2.HealthCheckResponse.SERVING
+    )
+    assert sum(not c.done() for c in calls) == MAX_WATCHERS - 1
+    for ch in strangers:
+        await ch.close()
+    await server.stop(None)
+
+
+def test_health_watches_past_the_cap_are_refused_while_checks_and_calls_answer(monkeypatch) -> None:
+    monkeypatch.setenv(security.JOB_SECRET_ENV, SECRET)
+    asyncio.run(_watches_over_the_cap())
+
+
+async def _check(address: str, wait_for_ready: bool = False) -> str:
+    """A health check on a connection of its own: SERVING, or the code it failed with. ``wait_for_ready``:
+    the check waits, connecting again and again, until the server admits the connection."""
+    ch = grpc.aio.insecure_channel(address, options=[("grpc.use_local_subchannel_pool", 1)])
+    try:
+        reply = await health_pb2_grpc.HealthStub(ch).Check(
+            health_pb2.HealthCheckRequest(), timeout=30, wait_for_ready=wait_for_ready
+        )
+        return health_pb2.HealthCheckResponse.ServingStatus.Name(reply.status)
+    except grpc.aio.AioRpcError as e:
+        return e.code().name
+    finally:
+        await ch.close()
+
+
+async def _connections_bounded() -> None:
+    server, port, _, _ = await create_embedding_server(_store())
+    address = f"127.0.0.1:{port}"
+    held = [
+        grpc.aio.insecure_channel(address, options=[("grpc.use_local_subchannel_pool", 1)]) for _ in range(3)
+    ]
+    for ch in held:
+        await health_pb2_grpc.HealthStub(ch).Check(health_pb2.HealthCheckRequest(), timeout=10)
+    # the server's three places are taken: a fourth connection is closed as it comes
+    assert await _check(address) == "UNAVAILABLE"
+    # those who hold a place are still answered
+    reply = await health_pb2_grpc.HealthStub(held[0]).Check(health_pb2.HealthCheckRequest(), timeout=10)
+    assert reply.status == health_pb2.HealthCheckResponse.SERVING
+    for ch in held:
+        await ch.close()
+    assert await _check(address, wait_for_ready=True) == "SERVING"
+    await server.stop(None)
+
+
+def test_connections_past_the_servers_bound_are_refused(monkeypatch) -> None:
+    monkeypatch.setattr(serving, "MAX_CONNECTIONS", 3)
+    asyncio.run(_connections_bounded())
+
+
+async def _idle_closed() -> None:
+    server, port, _, _ = await create_embedding_server(_store())
+    address = f"127.0.0.1:{port}"
+    ch = grpc.aio.insecure_channel(address, options=[("grpc.use_local_subchannel_pool", 1)])
+    await health_pb2_grpc.HealthStub(ch).Check(health_pb2.HealthCheckRequest(), timeout=10)
+    assert ch.get_state() == grpc.ChannelConnectivity.READY
+    # no call for the idle time: the server closes the connection, and its one place is free again (once
+    # the server has torn the connection down: a client connecting sooner is refused, and tries again)
+    await asyncio.wait_for(ch.wait_for_state_change(grpc.ChannelConnectivity.READY), 30)
+    assert await _check(address, wait_for_ready=True) == "SERVING"
+    # the client that went idle reconnects at its next call
+    reply = await health_pb2_grpc.HealthStub(ch).Check(
+        health_pb2.HealthCheckRequest(), timeout=30, wait_for_ready=True
+    )
+    assert reply.status == health_pb2.HealthCheckResponse.SERVING
+    await ch.close()
+    await server.stop(None)
+
+
+def test_idle_connections_are_closed_and_give_their_place_back(monkeypatch) -> None:
+    monkeypatch.setattr(serving, "MAX_CONNECTIONS", 1)
+    monkeypatch.setattr(serving, "MAX_CONNECTION_IDLE_MS", 300)
+    asyncio.run(_idle_closed())
+
+
+async def _held_watches(address: str, watches: int) -> list[str]:
+    """``watches`` strangers' watches, opened one after another on 8 connections, each request of nearly
+    a stream's window (unread, so held by the server while the watch is open); the outcome of each."""
+    options = [("grpc.use_local_subchannel_pool", 1), ("grpc.max_send_message_length", 2 * MB)]
+    channels = [grpc.aio.insecure_channel(address, options=options) for _ in range(8)]
+    outcomes = []
+    for i in range(watches):
+        call = channels[i % 8].unary_stream("/grpc.health.v1.Health/Watch")(
+            bytes(serving.STREAM_WINDOW_BYTES - 1024)
+        )
+        try:
+            await call.read()
+            outcomes.append("open")
+        except grpc.aio.AioRpcError as e:
+            outcomes.append(e.code().name)
+    for ch in channels:
+        await ch.close()
+    return outcomes
+
+
+def test_strangers_open_health_watches_hold_at_most_the_cap_of_windows(tmp_path: Path) -> None:
+    """256 strangers' watches with 1 MB requests raise the server's peak memory by under 64 MB (33 MB
+    measured; 262 MB when a server took 256 watchers): it holds the windows of at most MAX_WATCHERS of
+    them (16 MiB), and refuses the rest."""
+    env = {**os.environ, security.JOB_SECRET_ENV: SECRET}
+    proc = subprocess.Popen(
+        [sys.executable, "-c", SERVER], env=env, stdout=subprocess.PIPE, text=True, cwd=tmp_path
+    )
+    try:
+        assert proc.stdout is not None
+        address = f"127.0.0.1:{int(proc.stdout.readline())}"
+        asyncio.run(_held_watches(address, 1))  # (the server's first watch: warm)
+        before = _peak_rss(proc.pid)
+        outcomes = asyncio.run(_held_watches(address, 256))
+        grown = _peak_rss(proc.pid) - before
+        assert proc.poll() is None, "the server died"
+    finally:
+        proc.kill()
+        proc.wait()
+    assert grown < 64 * MB, f"the server's peak resident memory grew by {grown / MB:.0f} MB"
+    assert outcomes.count("open") == MAX_WATCHERS
+    assert set(outcomes[MAX_WATCHERS:]) == {"RESOURCE_EXHAUSTED"}

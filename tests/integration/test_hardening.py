@@ -133,7 +133,7 @@ def test_redis_requires_the_password(tmp_path: Path, monkeypatch) -> None:
 async def _limits_and_values() -> None:
     store = _store()
     before = (store.weights.copy(), store.state.copy())
-    server, port, _, _ = await create_embedding_server(store, max_rows=16)
+    server, port, _, _ = await create_embedding_server(store)
     async with grpc.aio.insecure_channel(f"127.0.0.1:{port}") as ch:
         stub = epb_grpc.EmbeddingServerStub(ch)
         # a huge lookup is refused from its declared shape, before anything is decoded or allocated
@@ -141,8 +141,8 @@ async def _limits_and_values() -> None:
         with pytest.raises(grpc.aio.AioRpcError) as err:
             await stub.Lookup(epb.LookupRequest(shard_map_version=1, keys=huge), timeout=5)
         assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT
-        assert (
-            err.value.details() == "keys: 1073741824 keys in one request; at most 16 (--max-rows-per-request)"
+        assert err.value.details() == (
+            f"keys: 1073741824 keys in one request; a client sends at most {MAX_ROWS_PER_RPC}"
         )
         keys = np.array([1, 2], dtype=np.int64)
         ok = np.full((2, DIM), 0.5, dtype=np.float32)
@@ -246,7 +246,7 @@ async def _fuzz(count: int) -> None:
     store = _store()
     before = (store.weights.tobytes(), store.state.tobytes(), store.shard_map.to_json())
     server, port, _, _ = await create_embedding_server(store)
-    caps = request_caps(store, MAX_ROWS_PER_RPC)
+    caps = request_caps(store)
     oracle = Oracle(OracleConfig(tuple([10] * 26), 16, 2, 2, 1, 6))
     oracle_server, oracle_port, _, _ = await create_oracle(oracle)
     oracle_before = (list(oracle.written_back), list(oracle.trained), dict(oracle.owners))

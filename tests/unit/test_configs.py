@@ -99,7 +99,6 @@ def test_embedding_server_round_trip() -> None:
         coordination=WHERE,
         data="criteo:/d/day_0",
         migration_rows_per_second=1e5,
-        max_rows_per_request=4096,
         max_abs_value=1e3,
         model="deepfm",
         cpu_priority="idle",

@@ -28,11 +28,34 @@ logger = logging.getLogger("bagpipe.embedding_server")
 
 def build_store(cfg: EmbeddingServerConfig, shard_map: ShardMap, batch: int) -> ShardStore:
     """This shard under ``shard_map``, holding checkpoint ``batch``'s rows: the seed's initial rows (or
-    ``--init-from``'s), then the checkpoint chain up to ``batch`` (none for 0)."""
+    ``--init-from``'s), then the checkpoint chain up to ``batch`` (none for 0).
+
+    A shard that holds no rows under ``shard_map`` reads neither: no file has a row of its. That is a
+    server joining by a scale-up (every server is started with ``--resume-batch latest``, so that one
+    started again after a failure loads the newest checkpoint): its rows come from its peers, when
+    re-sharding moves buckets to it. Started again once it holds buckets, it reads the chain like any."""
     offsets = table_offsets(cfg.table_rows)
     width = cfg.optimizer.state_width(cfg.row_width)
     store = ShardStore(shard_map, cfg.shard, offsets, cfg.row_width, width, cfg.seed, tier=cfg.tier)
     store.non_negative = cfg.optimizer.non_negative_columns(cfg.row_width)
+    if batch and cfg.checkpoint_dir is None:
+        raise SystemExit(f"checkpoint {batch}: this server has no --checkpoint-dir")
+    if store.rows_held == 0:
+        logger.info(
+            "shard %d holds no rows of shard map version %d: nothing to read (its rows come from its peers)",
+            cfg.shard,
+            shard_map.version,
+        )
+    else:
+        _load(store, cfg, batch)
+    store.max_abs = cfg.max_abs_value
+    if cfg.checkpoint_dir:  # (without checkpoints a roll-back goes to batch 0: a new shard, no log)
+        store.track_undo(batch)
+    return store
+
+
+def _load(store: ShardStore, cfg: EmbeddingServerConfig, batch: int) -> None:
+    """``--init-from``'s rows of this shard, then those of checkpoint ``batch``'s chain."""
     if cfg.init_from:
         from bagpipe.core import checkpoint  # (loads torch, which the server needs for nothing else)
 
@@ -42,8 +65,7 @@ def build_store(cfg: EmbeddingServerConfig, shard_map: ShardMap, batch: int) -> 
         except ValueError as e:
             raise SystemExit(f"--init-from {cfg.init_from}: {e}") from None
     if batch:
-        if cfg.checkpoint_dir is None:
-            raise SystemExit(f"checkpoint {batch}: this server has no --checkpoint-dir")
+        assert cfg.checkpoint_dir is not None
         try:
             files = snapshots.files_of(cfg.checkpoint_dir, batch)
             restored = store.restore(snapshots.row_deltas(cfg.checkpoint_dir, batch))
@@ -56,10 +78,6 @@ def build_store(cfg: EmbeddingServerConfig, shard_map: ShardMap, batch: int) -> 
             batch,
             len(files),
         )
-    store.max_abs = cfg.max_abs_value
-    if cfg.checkpoint_dir:  # (without checkpoints a roll-back goes to batch 0: a new shard, no log)
-        store.track_undo(batch)
-    return store
 
 
 async def serve(cfg: EmbeddingServerConfig) -> None:
@@ -87,7 +105,7 @@ async def serve(cfg: EmbeddingServerConfig) -> None:
             shutil.rmtree(old, ignore_errors=True)
     store = build_store(cfg, shard_map, cfg.resume_batch)
     store.warm_up()
-    servicer = EmbeddingServicer(store, cfg.max_rows_per_request, cfg.lookup_threads)
+    servicer = EmbeddingServicer(store, cfg.lookup_threads)
     # (its figures, read from the shard served at each scrape: a roll-back or a migration replaces it)
     prometheus_client.REGISTRY.register(metrics.TierCollector(lambda: servicer.store.tier))
 
@@ -115,9 +133,7 @@ async def serve(cfg: EmbeddingServerConfig) -> None:
     )
     security.set_fence(follower.refusal)
     servicer.fence = follower.refusal
-    server, port, control, health = await create_server(
-        store, cfg.address, cfg.max_rows_per_request, cfg.lookup_threads, servicer
-    )
+    server, port, control, health = await create_server(store, cfg.address, cfg.lookup_threads, servicer)
     control.address = serving.advertised(control.address, cfg.coordination.advertise_host)
     serving.stop_on_signals(control.stop)  # (before it registers: see stop_on_signals)
     registry.register("embedding_server", str(cfg.shard), control.address)

@@ -8,6 +8,7 @@ is the largest cap, so gRPC itself refuses anything larger from the message's le
 from __future__ import annotations
 
 from bagpipe import serving
+from bagpipe.embedding_server.client import MAX_ROWS_PER_RPC
 from bagpipe.embedding_server.shard_store import ShardStore
 
 ENVELOPE_BYTES = 4 << 10  # the message's own fields and each tensor's dtype and shape
@@ -16,8 +17,10 @@ SHARD_MAP_BYTES_PER_BUCKET = 16  # a bucket's owner in a shard map's JSON, with 
 ADDRESS_BYTES = 256  # one shard's host:port in PrepareMigration's addresses
 
 
-def request_caps(store: ShardStore, max_rows: int) -> dict[str, int]:
-    """Method name -> the largest request it takes, in bytes (methods not named: a small control cap)."""
+def request_caps(store: ShardStore) -> dict[str, int]:
+    """Method name -> the largest request it takes, in bytes (methods not named: a small control cap).
+    A lookup or write-back carries at most ``MAX_ROWS_PER_RPC`` keys, where clients split them."""
+    max_rows = MAX_ROWS_PER_RPC
     row = KEY_BYTES + 4 * (store.dim + store.state_width)
     buckets = store.shard_map.num_buckets
     return {

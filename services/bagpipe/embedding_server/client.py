@@ -30,6 +30,8 @@ from bagpipe.wire import decode_message, encode_message, from_tensor, gather, se
 
 logger = logging.getLogger(__name__)
 
+# the most keys one Lookup or WriteBack carries: clients split larger ones at this size, and servers refuse
+# a request of more (embedding_server/caps.py sizes the requests' caps by it)
 MAX_ROWS_PER_RPC = 1 << 18
 # a request refused for its shard-map version waits at most this long for the servers to switch
 SWITCH_TIMEOUT_S = 120.0

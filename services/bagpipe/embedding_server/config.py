@@ -27,7 +27,6 @@ from bagpipe.config_args import (
 from bagpipe.core.model_config import first_order, is_builtin, model_class, row_width
 from bagpipe.core.optim_config import OptimizerConfig
 from bagpipe.cpu_priority import PRIORITIES
-from bagpipe.embedding_server.client import MAX_ROWS_PER_RPC
 from bagpipe.embedding_server.row_tier import POLICIES, TierSpec
 from bagpipe.embedding_server.shard_store import DEFAULT_MAX_ABS
 from bagpipe.flags import flag
@@ -60,9 +59,6 @@ class EmbeddingServerConfig:
         "trainers' transfers their bandwidth",
         default=0.0,
         parse=non_negative_float,
-    )
-    max_rows_per_request: int = flag(
-        "a lookup or write-back with more keys is refused", default=MAX_ROWS_PER_RPC, parse=positive_int
     )
     max_abs_value: float = flag(
         "a write-back with a value beyond this (absolute) is refused",

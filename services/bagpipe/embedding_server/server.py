@@ -126,11 +126,10 @@ def _refuse_unwritten(error: BaseException) -> None:
 
 
 class EmbeddingServicer(pb_grpc.EmbeddingServerServicer):
-    def __init__(self, store: ShardStore, max_rows: int = MAX_ROWS_PER_RPC, lookup_threads: int = 0) -> None:
+    def __init__(self, store: ShardStore, lookup_threads: int = 0) -> None:
         if lookup_threads < 0:
             raise ValueError(f"lookup_threads: must be >= 0, got {lookup_threads}")
         self.store = store
-        self.max_rows = max_rows
         self._peers: dict[int, grpc.aio.Channel] = {}
         self._rows_per_second = 0.0
         # every migration attempt prepared here: the coordinator never repeats one, so a Prepare that does
@@ -160,11 +159,13 @@ class EmbeddingServicer(pb_grpc.EmbeddingServerServicer):
             )
 
     def _check_size(self, keys: Any) -> None:
-        """Before anything is decoded or allocated: at most ``max_rows`` keys in one request."""
+        """Before anything is decoded or allocated: at most ``MAX_ROWS_PER_RPC`` keys in one request, the
+        most a client sends (it splits larger lookups and write-backs at that size)."""
         n = int(keys.shape[0]) if len(keys.shape) == 1 else 0
-        if n > self.max_rows:
-            limit = f"at most {self.max_rows} (--max-rows-per-request)"
-            raise InvalidArgument("keys", f"{n} keys in one request; {limit}")
+        if n > MAX_ROWS_PER_RPC:
+            raise InvalidArgument(
+                "keys", f"{n} keys in one request; a client sends at most {MAX_ROWS_PER_RPC}"
+            )
 
     def _migration(self, version: int, attempt: int) -> Migration:
         """The migration a Transfer, Receive or Seal of ``attempt`` to ``version`` belongs to: the one this
@@ -618,13 +619,12 @@ class EmbeddingServicer(pb_grpc.EmbeddingServerServicer):
 async def create_server(
     store: ShardStore,
     address: str = "127.0.0.1:0",
-    max_rows: int = MAX_ROWS_PER_RPC,
     lookup_threads: int = 0,
     servicer: EmbeddingServicer | None = None,
 ) -> tuple[grpc.aio.Server, int, serving.ControlServicer, HealthService]:
     """Starts a server for ``store`` (or ``servicer``'s) on ``address``; returns (server, port, control,
     health)."""
-    servicer = servicer or EmbeddingServicer(store, max_rows, lookup_threads)
+    servicer = servicer or EmbeddingServicer(store, lookup_threads)
 
     def counters() -> dict[str, float]:
         return {"rows_held": float(servicer.store.rows_held), "shard": float(servicer.store.shard)}
@@ -634,7 +634,7 @@ async def create_server(
         "EmbeddingServer",
         lambda s: serving.add_servicer(servicer, s, pb, "EmbeddingServer", raw_requests=RAW_REQUESTS),
         counters,
-        caps=request_caps(servicer.store, servicer.max_rows),
+        caps=request_caps(servicer.store),
     )
     metrics.ROWS_HELD.set(store.rows_held)
     metrics.SHARD_MAP_VERSION.set(store.shard_map.version)

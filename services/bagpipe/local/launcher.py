@@ -253,7 +253,8 @@ def spawn_embedding_server(job: LocalJob, shard: int, resume: bool) -> Process:
     """Starts embedding server ``shard``: one of the job's first (they create the shard map for
     ``--embedding-servers`` of them), or one that joins a running job (``bagpipe scale``), empty until the
     coordinator moves its buckets to it. Either loads the newest complete checkpoint's rows of its buckets
-    when started (again), and serves once the controller's generation takes it in."""
+    when started (again): one that holds no bucket yet, as a joining one, reads no checkpoint file
+    (``embedding_server.__main__.build_store``). It serves once the controller's generation takes it in."""
     assert job.spec is not None
     netns = job.args.embedding_server_netns
     addresses = job.args.netns_addresses if netns else None

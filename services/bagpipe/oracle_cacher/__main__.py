@@ -5,6 +5,10 @@ from __future__ import annotations
 import asyncio
 import logging
 import sys
+import time
+
+import grpc
+from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from bagpipe import allocator, security, serving
 from bagpipe.control.generation import (
@@ -26,6 +30,41 @@ def _member_order(name: str) -> tuple[int, str]:
     return (int(name), "") if name.isdigit() else (1 << 30, name)
 
 
+PROCESSORS_TIMEOUT_S = 120.0
+
+
+async def _answers(address: str) -> bool:
+    """Whether a server listens at ``address`` and says it is serving."""
+    async with serving.aio_channel(address) as ch:
+        try:
+            reply = await health_pb2_grpc.HealthStub(ch).Check(health_pb2.HealthCheckRequest(), timeout=5)
+        except grpc.aio.AioRpcError:
+            return False
+    return bool(reply.status == health_pb2.HealthCheckResponse.SERVING)
+
+
+async def live_processors(registry: Registry, count: int) -> dict[str, str]:
+    """``count`` data processors that answer at their registered addresses, the first by
+    ``_member_order``, and those addresses. A processor that died leaves its address in Redis until it is
+    started again and registers (a container's restart: the same address; a pod replaced: another name):
+    a generation that streamed from it would fail at once and cost the job a second recovery."""
+    deadline = time.monotonic() + PROCESSORS_TIMEOUT_S
+    while True:
+        members = await asyncio.to_thread(registry.wait_for_members, "data_processor", count)
+        live: dict[str, str] = {}
+        for name in sorted(members, key=_member_order):
+            if await _answers(members[name]):
+                live[name] = members[name]
+                if len(live) == count:
+                    return live
+        if time.monotonic() > deadline:
+            raise TimeoutError(
+                f"{len(live)} of {count} data processors answer at their registered addresses after "
+                f"{PROCESSORS_TIMEOUT_S:g} s"
+            )
+        await asyncio.sleep(0.1)
+
+
 async def serve(cfg: OracleConfig) -> None:
     registry = Registry(cfg.coordination.redis_url, cfg.coordination.job)
     membership = Membership(registry, "oracle_cacher", "0")
@@ -41,10 +80,9 @@ async def serve(cfg: OracleConfig) -> None:
     )
 
     async def rewind(generation: Generation) -> str:
-        members = await asyncio.to_thread(registry.wait_for_members, "data_processor", cfg.data_processors)
-        names = sorted(members, key=_member_order)[: cfg.data_processors]
-        addresses = [members[k] for k in names]
-        by_address = dict(zip(addresses, names, strict=True))
+        members = await live_processors(registry, cfg.data_processors)
+        by_address = {a: k for k, a in members.items()}
+        addresses = list(members.values())
 
         async def blame(address: str, reason: str) -> None:
             """The controller hears which processor failed (a broken stream, bad data), not of trainers

@@ -105,11 +105,11 @@ class Oracle(pb_grpc.OracleCacherServicer):
     # ---- data processors -> oracle
     async def read_processor(self, address: str, offset: int, stride: int) -> None:
         """Streams batches offset, offset+stride, ... (from the start batch on) into the reorder buffer,
-        with back-pressure."""
+        with back-pressure: a processor runs ahead of the buffer by one stream window at most."""
         end = self.config.iterations
         first = self.config.start_batch
         offset = first + (offset - first) % stride
-        async with serving.aio_channel(address) as ch:
+        async with serving.aio_channel(address, serving.FIXED_WINDOW) as ch:
             # the stream's parts as bytes: the samples go on to the trainers as they came
             stream_batches = ch.unary_stream(
                 "/bagpipe.v1.DataProcessor/StreamBatches",
