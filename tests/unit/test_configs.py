@@ -190,12 +190,12 @@ def test_data_processor_round_trip() -> None:
 def test_bagpipe_run_starts_each_service_with_the_config_it_built(flags: list[str], tmp_path: Path) -> None:
     args = cli.parse_run(flags)
     every = checkpoint_every(args)  # (none for the shared-memory ideal system)
-    spec = configs.GenerationSpec("redis://127.0.0.1:6399/0", "job-x", 0, every, tmp_path / "ck", tmp_path)
+    spec = configs.GenerationSpec("redis://127.0.0.1:6399/0", "job-x", every, tmp_path / "ck", tmp_path)
     built = [
-        (embedding_server, configs.embedding_server(args, spec, 1, resume=True)),
+        (embedding_server, configs.embedding_server(args, spec, 1)),
         (
             embedding_server,
-            configs.embedding_server(args, spec, 2, resume=False, netns_addresses="10.9.0.1,10.9.0.2"),
+            configs.embedding_server(args, spec, 2, netns_addresses="10.9.0.1,10.9.0.2"),
         ),
         (data_processor, configs.data_processor(args, spec, 1)),
         (oracle, configs.oracle(args, spec)),
@@ -226,8 +226,8 @@ def test_a_model_class_reaches_every_process_with_its_row_width(
     """``--model MODULE:CLASS``: the servers store rows as wide as its ``first_order`` says, the trainers
     build it; both read it back from their command lines."""
     args = cli.parse_run(["--model", f"{MODEL_CLASS}:{name}", "--embedding-dim", "8"])
-    spec = configs.GenerationSpec("redis://127.0.0.1:6399/0", "job-x", 0, 0, tmp_path / "ck", tmp_path)
-    server = embedding_server.parse(embedding_server.argv(configs.embedding_server(args, spec, 0, False)))
+    spec = configs.GenerationSpec("redis://127.0.0.1:6399/0", "job-x", 0, tmp_path / "ck", tmp_path)
+    server = embedding_server.parse(embedding_server.argv(configs.embedding_server(args, spec, 0)))
     trained = trainer.parse(trainer.argv(configs.trainer(args, spec, 0, "tcp://127.0.0.1:29999")))
     assert server.model == trained.model.name == f"{MODEL_CLASS}:{name}"
     assert server.row_width == trained.model.row_width == width
@@ -254,8 +254,8 @@ def test_the_embedding_servers_priority_follows_the_flag_and_the_system(
     flags: list[str], priority: str, tmp_path: Path
 ) -> None:
     args = cli.parse_run(flags)
-    spec = configs.GenerationSpec("redis://127.0.0.1:6399/0", "job-x", 0, 0, tmp_path / "ck", tmp_path)
-    cfg = configs.embedding_server(args, spec, 0, resume=False)
+    spec = configs.GenerationSpec("redis://127.0.0.1:6399/0", "job-x", 0, tmp_path / "ck", tmp_path)
+    cfg = configs.embedding_server(args, spec, 0)
     assert cfg.cpu_priority == priority
     assert embedding_server.parse(embedding_server.argv(cfg)) == cfg
 

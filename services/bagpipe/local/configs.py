@@ -25,11 +25,11 @@ if TYPE_CHECKING:
 
 @dataclass(frozen=True)
 class GenerationSpec:
-    """What the processes of one generation share: Redis, the job's name, where it resumes."""
+    """What the processes of a run share: Redis, the job's name, its checkpoints and run directory (where a
+    generation begins is the controller's, in Redis)."""
 
     redis_url: str
     job: str
-    start: int  # the batch it resumes at (0: the start)
     checkpoint_every: int  # 0: no recovery checkpoints
     checkpoints: Path | None  # where they go
     run_dir: Path
@@ -49,13 +49,12 @@ def embedding_server(
     args: RunConfig,
     gen: GenerationSpec,
     shard: int,
-    resume: bool,
     netns_addresses: str | None = None,
 ) -> EmbeddingServerConfig:
-    """Server ``shard``: one of the generation's first (``resume``: from its checkpoint, when there is
-    one), or one joining a running job (``bagpipe scale``), empty until rows move to it. With
-    ``netns_addresses`` ("HOST_IP,NETNS_IP") it listens inside a network namespace and reaches Redis
-    over its link."""
+    """Server ``shard``'s configuration, the same for one of the run's first and for one joining it
+    (``bagpipe scale``), which holds no rows until they move to it. (What it loads at start is the
+    launcher's ``--resume-batch latest``.) With ``netns_addresses`` ("HOST_IP,NETNS_IP") it listens inside
+    a network namespace and reaches Redis over its link."""
     coordination = gen.coordination(args)
     address = "127.0.0.1:0"
     if netns_addresses:
@@ -77,7 +76,6 @@ def embedding_server(
         data=args.data,
         schema=args.schema,
         checkpoint_dir=gen.checkpoint_dir,  # (a joining server too: it rebuilds from there on a roll-back)
-        resume_batch=gen.start if resume and gen.checkpoint_dir else 0,
         migration_rows_per_second=args.migration_rows_per_second,
         model=args.model,
         lookup_threads=args.lookup_threads,
@@ -139,7 +137,6 @@ def oracle(args: RunConfig, gen: GenerationSpec) -> OracleConfig:
         delayed_sync=not no_cache and args.sync == "delayed",
         checkpoint_every=gen.checkpoint_every,
         eval_every=args.eval_every,
-        start_batch=gen.start,
         schema=args.schema,
         planner_threads=args.planner_threads,
     )
@@ -177,7 +174,7 @@ def trainer(
         table_rows=table_rows,
         seed=args.seed,
         init_from=args.init_from,
-        save_initial=args.save_initial if rank == 0 and gen.start == 0 else None,
+        save_initial=args.save_initial if rank == 0 else None,  # (written only by a generation from 0)
         save_final=args.save_final if rank == 0 else None,
         device=args.device,
         dist_backend=backend or dist_backend(args),
@@ -190,7 +187,6 @@ def trainer(
         shared_table=f"/dev/shm/bagpipe-{gen.job}" if args.system == "ideal" else None,
         transfer_batches=args.transfer_batches,
         checkpoint_dir=gen.checkpoint_dir,
-        resume_batch=gen.start if gen.checkpoint_dir else 0,
         keep_checkpoints=args.keep_checkpoints,
         checkpoint_full_every=args.checkpoint_full_every,
         collective_timeout=max(60.0, 6 * args.failure_timeout),
@@ -245,13 +241,12 @@ def check(args: RunConfig) -> None:
     """Builds every service's config of the run, as its first generation starts them: a rule of one that
     refuses a value raises ValueError naming the run's field (``batch_size: must be a positive multiple of
     trainers (3), got 100``)."""
-    gen = GenerationSpec(
-        "redis://127.0.0.1:6379/0", "check", 0, checkpoint_every(args), Path("checkpoints"), Path(".")
-    )
+    every = checkpoint_every(args)
+    gen = GenerationSpec("redis://127.0.0.1:6379/0", "check", every, Path("checkpoints"), Path("."))
     try:
         controller(args, gen, None)
         for shard in range(args.embedding_servers):
-            embedding_server(args, gen, shard, resume=False)
+            embedding_server(args, gen, shard)
         data_processor(args, gen, 0)
         oracle(args, gen)
         trainer(args, gen, 0, "file:///dev/null", backend="auto")

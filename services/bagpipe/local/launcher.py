@@ -225,13 +225,12 @@ def _start_job(
     where to resume is the controller's business (each generation's start batch, in Redis)."""
     job = LocalJob(run_dir, args=args)
     job.checkpoints = checkpoints
-    job.spec = configs.GenerationSpec(
-        redis_server.url, job_name, 0, checkpoint_every(args), checkpoints, run_dir
-    )
+    every = checkpoint_every(args)
+    job.spec = configs.GenerationSpec(redis_server.url, job_name, every, checkpoints, run_dir)
     controller = configs.controller(args, job.spec, prometheus.url if prometheus is not None else None)
     job.spawn("controller", "bagpipe.controller", controller_argv(controller))
     for s in range(args.embedding_servers):
-        spawn_embedding_server(job, s, resume=True)
+        spawn_embedding_server(job, s)
     for i in range(args.data_processors):
         job.spawn(
             f"data-processor-{i}",
@@ -249,7 +248,7 @@ def _start_job(
     return job
 
 
-def spawn_embedding_server(job: LocalJob, shard: int, resume: bool) -> Process:
+def spawn_embedding_server(job: LocalJob, shard: int) -> Process:
     """Starts embedding server ``shard``: one of the job's first (they create the shard map for
     ``--embedding-servers`` of them), or one that joins a running job (``bagpipe scale``), empty until the
     coordinator moves its buckets to it. Either loads the newest complete checkpoint's rows of its buckets
@@ -258,7 +257,7 @@ def spawn_embedding_server(job: LocalJob, shard: int, resume: bool) -> Process:
     assert job.spec is not None
     netns = job.args.embedding_server_netns
     addresses = job.args.netns_addresses if netns else None
-    cfg = configs.embedding_server(job.args, job.spec, shard, resume, addresses)
+    cfg = configs.embedding_server(job.args, job.spec, shard, addresses)
     # started again after a failure, it loads the newest complete checkpoint (and serves nothing until the
     # controller rolls the job back to it)
     latest = ["--resume-batch", "latest"] if job.spec.checkpoint_dir else []
@@ -318,7 +317,7 @@ def _keep(
     recorded = [args.embedding_servers]  # (the servers config.json names: the scaling target since)
 
     def spawn(shard: int) -> None:
-        spawn_embedding_server(job, shard, resume=False)
+        spawn_embedding_server(job, shard)
 
     def retire(shard: int) -> None:
         for p in [p for p in job.processes if p.name == f"embedding-server-{shard}"]:
