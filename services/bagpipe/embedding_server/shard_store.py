@@ -734,8 +734,11 @@ class Migration:
             self.tier = spec.tier(rows, store.dim + store.state_width, name)
         self.table, self.weights, self.state = packed_rows(0 if spec else rows, store.dim, store.state_width)
         self.changed = np.zeros(rows, dtype=bool)
-        # (a staying row's copy brings its flag; with a tier, a row is initial until stored)
+        # (a staying row's copy brings its flag; with a tier, a row is initial until stored; a local row past
+        # the last key of its bucket holds no key, and stays initial: no snapshot takes it)
         self.initial = np.full(rows, spec is not None, dtype=bool)
+        if rows:
+            self.initial[new_map.local_keys(store.shard) < 0] = True
         self.sealed = False
         self.finals: set[int] = set()  # sources whose last rows have arrived
 

@@ -115,6 +115,10 @@ def test_a_migration_carries_every_row_state_and_checkpoint_flag_once() -> None:
     stayed = keys[sm.shard_of(keys) == new.shard_of(keys)]
     assert np.array_equal(np.sort(initial), np.setdiff1d(stayed, np.union1d(before, during)))
     assert sum(st.rows_held for st in stores.values()) == total
+    # a full snapshot after the switch takes keys only (no local row past its bucket's last key)
+    for st in stores.values():
+        taken = st.take_all()[0]
+        assert taken.size and (taken >= 0).all() and (taken < total).all()
     assert not stores[2].untouched(), "rows received by re-sharding count as stored into"
     with pytest.raises(InvalidArgument, match="belongs to shard"):  # moved keys are no longer served here
         moved = keys[(sm.shard_of(keys) == 0) & (new.shard_of(keys) == 2)]
