@@ -402,15 +402,10 @@ class ShardStore:
         if self.tier is not None:
             self._write_tiered(keys, index, rows, state)
             return
-        if self._undo is not None:
-            # Before the store: a row's value at the segment's checkpoint is the one it holds now. If the
-            # write is then refused, the logged value is the unchanged one, which a roll-back restores to
-            # itself (and a repeated key, refused, logs the same value twice): harmless.
-            logged = self._undo_logged[index]
-            if not logged.all():
-                new = index[~logged]
-                self._undo[-1].add(new, self.table[new], self._initial[new])
-                self._undo_logged[new] = True
+        # Before the store: a row's value at the segment's checkpoint is the one it holds now. If the write
+        # is then refused, the logged value is the unchanged one, which a roll-back restores to itself (and a
+        # repeated key, refused, logs the same value twice): harmless.
+        self._log_undo(index)
         self._size_seen()
         state_low, max_abs = self._limits()
         bad = _store_rows(
