@@ -10,6 +10,7 @@ import importlib
 import json
 import os
 import shutil
+import signal
 import socket
 import string
 import subprocess
@@ -1078,7 +1079,16 @@ def start_chart_redis(
     script = container["command"][2].replace("/usr/bin/redis-server", str(server))
     popen.setdefault("stdout", subprocess.DEVNULL)
     popen.setdefault("stderr", subprocess.DEVNULL)
-    return subprocess.Popen(["sh", "-c", script, *container["command"][3:], *argv], env=env, **popen)
+    # (a session of its own: the script pipes into redis-server, which a signal to sh alone would orphan)
+    argv = ["sh", "-c", script, *container["command"][3:], *argv]
+    return subprocess.Popen(argv, env=env, start_new_session=True, **popen)
+
+
+def stop_chart_redis(proc: subprocess.Popen[bytes]) -> None:
+    """Stops what ``start_chart_redis`` started: the shell and the redis-server its pipe runs."""
+    with contextlib.suppress(ProcessLookupError):
+        os.killpg(proc.pid, signal.SIGTERM)
+    proc.wait(timeout=10)
 
 
 def test_bundled_redis_requires_the_password_its_clients_send(tmp_path: Path) -> None:
@@ -1134,7 +1144,7 @@ def test_bundled_redis_requires_the_password_its_clients_send(tmp_path: Path) ->
             with pytest.raises(AuthenticationError):
                 Registry(url, args.job).ping()
     finally:
-        proc.terminate()
+        stop_chart_redis(proc)
         proc.wait(timeout=10)
 
 

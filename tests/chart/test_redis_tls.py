@@ -36,6 +36,7 @@ from tests.chart.test_chart import (
     render,
     run,
     start_chart_redis,
+    stop_chart_redis,
     tls_env,
 )
 
@@ -212,6 +213,4 @@ def test_the_tls_redis_answers_its_probe_and_the_services_and_no_plaintext_clien
             with pytest.raises(redis_py.ConnectionError):
                 Registry(url.replace("rediss://", "redis://"), args.job).ping()
     finally:
-        if proc.poll() is None:
-            proc.terminate()
-            proc.wait(timeout=10)
+        stop_chart_redis(proc)
