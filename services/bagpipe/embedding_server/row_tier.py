@@ -4,11 +4,11 @@ their seed where they are needed, as without the tier).
 
 What to keep and what to read ahead comes from the future, not the past. The oracle plans every batch L
 batches ahead, so a server can know, for each of its rows, the next batch whose fetch needs it
-(``Schedule``). The tier reads rows from disk before the fetch that needs them (``prefetch``: every row of a
-batch at once, in offset order), evicts the rows whose next use is furthest away (Belady's rule; rows with
-no use in sight first), and writes to disk only the rows it evicts that changed since they were last
-there. A row that has to be read while a fetch waits for it is counted (``TierStats.waited_rows``): with the
-schedule in time, none is.
+(``Schedule``). The tier reads rows from disk before the fetch that needs them (``ahead``, then
+``RowLog.read_where`` off the server's loop, then ``install``: a batch's rows at once, in offset order),
+evicts the rows whose next use is furthest away (Belady's rule; rows with no use in sight first), and
+writes to disk only the rows it evicts that changed since they were last there. A row that has to be read
+while a fetch waits for it is counted (``TierStats.waited_rows``): with the schedule in time, none is.
 
 Local rows are the shard's (``ShardStore``'s); the caller holds the server's gate, as for its table.
 """
@@ -156,9 +156,6 @@ class RowTier:
     def resident_rows(self) -> int:
         return self.capacity - self._free_count
 
-    def in_memory(self, index: np.ndarray) -> np.ndarray:
-        return self.slot[index] >= 0
-
     def stored(self, index: np.ndarray) -> np.ndarray:
         """Whether each row is held (in memory or on disk): a row never written is neither."""
         return (self.slot[index] >= 0) | self.log.on_disk(index)
@@ -210,27 +207,15 @@ class RowTier:
         self._free_count += used.size
         self.stats.evicted_rows += int(used.size)
 
-    def _load(self, index: np.ndarray, keep: np.ndarray, waited: bool) -> None:
-        """Reads rows ``index`` (on disk, not in memory) into memory, evicting none of ``keep``."""
-        if index.size == 0:
-            return
+    def _load(self, index: np.ndarray, keep: np.ndarray) -> None:
+        """Reads rows ``index`` (on disk, not in memory) into memory while a request waits, evicting none of
+        ``keep``."""
         slots = self._take_slots(index.size, keep)
         self.memory[slots] = self.log.read(index)
         self.slot[index] = slots
         self._row_in[slots] = index
-        self._used(slots, asked=waited)
-        if waited:
-            self.stats.waited_rows += int(index.size)
-        else:
-            self.stats.prefetched_rows += int(index.size)
-
-    def prefetch(self, index: np.ndarray) -> int:
-        """Reads into memory those of ``index`` that are on disk only (ahead of the fetch that needs them);
-        returns how many."""
-        index = np.unique(np.asarray(index, dtype=np.int64))
-        missing = index[(self.slot[index] < 0) & self.log.on_disk(index)]
-        self._load(missing, index, waited=False)
-        return int(missing.size)
+        self._used(slots, asked=True)
+        self.stats.waited_rows += int(index.size)
 
     def ahead(self, index: np.ndarray) -> np.ndarray:
         """Those of ``index`` that a read-ahead must bring in: on disk, not in memory (unique)."""
@@ -282,7 +267,7 @@ class RowTier:
             self.stats.waited_rows += int(missing.size)  # (more than the budget holds: read, not kept)
             return self._peek(index)
         if missing.size:
-            self._load(missing, index, waited=True)
+            self._load(missing, index)
         slots = self.slot[index]
         self._used(slots, asked=True)
         return self.memory[slots]
