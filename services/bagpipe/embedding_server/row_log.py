@@ -29,8 +29,12 @@ from pathlib import Path
 
 import numpy as np
 
+from bagpipe.embedding_server import aio
+
 PAGE = 4096
 READERS = 16  # reads in flight at once for one large read
+# pages read at most into one buffer before its rows are taken out (a large read's memory beyond the budget)
+GROUP_PAGES = 1024
 _pool: list[ThreadPoolExecutor] = []
 
 
@@ -68,6 +72,8 @@ class RowLog:
         num_rows: int,
         segment_bytes: int = 1 << 20,
         max_run_pages: int = 64,
+        max_gap_pages: int = 3,
+        native_aio: bool = True,
     ) -> None:
         if row_floats < 1 or num_rows < 0:
             raise ValueError(f"row_floats {row_floats}, num_rows {num_rows}: must be >= 1 and >= 0")
@@ -85,6 +91,8 @@ class RowLog:
         # slots per segment: a segment holds whole rows
         self.slots_per_segment = (self.pages_per_segment // self.pages_per_row) * self.rows_per_page
         self.max_run_pages = max(self.pages_per_row, max_run_pages)
+        # pages not asked for that a read takes to join two that are (at most 4x the pages asked for)
+        self.max_gap_pages = max_gap_pages
         self.location = np.full(num_rows, -1, dtype=np.int64)
         self._owner = np.empty(0, dtype=np.int64)  # the row in each slot of the file (-1: dead or unused)
         self._live = np.empty(0, dtype=np.int64)  # live slots per segment
@@ -103,6 +111,8 @@ class RowLog:
                 raise
             self._fd = os.open(self.path, flags, 0o600)
             self.direct = False
+        # (reads many at a time where the kernel takes them so: O_DIRECT files only)
+        self._aio = aio.Reader.open(self._fd) if self.direct and native_aio else None
 
     # ---- where a slot is
     def _grid(self, buffer: mmap.mmap, pages: int) -> np.ndarray:
@@ -243,39 +253,59 @@ class RowLog:
             raise KeyError(f"rows not on disk: {missing[:8].tolist()}{' ...' if missing.size > 8 else ''}")
         offsets = self._offsets(slots)
         first_page = offsets // PAGE
-        span = np.arange(self.pages_per_row)
-        pages = np.unique((first_page[:, None] + span).ravel())
-        buffer = _aligned(pages.size * PAGE)
-        # runs of adjacent pages, each read in one call (bounded: a long run need not wait for its end)
-        starts = np.flatnonzero(np.diff(pages, prepend=-2) != 1)
-        bounds = list(starts) + [pages.size]
-        runs = [
-            (lo, min(int(b), lo + self.max_run_pages))
-            for a, b in zip(bounds[:-1], bounds[1:], strict=True)
-            for lo in range(int(a), int(b), self.max_run_pages)
-        ]
+        pages = np.unique((first_page[:, None] + np.arange(self.pages_per_row)).ravel())
+        # spans: pages at most max_gap_pages apart are read in one call, the gap with them (a read's cost
+        # here is the call, about the same from 4 to 64 KiB), each span at most max_run_pages long
+        span = np.cumsum(np.r_[True, np.diff(pages) > self.max_gap_pages + 1]) - 1
+        span_first = pages[np.r_[0, np.flatnonzero(np.diff(span)) + 1]]
+        piece = (pages - span_first[span]) // self.max_run_pages
+        first = np.r_[True, (np.diff(span) != 0) | (np.diff(piece) != 0)]
+        lows = pages[first]
+        highs = pages[np.r_[np.flatnonzero(first)[1:] - 1, pages.size - 1]] + 1
+        # groups of spans of at most GROUP_PAGES pages, each read into one buffer and taken apart
+        lengths = highs - lows
+        group = np.cumsum(lengths) // max(GROUP_PAGES, self.max_run_pages)
+        span_of_row = np.searchsorted(lows, first_page, side="right") - 1
+        for g in np.unique(group).tolist():
+            members = np.flatnonzero(group == g)
+            starts = np.r_[0, np.cumsum(lengths[members])[:-1]]  # each span's first page in the buffer
+            buffer = _aligned(int(lengths[members].sum()) * PAGE)
+            self._read_spans(buffer, lows[members], lengths[members], starts)
+            grid = self._grid(buffer, len(buffer) // PAGE)
+            mine = np.flatnonzero(group[span_of_row] == g)
+            at = np.searchsorted(members, span_of_row[mine])
+            unit = (starts[at] + first_page[mine] - lows[members][at]) // self.pages_per_row
+            out[mine] = grid[unit, (offsets[mine] % PAGE) // self.row_bytes]
+            self.stats.bytes_read += int(lengths[members].sum()) * PAGE
+        self.stats.read_calls += int(lows.size)
+        self.stats.rows_read += int(rows.size)
+        return out
 
-        def read_runs(some: list[tuple[int, int]]) -> None:
-            for lo, hi in some:
-                part = memoryview(buffer)[lo * PAGE : hi * PAGE]
-                got = os.preadv(self._fd, [part], int(pages[lo]) * PAGE)
+    def _read_spans(
+        self, buffer: mmap.mmap, lows: np.ndarray, lengths: np.ndarray, starts: np.ndarray
+    ) -> None:
+        """Reads span ``i`` (``lengths[i]`` pages from page ``lows[i]`` of the file) into ``buffer`` at page
+        ``starts[i]``; several in flight at once when there are many."""
+        if self._aio is not None:
+            address = np.frombuffer(buffer, dtype=np.uint8).ctypes.data
+            self._aio.read(address, starts * PAGE, lows * PAGE, lengths * PAGE)
+            return
+        spans = list(zip(lows.tolist(), lengths.tolist(), starts.tolist(), strict=True))
+
+        def read_some(some: list[tuple[int, int, int]]) -> None:
+            for low, length, start in some:
+                part = memoryview(buffer)[start * PAGE : (start + length) * PAGE]
+                got = os.preadv(self._fd, [part], low * PAGE)
                 if got != len(part):
                     raise OSError(errno.EIO, f"short read: {got} of {len(part)} bytes", str(self.path))
-                self._dropped(int(pages[lo]) * PAGE, len(part))
+                self._dropped(low * PAGE, len(part))
 
         # several reads in flight (the GIL is released in each): a disk answers random reads at a queue
         # depth of one at a fraction of the rate it has with several
-        if len(runs) >= 2 * READERS:
-            list(_readers().map(read_runs, [runs[i::READERS] for i in range(READERS)]))
+        if len(spans) >= 2 * READERS:
+            list(_readers().map(read_some, [spans[i::READERS] for i in range(READERS)]))
         else:
-            read_runs(runs)
-        self.stats.read_calls += len(runs)
-        self.stats.bytes_read += pages.size * PAGE
-        grid = self._grid(buffer, pages.size)
-        unit = np.searchsorted(pages, first_page) // self.pages_per_row
-        out[:] = grid[unit, (offsets % PAGE) // self.row_bytes]
-        self.stats.rows_read += int(rows.size)
-        return out
+            read_some(spans)
 
     def _dropped(self, offset: int, size: int) -> None:
         if not self.direct:  # (through the page cache: what was read or written leaves it)
@@ -316,6 +346,8 @@ class RowLog:
                     self._free.append(victim)
 
     def close(self) -> None:
+        if self._aio is not None:
+            self._aio.close()
         with contextlib.suppress(OSError):
             os.close(self._fd)
         with contextlib.suppress(FileNotFoundError):

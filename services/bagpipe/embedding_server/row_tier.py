@@ -195,8 +195,12 @@ class RowTier:
         rows = self._row_in[used]
         dirty = self._dirty[used]
         if dirty.any():
-            order = np.argsort(rows[dirty])  # (in row order: neighbours' rows end up near on disk)
-            self.log.write(rows[dirty][order], self.memory[used[dirty][order]])
+            # on disk in order of next use (then of row): the rows a batch fetches lie together, and a
+            # read-ahead takes them in a few calls; lru and next-batch, which know no next use, in row order
+            leaving = rows[dirty]
+            due = self.schedule.next_use[leaving] if self.policy == "lookahead" else np.zeros_like(leaving)
+            order = np.lexsort((leaving, due))
+            self.log.write(leaving[order], self.memory[used[dirty][order]])
             self.stats.written_rows += int(dirty.sum())
             if self.log.wasteful():
                 self.log.compact()

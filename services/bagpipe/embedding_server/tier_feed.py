@@ -26,6 +26,7 @@ logger = logging.getLogger(__name__)
 
 RETRY_S = 0.5
 READ_CHUNK_ROWS = 4096  # rows a read-ahead takes in at once (the schedule is looked at again between)
+AGAIN_BATCHES = 2  # the nearest batches read ahead already, looked at again each time the schedule moves
 
 
 async def follow_fetches(servicer: EmbeddingServicer, registry: Registry, stop: asyncio.Event) -> None:
@@ -84,21 +85,28 @@ async def _read_ahead(
     time, until a batch does not fit (the budget holds rows used sooner: it is tried again as batches
     pass); next-batch reads the one batch after the last fetched."""
     read = -1  # (next-batch: the last fetched batch whose next one was read)
+    # (lookahead: the first batch not yet read ahead; the batches before it are looked at again only for
+    # the next few, whose rows a write-back may have pushed out since)
+    frontier, followed = -1, None
     while True:
         await changed.wait()
         changed.clear()
         schedule = tier.schedule
+        if schedule is not followed:  # (a new plan: a roll-back)
+            followed, frontier = schedule, -1
         if tier.policy == "next-batch":
             if fetched[0] > read:
                 read = fetched[0]
                 await servicer.read_ahead(schedule.rows_of(read + 1))
             continue
-        for batch in range(schedule.now, schedule.horizon + 1):
+        again = range(schedule.now, min(schedule.now + AGAIN_BATCHES, frontier))
+        for batch in [*again, *range(max(schedule.now, frontier), schedule.horizon + 1)]:
             missing = tier.ahead(schedule.rows_of(batch))
             for start in range(0, missing.size, READ_CHUNK_ROWS):
                 part = missing[start : start + READ_CHUNK_ROWS]
                 if await servicer.read_ahead(part) < part.size:
                     break
             else:
+                frontier = max(frontier, batch + 1)
                 continue
             break

@@ -5,11 +5,13 @@ from __future__ import annotations
 
 import errno
 import fcntl
+import mmap
 import os
 from pathlib import Path
 
 import numpy as np
 import pytest
+from bagpipe.embedding_server import aio, row_log
 from bagpipe.embedding_server.row_log import PAGE, RowLog
 
 
@@ -57,8 +59,22 @@ def test_reads_take_whole_pages_in_offset_order_adjacent_ones_in_one_call(tmp_pa
     assert log.stats.bytes_written == 32 * PAGE
     log.read(rows[::-1].copy())  # (asked in any order)
     assert (log.stats.read_calls, log.stats.bytes_read, log.stats.rows_read) == (1, 32 * PAGE, 1024)
-    log.read(np.array([0, 64, 65, 1023]))  # pages 0, 2 and 31: three runs
-    assert log.stats.read_calls == 4 and log.stats.bytes_read == 35 * PAGE
+    log.read(np.array([0, 64, 65, 1023]))  # pages 0, 2 and 31: 0 to 2 in one call (the gap with it), 31
+    assert log.stats.read_calls == 3 and log.stats.bytes_read == 36 * PAGE
+    log.close()
+
+
+def test_pages_further_apart_than_the_gap_are_read_apart_and_big_reads_come_in_bounded_groups(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setattr(row_log, "GROUP_PAGES", 4)  # (a buffer of 4 pages at most)
+    log = RowLog(tmp_path, 1024, 400, max_run_pages=4, max_gap_pages=1)  # a row a page
+    values = np.random.default_rng(0).standard_normal((400, 1024)).astype(np.float32)
+    log.write(np.arange(400), values)
+    log.read(np.array([10, 12, 20]))  # pages 10-12 (gap 1), 20 (gap 7): two calls
+    assert (log.stats.read_calls, log.stats.bytes_read) == (2, 4 * PAGE)
+    wanted = np.random.default_rng(1).permutation(400)[:150]  # spans cut at 4 pages, groups of 4 pages
+    np.testing.assert_array_equal(log.read(wanted), values[wanted])
     log.close()
 
 
@@ -102,3 +118,33 @@ def test_compaction_keeps_the_file_within_twice_the_live_rows(tmp_path: Path) ->
     assert log.file_bytes <= grown and in_use <= 2 * live_bytes + 16 * PAGE
     np.testing.assert_array_equal(log.read(np.arange(4096)), truth)
     log.close()
+
+
+@pytest.mark.parametrize("native_aio", [True, False])
+def test_many_reads_at_once_natively_or_on_threads_give_the_rows_bit_for_bit(
+    tmp_path: Path, native_aio: bool
+) -> None:
+    log = RowLog(tmp_path, 256, 5000, native_aio=native_aio)  # 4 rows a page
+    if native_aio and log._aio is None:
+        pytest.skip("no native asynchronous I/O here")
+    values = np.random.default_rng(2).standard_normal((5000, 256)).astype(np.float32)
+    log.write(np.arange(5000), values)
+    wanted = np.random.default_rng(3).permutation(5000)[:900]  # (hundreds of spans: more than one submit)
+    np.testing.assert_array_equal(log.read(wanted), values[wanted])
+    log.close()
+
+
+def test_a_native_read_past_the_end_of_the_file_is_an_error_naming_where(tmp_path: Path) -> None:
+    path = tmp_path / "f"
+    path.write_bytes(b"\0" * PAGE)
+    fd = os.open(path, os.O_RDONLY | os.O_DIRECT)
+    reader = aio.Reader.open(fd)
+    if reader is None:
+        pytest.skip("no native asynchronous I/O here")
+    aligned = mmap.mmap(-1, 2 * PAGE)
+    address = np.frombuffer(aligned, dtype=np.uint8).ctypes.data
+    offsets = np.array([0, PAGE], dtype=np.int64)
+    with pytest.raises(OSError, match=f"read of {PAGE} bytes at {PAGE}: got 0"):
+        reader.read(address, offsets, offsets, np.array([PAGE, PAGE], dtype=np.int64))
+    reader.close()
+    os.close(fd)
