@@ -52,6 +52,20 @@ def keep_freed_buffers(mmap_threshold: int = MMAP_THRESHOLD, trim_threshold: int
     return bool(mallopt(_M_TRIM_THRESHOLD, trim_threshold))
 
 
+def release_free_memory() -> bool:
+    """Gives the kernel back the heap's free pages (``malloc_trim(0)``), wherever they lie in it: after a
+    server has built its shard, the transient buffers of the build are free but, fragmented in the heap,
+    still resident (about 90 MB of a tiered shard's 130 MB here). Returns whether any memory went back;
+    False where the C library has no ``malloc_trim``."""
+    try:
+        trim = ctypes.CDLL(None).malloc_trim
+    except (OSError, AttributeError):
+        return False
+    trim.argtypes = [ctypes.c_size_t]
+    trim.restype = ctypes.c_int
+    return bool(trim(0))
+
+
 def huge_page_zeros(shape: tuple[int, ...], dtype: np.dtype | type = np.float32) -> np.ndarray:
     """Zeros of ``shape`` in an anonymous mapping of their own that asks the kernel for transparent huge
     pages (``madvise(MADV_HUGEPAGE)``), like ``np.zeros`` in every other respect: the pages are zero and

@@ -105,6 +105,7 @@ async def serve(cfg: EmbeddingServerConfig) -> None:
             shutil.rmtree(old, ignore_errors=True)
     store = build_store(cfg, shard_map, cfg.resume_batch)
     store.warm_up()
+    allocator.release_free_memory()  # (the build's buffers: a row tier's budget is what stays resident)
     servicer = EmbeddingServicer(store, cfg.lookup_threads)
     # (its figures, read from the shard served at each scrape: a roll-back or a migration replaces it)
     prometheus_client.REGISTRY.register(metrics.TierCollector(lambda: servicer.store.tier))
@@ -114,6 +115,7 @@ async def serve(cfg: EmbeddingServerConfig) -> None:
         assert current is not None
         built = build_store(cfg, current, batch)
         built.warm_up()
+        allocator.release_free_memory()
         return built
 
     async def roll_back(generation: Generation) -> str:
