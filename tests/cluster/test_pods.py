@@ -8,6 +8,8 @@ import base64
 import json
 import os
 import random
+import urllib.parse
+import urllib.request
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from pathlib import Path
@@ -230,10 +232,22 @@ def test_a_frozen_embedding_server_is_found_and_the_model_is_the_same(job: Clust
     assert generation(job) >= 2, "the job was not rolled back"
 
 
+def tier_peak(c: Cluster, series: str) -> float:
+    """The largest value Prometheus scraped of an embedding server's ``bagpipe_embedding_server_tier_``
+    series over the job (0 when it has none)."""
+    query = f"max(max_over_time(bagpipe_embedding_server_tier_{series}[1h]))"
+    url = f"{c.prometheus_url()}/api/v1/query?{urllib.parse.urlencode({'query': query})}"
+    with urllib.request.urlopen(url, timeout=10) as answer:
+        result = json.load(answer)["data"]["result"]
+    return float(result[0]["value"][1]) if result else 0.0
+
+
 def test_scaling_the_embedding_servers_2_3_2_keeps_the_model(tmp_path: Path, references) -> None:
     """As the StatefulSet's controller would: a new pod joins and takes buckets; later the highest one gets
-    SIGTERM after its preStop drain, which hands its buckets back first."""
-    with cluster(tmp_path, SCALING_ITERATIONS) as job:
+    SIGTERM after its preStop drain, which hands its buckets back first. Each server keeps only 24 KiB of
+    its rows in memory (about a tenth), the rest on its emptyDir: the rows move from disk too."""
+    tier = {**VALUES["embeddingServer"], "rowMemory": "24Ki"}
+    with cluster(tmp_path, SCALING_ITERATIONS, embeddingServer=tier) as job:
         at_checkpoint_batch(job, random.Random(2), SCALING_ITERATIONS // 4)
         job.scale("-embedding-server", 3)
         job.wait(lambda: 2 in shards_with_rows(job), JOB_S, "buckets on the third server")
@@ -243,6 +257,9 @@ def test_scaling_the_embedding_servers_2_3_2_keeps_the_model(tmp_path: Path, ref
         assert shards_with_rows(job) == {0, 1}
         still_training(job, SCALING_ITERATIONS)
         finish(job, references(SCALING_ITERATIONS), "embedding servers scaled 2 -> 3 -> 2")
+        # (the tier was in use: rows on disk, read ahead of the fetches by the oracle's fetch stream)
+        assert tier_peak(job, "rows_on_disk") > 0
+        assert tier_peak(job, 'rows_total{op="prefetched"}') > 0
 
 
 def test_with_tls_the_job_completes_over_mutual_tls_and_the_bundled_redis_speaks_only_tls(

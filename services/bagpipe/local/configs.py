@@ -119,9 +119,14 @@ def source(args: RunConfig) -> SourceConfig:
 
 def oracle(args: RunConfig, gen: GenerationSpec) -> OracleConfig:
     """The oracle's plan, as ``bagpipe run`` asked (``--system no-cache``: L=1, critical sync); it plans a
-    flush (a checkpoint) at every evaluation point too."""
+    flush (a checkpoint) at every evaluation point too. With the embedding servers in a network namespace
+    and a row tier, it listens on the host's end of their link, where their fetch streams reach it."""
     no_cache = args.system == "no-cache"
+    address = "127.0.0.1:0"
+    if args.embedding_server_netns and args.row_memory:  # (a row tier's servers follow its fetch stream)
+        address = f"{args.netns_addresses.split(',')[0]}:0"
     return OracleConfig(
+        address=address,
         table_rows=table_rows_of(args),
         batch_size=args.batch_size,
         trainers=args.trainers,
