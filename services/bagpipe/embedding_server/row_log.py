@@ -113,6 +113,7 @@ class RowLog:
             self.direct = False
         # (reads many at a time where the kernel takes them so: O_DIRECT files only)
         self._aio = aio.Reader.open(self._fd) if self.direct and native_aio else None
+        self._buffer: mmap.mmap | None = None  # (reads: at most GROUP_PAGES, or a run, of pages)
 
     # ---- where a slot is
     def _grid(self, buffer: mmap.mmap, pages: int) -> np.ndarray:
@@ -269,9 +270,10 @@ class RowLog:
         for g in np.unique(group).tolist():
             members = np.flatnonzero(group == g)
             starts = np.r_[0, np.cumsum(lengths[members])[:-1]]  # each span's first page in the buffer
-            buffer = _aligned(int(lengths[members].sum()) * PAGE)
+            pages_read = int(lengths[members].sum())
+            buffer = self._read_buffer(pages_read)
             self._read_spans(buffer, lows[members], lengths[members], starts)
-            grid = self._grid(buffer, len(buffer) // PAGE)
+            grid = self._grid(buffer, pages_read)
             mine = np.flatnonzero(group[span_of_row] == g)
             at = np.searchsorted(members, span_of_row[mine])
             unit = (starts[at] + first_page[mine] - lows[members][at]) // self.pages_per_row
@@ -280,6 +282,13 @@ class RowLog:
         self.stats.read_calls += int(lows.size)
         self.stats.rows_read += int(rows.size)
         return out
+
+    def _read_buffer(self, pages: int) -> mmap.mmap:
+        """The log's read buffer, at least ``pages`` long: one mapping kept from read to read (its pages stay
+        resident; a new one per read faulted in, zero-filled, every page it took)."""
+        if self._buffer is None or len(self._buffer) < pages * PAGE:
+            self._buffer = _aligned(pages * PAGE)
+        return self._buffer
 
     def _read_spans(
         self, buffer: mmap.mmap, lows: np.ndarray, lengths: np.ndarray, starts: np.ndarray

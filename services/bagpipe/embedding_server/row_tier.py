@@ -177,8 +177,10 @@ class RowTier:
     def _evict(self, count: int, keep: np.ndarray) -> None:
         """Frees at least ``count`` slots (an eighth of the budget more, so that evictions come in runs):
         the rows used furthest in the future leave, and those changed since last on disk are written."""
-        used = np.flatnonzero(self._row_in >= 0)
-        used = used[~np.isin(self._row_in[used], keep)]
+        kept = np.zeros(self.capacity, dtype=bool)
+        slots = self.slot[keep]
+        kept[slots[slots >= 0]] = True
+        used = np.flatnonzero((self._row_in >= 0) & ~kept)
         want = min(used.size, count + self.capacity // 8)
         if want < count:
             raise MemoryError(
@@ -237,8 +239,7 @@ class RowTier:
             due = self.schedule.next_use[index]
             order = np.argsort(due, kind="stable")
             index, values, due = index[order], values[order], due[order]
-            held = np.sort(self.schedule.next_use[self._row_in[self._row_in >= 0]])
-            later = held.size - np.searchsorted(held, due, side="right")  # rows in memory used after each
+            later = self._used_after(due)  # rows in memory used after each
             fits = np.arange(1, index.size + 1) - self._free_count <= later
             count = int(np.argmin(fits)) if not fits.all() else index.size
         else:  # (the next batch's rows come in, in place of the least recently used)
@@ -253,6 +254,21 @@ class RowTier:
         self._used(slots, asked=False)
         self.stats.prefetched_rows += int(index.size)
         return int(index.size)
+
+    def _used_after(self, due: np.ndarray) -> np.ndarray:
+        """For each of ``due`` (next uses, ascending), how many rows in memory are next used after it: a
+        count of the rows in memory by next use (batches in sight, and never), not a sort of them."""
+        now, horizon = self.schedule.now, max(self.schedule.horizon, self.schedule.now)
+        held = self.schedule.next_use[self._row_in[self._row_in >= 0]]
+        # buckets: 0 .. span-1 for batches now .. horizon, span for every later use or none (NEVER)
+        span = horizon - now + 1
+        counts = np.bincount(np.clip(held.astype(np.int64) - now, 0, span), minlength=span + 1)
+        after = counts[::-1].cumsum()[::-1]  # after[b]: rows used at bucket b or later
+        bucket = np.clip(due.astype(np.int64) - now, 0, span)
+        later = np.zeros(due.size, dtype=np.int64)
+        inside = bucket < span  # (a row due in sight: those due in a later bucket; due never: none)
+        later[inside] = after[bucket[inside] + 1]
+        return later
 
     def _used(self, slots: np.ndarray, asked: bool) -> None:
         """``slots`` were used now (a request, ``asked``; or a read-ahead)."""

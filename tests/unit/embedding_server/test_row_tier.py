@@ -85,3 +85,19 @@ def test_with_the_batches_planned_ahead_no_fetch_waits_and_only_changed_rows_are
     assert tier.stats.prefetched_rows > 0  # (the budget did bind)
     assert tier.stats.written_rows <= tier.stats.evicted_rows
     tier.close()
+
+
+def test_the_rows_used_after_each_read_ahead_row_are_counted_as_a_sort_would(tmp_path: Path) -> None:
+    """Belady's guard for a read-ahead counts, for each row coming in, the rows in memory used later; it
+    counts them by next use instead of sorting them: the same answer, batches in sight or none."""
+    rng = np.random.default_rng(4)
+    tier = RowTier(400, 2, 120, tmp_path)
+    tier.write(np.arange(120), np.zeros((120, 2), np.float32))  # (120 rows in memory)
+    for batch in range(30):
+        tier.schedule.add(batch, rng.choice(400, 40, replace=False))
+    tier.schedule.passed(9)
+    held = np.sort(tier.schedule.next_use[tier._row_in[tier._row_in >= 0]])
+    due = np.sort(np.r_[tier.schedule.next_use[rng.choice(400, 60)], NEVER, 10, 29])
+    expected = held.size - np.searchsorted(held, due, side="right")
+    np.testing.assert_array_equal(tier._used_after(due), expected)
+    tier.close()
