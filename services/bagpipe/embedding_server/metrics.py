@@ -105,6 +105,11 @@ class TierCollector:
         ):
             rows.add_metric([op], value)
         yield rows
+        yield CounterMetricFamily(
+            f"{prefix}_fetch_wait_seconds",
+            "Time requests spent reading their rows from disk (the rows not in memory when asked for)",
+            value=stats.wait_seconds,
+        )
         io = CounterMetricFamily(f"{prefix}_disk_bytes", "Bytes read from and written to disk", labels=["op"])
         io.add_metric(["read"], log.bytes_read)
         io.add_metric(["write"], log.bytes_written)

@@ -15,6 +15,7 @@ Local rows are the shard's (``ShardStore``'s); the caller holds the server's gat
 
 from __future__ import annotations
 
+import time
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -94,6 +95,7 @@ class TierStats:
     written_rows: int = 0  # of those, written to disk (changed since they were last there)
     peeked_rows: int = 0  # read from disk without entering memory (snapshots, the undo log, re-sharding)
     wasted_rows: int = 0  # read ahead, then evicted before any request used them
+    wait_seconds: float = 0.0  # spent by requests reading their rows from disk (the waited rows)
 
 
 @dataclass(frozen=True)
@@ -285,21 +287,45 @@ class RowTier:
         missing = np.unique(index[~here])
         if missing.size and missing.size + np.unique(index[here]).size > self.capacity:
             self.stats.waited_rows += int(missing.size)  # (more than the budget holds: read, not kept)
-            return self._peek(index)
+            started = time.perf_counter()
+            out = self._peek(index)
+            self.stats.wait_seconds += time.perf_counter() - started
+            return out
         if missing.size:
+            started = time.perf_counter()
             self._load(missing, index)
+            self.stats.wait_seconds += time.perf_counter() - started
         slots = self.slot[index]
         self._used(slots, asked=True)
         return self.memory[slots]
 
     def write(self, index: np.ndarray, values: np.ndarray) -> None:
-        """Stores ``values`` as rows ``index`` (distinct); the disk copy of each, if any, is stale."""
+        """Stores ``values`` as rows ``index`` (distinct); the disk copy of each, if any, is stale.
+
+        With ``lookahead``, a row not in memory comes in only in place of a row used later (or free room),
+        as a read-ahead's does: the others (rows no planned batch fetches first) go straight to disk,
+        rather than pushing out rows read ahead for the coming batches."""
         index = np.asarray(index, dtype=np.int64)
-        missing = index[self.slot[index] < 0]
+        values = np.asarray(values, dtype=np.float32).reshape(index.size, self.width)
+        missing = np.flatnonzero(self.slot[index] < 0)
+        if missing.size and self.policy == "lookahead":
+            due = self.schedule.next_use[index[missing]]
+            order = np.lexsort((index[missing], due))
+            fits = np.arange(1, missing.size + 1) - self._free_count <= self._used_after(due[order])
+            count = int(np.argmin(fits)) if not fits.all() else missing.size
+            if count < missing.size:
+                direct = missing[order[count:]]  # (in order of next use, as an eviction writes)
+                self.log.write(index[direct], values[direct])
+                self.stats.written_rows += int(direct.size)
+                self.stats.evicted_rows += int(direct.size)
+                stay = np.ones(index.size, dtype=bool)
+                stay[direct] = False
+                index, values = index[stay], values[stay]
+                missing = np.flatnonzero(self.slot[index] < 0)
         if missing.size:
             slots = self._take_slots(missing.size, index)
-            self.slot[missing] = slots
-            self._row_in[slots] = missing
+            self.slot[index[missing]] = slots
+            self._row_in[slots] = index[missing]
         slots = self.slot[index]
         self.memory[slots] = values
         self._dirty[slots] = True

@@ -50,9 +50,16 @@ def test_rows_come_back_exactly_through_evictions_and_reads(tmp_path: Path) -> N
         assert tier.resident_rows <= 40
     assert tier.stored(np.array(list(truth))).all()
     assert tier.stats.written_rows <= tier.stats.evicted_rows and tier.log.stats.rows_written > 0
-    with pytest.raises(MemoryError, match="--row-memory"):
-        tier.write(np.arange(41), np.zeros((41, 6), np.float32))
+    # (more rows than the budget holds: those it cannot keep go straight to disk)
+    more = rng.standard_normal((41, 6)).astype(np.float32)
+    tier.write(np.arange(41), more)
+    assert tier.resident_rows <= 40
+    np.testing.assert_array_equal(tier.peek(np.arange(41)), more)
     tier.close()
+    lru = RowTier(500, 6, capacity=40, directory=tmp_path / "lru", policy="lru")
+    with pytest.raises(MemoryError, match="--row-memory"):
+        lru.write(np.arange(41), np.zeros((41, 6), np.float32))
+    lru.close()
 
 
 def test_with_the_batches_planned_ahead_no_fetch_waits_and_only_changed_rows_are_written(
@@ -100,4 +107,22 @@ def test_the_rows_used_after_each_read_ahead_row_are_counted_as_a_sort_would(tmp
     due = np.sort(np.r_[tier.schedule.next_use[rng.choice(400, 60)], NEVER, 10, 29])
     expected = held.size - np.searchsorted(held, due, side="right")
     np.testing.assert_array_equal(tier._used_after(due), expected)
+    tier.close()
+
+
+def test_rows_written_back_that_no_planned_batch_fetches_do_not_push_out_rows_read_ahead(
+    tmp_path: Path,
+) -> None:
+    tier = RowTier(100, 2, capacity=10, directory=tmp_path)
+    tier.write(np.arange(10), np.ones((10, 2), np.float32))
+    tier.write(np.arange(20, 30), np.full((10, 2), 2, np.float32))  # (memory full, no use in sight: disk)
+    assert (tier.slot[20:30] < 0).all() and tier.log.on_disk(np.arange(20, 30)).all()
+    tier.schedule.add(0, np.arange(20, 30))
+    wanted = tier.ahead(tier.schedule.rows_of(0))
+    values, where = tier.log.read_where(wanted)
+    assert tier.install(wanted, where, values) == 10  # (in place of rows no batch fetches)
+    tier.write(np.arange(5), np.full((5, 2), 3, np.float32))  # a write-back of rows with no use in sight
+    assert (tier.slot[20:30] >= 0).all() and tier.stats.wasted_rows == 0
+    np.testing.assert_array_equal(tier.peek(np.arange(5)), np.full((5, 2), 3, np.float32))
+    np.testing.assert_array_equal(tier.read(np.arange(20, 30)), np.full((10, 2), 2, np.float32))
     tier.close()
