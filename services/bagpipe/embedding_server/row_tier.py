@@ -241,9 +241,7 @@ class RowTier:
             due = self.schedule.next_use[index]
             order = np.argsort(due, kind="stable")
             index, values, due = index[order], values[order], due[order]
-            later = self._used_after(due)  # rows in memory used after each
-            fits = np.arange(1, index.size + 1) - self._free_count <= later
-            count = int(np.argmin(fits)) if not fits.all() else index.size
+            count = self._fit(due)
         else:  # (the next batch's rows come in, in place of the least recently used)
             count = min(index.size, self.capacity // 2)
         index, values = index[:count], values[:count]
@@ -256,6 +254,14 @@ class RowTier:
         self._used(slots, asked=False)
         self.stats.prefetched_rows += int(index.size)
         return int(index.size)
+
+    def _fit(self, due: np.ndarray) -> int:
+        """How many of the rows coming in with next uses ``due`` (ascending) may: each takes free room or
+        the place of a row used after it (Belady's rule)."""
+        if due.size <= self._free_count:  # (room for all: nothing to weigh)
+            return int(due.size)
+        fits = np.arange(1, due.size + 1) - self._free_count <= self._used_after(due)
+        return int(np.argmin(fits)) if not fits.all() else int(due.size)
 
     def _used_after(self, due: np.ndarray) -> np.ndarray:
         """For each of ``due`` (next uses, ascending), how many rows in memory are next used after it: a
@@ -311,8 +317,7 @@ class RowTier:
         if missing.size and self.policy == "lookahead":
             due = self.schedule.next_use[index[missing]]
             order = np.lexsort((index[missing], due))
-            fits = np.arange(1, missing.size + 1) - self._free_count <= self._used_after(due[order])
-            count = int(np.argmin(fits)) if not fits.all() else missing.size
+            count = self._fit(due[order])
             if count < missing.size:
                 direct = missing[order[count:]]  # (in order of next use, as an eviction writes)
                 self.log.write(index[direct], values[direct])

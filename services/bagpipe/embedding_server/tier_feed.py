@@ -26,7 +26,7 @@ logger = logging.getLogger(__name__)
 
 RETRY_S = 0.5
 READ_CHUNK_ROWS = 4096  # rows a read-ahead takes in at once (the schedule is looked at again between)
-AGAIN_BATCHES = 2  # the nearest batches read ahead already, looked at again each time the schedule moves
+AGAIN_BATCHES = 2  # the nearest batches read ahead already, looked at again each time a batch passes
 
 
 async def follow_fetches(servicer: EmbeddingServicer, registry: Registry, stop: asyncio.Event) -> None:
@@ -87,19 +87,23 @@ async def _read_ahead(
     read = -1  # (next-batch: the last fetched batch whose next one was read)
     # (lookahead: the first batch not yet read ahead; the batches before it are looked at again only for
     # the next few, whose rows a write-back may have pushed out since)
-    frontier, followed = -1, None
+    frontier, followed, looked_again = -1, None, -1
     while True:
         await changed.wait()
         changed.clear()
         schedule = tier.schedule
         if schedule is not followed:  # (a new plan: a roll-back)
-            followed, frontier = schedule, -1
+            followed, frontier, looked_again = schedule, -1, -1
         if tier.policy == "next-batch":
             if fetched[0] > read:
                 read = fetched[0]
                 await servicer.read_ahead(schedule.rows_of(read + 1))
             continue
-        again = range(schedule.now, min(schedule.now + AGAIN_BATCHES, frontier))
+        # (the nearest ones again once a batch has passed: not at every message)
+        again = range(
+            schedule.now, min(schedule.now + AGAIN_BATCHES, frontier) if schedule.now > looked_again else 0
+        )
+        looked_again = schedule.now
         for batch in [*again, *range(max(schedule.now, frontier), schedule.horizon + 1)]:
             missing = tier.ahead(schedule.rows_of(batch))
             for start in range(0, missing.size, READ_CHUNK_ROWS):
