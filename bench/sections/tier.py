@@ -160,6 +160,7 @@ def run(profile: dict[str, Any], out: Path) -> dict[str, Any]:
         "scale": scale,
         "iterations": iterations,
         "pair_iterations": settings["pair_iterations"],
+        "batch": profile["batch"],
         "servers": SERVERS,
         "shard_bytes": per_server,
         "shard_rows": rows,
@@ -267,9 +268,19 @@ def targets(results: dict[str, Any]) -> tuple[list[Target], list[str]]:
             ours["resident_bytes"] <= allowed,
         )
     )
+    # what the writes mean for an SSD's endurance: each server's bytes a day at the pair's speed, against a
+    # 1.92 TB drive rated for 3 to 5 drive writes a day (5.8 to 9.6 TB a day)
+    samples_per_s = 1000 * tier["batch"] / ours["median_ms"] if "batch" in tier else None
+    per_day = (
+        ours["disk_bytes_written_per_sample"] * samples_per_s * 86400 / tier["servers"]
+        if samples_per_s
+        else None
+    )
     notes = [
         f"tier: fixed overhead (an in-memory server's resident set less its rows): "
-        f"{tier['fixed_overhead_bytes'] / 2**20:.0f} MiB"
+        f"{tier['fixed_overhead_bytes'] / 2**20:.0f} MiB",
+        f"tier: {ours['disk_bytes_written_per_sample']:.0f} disk bytes written per sample"
+        + (f", {per_day / 1e12:.1f} TB a day a server at this speed" if per_day else ""),
     ]
     if tier["rows_on_disk_bytes"] < 4e9:
         notes.append(

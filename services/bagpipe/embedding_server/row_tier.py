@@ -145,6 +145,7 @@ class RowTier:
         self._used_at = np.zeros(capacity, dtype=np.int64)  # each slot's last use (lru, next-batch)
         self._tick = 0
         self._unused = np.zeros(capacity, dtype=bool)  # read ahead and not yet asked for
+        self.unused_rows = 0  # (their count)
         self.log = RowLog(directory, width, rows)
         self.schedule = schedule if schedule is not None else Schedule(rows)
         self.stats = TierStats()
@@ -194,7 +195,9 @@ class RowTier:
             else:  # the least recently used first
                 order = self._used_at[used]
             used = used[np.argpartition(order, want - 1)[:want]]
-        self.stats.wasted_rows += int(self._unused[used].sum())
+        wasted = int(self._unused[used].sum())
+        self.stats.wasted_rows += wasted
+        self.unused_rows -= wasted
         self._unused[used] = False
         rows = self._row_in[used]
         dirty = self._dirty[used]
@@ -282,6 +285,11 @@ class RowTier:
         """``slots`` were used now (a request, ``asked``; or a read-ahead)."""
         self._tick += 1
         self._used_at[slots] = self._tick
+        was = self._unused[slots]
+        if was.any():  # (a request may ask for a row twice)
+            self.unused_rows -= int(np.unique(slots[was]).size)
+        if not asked:  # (a read-ahead's slots are distinct)
+            self.unused_rows += int(slots.size)
         self._unused[slots] = not asked
 
     # ---- what the shard asks of it
@@ -361,6 +369,7 @@ class RowTier:
         slots = slots[slots >= 0]
         self._row_in[slots] = -1
         self._dirty[slots] = False
+        self.unused_rows -= int(self._unused[slots].sum())
         self._unused[slots] = False
         self._free[self._free_count : self._free_count + slots.size] = slots
         self._free_count += slots.size

@@ -126,3 +126,17 @@ def test_rows_written_back_that_no_planned_batch_fetches_do_not_push_out_rows_re
     np.testing.assert_array_equal(tier.peek(np.arange(5)), np.full((5, 2), 3, np.float32))
     np.testing.assert_array_equal(tier.read(np.arange(20, 30)), np.full((10, 2), 2, np.float32))
     tier.close()
+
+
+def test_the_rows_read_ahead_and_not_yet_asked_for_are_counted(tmp_path: Path) -> None:
+    tier = RowTier(100, 2, capacity=20, directory=tmp_path)
+    tier.write(np.arange(40), np.ones((40, 2), np.float32))  # (20 in memory, 20 on disk)
+    on_disk = np.flatnonzero(tier.slot[:40] < 0)
+    tier.schedule.add(0, on_disk[:6])
+    values, where = tier.log.read_where(on_disk[:6])
+    assert tier.install(on_disk[:6], where, values) == 6 and tier.unused_rows == 6
+    tier.read(np.r_[on_disk[:2], on_disk[:2]])  # (asked for twice in one request)
+    assert tier.unused_rows == 4
+    tier.drop(on_disk[2:3])
+    assert tier.unused_rows == 3 == int(tier._unused.sum())
+    tier.close()
