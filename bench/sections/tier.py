@@ -124,6 +124,7 @@ def run(profile: dict[str, Any], out: Path) -> dict[str, Any]:
             ],
             tiered,
             out,
+            hold_at=settings["pair_iterations"] // 2,
         )
         pairs[other] = {
             "other": _figures(theirs, out / "runs" / f"tier-pair-{other}", *pair),
@@ -145,6 +146,7 @@ def run(profile: dict[str, Any], out: Path) -> dict[str, Any]:
                 ],
                 tiered,
                 out,
+                hold_at=settings["pair_iterations"] // 2,
             )
             pairs[f"memory-{rate}"] = {
                 "other": _figures(theirs, out / "runs" / f"tier-pair-memory-{rate}", *pair),

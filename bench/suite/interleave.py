@@ -134,7 +134,7 @@ def in_slices(
 
 
 def interleaved(
-    pair: list[tuple[str, list[str]]], profile: dict[str, Any], out: Path
+    pair: list[tuple[str, list[str]]], profile: dict[str, Any], out: Path, hold_at: int | None = None
 ) -> list[dict[str, Any]]:
     """Two jobs (name, flags) alive at once and run in turns: each job's processes are frozen
     (``SIGSTOP`` to its process group) while the other's run, for slices of ``SLICE_S`` or more. The
@@ -142,7 +142,8 @@ def interleaved(
     within seconds; two jobs run one after the other meet different speeds, two run in turns the same.
     Only iterations wholly inside their own job's slices count, from when both jobs are past their
     first eighth and their data processors have built every batch (the one there first is held, frozen,
-    for the other) until either ends.
+    for the other) until either ends. With ``hold_at`` each is held at that iteration instead, so both are
+    measured from the same point (a row tier's first pass over its rows on disk is not its steady state).
     Returns each job's figures as ``job`` does, its stages measured over the same iterations."""
     procs: list[subprocess.Popen[bytes]] = []
     run_dirs = [out / "runs" / name for name, _ in pair]
@@ -181,7 +182,8 @@ def interleaved(
                 if i not in held:
                     ready = quiet[i]()  # (every poll: it times the processors' last work)
                     logged = iterations_done(run_dir)
-                    if logged >= warm and (ready or logged >= iterations // 2):
+                    at_warm = logged >= warm and (ready or logged >= iterations // 2)
+                    if (logged >= hold_at) if hold_at is not None else at_warm:
                         os.killpg(procs[i].pid, signal.SIGSTOP)
                         held[i] = time.monotonic()
                         measured_from[i] = iterations_done(run_dir)  # (frozen: no more will come)
