@@ -90,7 +90,9 @@ def run(profile: dict[str, Any], out: Path) -> dict[str, Any]:
     saved = out / "runs" / "tier-model.pt"
     run_job(parse_run(job_argv("tier-save", tiered, out, "--save-initial", str(saved), iterations=1)[1:]))
     # (every job's servers at normal priority, as --row-memory puts them: the reference's too)
-    start = ["--init-from", str(saved), "--embedding-server-priority", "normal"]
+    # (a job frozen while its pair's other runs must not take the freeze for a failure: the medium profile's
+    # iterations, 0.4 s, outlast the thaws that show a held job's progress)
+    start = ["--init-from", str(saved), "--embedding-server-priority", "normal", "--failure-timeout", "300"]
     per_server = shard_bytes(profile, scale)
     log(f"tier: {SERVERS} servers of {per_server / 2**20:.0f} MiB of rows and state each")
     goal = max(1 << 20, int(per_server * settings["goal"]))
