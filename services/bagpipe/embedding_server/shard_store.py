@@ -60,6 +60,9 @@ def packed_rows(rows: int, dim: int, state_width: int) -> tuple[np.ndarray, np.n
     return table, table[:, :dim], table[:, dim:]
 
 
+# rows a tiered shard takes from a checkpoint at once (a few tens of MB beyond its budget while it loads)
+LOAD_CHUNK_ROWS = 1 << 16
+
 # no trained embedding value comes near this; a write beyond it is a bug or an attack
 DEFAULT_MAX_ABS = 1e6
 
@@ -276,12 +279,14 @@ class ShardStore:
         for t, table, saved in loaded:  # (all checked first: a bad checkpoint changes nothing)
             mine = np.flatnonzero((local_keys >= self.offsets[t]) & (local_keys < self.offsets[t + 1]))
             index = torch.from_numpy(local_keys[mine] - self.offsets[t])
-            if self.tier is not None:
-                packed = self.packed(mine, peek=True)
-                packed[:, : self.dim] = table.index_select(0, index).numpy()
-                if saved is not None:
-                    packed[:, self.dim :] = saved[0].index_select(0, index).numpy()
-                self._store(mine, packed)
+            if self.tier is not None:  # (a part at a time: the shard's rows may be many times the budget)
+                for at in range(0, mine.size, LOAD_CHUNK_ROWS):
+                    part, where = mine[at : at + LOAD_CHUNK_ROWS], index[at : at + LOAD_CHUNK_ROWS]
+                    packed = self.packed(part, peek=True)
+                    packed[:, : self.dim] = table.index_select(0, where).numpy()
+                    if saved is not None:
+                        packed[:, self.dim :] = saved[0].index_select(0, where).numpy()
+                    self._store(part, packed)
             else:
                 self.weights[mine] = table.index_select(0, index).numpy()
                 if saved is not None:

@@ -125,3 +125,31 @@ def test_a_migration_between_tiered_shards_carries_every_row(tmp_path: Path) -> 
         assert tiered.tier is not None and tiered.tier.resident_rows <= 12
     for s in (0, 1, 2):  # (the old layout's files went at the switch)
         assert len(list((tmp_path / str(s) / "rows").rglob("*.log"))) == 1
+
+
+def test_a_checkpoint_loads_into_a_tiered_shard_a_part_at_a_time_as_into_one_in_memory(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    import torch
+    from bagpipe.embedding_server import shard_store
+
+    monkeypatch.setattr(shard_store, "LOAD_CHUNK_ROWS", 7)  # (parts of 7 rows: many, of uneven ends)
+    offsets = table_offsets([40, 90, 25])
+    sm = ShardMap.create(int(offsets[-1]), 2)
+    dense, tiered = _pair(tmp_path, sm, offsets, 1, budget_rows=10)
+    gen = torch.Generator().manual_seed(5)
+    sizes = np.diff(offsets)
+    ckpt = {
+        "embeddings": {str(t): torch.randn(int(n), DIM, generator=gen) for t, n in enumerate(sizes)},
+        "optimizer": {
+            "embeddings": {
+                str(t): {"sum": torch.rand(int(n), STATE, generator=gen)} for t, n in enumerate(sizes)
+            }
+        },
+    }
+    for store in (dense, tiered):
+        store.load_checkpoint(ckpt, ("sum",), DIM, False)
+    keys = sm.local_keys(1)
+    _same(dense, tiered, keys)
+    assert tiered.tier is not None and tiered.tier.log.rows_on_disk > keys.size // 2
+    tiered.close()
