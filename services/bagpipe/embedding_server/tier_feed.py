@@ -14,7 +14,7 @@ import logging
 import grpc
 import numpy as np
 
-from bagpipe import serving
+from bagpipe import allocator, serving
 from bagpipe.control.registry import Registry
 from bagpipe.embedding_server.row_tier import RowTier
 from bagpipe.embedding_server.server import EmbeddingServicer
@@ -25,6 +25,7 @@ from bagpipe.wire import from_tensor
 logger = logging.getLogger(__name__)
 
 RETRY_S = 0.5
+TRIM_EVERY_S = 10.0
 READ_CHUNK_ROWS = 4096  # rows a read-ahead takes in at once (the schedule is looked at again between)
 # the rows read ahead and not yet fetched, at most, as a share of the budget: reading further ahead filled
 # the budget with rows for distant batches, which the coming batches' write-backs then pushed out unused
@@ -34,7 +35,26 @@ AGAIN_BATCHES = 2  # the nearest batches read ahead already, looked at again eac
 
 
 async def follow_fetches(servicer: EmbeddingServicer, registry: Registry, stop: asyncio.Event) -> None:
-    """Feeds the tier of ``servicer``'s shard until ``stop``."""
+    """Feeds the tier of ``servicer``'s shard until ``stop``; meanwhile hands the heap's free pages back to
+    the kernel every ``TRIM_EVERY_S``: the allocator keeps requests' freed buffers for reuse, and at 50 k rows
+    a request (the medium profile) those held 800 MB beyond the budget."""
+    trimming = asyncio.create_task(_trim_now_and_then(stop), name="trim")
+    try:
+        await _follow(servicer, registry, stop)
+    finally:
+        trimming.cancel()
+        with contextlib.suppress(asyncio.CancelledError):
+            await trimming
+
+
+async def _trim_now_and_then(stop: asyncio.Event) -> None:
+    while not stop.is_set():
+        with contextlib.suppress(TimeoutError):
+            await asyncio.wait_for(stop.wait(), TRIM_EVERY_S)
+        await asyncio.to_thread(allocator.release_free_memory)
+
+
+async def _follow(servicer: EmbeddingServicer, registry: Registry, stop: asyncio.Event) -> None:
     while not stop.is_set():
         try:
             await _follow_once(servicer, registry, stop)
