@@ -187,7 +187,9 @@ def run(profile: dict[str, Any], out: Path) -> dict[str, Any]:
     }
 
 
-INDEX_BYTES_PER_ROW = 24  # a tiered shard's per-row index: memory slot, disk slot, next use and last batch
+# a tiered shard's bookkeeping a row: its memory slot, disk slot, next use, last batch and its place in it,
+# flags (34 bytes), and the row file's owner of each slot, up to two slots a row (16)
+INDEX_BYTES_PER_ROW = 50
 
 
 def table(results: dict[str, Any]) -> list[str]:
