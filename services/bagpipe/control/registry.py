@@ -22,6 +22,9 @@ from bagpipe.core.shard_map import ShardMap
 
 logger = logging.getLogger(__name__)
 
+# a Redis call that waits longer has failed (redis-py raises TimeoutError)
+SOCKET_TIMEOUT_S = 10.0
+
 
 class LockLost(RuntimeError):
     """A lock expired while its holder's block ran: someone else may have taken it meanwhile."""
@@ -47,7 +50,7 @@ def connection_options(url: str) -> dict[str, Any]:
     """
     options: dict[str, Any] = {
         "decode_responses": True,
-        "socket_timeout": 10,
+        "socket_timeout": SOCKET_TIMEOUT_S,
         "password": security.redis_password(),
     }
     files = tls.tls_files()

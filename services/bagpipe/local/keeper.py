@@ -146,21 +146,43 @@ FINAL_EXITS = (snapshots.EXIT_CHECKPOINT_FAILED, EXIT_DATA_ERROR)
 CRASH_LOOP_RESTARTS = 20
 
 
+class Silence:
+    """How long Redis has not answered, as a liveness probe counts it: the time of the probes that failed
+    in a row, each counted for at most ``probe_timeout`` (+1 s). A probe that outlasts that did not wait
+    on Redis alone: this process was itself stopped (a job frozen in turns, ``SIGSTOP`` to its process
+    group, with Redis), and the time it did not run is no evidence that Redis hangs."""
+
+    def __init__(self, probe_timeout: float) -> None:
+        self.cap = probe_timeout + 1.0
+        self.seconds = 0.0
+        self._since = time.monotonic()  # when the last probe started
+
+    def probe(self) -> None:
+        """A probe starts."""
+        self._since = time.monotonic()
+
+    def answered(self) -> None:
+        self.seconds = 0.0
+
+    def failed(self) -> None:
+        self.seconds += min(time.monotonic() - self._since, self.cap)
+
+
 def keep_alive(
-    job: Keeper, redis_server: RedisServer, redis_silent: list[float], timeout: float, max_restarts: int = 0
+    job: Keeper, redis_server: RedisServer, redis_silent: Silence, timeout: float, max_restarts: int = 0
 ) -> None:
     """What a kubelet does: starts again every process that exited with a failure, with the same command
     line, and Redis when it exited or did not answer for ``timeout`` seconds (its liveness probe). Raises
     ComponentFailure for a checkpoint that could not be written (exit 74, as the chart's podFailurePolicy
     fails the Job: a new process would fail the same way) and for a process that failed more than
     ``max_restarts`` (the controller's) + ``CRASH_LOOP_RESTARTS`` times."""
-    if redis_server.proc.poll() is None and redis_silent[0] and time.monotonic() - redis_silent[0] > timeout:
-        logger.warning("redis does not answer for %.1f s: killing it", time.monotonic() - redis_silent[0])
+    if redis_server.proc.poll() is None and redis_silent.seconds > timeout:
+        logger.warning("redis does not answer for %.1f s: killing it", redis_silent.seconds)
         redis_server.proc.kill()
         redis_server.proc.wait()
     if redis_server.proc.poll() is not None:
         logger.warning("redis exited with %s: starting it again", redis_server.proc.returncode)
-        redis_silent[0] = 0.0
+        redis_silent.answered()
         redis_server.restart()
     for p in job.processes:
         code = p.proc.poll()

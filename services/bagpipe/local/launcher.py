@@ -27,7 +27,7 @@ from tqdm.auto import tqdm  # (a notebook widget in Jupyter, text elsewhere)
 from bagpipe import security, serving
 from bagpipe.config_args import table_rows_of
 from bagpipe.control.generation import DONE, FAILED, current
-from bagpipe.control.registry import Registry
+from bagpipe.control.registry import SOCKET_TIMEOUT_S, Registry
 from bagpipe.controller.config import argv as controller_argv
 from bagpipe.core import snapshots
 from bagpipe.core.schema import TABLE_KINDS, schema_of
@@ -36,7 +36,7 @@ from bagpipe.embedding_server import config as embedding_server_config
 from bagpipe.errors import EXIT_DATA_ERROR
 from bagpipe.local import configs
 from bagpipe.local.configs import checkpoint_every, rendezvous_url
-from bagpipe.local.keeper import ComponentFailure, Keeper, Process, keep_alive, tail
+from bagpipe.local.keeper import ComponentFailure, Keeper, Process, Silence, keep_alive, tail
 from bagpipe.local.prometheus import PrometheusServer
 from bagpipe.local.record import RECORD_KEY, read_evals, run_record
 from bagpipe.local.redis_server import RedisServer, free_port
@@ -313,7 +313,7 @@ def _keep(
     cpu_from: tuple[int, dict[str, float]] | None = None
     targets: dict[str, str] = {}
     shown_eval = None  # the batch count of the evaluation the bar shows
-    redis_silent = [0.0]  # since when Redis has not answered (0: it answers)
+    redis_silent = Silence(SOCKET_TIMEOUT_S)
     recorded = [args.embedding_servers]  # (the servers config.json names: the scaling target since)
 
     def spawn(shard: int) -> None:
@@ -347,6 +347,7 @@ def _keep(
             )
             print(f"failure: {failure.component} {failure.detail}; giving up", file=sys.stderr)
             raise RuntimeError(f"{failure.component} failed {why}: {failure}") from None
+        redis_silent.probe()
         try:
             generation = current(registry)
             progress = registry.progress()
@@ -356,11 +357,11 @@ def _keep(
             scaler.poll(registry, servers, spawn, retire, cannot_scale)
             _follow_scaling(job.run_dir, scaler.servers, recorded)
         except redis.RedisError as e:
-            redis_silent[0] = redis_silent[0] or time.monotonic()
+            redis_silent.failed()
             logger.debug("redis: %s", e)
             time.sleep(0.1)
             continue
-        redis_silent[0] = 0.0
+        redis_silent.answered()
         if generation is not None and generation.state == FAILED:
             print(f"failure: {generation.reason}; giving up", file=sys.stderr)
             raise RuntimeError(generation.reason)
