@@ -139,8 +139,13 @@ def table_state(
         parts.append((optimizer.get("linear") or {}).get(str(table)))
     if not keys or any(not isinstance(p, dict) or not all(k in p for k in keys) for p in parts):
         return None
-    blocks = [torch.cat([p[k].float().reshape(p[k].shape[0], -1) for p in parts], dim=1) for k in keys]  # type: ignore[index]
-    return torch.cat(blocks, dim=1), int(parts[0].get("step", 0))  # type: ignore[union-attr]
+    # (no copy where one block is the whole state: a shard loading a checkpoint holds one table's at most)
+    blocks = [_side_by_side([p[k].float().reshape(p[k].shape[0], -1) for p in parts]) for k in keys]  # type: ignore[index]
+    return _side_by_side(blocks), int(parts[0].get("step", 0))  # type: ignore[union-attr]
+
+
+def _side_by_side(tensors: list[torch.Tensor]) -> torch.Tensor:
+    return tensors[0] if len(tensors) == 1 else torch.cat(tensors, dim=1)
 
 
 def put_table(

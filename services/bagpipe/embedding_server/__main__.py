@@ -51,6 +51,7 @@ def build_store(cfg: EmbeddingServerConfig, shard_map: ShardMap, batch: int) -> 
     store.max_abs = cfg.max_abs_value
     if cfg.checkpoint_dir:  # (without checkpoints a roll-back goes to batch 0: a new shard, no log)
         store.track_undo(batch)
+    store.built_batch = batch
     return store
 
 
@@ -147,6 +148,7 @@ async def serve(cfg: EmbeddingServerConfig) -> None:
         shard_map.version,
         control.address,
     )
+    del store  # (the servicer's from now: a roll-back or a migration replaces it, and the old must go)
     coordinator = None
     fatal: list[BaseException] = []
 

@@ -355,6 +355,8 @@ class EmbeddingServicer(pb_grpc.EmbeddingServerServicer):
             same_map = self.store.shard_map.version == version and not switching
             if batch == 0 and same_map and self.store.untouched():
                 said = "every row still initial"
+            elif self.store.built_batch == batch and same_map:  # (--init-from's rows, and no checkpoints)
+                said = f"holds checkpoint {batch} as it was built"
             elif self.store.can_undo_to(batch) and same_map:
                 rows = self.store.undo_to(batch)
                 said = f"undid {rows} rows in memory"

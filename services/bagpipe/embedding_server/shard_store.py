@@ -250,6 +250,9 @@ class ShardStore:
         self.non_negative: slice | None = None  # state columns that must be >= 0 (None: all)
         self._undo: list[_UndoSegment] | None = None  # oldest first, the last one logging (None: off)
         self._undo_logged = np.zeros(0, dtype=bool)  # local rows the last segment holds
+        # the checkpoint whose rows the shard holds as it was built (``build_store``); None once a row is
+        # stored, rolled back or migrated: a roll-back to it has nothing to do
+        self.built_batch: int | None = None
 
     def load_checkpoint(
         self, ckpt: Mapping[str, Any], state_keys: tuple[str, ...], embedding_dim: int, linear: bool
@@ -261,34 +264,40 @@ class ShardStore:
         from bagpipe.core import checkpoint
 
         local_keys = self.shard_map.local_keys(self.shard)
-        loaded = []
-        for t in range(self.offsets.size - 1):
-            table = checkpoint.table_rows(dict(ckpt), t, embedding_dim, linear)
-            rows = int(self.offsets[t + 1] - self.offsets[t])
-            if tuple(table.shape) != (rows, self.dim):
-                got = tuple(table.shape)
-                raise ValueError(f"embeddings/{t}: expected {rows} rows of width {self.dim}, got {got}")
+
+        def table(t: int) -> tuple[torch.Tensor, tuple[torch.Tensor, int] | None]:
+            rows = checkpoint.table_rows(dict(ckpt), t, embedding_dim, linear)
+            size = int(self.offsets[t + 1] - self.offsets[t])
+            if tuple(rows.shape) != (size, self.dim):
+                got = tuple(rows.shape)
+                raise ValueError(f"embeddings/{t}: expected {size} rows of width {self.dim}, got {got}")
             saved = checkpoint.table_state(dict(ckpt), t, state_keys, linear) if self.state_width else None
-            if saved is not None and tuple(saved[0].shape) != (rows, self.state_width):
+            if saved is not None and tuple(saved[0].shape) != (size, self.state_width):
                 raise ValueError(
-                    f"optimizer/embeddings/{t}: expected state [{rows}, {self.state_width}], "
+                    f"optimizer/embeddings/{t}: expected state [{size}, {self.state_width}], "
                     f"got {tuple(saved[0].shape)}"
                 )
-            loaded.append((t, table, saved))
-        self._invalidate_undo()  # (only now: a refused checkpoint changed nothing)
-        for t, table, saved in loaded:  # (all checked first: a bad checkpoint changes nothing)
+            return rows, saved
+
+        tables = range(self.offsets.size - 1)
+        for t in tables:  # all checked first, a table at a time (the copies of one at most resident): a
+            table(t)  # bad checkpoint changes nothing
+        self._invalidate_undo()
+        self.built_batch = None
+        for t in tables:
+            rows_t, saved = table(t)
             mine = np.flatnonzero((local_keys >= self.offsets[t]) & (local_keys < self.offsets[t + 1]))
             index = torch.from_numpy(local_keys[mine] - self.offsets[t])
             if self.tier is not None:  # (a part at a time: the shard's rows may be many times the budget)
                 for at in range(0, mine.size, LOAD_CHUNK_ROWS):
                     part, where = mine[at : at + LOAD_CHUNK_ROWS], index[at : at + LOAD_CHUNK_ROWS]
                     packed = self.packed(part, peek=True)
-                    packed[:, : self.dim] = table.index_select(0, where).numpy()
+                    packed[:, : self.dim] = rows_t.index_select(0, where).numpy()
                     if saved is not None:
                         packed[:, self.dim :] = saved[0].index_select(0, where).numpy()
                     self._store(part, packed)
             else:
-                self.weights[mine] = table.index_select(0, index).numpy()
+                self.weights[mine] = rows_t.index_select(0, index).numpy()
                 if saved is not None:
                     self.state[mine] = saved[0].index_select(0, index).numpy()
             self._initial[mine] = False
@@ -429,6 +438,7 @@ class ShardStore:
             raise AssertionError(f"write-back refused at key {int(keys[bad])} by no check")
         self._changed[index] = True
         self._initial[index] = False
+        self.built_batch = None
         if self.migration is not None:
             self.migration.dirty[index] = True
 
@@ -468,6 +478,7 @@ class ShardStore:
         self._store(index, block)
         self._changed[index] = True
         self._initial[index] = False
+        self.built_batch = None
         if self.migration is not None:
             self.migration.dirty[index] = True
 
@@ -526,6 +537,7 @@ class ShardStore:
         """Applies checkpoint row files in order (``snapshots.row_deltas``), keeping the keys of this shard;
         returns the rows restored. The state they produce is the snapshot baseline (nothing is changed)."""
         self._invalidate_undo()  # (first: a delta refused part way leaves the earlier ones applied)
+        self.built_batch = None
         restored = 0
         for _, keys, rows, state in deltas:
             if rows.shape[1:] != (self.dim,) or state.shape[1:] != (self.state_width,):
@@ -607,6 +619,7 @@ class ShardStore:
             raise ValueError(f"cannot undo to checkpoint {batch}: a migration is under way")
         if self._undo is None or not self.can_undo_to(batch):
             raise ValueError(f"cannot undo to checkpoint {batch}: the undo log does not reach it")
+        self.built_batch = None
         undone = [s for s in self._undo if s.baseline >= batch and s.rows]
         # newest first, so that an older segment's value (the earlier state) overrides a newer one's; within
         # a segment a row repeats only with the same value (a refused write): any order of stores will do
@@ -666,6 +679,7 @@ class ShardStore:
                 f"cannot follow version {self.shard_map.version} ({self.shard_map.num_keys} keys, "
                 f"{self.shard_map.num_buckets} buckets)"
             )
+        self.built_batch = None
         self.migration = Migration(self, new_map, attempt)
         return self.migration
 

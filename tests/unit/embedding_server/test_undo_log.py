@@ -250,3 +250,42 @@ def test_undo_is_refused_during_a_migration_and_an_aborted_one_keeps_the_log() -
     store.abort_migration()
     assert store.undo_to(0) == 12
     _assert_at(store, at0)
+
+
+def test_a_roll_back_to_the_checkpoint_a_shard_was_built_at_builds_nothing_until_a_row_changes() -> None:
+    """A job started from ``--init-from`` without checkpoints has no undo log and rows that are not initial:
+    its first generation's roll-back to batch 0 once rebuilt the whole shard (and the first stayed alive
+    beside it, twice the table resident). A shard as built holds that checkpoint; once a row is stored,
+    rolled back or migrated it does not, and a roll-back rebuilds."""
+    import asyncio
+
+    from bagpipe.embedding_server.server import EmbeddingServicer
+
+    store = _store()
+    keys = _mine(store)[:5]
+    store.restore([(0, keys, np.ones((5, 4), np.float32), np.ones((5, 4), np.float32))])  # (--init-from)
+    store.built_batch = 0  # (as build_store leaves it)
+    servicer = EmbeddingServicer(store, 1)
+    built: list[int] = []
+
+    def rebuild(batch: int) -> ShardStore:
+        built.append(batch)
+        fresh = _store()
+        fresh.built_batch = batch
+        return fresh
+
+    version = store.shard_map.version
+    said = asyncio.run(servicer.roll_back(0, version, rebuild))
+    assert built == [] and servicer.store is store and "as it was built" in said
+    _write(store, keys[:2], np.random.default_rng(0))
+    assert store.built_batch is None
+    asyncio.run(servicer.roll_back(0, version, rebuild))
+    assert built == [0] and servicer.store is not store
+
+    for change in (
+        lambda s: s.restore([(0, keys[:1], np.ones((1, 4), np.float32), np.ones((1, 4), np.float32))]),
+        lambda s: s.begin_migration(s.shard_map.rebalance([0, 1, 2, 3]), 1),
+    ):
+        fresh = rebuild(0)
+        change(fresh)
+        assert fresh.built_batch is None
