@@ -193,7 +193,8 @@ class RowLog:
             self._write(rows, values)
 
     def _write(self, rows: np.ndarray, values: np.ndarray) -> None:
-        self._kill(rows)
+        """All or nothing: the rows' old copies stay theirs (and unoverwritten) until every page is written;
+        a write that fails part way leaves dead slots, no row changed."""
         slots = self._allocate(rows.size)
         offsets = self._offsets(slots)
         # runs of consecutive pages (slots are consecutive within a segment; a segment change breaks a run)
@@ -212,9 +213,10 @@ class RowLog:
                 raise OSError(errno.EIO, f"short write: {written} of {len(buffer)} bytes", str(self.path))
             self._dropped(first, len(buffer))
             self.stats.bytes_written += len(buffer)
+        np.add.at(self._live, slots // self.slots_per_segment, 1)  # (before the kill: a segment holding old
+        self._owner[slots] = rows  # and new copies is not emptied)
+        self._kill(rows)
         self.location[rows] = slots
-        self._owner[slots] = rows
-        np.add.at(self._live, slots // self.slots_per_segment, 1)
         self.stats.rows_written += int(rows.size)
 
     def forget(self, rows: np.ndarray) -> None:

@@ -177,6 +177,11 @@ class RowTier:
         self._free_count -= count
         return taken
 
+    def _give_back(self, slots: np.ndarray) -> None:
+        """Free slots taken for rows that did not come (a read or write that failed)."""
+        self._free[self._free_count : self._free_count + slots.size] = slots
+        self._free_count += slots.size
+
     def _evict(self, count: int, keep: np.ndarray) -> None:
         """Frees at least ``count`` slots (an eighth of the budget more, so that evictions come in runs):
         the rows used furthest in the future leave, and those changed since last on disk are written."""
@@ -195,13 +200,9 @@ class RowTier:
             else:  # the least recently used first
                 order = self._used_at[used]
             used = used[np.argpartition(order, want - 1)[:want]]
-        wasted = int(self._unused[used].sum())
-        self.stats.wasted_rows += wasted
-        self.unused_rows -= wasted
-        self._unused[used] = False
         rows = self._row_in[used]
         dirty = self._dirty[used]
-        if dirty.any():
+        if dirty.any():  # (first: a write that fails moves no row)
             # on disk in order of next use (then of row): the rows a batch fetches lie together, and a
             # read-ahead takes them in a few calls; lru and next-batch, which know no next use, in row order
             leaving = rows[dirty]
@@ -211,6 +212,10 @@ class RowTier:
             self.stats.written_rows += int(dirty.sum())
             if self.log.wasteful():
                 self.log.compact()
+        wasted = int(self._unused[used].sum())
+        self.stats.wasted_rows += wasted
+        self.unused_rows -= wasted
+        self._unused[used] = False
         self.slot[rows] = -1
         self._row_in[used] = -1
         self._dirty[used] = False
@@ -222,7 +227,11 @@ class RowTier:
         """Reads rows ``index`` (on disk, not in memory) into memory while a request waits, evicting none of
         ``keep``."""
         slots = self._take_slots(index.size, keep)
-        self.memory[slots] = self.log.read(index)
+        try:
+            self.memory[slots] = self.log.read(index)
+        except BaseException:
+            self._give_back(slots)
+            raise
         self.slot[index] = slots
         self._row_in[slots] = index
         self._used(slots, asked=True)
@@ -322,23 +331,32 @@ class RowTier:
         index = np.asarray(index, dtype=np.int64)
         values = np.asarray(values, dtype=np.float32).reshape(index.size, self.width)
         missing = np.flatnonzero(self.slot[index] < 0)
+        direct = missing[:0]
         if missing.size and self.policy == "lookahead":
             due = self.schedule.next_use[index[missing]]
             order = np.lexsort((index[missing], due))
             count = self._fit(due[order])
-            if count < missing.size:
-                direct = missing[order[count:]]  # (in order of next use, as an eviction writes)
+            direct = missing[order[count:]]  # (in order of next use, as an eviction writes)
+            missing = np.sort(missing[order[:count]])
+        # all or nothing (a disk that fails mid-way, a full one): room first, whose evictions write other
+        # rows and may fail with none of these stored; then the rows that go to disk, whose failure gives
+        # the room back; only then the rows in memory, which cannot fail
+        taken = self._take_slots(missing.size, index) if missing.size else missing
+        if direct.size:
+            try:
                 self.log.write(index[direct], values[direct])
-                self.stats.written_rows += int(direct.size)
-                self.stats.evicted_rows += int(direct.size)
-                stay = np.ones(index.size, dtype=bool)
-                stay[direct] = False
-                index, values = index[stay], values[stay]
-                missing = np.flatnonzero(self.slot[index] < 0)
+            except BaseException:
+                self._give_back(taken)
+                raise
+            self.stats.written_rows += int(direct.size)
+            self.stats.evicted_rows += int(direct.size)
+            stay = np.ones(index.size, dtype=bool)
+            stay[direct] = False
+            index, values = index[stay], values[stay]
+            missing = np.flatnonzero(self.slot[index] < 0)
         if missing.size:
-            slots = self._take_slots(missing.size, index)
-            self.slot[index[missing]] = slots
-            self._row_in[slots] = index[missing]
+            self.slot[index[missing]] = taken
+            self._row_in[taken] = index[missing]
         slots = self.slot[index]
         self.memory[slots] = values
         self._dirty[slots] = True

@@ -140,3 +140,55 @@ def test_the_rows_read_ahead_and_not_yet_asked_for_are_counted(tmp_path: Path) -
     tier.drop(on_disk[2:3])
     assert tier.unused_rows == 3 == int(tier._unused.sum())
     tier.close()
+
+
+@pytest.mark.parametrize("policy", ["lookahead", "lru"])
+def test_a_disk_that_fails_mid_write_changes_no_row_and_loses_none(
+    policy: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A full or failing disk (ENOSPC, EIO) part way through a write: the write raises, every row of it
+    keeps its old value (none half-applied, in memory or on disk), no other row is lost or overwritten,
+    the budget is kept, and the tier goes on once the disk works again."""
+    import errno
+
+    from bagpipe.embedding_server import row_log
+
+    rng = np.random.default_rng(9)
+    rows, width = 400, 5
+    schedule = Schedule(rows)
+    tier = RowTier(rows, width, capacity=30, directory=tmp_path, schedule=schedule, policy=policy)
+    real = row_log.os.pwritev
+    budget = [10**9]  # page writes that succeed before the disk fails
+
+    def pwritev(fd: int, buffers: list, offset: int) -> int:
+        if budget[0] <= 0:
+            raise OSError(errno.ENOSPC, "No space left on device")
+        budget[0] -= 1
+        return real(fd, buffers, offset)
+
+    monkeypatch.setattr(row_log.os, "pwritev", pwritev)
+    truth: dict[int, np.ndarray] = {}
+    failed = 0
+    for batch in range(300):
+        schedule.add(batch + 3, rng.choice(rows, size=12, replace=False))  # (next uses, 3 batches ahead)
+        index = rng.choice(rows, size=int(rng.integers(1, 25)), replace=False)
+        values = rng.standard_normal((index.size, width)).astype(np.float32)
+        budget[0] = int(rng.integers(0, 3)) if rng.random() < 0.3 else 10**9
+        try:
+            tier.write(index, values)
+        except OSError:
+            failed += 1
+        else:
+            truth.update(zip(index.tolist(), values, strict=True))
+        budget[0] = 10**9
+        held = np.array(sorted(truth))
+        np.testing.assert_array_equal(tier.peek(held), np.stack([truth[r] for r in held.tolist()]))
+        assert not tier.stored(np.setdiff1d(np.arange(rows), held)).any()
+        in_memory = np.flatnonzero(tier.slot >= 0)
+        assert in_memory.size == tier.resident_rows <= 30
+        np.testing.assert_array_equal(tier._row_in[tier.slot[in_memory]], in_memory)
+        schedule.passed(batch)
+    assert failed > 20 and tier.log.stats.rows_written > 0
+    asked = np.array(sorted(truth))[:25]
+    np.testing.assert_array_equal(tier.read(asked), np.stack([truth[r] for r in asked.tolist()]))
+    tier.close()
