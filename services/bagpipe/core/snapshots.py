@@ -251,15 +251,66 @@ def row_deltas(
     directory: str | os.PathLike[str], upto: int
 ) -> Iterator[tuple[int, np.ndarray, np.ndarray, np.ndarray]]:
     """(next_batch, keys, rows, state) of every row file of checkpoint ``upto``'s chain, in the order they
-    must be applied. The whole chain is checked before the first file is read."""
+    must be applied, each file in parts of at most ``_CHUNK_ROWS`` rows (a full snapshot holds a whole
+    shard: a server with a row tier restores within its budget). The whole chain is checked before the
+    first file is read; ValueError names a file whose arrays do not line up or end early."""
     for path in files_of(directory, upto):
-        with np.load(path) as data:
-            keys, rows, state = data["keys"], data["rows"], data["state"]
-        if keys.ndim != 1 or rows.shape[0] != keys.size or state.shape[0] != keys.size:
-            raise ValueError(
-                f"{path}: keys {keys.shape}, rows {rows.shape} and state {state.shape} do not line up"
-            )
-        yield int(path.parent.name), keys, rows, state
+        yield from _parts(path, int(path.parent.name))
+
+
+def _parts(path: Path, next_batch: int) -> Iterator[tuple[int, np.ndarray, np.ndarray, np.ndarray]]:
+    with zipfile.ZipFile(path) as archive:
+        members = {name: archive.open(f"{name}.npy") for name in ("keys", "rows", "state")}
+        try:
+            headers = {}
+            for name, member in members.items():
+                version = np.lib.format.read_magic(member)
+                read_header = (
+                    np.lib.format.read_array_header_1_0
+                    if version == (1, 0)
+                    else np.lib.format.read_array_header_2_0
+                )
+                shape, fortran, dtype = read_header(member)
+                if fortran:
+                    raise ValueError(f"{path}: {name} is stored in Fortran order")
+                headers[name] = (shape, dtype)
+            (keys, _), (rows, _), (state, _) = headers["keys"], headers["rows"], headers["state"]
+            lined_up = len(keys) == 1 and len(rows) == len(state) == 2 and keys[0] == rows[0] == state[0]
+            if not lined_up:
+                raise ValueError(f"{path}: keys {keys}, rows {rows} and state {state} do not line up")
+            for start in range(0, keys[0], _CHUNK_ROWS):
+                count = min(_CHUNK_ROWS, keys[0] - start)
+                part = [
+                    _read_rows(path, name, members[name], dtype, shape[1:], start, count)
+                    for name, (shape, dtype) in headers.items()
+                ]
+                yield next_batch, part[0], part[1], part[2]
+        finally:
+            for member in members.values():
+                member.close()
+
+
+def _read_rows(
+    path: Path,
+    name: str,
+    member: Any,
+    dtype: np.dtype[Any],
+    row_shape: tuple[int, ...],
+    start: int,
+    count: int,
+) -> np.ndarray:
+    """Rows ``start`` .. ``start + count`` of array ``name``, read from its stream (at row ``start``)."""
+    width = int(np.prod(row_shape, dtype=np.int64))
+    size = count * width * dtype.itemsize
+    data = bytearray(size)
+    view, got = memoryview(data), 0
+    while got < size:
+        n = member.readinto(view[got:])
+        if not n:
+            rows = start + got // max(1, width * dtype.itemsize)
+            raise ValueError(f"{path}: {name} ends after {rows} of its rows")
+        got += n
+    return np.frombuffer(data, dtype=dtype).reshape((count, *row_shape))
 
 
 def prune(directory: str | os.PathLike[str], keep: int) -> list[int]:

@@ -5,9 +5,12 @@ restore into fresh stores, compared with the rows the stores held at that checkp
 from __future__ import annotations
 
 import errno
+import io
+import json
 import os
 import shutil
 import subprocess
+import zipfile
 from pathlib import Path
 from typing import Any
 
@@ -247,3 +250,36 @@ def test_a_full_disk_names_the_directory_and_damages_nothing(small_disk: Path) -
 )
 def test_only_a_full_or_read_only_volume_is_a_final_checkpoint_error(error: OSError, final: bool) -> None:
     assert snapshots.final(error) is final
+
+
+def test_row_files_are_read_in_parts_and_a_short_one_is_refused_naming_it(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A full snapshot holds a whole shard: a restore reads it ``_CHUNK_ROWS`` rows at a time, so that a
+    server with a row tier stays within its budget. The parts are the file's rows in order; files written
+    by ``np.savez_compressed`` read the same; a file that ends early is refused, naming it."""
+    monkeypatch.setattr(snapshots, "_CHUNK_ROWS", 7)
+    rng = np.random.default_rng(4)
+    keys = rng.permutation(1000)[:30].astype(np.int64)
+    rows = rng.standard_normal((30, 3)).astype(np.float32)
+    state = rng.random((30, 2)).astype(np.float32)
+    name, _ = snapshots.write_rows(tmp_path, 10, 0, keys, rows, state, full=True)
+    (snapshots.path_of(tmp_path, 10) / snapshots.MANIFEST).write_text(
+        json.dumps({"next_batch": 10, "full": True, "row_files": [name]})
+    )
+    path = snapshots.path_of(tmp_path, 10) / name
+    for writer in ("ours", "numpy"):
+        if writer == "numpy":
+            np.savez_compressed(path, keys=keys, rows=rows, state=state)
+        parts = list(snapshots.row_deltas(tmp_path, 10))
+        assert [p[1].size for p in parts] == [7, 7, 7, 7, 2] and {p[0] for p in parts} == {10}
+        for got, want in zip((1, 2, 3), (keys, rows, state), strict=True):
+            np.testing.assert_array_equal(np.concatenate([p[got] for p in parts]), want)
+    snapshots.write_rows(tmp_path, 10, 0, keys, rows, state, full=True)
+    data = path.read_bytes()
+    with zipfile.ZipFile(path, "w") as archive, zipfile.ZipFile(io.BytesIO(data)) as whole:
+        for member in whole.namelist():  # (state's last rows lost)
+            content = whole.read(member)
+            archive.writestr(member, content[:-40] if member == "state.npy" else content)
+    with pytest.raises(ValueError, match=f"{path}: state ends after 25 of its rows"):
+        list(snapshots.row_deltas(tmp_path, 10))
