@@ -51,6 +51,13 @@ def build_parser() -> argparse.ArgumentParser:
     g = s.add_argument_group("plan")
     g.add_argument("--batch-size", type=int, default=16384, help="global batch size (default 16384)")
     g.add_argument("--trainers", type=int, default=8, help="logical trainers (default 8)")
+    g.add_argument(
+        "--oracles",
+        type=int,
+        default=1,
+        help="oracle shards: each plans its keys (the embedding servers' bucket map over K shards) with its "
+        "part of --cache-rows, timed alone (default 1)",
+    )
     g.add_argument("--iterations", type=int, default=60, help="batches measured (default 60)")
     g.add_argument(
         "--embedding-dim", type=int, default=16, help="embedding dimension, for bytes (default 16)"

@@ -23,12 +23,16 @@ import numpy as np
 
 from bagpipe.core.data import table_offsets
 from bagpipe.core.optim import OptimizerConfig
-from bagpipe.core.plans import all_trainers, mask_dtype, traffic, trainer_users
+from bagpipe.core.plans import all_trainers, traffic, trainer_users
+from bagpipe.core.shard_map import ShardMap
 from bagpipe.data_processor.batches import numbered_batches
 from bagpipe.data_processor.config import source_of
 from bagpipe.oracle_cacher.lookahead import LookaheadPlanner
 
 MODES = ("replicated", "lrpp", "lrpp+delayed")
+
+
+_Part = tuple[int, np.ndarray, np.ndarray, bool]  # a batch's keys of one shard: (number, keys, users, last)
 
 
 @dataclass
@@ -45,77 +49,118 @@ class _Totals:
         return {k: v / max(1, self.batches) for k, v in self.sums.items()}
 
 
+def shard_capacity(capacity: int | None, oracles: int, shard: int) -> int | None:
+    """Oracle shard ``shard``'s part of the cache's ``capacity`` rows: an equal part, the first
+    ``capacity % oracles`` shards one row more (None: no bound)."""
+    if capacity is None:
+        return None
+    return capacity // oracles + (1 if shard < capacity % oracles else 0)
+
+
 def plan_stats(args: argparse.Namespace) -> dict[str, Any]:
-    """Plans ``args.iterations`` batches three ways and returns the per-iteration figures."""
+    """Plans ``args.iterations`` batches three ways and returns the per-iteration figures. With
+    ``args.oracles`` K > 1, each way by K planners, one per oracle shard, each given its keys of every batch
+    (the embedding servers' bucket map over K shards) and its part of the capacity; each planner is timed
+    alone, so the slowest shard's time is what K shards on K cores would take."""
     if args.batch_size % args.trainers:
         raise SystemExit(f"--batch-size: {args.batch_size} does not split over {args.trainers} trainers")
+    oracles = getattr(args, "oracles", 1)
+    if oracles < 1:
+        raise SystemExit(f"--oracles: must be >= 1, got {oracles}")
     source = source_of(args)
     num_keys = int(table_offsets(source.table_rows)[-1])
+    shard_map = ShardMap.create(num_keys, oracles)
     lookahead = args.lookahead or args.max_lookahead
     width = OptimizerConfig(args.optimizer).state_width(args.embedding_dim)
     planners = {
-        "replicated": LookaheadPlanner(
-            num_keys, lookahead, args.trainers, args.cache_rows, args.reuse_delay, False
-        ),
-        "lrpp": LookaheadPlanner(num_keys, lookahead, args.trainers, args.cache_rows, args.reuse_delay, True),
+        name: [
+            LookaheadPlanner(
+                num_keys,
+                lookahead,
+                args.trainers,
+                shard_capacity(args.cache_rows, oracles, shard),
+                args.reuse_delay,
+                name == "lrpp",
+            )
+            for shard in range(oracles)
+        ]
+        for name in ("replicated", "lrpp")
     }
-    everyone = np.full(1, all_trainers(args.trainers), dtype=mask_dtype(args.trainers))
+    everyone = all_trainers(args.trainers)
     totals = {mode: _Totals() for mode in MODES}
     windows: dict[str, list[int]] = {name: [] for name in planners}
-    waiting: dict[str, deque[tuple[int, np.ndarray, np.ndarray, bool]]] = {name: deque() for name in planners}
+    waiting = {name: [deque[_Part]() for _ in range(oracles)] for name in planners}
     measured = args.iterations
-    plan_seconds = 0.0
+    shard_seconds = np.zeros(oracles)
+    shard_unique = np.zeros(oracles, dtype=np.int64)
     started = time.perf_counter()
     for arrays, last in numbered_batches(
         source.open(), source.table_rows, args.batch_size, 0, 1, measured + lookahead - 1
     ):
         users = trainer_users(arrays.inverse, arrays.keys.size, args.trainers)
-        t0 = time.perf_counter()
-        for name, planner in planners.items():
-            replicated = name == "replicated"
-            waiting[name].append(
-                (arrays.number, arrays.keys, np.repeat(everyone, users.size) if replicated else users, last)
-            )
-            while True:
-                while waiting[name] and planner.wants_more():
-                    number, keys, u, is_last = waiting[name][0]
-                    if not planner.push(number, keys, last=is_last, users=u):
+        owner = shard_map.shard_of(arrays.keys)
+        for shard in range(oracles):
+            mine = owner == shard
+            keys, its_users = arrays.keys[mine], users[mine]
+            if arrays.number < measured:
+                shard_unique[shard] += keys.size
+            t0 = time.perf_counter()
+            for name, planner in ((n, planners[n][shard]) for n in planners):
+                replicated = name == "replicated"
+                queue = waiting[name][shard]
+                used_by = np.full_like(its_users, everyone) if replicated else its_users
+                queue.append((arrays.number, keys, used_by, last))
+                while True:
+                    while queue and planner.wants_more():
+                        number, k, u, is_last = queue[0]
+                        if not planner.push(number, k, last=is_last, users=u):
+                            break
+                        queue.popleft()
+                    if not planner.can_pop():
                         break
-                    waiting[name].popleft()
-                if not planner.can_pop():
-                    break
-                plan = planner.pop()
-                if plan.batch >= measured:
-                    continue
-                windows[name].append(plan.window)
-                totals[name].add(traffic(plan, args.embedding_dim, width, delayed=False).as_dict())
-                if not replicated:
-                    totals["lrpp+delayed"].add(
-                        traffic(plan, args.embedding_dim, width, delayed=True).as_dict()
-                    )
-        plan_seconds += time.perf_counter() - t0
+                    plan = planner.pop()
+                    if plan.batch >= measured:
+                        continue
+                    windows[name].append(plan.window)
+                    totals[name].add(traffic(plan, args.embedding_dim, width, delayed=False).as_dict())
+                    if not replicated:
+                        totals["lrpp+delayed"].add(
+                            traffic(plan, args.embedding_dim, width, delayed=True).as_dict()
+                        )
+            shard_seconds[shard] += time.perf_counter() - t0
     elapsed = time.perf_counter() - started
+    for mode in MODES:  # (K parts a batch: the figures of the batch are their sums)
+        totals[mode].batches //= oracles
     result: dict[str, Any] = {
         "data": args.data,
         "scale": args.scale,
         "total_rows": int(num_keys),
         "batch_size": args.batch_size,
         "trainers": args.trainers,
+        "oracles": oracles,
         "lookahead": lookahead,
         "cache_rows": args.cache_rows,
         "embedding_dim": args.embedding_dim,
         "optimizer": args.optimizer,
         "iterations": totals["lrpp"].batches,
         "seconds": elapsed,
-        "planning_seconds": plan_seconds,
+        "planning_seconds": float(shard_seconds.sum()),
+        # each shard's planning (both planners of the three designs), measured alone: K shards on K cores
+        # take the slowest one's time
+        "shards": [
+            {"planning_seconds": float(t), "unique_per_iteration": float(u) / max(1, measured)}
+            for t, u in zip(shard_seconds, shard_unique, strict=True)
+        ],
+        "slowest_shard_seconds": float(shard_seconds.max()),
         "modes": {},
     }
     for mode in MODES:
-        planner_name = "replicated" if mode == "replicated" else "lrpp"
+        name = "replicated" if mode == "replicated" else "lrpp"
         figures = totals[mode].per_iteration()
-        figures["peak_occupancy_rows"] = planners[planner_name].peak_occupancy
-        figures["slot_high_water"] = planners[planner_name].slot_high_water
-        figures["lookahead_min"] = min(windows[planner_name], default=0)
+        # (with shards, the sums of theirs: each shard's peak may come at another batch)
+        figures["peak_occupancy_rows"] = sum(p.peak_occupancy for p in planners[name])
+        figures["slot_high_water"] = sum(p.slot_high_water for p in planners[name])
+        figures["lookahead_min"] = min(windows[name], default=0)
         result["modes"][mode] = figures
     base = result["modes"]["replicated"]
     for mode in MODES:
@@ -134,7 +179,12 @@ def format_stats(r: dict[str, Any]) -> str:
         f"plan statistics: {r['data']} (scale {r['scale']}, {r['total_rows']:,} rows), batch "
         f"{r['batch_size']:,}, "
         f"{r['trainers']} logical trainers, L={r['lookahead']}, {r['iterations']} iterations "
-        f"({r['seconds']:.1f} s, planning {r['planning_seconds']:.1f} s)",
+        f"({r['seconds']:.1f} s, planning {r['planning_seconds']:.1f} s"
+        + (
+            f"; {r['oracles']} oracle shards, the slowest {r['slowest_shard_seconds']:.1f} s)"
+            if r["oracles"] > 1
+            else ")"
+        ),
         "per iteration            unique   prefetched  critical rows  background rows  critical MB  "
         "background MB  "
         "critical rows saved",

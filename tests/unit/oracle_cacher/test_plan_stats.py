@@ -62,3 +62,22 @@ def test_plan_stats_table_names_every_design(capsys: pytest.CaptureFixture[str])
 def test_plan_stats_rejects_a_batch_that_does_not_split(capsys: pytest.CaptureFixture[str]) -> None:
     with pytest.raises(SystemExit, match="does not split over 3 trainers"):
         main(["plan-stats", "--batch-size", "100", "--trainers", "3", "--iterations", "2"])
+
+
+def test_oracle_shards_plan_every_key_by_the_same_rules(capsys: pytest.CaptureFixture[str]) -> None:
+    """Planning by key range (``--oracles K``): each key's decisions depend on its own accesses alone, so
+    with an unbounded cache K shards prefetch and synchronise exactly the rows one oracle does; each shard
+    is timed alone and plans its own part of the keys."""
+    figures = {}
+    for oracles in (1, 3):
+        argv = ["plan-stats", "--scale", "0.002", "--batch-size", "512", "--trainers", "4"]
+        main([*argv, "--lookahead", "6", "--iterations", "12", "--oracles", str(oracles), "--json"])
+        figures[oracles] = json.loads(capsys.readouterr().out)
+    one, three = figures[1], figures[3]
+    assert three["oracles"] == 3 and len(three["shards"]) == 3 and three["iterations"] == one["iterations"] == 12
+    for mode in ("replicated", "lrpp", "lrpp+delayed"):
+        for figure in ("unique", "prefetched", "critical_rows", "background_rows", "critical_bytes"):
+            assert three["modes"][mode][figure] == pytest.approx(one["modes"][mode][figure]), (mode, figure)
+    parts = [s["unique_per_iteration"] for s in three["shards"]]
+    assert sum(parts) == pytest.approx(one["modes"]["lrpp"]["unique"]) and min(parts) > 0
+    assert three["slowest_shard_seconds"] <= three["planning_seconds"]
