@@ -100,11 +100,8 @@ PROFILES: dict[str, dict[str, Any]] = {
             "iterations": 60,
             "fractions": [1.0, 0.1],
             "goal": 0.1,
-            "pair_iterations": 120,
-            # (each job alone: in turns, a job frozen for a slice of its 0.4 s iterations found its Redis
-            # keeper taking the freeze for a hung Redis, and failed)
-            "pairs": [],
-            "rates": [],
+            "pair_iterations": 160,
+            "rates": ["1gbit"],
         },
         "sections": ["systems", "network", "torchrec", "tier"],
     },

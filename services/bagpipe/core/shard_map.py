@@ -124,6 +124,11 @@ class ShardMap:
         position[owned] = np.arange(owned.size)
         return position, int(owned.size) * self.rows_per_bucket
 
+    def local_rows(self, keys: np.ndarray, position: np.ndarray) -> np.ndarray:
+        """The local row of each of ``keys`` on the shard whose ``local_layout`` gives ``position`` (keys
+        of that shard only: unchecked)."""
+        return position[keys % self.num_buckets] * self.rows_per_bucket + keys // self.num_buckets
+
     def local_keys(self, shard: int) -> np.ndarray:
         """Global key of every local row slot of ``shard`` (-1 for padding past the last key)."""
         owned = self.buckets_of(shard)

@@ -72,10 +72,13 @@ def plan_stats(args: argparse.Namespace) -> dict[str, Any]:
     shard_map = ShardMap.create(num_keys, oracles)
     lookahead = args.lookahead or args.max_lookahead
     width = OptimizerConfig(args.optimizer).state_width(args.embedding_dim)
+    # each shard plans its own rows, numbered as an embedding server numbers them (its buckets' rows in
+    # turn): its planner's records are its keys' alone
+    layouts = [shard_map.local_layout(shard) for shard in range(oracles)]
     planners = {
         name: [
             LookaheadPlanner(
-                num_keys,
+                layouts[shard][1],
                 lookahead,
                 args.trainers,
                 shard_capacity(args.cache_rows, oracles, shard),
@@ -101,7 +104,9 @@ def plan_stats(args: argparse.Namespace) -> dict[str, Any]:
         owner = shard_map.shard_of(arrays.keys)
         for shard in range(oracles):
             mine = owner == shard
-            keys, its_users = arrays.keys[mine], users[mine]
+            keys = shard_map.local_rows(arrays.keys[mine], layouts[shard][0])
+            order = np.argsort(keys, kind="stable")  # (the planner takes a batch's keys sorted)
+            keys, its_users = keys[order], users[mine][order]
             if arrays.number < measured:
                 shard_unique[shard] += keys.size
             t0 = time.perf_counter()
