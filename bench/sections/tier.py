@@ -86,7 +86,9 @@ def _policy(policy: str, budget: int) -> tuple[str, ...]:
 def run(profile: dict[str, Any], out: Path) -> dict[str, Any]:
     settings = profile["tier"]
     scale, iterations = settings["scale"], settings["iterations"]
-    tiered = {**profile, "scale": scale, "pair_iterations": settings["pair_iterations"]}
+    # (the goal's point may take a model and batch of its own: the paper's DLRM at >= 4 GB on disk)
+    own = {k: settings[k] for k in ("model", "batch") if k in settings}
+    profile = tiered = {**profile, **own, "scale": scale, "pair_iterations": settings["pair_iterations"]}
     saved = out / "runs" / "tier-model.pt"
     run_job(parse_run(job_argv("tier-save", tiered, out, "--save-initial", str(saved), iterations=1)[1:]))
     # (every job's servers at normal priority, as --row-memory puts them: the reference's too)
