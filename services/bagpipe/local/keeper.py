@@ -147,25 +147,26 @@ CRASH_LOOP_RESTARTS = 20
 
 
 class Silence:
-    """How long Redis has not answered, as a liveness probe counts it: the time of the probes that failed
-    in a row, each counted for at most ``probe_timeout`` (+1 s). A probe that outlasts that did not wait
-    on Redis alone: this process was itself stopped (a job frozen in turns, ``SIGSTOP`` to its process
-    group, with Redis), and the time it did not run is no evidence that Redis hangs."""
+    """How long Redis has not answered, as a liveness probe counts it: the time since the last answer, over
+    the failed probes in a row, each stretch between two looks counted for at most ``probe_timeout``
+    (+1 s). A stretch longer than that did not wait on Redis alone: this process was itself stopped (a job
+    frozen in turns, ``SIGSTOP`` to its process group, Redis with it), and the time it did not run is no
+    evidence that Redis hangs. A Redis that hangs makes each probe wait its timeout; one that refuses at
+    once fails every look: both add up as before."""
 
     def __init__(self, probe_timeout: float) -> None:
         self.cap = probe_timeout + 1.0
         self.seconds = 0.0
-        self._since = time.monotonic()  # when the last probe started
-
-    def probe(self) -> None:
-        """A probe starts."""
-        self._since = time.monotonic()
+        self._looked = time.monotonic()  # the last answer or failure
 
     def answered(self) -> None:
         self.seconds = 0.0
+        self._looked = time.monotonic()
 
     def failed(self) -> None:
-        self.seconds += min(time.monotonic() - self._since, self.cap)
+        now = time.monotonic()
+        self.seconds += min(now - self._looked, self.cap)
+        self._looked = now
 
 
 def keep_alive(

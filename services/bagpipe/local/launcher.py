@@ -347,7 +347,6 @@ def _keep(
             )
             print(f"failure: {failure.component} {failure.detail}; giving up", file=sys.stderr)
             raise RuntimeError(f"{failure.component} failed {why}: {failure}") from None
-        redis_silent.probe()
         try:
             generation = current(registry)
             progress = registry.progress()

@@ -50,19 +50,21 @@ def test_silence_counts_failed_probes_not_the_time_the_keeper_itself_was_stopped
     now = [1000.0]
     monkeypatch.setattr(keeper.time, "monotonic", lambda: now[0])
     silence = Silence(probe_timeout=10.0)
-    silence.probe()
     now[0] += 600.0  # (stopped mid-probe for ten minutes)
     silence.failed()
     assert silence.seconds == 11.0
-    silence.probe()
     now[0] += 0.01
     silence.answered()  # (thawed with it, Redis answers the next probe)
     assert silence.seconds == 0.0
     for _ in range(5):  # a hung Redis: each probe waits out its timeout
-        silence.probe()
         now[0] += 10.0
         silence.failed()
     assert silence.seconds == 50.0
+    silence.answered()
+    for _ in range(30):  # one that refuses at once, looked at every 0.1 s: the time between looks counts
+        now[0] += 0.1
+        silence.failed()
+    assert silence.seconds == pytest.approx(3.0)
 
 
 @pytest.mark.parametrize("code", [65, 74])
