@@ -306,6 +306,6 @@ def targets(results: dict[str, Any]) -> tuple[list[Target], list[str]]:
     if tier["rows_on_disk_bytes"] < 4e9:
         notes.append(
             f"tier: {tier['rows_on_disk_bytes'] / 1e9:.2f} GB of rows on disk, short of the goal's 4 GB "
-            "(the profile's scale; the medium profile's tier holds more)"
+            "(the profile's scale; make bench's, the quick profile's, holds more)"
         )
     return found, notes

@@ -18,8 +18,8 @@ PAPER_DLRM = [
 # with their Adagrad state: 2 servers of 2.47 GB, 4.67 GB of rows on disk at 10%), every row stored (the
 # jobs start from a saved model), each server's --row-memory a fraction of its shard (each alone); at the
 # goal's fraction, pairs run in turns against all in memory (on loopback and behind the limited link) and
-# against the two baselines. With the quick model (20 ms iterations, 0.31 GB on disk at scale 0.02) the
-# tier's CPU on the cores the trainers share showed instead (1.22x); its servers have no cores of their own
+# against the two baselines. With the quick model (profile tier-small, below) the tier's CPU on the cores
+# the trainers share shows instead; its servers have no cores of their own
 TIER_GOAL: dict[str, Any] = {
     "model": PAPER_DLRM,
     "batch": 4096,
@@ -138,4 +138,20 @@ PROFILES: dict[str, dict[str, Any]] = {
         "skew_rounds": 3,
         "embedding_server": {"scale": 1.0, "keys": 16384, "concurrency": 4, "seconds": 60},
     },
+}
+
+# the row tier at the quick model's size (dim 64, 20 ms iterations, scale 0.02: 2 servers of 165 MiB,
+# 0.31 GB on disk at 10%): what the tier's CPU costs where its servers share the trainers' 2 cores
+PROFILES["tier-small"] = {
+    **PROFILES["quick"],
+    "tier": {
+        "scale": "0.02",
+        "iterations": 150,
+        "fractions": [1.0, 0.5, 0.2, 0.1, 0.05],
+        "goal": 0.1,
+        # (300 gave 2-4 slices a job, and the pair's ratio moved from 1.10x to 1.17x between two runs)
+        "pair_iterations": 800,
+        "rates": ["1gbit"],
+    },
+    "sections": ["tier"],
 }
