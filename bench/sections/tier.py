@@ -54,7 +54,7 @@ def scraped(run_dir: Path) -> dict[str, float]:
 
 
 def _figures(result: dict[str, Any], run_dir: Path, iterations: int, batch: int) -> dict[str, Any]:
-    """One tiered job's figures: its timings (``job`` or ``interleaved``'s) and its servers' last scrape."""
+    """One profile job's figures: its timings (``job`` or ``interleaved``'s) and its servers' last scrape."""
     figures = scraped(run_dir)
     reads = figures.get("rows_prefetched", 0.0) + figures.get("rows_waited", 0.0)
     samples = iterations * batch
@@ -88,9 +88,9 @@ def run(profile: dict[str, Any], out: Path) -> dict[str, Any]:
     scale, iterations = settings["scale"], settings["iterations"]
     # (the goal's point may take a model and batch of its own: the paper's DLRM at >= 4 GB on disk)
     own = {k: settings[k] for k in ("model", "batch") if k in settings}
-    profile = tiered = {**profile, **own, "scale": scale, "pair_iterations": settings["pair_iterations"]}
+    profile = {**profile, **own, "scale": scale, "pair_iterations": settings["pair_iterations"]}
     saved = out / "runs" / "tier-model.pt"
-    run_job(parse_run(job_argv("tier-save", tiered, out, "--save-initial", str(saved), iterations=1)[1:]))
+    run_job(parse_run(job_argv("tier-save", profile, out, "--save-initial", str(saved), iterations=1)[1:]))
     # (every job's servers at normal priority, as --row-memory puts them: the reference's too)
     # (a job frozen while its pair's other runs must not take the freeze for a failure: the medium profile's
     # iterations, 0.4 s, outlast the thaws that show a held job's progress)
@@ -104,7 +104,7 @@ def run(profile: dict[str, Any], out: Path) -> dict[str, Any]:
     for fraction in settings["fractions"]:
         budget = max(1 << 20, int(per_server * fraction))
         name = f"tier-lookahead-{fraction:g}"
-        result = job(name, tiered, out, *start, *_policy("lookahead", budget), iterations=iterations)
+        result = job(name, profile, out, *start, *_policy("lookahead", budget), iterations=iterations)
         sweep.append(
             {
                 "fraction": fraction,
@@ -129,7 +129,7 @@ def run(profile: dict[str, Any], out: Path) -> dict[str, Any]:
                 (f"tier-pair-{other}", start + flags),
                 (f"tier-pair-{other}-lookahead", start + list(_policy("lookahead", goal))),
             ],
-            tiered,
+            profile,
             out,
             hold_at=settings["pair_iterations"] // 2,
         )
@@ -151,7 +151,7 @@ def run(profile: dict[str, Any], out: Path) -> dict[str, Any]:
                     (f"tier-pair-memory-{rate}", start + link),
                     (f"tier-pair-memory-{rate}-lookahead", start + link + list(_policy("lookahead", goal))),
                 ],
-                tiered,
+                profile,
                 out,
                 hold_at=settings["pair_iterations"] // 2,
             )
@@ -189,7 +189,7 @@ def run(profile: dict[str, Any], out: Path) -> dict[str, Any]:
     }
 
 
-# a tiered shard's bookkeeping a row: its memory slot, disk slot, next use, last batch and its place in it,
+# a profile shard's bookkeeping a row: its memory slot, disk slot, next use, last batch and its place in it,
 # flags (34 bytes), and the row file's owner of each slot, up to two slots a row (16)
 INDEX_BYTES_PER_ROW = 50
 

@@ -341,7 +341,7 @@ class RowTier:
         # all or nothing (a disk that fails mid-way, a full one): room first, whose evictions write other
         # rows and may fail with none of these stored; then the rows that go to disk, whose failure gives
         # the room back; only then the rows in memory, which cannot fail
-        taken = self._take_slots(missing.size, index) if missing.size else missing
+        taken = self._take_slots(missing.size, index) if missing.size else self._free[:0]
         if direct.size:
             try:
                 self.log.write(index[direct], values[direct])

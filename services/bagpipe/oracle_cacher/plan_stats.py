@@ -64,7 +64,7 @@ def plan_stats(args: argparse.Namespace) -> dict[str, Any]:
     alone, so the slowest shard's time is what K shards on K cores would take."""
     if args.batch_size % args.trainers:
         raise SystemExit(f"--batch-size: {args.batch_size} does not split over {args.trainers} trainers")
-    oracles = getattr(args, "oracles", 1)
+    oracles = args.oracles
     if oracles < 1:
         raise SystemExit(f"--oracles: must be >= 1, got {oracles}")
     source = source_of(args)
