@@ -23,8 +23,8 @@ import numpy as np
 
 from bagpipe.core.data import table_offsets
 from bagpipe.core.optim import OptimizerConfig
+from bagpipe.core.oracle_shards import KeyShards, shard_capacity
 from bagpipe.core.plans import all_trainers, traffic, trainer_users
-from bagpipe.core.shard_map import ShardMap
 from bagpipe.data_processor.batches import numbered_batches
 from bagpipe.data_processor.config import source_of
 from bagpipe.oracle_cacher.lookahead import LookaheadPlanner
@@ -49,14 +49,6 @@ class _Totals:
         return {k: v / max(1, self.batches) for k, v in self.sums.items()}
 
 
-def shard_capacity(capacity: int | None, oracles: int, shard: int) -> int | None:
-    """Oracle shard ``shard``'s part of the cache's ``capacity`` rows: an equal part, the first
-    ``capacity % oracles`` shards one row more (None: no bound)."""
-    if capacity is None:
-        return None
-    return capacity // oracles + (1 if shard < capacity % oracles else 0)
-
-
 def plan_stats(args: argparse.Namespace) -> dict[str, Any]:
     """Plans ``args.iterations`` batches three ways and returns the per-iteration figures. With
     ``args.oracles`` K > 1, each way by K planners, one per oracle shard, each given its keys of every batch
@@ -69,16 +61,14 @@ def plan_stats(args: argparse.Namespace) -> dict[str, Any]:
         raise SystemExit(f"--oracles: must be >= 1, got {oracles}")
     source = source_of(args)
     num_keys = int(table_offsets(source.table_rows)[-1])
-    shard_map = ShardMap.create(num_keys, oracles)
+    shards = KeyShards(num_keys, oracles)
     lookahead = args.lookahead or args.max_lookahead
     width = OptimizerConfig(args.optimizer).state_width(args.embedding_dim)
-    # each shard plans its own rows, numbered as an embedding server numbers them (its buckets' rows in
-    # turn): its planner's records are its keys' alone
-    layouts = [shard_map.local_layout(shard) for shard in range(oracles)]
+    # each shard plans its own rows (core/oracle_shards.py): its planner's records are its keys' alone
     planners = {
         name: [
             LookaheadPlanner(
-                layouts[shard][1],
+                shards.rows(shard),
                 lookahead,
                 args.trainers,
                 shard_capacity(args.cache_rows, oracles, shard),
@@ -101,12 +91,10 @@ def plan_stats(args: argparse.Namespace) -> dict[str, Any]:
         source.open(), source.table_rows, args.batch_size, 0, 1, measured + lookahead - 1
     ):
         users = trainer_users(arrays.inverse, arrays.keys.size, args.trainers)
-        owner = shard_map.shard_of(arrays.keys)
+        split = shards.split(arrays.keys)
         for shard in range(oracles):
-            mine = owner == shard
-            keys = shard_map.local_rows(arrays.keys[mine], layouts[shard][0])
-            order = np.argsort(keys, kind="stable")  # (the planner takes a batch's keys sorted)
-            keys, its_users = keys[order], users[mine][order]
+            mine = split.part(shard)  # (by local row: the planner takes a batch's keys sorted)
+            keys, its_users = split.local[mine], users[mine]
             if arrays.number < measured:
                 shard_unique[shard] += keys.size
             t0 = time.perf_counter()

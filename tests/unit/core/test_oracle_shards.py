@@ -1,0 +1,43 @@
+"""The key -> oracle shard map: a batch's keys in shard order, and back."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+from bagpipe.core.oracle_shards import KeyShards, shard_capacity
+
+
+@pytest.mark.parametrize(("num_keys", "shards"), [(5000, 2), (5000, 3), (700, 4), (3, 2)])
+def test_a_batch_split_by_shard_is_put_back_by_the_inverse(num_keys: int, shards: int) -> None:
+    rng = np.random.default_rng(shards)
+    key_shards = KeyShards(num_keys, shards)
+    samples = rng.integers(0, num_keys, size=(64, 3))
+    keys, inverse = np.unique(samples, return_inverse=True)
+    inverse = inverse.reshape(samples.shape).astype(np.int32)
+    split = key_shards.split(keys)
+    in_order = np.concatenate([keys[split.part(s)] for s in range(shards)])
+    # the samples' keys are found through the new inverse in the parts concatenated in shard order
+    assert np.array_equal(in_order[split.inverse(inverse)], samples)
+    for s in range(shards):
+        local = split.local[split.part(s)]
+        assert (np.diff(local) > 0).all(), "a part's rows are sorted, unique"
+        assert local.size == 0 or (0 <= local.min() and local.max() < key_shards.rows(s))
+        assert np.array_equal(key_shards.global_keys(s, local), keys[split.part(s)])
+        assert (key_shards.map.shard_of(keys[split.part(s)]) == s).all()
+
+
+def test_every_key_has_one_local_row_in_its_shard() -> None:
+    key_shards = KeyShards(3000, 3)
+    keys = np.arange(3000)
+    split = key_shards.split(keys)
+    assert sum(split.part(s).size for s in range(3)) == 3000
+    for s in range(3):
+        local = split.local[split.part(s)]
+        assert np.unique(local).size == local.size
+
+
+def test_the_capacity_is_split_into_equal_parts() -> None:
+    assert [shard_capacity(10, 3, s) for s in range(3)] == [4, 3, 3]
+    assert shard_capacity(None, 3, 1) is None
+    with pytest.raises(ValueError, match="oracles"):
+        KeyShards(10, 0)
