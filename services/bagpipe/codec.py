@@ -105,10 +105,15 @@ class WireBatch:
 
 
 def encode_batch(
-    arrays: BatchArrays, last: bool, users: np.ndarray | None = None, slices: int = 0
+    arrays: BatchArrays,
+    last: bool,
+    users: np.ndarray | None = None,
+    slices: int = 0,
+    with_samples: bool = True,
 ) -> list[bytes]:
     """The serialised ``BatchPart``s of one batch: the ``Batch`` alone (with its samples), or with
-    ``slices`` > 0 the ``Batch`` without them followed by one ``Samples`` per trainer, in rank order.
+    ``slices`` > 0 the ``Batch`` without them followed by one ``Samples`` per trainer, in rank order (none
+    without ``with_samples``: an oracle shard that does not carry the batch's samples).
     ``users``: the per-key trainer masks (uint64; int64 on the wire, the same bits) or None."""
     masks = np.asarray(users, dtype=np.uint64).view(np.int64) if users is not None else None
     whole = not slices
@@ -122,7 +127,7 @@ def encode_batch(
         (7, masks),
     ]
     parts = [encode_message([(1, head)])]
-    if slices:
+    if slices and with_samples:
         if arrays.labels.shape[0] % slices:
             raise ValueError(
                 f"batch {arrays.number}: {arrays.labels.shape[0]} samples do not split into {slices}"
@@ -366,7 +371,7 @@ class EncodedPlan:
     @property
     def nbytes(self) -> int:
         """Bytes sent for the batch, over all trainers."""
-        return sum(len(self.rows) + len(s) + len(p) for s, p in zip(self.samples, self.plans, strict=True))
+        return sum(len(self.rows) + len(p) for p in self.plans) + sum(len(s) for s in self.samples)
 
 
 def encode_plans(
@@ -374,14 +379,16 @@ def encode_plans(
     samples: list[bytes],
     batch_size: int,
     checkpoint: tuple[np.ndarray, np.ndarray, np.ndarray] | None = None,
+    trainers: int | None = None,
 ) -> EncodedPlan:
     """``plan`` as StreamPlans sends it: the batch's rows (``PlanRows``), serialised once for all trainers;
     per trainer its ``Samples`` (``samples``, as the data processor sent them: ``check_samples``); and its
     ``Plan``: the plan's scalars and, with ``checkpoint`` (``LookaheadPlanner.cached()``: keys, slots,
     writer rank), the cached rows it writes out. The bytes are what ``PlanPart.SerializeToString`` would
     give (``wire.encode_message``); StreamPlans sends them as they are and a trainer reads its share with
-    :func:`decode_plan`."""
-    trainers = len(samples)
+    :func:`decode_plan`. ``trainers``: given when ``samples`` is empty (an oracle shard that does not carry
+    the batch's samples)."""
+    trainers = len(samples) if trainers is None else trainers
     shared = shared_plan(plan)
     rows = encode_message(
         [(1, [*_rows_fields(shared), (14, plan.batch), (15, shared.prefetch_first), (16, plan.first_since)])]
@@ -465,6 +472,47 @@ def _decode_rows(
     )
 
 
+def merge_rows(parts: Sequence[SharedPlan]) -> SharedPlan:
+    """The K oracle shards' rows of one batch as one: concatenated in shard order (the order the samples'
+    inverse indexes, core/oracle_shards.py), each part's indices into its rows moved past the parts before
+    it. One part is returned as it is."""
+    if len(parts) == 1:
+        return parts[0]
+    first = parts[0]
+    for i, part in enumerate(parts[1:], 1):
+        if part.first_since != first.first_since:
+            raise InvalidArgument(
+                f"plan {first.batch}: oracle shard {i}: first_since",
+                f"{part.first_since}, but shard 0 counts from {first.first_since}",
+            )
+    starts = np.cumsum([0, *(p.unique for p in parts[:-1])]).astype(np.int32)
+
+    def cat(name: str) -> np.ndarray:
+        return np.concatenate([getattr(p, name) for p in parts])
+
+    def moved(name: str) -> np.ndarray:
+        return np.concatenate([getattr(p, name) + start for p, start in zip(parts, starts, strict=True)])
+
+    return SharedPlan(
+        batch=first.batch,
+        slots=cat("slots"),
+        users=cat("users"),
+        sync=cat("sync"),
+        prefetch=moved("prefetch"),
+        prefetch_keys=cat("prefetch_keys"),
+        prefetch_holders=cat("prefetch_holders"),
+        evict=moved("evict"),
+        evict_keys=cat("evict_keys"),
+        evict_writer=cat("evict_writer"),
+        handover_slots=cat("handover_slots"),
+        handover_source=cat("handover_source"),
+        handover_recipients=cat("handover_recipients"),
+        handover_critical=cat("handover_critical"),
+        prefetch_first=cat("prefetch_first"),
+        first_since=first.first_since,
+    )
+
+
 def decode_plan(
     msg: opb.Plan,
     samples: dpb.Samples,
@@ -478,26 +526,65 @@ def decode_plan(
     trainer ``rank`` of ``trainers``, with a model of ``num_tables`` tables and ``num_dense`` dense
     features (every index stays inside the arrays it indexes), and cuts the trainer's share out of the
     rows (``core/plans.share``)."""
+    return decode_plans([(msg, rows_msg)], samples, num_tables, num_dense, rank, trainers)
+
+
+def decode_plans(
+    parts: Sequence[tuple[opb.Plan, opb.PlanRows]],
+    samples: dpb.Samples,
+    num_tables: int,
+    num_dense: int,
+    rank: int,
+    trainers: int,
+) -> TrainerBatch:
+    """``decode_plan`` of a batch planned by K oracle shards: shard ``I``'s ``Plan`` and ``PlanRows`` are
+    ``parts[I]``. Every part is checked as one plan is, the parts must agree on the batch's facts (its
+    number, size, whether it is the last and whether a checkpoint follows), and their rows are merged
+    (``merge_rows``): the samples' inverse indexes the merged rows."""
+    msg = parts[0][0]
     b = msg.batch
     where = f"plan {b}"
     if not 0 <= rank < trainers:
         raise ValueError(f"rank: must be in [0, {trainers}), got {rank}")
-    if rows_msg.batch != b:
-        raise InvalidArgument(f"{where}: rows", f"are batch {rows_msg.batch}'s")
+    facts = ("batch", "global_batch_size", "last", "checkpoint")
+    for i, (part, _) in enumerate(parts[1:], 1):
+        for name in facts:
+            if getattr(part, name) != getattr(msg, name):
+                raise InvalidArgument(
+                    f"{where}: oracle shard {i}: {name}",
+                    f"{getattr(part, name)}, but shard 0's plan says {getattr(msg, name)}",
+                )
     if msg.global_batch_size < trainers or msg.global_batch_size % trainers:
         raise InvalidArgument(
             f"{where}: global_batch_size", f"{msg.global_batch_size} does not split over {trainers} trainers"
         )
-    slot_high_water = max(1, msg.slot_high_water)
-    rows = _decode_rows(rows_msg, b, trainers, slot_high_water, f"{where}: rows")
+    high_water = max(part.slot_high_water for part, _ in parts)
+    slot_high_water = max(1, high_water)
+    decoded = []
+    for i, (_, rows_msg) in enumerate(parts):
+        rows_where = f"{where}: rows" if len(parts) == 1 else f"{where}: oracle shard {i}: rows"
+        if rows_msg.batch != b:
+            raise InvalidArgument(rows_where, f"are batch {rows_msg.batch}'s")
+        decoded.append(_decode_rows(rows_msg, b, trainers, slot_high_water, rows_where))
+    rows = merge_rows(decoded)
     size = msg.global_batch_size // trainers
     dense, labels, inverse = _samples(samples, b, rank, size, num_dense, num_tables)
     _check_index(inverse, rows.unique, f"batch {b}: samples: inverse")
     checkpoint_keys = checkpoint_slots = None
     if msg.checkpoint:
-        checkpoint_keys = _tensor(msg, "checkpoint_keys", np.int64, where, ndim=1)
-        checkpoint_slots = _tensor(msg, "checkpoint_slots", np.int32, where, shape=checkpoint_keys.shape)
-        _check_index(checkpoint_slots, slot_high_water, f"{where}: checkpoint_slots")
+        keys, slots = [], []
+        for part, _ in parts:
+            keys.append(_tensor(part, "checkpoint_keys", np.int64, where, ndim=1))
+            slots.append(_tensor(part, "checkpoint_slots", np.int32, where, shape=keys[-1].shape))
+            _check_index(slots[-1], slot_high_water, f"{where}: checkpoint_slots")
+        checkpoint_keys, checkpoint_slots = (
+            (np.concatenate(keys), np.concatenate(slots))
+            if len(parts) > 1
+            else (
+                keys[0],
+                slots[0],
+            )
+        )
     mine = share(rows, inverse, rank)
     if mine.inverse.size and int(mine.inverse.min()) < 0:
         row = int(inverse[mine.inverse < 0][0])
@@ -509,11 +596,11 @@ def decode_plan(
         share=mine,
         dense=dense,
         labels=labels,
-        slot_high_water=msg.slot_high_water,
+        slot_high_water=high_water,
         global_batch_size=msg.global_batch_size,
         last=msg.last,
-        lookahead=msg.lookahead,
-        occupancy=msg.occupancy,
+        lookahead=min(part.lookahead for part, _ in parts),
+        occupancy=sum(part.occupancy for part, _ in parts),
         unique_rows=rows.unique,
         checkpoint=msg.checkpoint,
         checkpoint_keys=checkpoint_keys,

@@ -433,6 +433,17 @@ def cache_rows_field() -> Any:
     )
 
 
+def oracles_field() -> Any:
+    """--oracles: the job's oracle shards (core/oracle_shards.py); every service that talks to the oracle
+    takes it, to reach all of them."""
+    return flag(
+        "oracle shards of the job: each plans the keys of its buckets for every trainer, with its part of "
+        "--cache-rows (core/oracle_shards.py)",
+        default=1,
+        parse=positive_int,
+    )
+
+
 def reuse_delay_field() -> Any:
     return flag(
         "batches a freed cache slot waits before reuse, so prefetches run ahead of write-backs (at most L)",

@@ -9,11 +9,19 @@ from bagpipe.config_args import (
     batch_or_latest,
     command_line,
     non_negative_int,
+    oracles_field,
     positive_float,
     positive_int,
 )
 from bagpipe.control.detector import DEFAULT_TIMEOUT_S
 from bagpipe.flags import flag
+
+
+def oracle_process(shard: int, oracles: int) -> str:
+    """The oracle's process (and log) name: ``oracle-cacher`` for a job's one oracle, ``oracle-cacher-I``
+    for shard I of several."""
+    return "oracle-cacher" if oracles == 1 else f"oracle-cacher-{shard}"
+
 
 KILLERS = ("local", "kubernetes", "none")
 RELEASE_KINDS = ("statefulset", "deployment")
@@ -24,6 +32,7 @@ class ControllerConfig:
     """What the controller watches and how it acts."""
 
     trainers: int = flag("the job's trainers", parse=positive_int)
+    oracles: int = oracles_field()
     coordination: Coordination = Coordination()
     checkpoint_dir: str | None = flag(
         "the recovery checkpoints (a generation starts at the newest)", default=None

@@ -48,7 +48,7 @@ from bagpipe.control.generation import (
 )
 from bagpipe.control.locks import CHECKPOINT_LOCK_OWNER, RESHARD_LOCK
 from bagpipe.control.registry import Registry
-from bagpipe.controller.config import ControllerConfig
+from bagpipe.controller.config import ControllerConfig, oracle_process
 from bagpipe.core import snapshots
 from bagpipe.core.shard_map import ShardMap
 from bagpipe.errors import BAD_DATA, TRAINING_FAULT
@@ -90,10 +90,13 @@ class NoActuator(LocalActuator):
         return f"{member} left as it is (--kill none)"
 
 
-def process_name(member: str) -> str:
-    """``trainer/1`` (a member) -> ``trainer-1`` (the process ``bagpipe run`` calls so, and its log)."""
+def process_name(member: str, oracles: int = 1) -> str:
+    """``trainer/1`` (a member) -> ``trainer-1`` (the process ``bagpipe run`` calls so, and its log), in a
+    job of ``oracles`` oracle shards."""
     service, index = member.split("/", 1)
-    return "oracle-cacher" if service == "oracle_cacher" else f"{service.replace('_', '-')}-{index}"
+    if service == "oracle_cacher":
+        return oracle_process(int(index), oracles) if index.isdigit() else f"oracle-cacher-{index}"
+    return f"{service.replace('_', '-')}-{index}"
 
 
 class Controller:
@@ -143,13 +146,17 @@ class Controller:
         return start if refused is None else refused
 
     def _serving(self) -> set[str] | None:
-        """The members that must ack a generation: the embedding servers holding buckets, the oracle (None
-        before the first server published the shard map: who holds buckets is not known yet)."""
+        """The members that must ack a generation: the embedding servers holding buckets, every oracle
+        shard (None before the first server published the shard map: who holds buckets is not known yet)."""
         shard_map = self.registry.shard_map()
         if shard_map is None:
             return None
         self.shard_map = shard_map
-        return {f"embedding_server/{s}" for s in shard_map.owners} | {"oracle_cacher/0"}
+        oracles = {f"oracle_cacher/{shard}" for shard in range(self.config.oracles)}
+        return {f"embedding_server/{s}" for s in shard_map.owners} | oracles
+
+    def _name(self, member: str) -> str:
+        return process_name(member, self.config.oracles)
 
     def _trainers(self) -> set[str]:
         return {f"trainer/{r}" for r in range(self.config.trainers)}
@@ -213,7 +220,7 @@ class Controller:
             return
         if now - self.since > self.config.formation_timeout:
             self._failed(
-                process_name(missing[0]),
+                self._name(missing[0]),
                 "gone",
                 f"did not join generation {generation.number} within {self.config.formation_timeout:g} s "
                 "(--formation-timeout)",
@@ -250,11 +257,11 @@ class Controller:
                 # (one still alive finds its registration gone and starts again, under its own name)
                 self.registry.forget_member(member)
             if reason.startswith(BAD_DATA):
-                self._failed(process_name(member), "data", reason, member=member, retry=False)
+                self._failed(self._name(member), "data", reason, member=member, retry=False)
             elif reason.startswith(TRAINING_FAULT):
-                self._failed(process_name(member), "training", reason, member=member, retry=False)
+                self._failed(self._name(member), "training", reason, member=member, retry=False)
             else:
-                self._failed(process_name(member), "failed", reason, member=member)
+                self._failed(self._name(member), "failed", reason, member=member)
             return
         acks, incarnations = self.registry.acks(generation.id), self.registry.incarnations()
         # A member started again is a failure if it held some of the generation's state. Not so a data
@@ -271,7 +278,12 @@ class Controller:
         ]
         if restarted:
             member = sorted(restarted)[0]
-            self._failed(process_name(member), "exited", "was restarted (a new process)", member=member)
+            self._failed(
+                self._name(member),
+                "exited",
+                "was restarted (a new process)",
+                member=member,
+            )
             return
         endpoints = {m: a for m, a in self.registry.metrics_endpoints().items() if m != "controller/0"}
         gone = self.watched - set(endpoints)
@@ -296,7 +308,7 @@ class Controller:
             except Exception as e:  # (the API server refused: recovery goes on; the member may come back)
                 done = f"could not be ended: {e}"
             logger.warning("%s %s: %s", worst.member, detail, done)
-            self._failed(process_name(worst.member), worst.kind, detail, member=worst.member)
+            self._failed(self._name(worst.member), worst.kind, detail, member=worst.member)
 
     # ---- acting
     def _begin(self, reason: str, start: int | None = None) -> Generation:

@@ -15,10 +15,12 @@ slots never meet.
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
 
 import numpy as np
 
+from bagpipe.core.plans import BatchPlan
 from bagpipe.core.shard_map import ShardMap
 
 __all__ = ["KeyShards", "shard_capacity"]
@@ -70,7 +72,7 @@ class KeyShards:
             self.position[owned] = np.arange(owned.size)
 
     def rows(self, shard: int) -> int:
-        """The local row numbers of shard ``shard``: ``[0, rows)`` (the last bucket's may run past the keys)."""
+        """Shard ``shard``'s local rows are ``[0, rows)`` (the last bucket's may run past the keys)."""
         return int(self.owned[shard].size) * self.map.rows_per_bucket
 
     def split(self, keys: np.ndarray) -> Split:
@@ -87,3 +89,28 @@ class KeyShards:
         m = self.map
         rows = np.asarray(local, dtype=np.int64)
         return self.owned[shard][rows // m.rows_per_bucket] + m.num_buckets * (rows % m.rows_per_bucket)
+
+    def global_slots(self, shard: int, slots: np.ndarray) -> np.ndarray:
+        """Shard ``shard``'s cache slots as the trainers' slots: ``s * K + shard``."""
+        return slots * np.int32(self.shards) + np.int32(shard)
+
+    def for_trainers(self, plan: BatchPlan, shard: int) -> BatchPlan:
+        """Shard ``shard``'s plan of its local rows in the trainers' terms: global keys and slots, and a slot
+        high-water mark K times the shard's (every slot of the shard lies below it)."""
+
+        def keys(local: np.ndarray) -> np.ndarray:
+            return self.global_keys(shard, local)
+
+        def slots(local: np.ndarray) -> np.ndarray:
+            return self.global_slots(shard, local)
+
+        h = plan.handovers
+        return dataclasses.replace(
+            plan,
+            keys=keys(plan.keys),
+            slots=slots(plan.slots),
+            prefetch_keys=keys(plan.prefetch_keys),
+            evict_keys=keys(plan.evict_keys),
+            handovers=dataclasses.replace(h, keys=keys(h.keys), slots=slots(h.slots)),
+            slot_high_water=plan.slot_high_water * self.shards,
+        )

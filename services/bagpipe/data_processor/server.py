@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import logging
 import time
 from collections.abc import Iterator
@@ -13,7 +14,8 @@ import numpy as np
 
 from bagpipe import serving
 from bagpipe.codec import encode_batch
-from bagpipe.core.data import BatchArrays, DataFormatError
+from bagpipe.core.data import BatchArrays, DataFormatError, table_offsets
+from bagpipe.core.oracle_shards import KeyShards
 from bagpipe.core.plans import MAX_TRAINERS, trainer_users
 from bagpipe.data_processor import metrics
 from bagpipe.data_processor.batches import numbered_batches
@@ -30,11 +32,33 @@ def _observe(seconds: float, bad_rows: int) -> None:
     metrics.BAD_ROWS.inc(bad_rows)
 
 
+def oracle_part(
+    arrays: BatchArrays, users: np.ndarray | None, shards: KeyShards, shard: int
+) -> tuple[BatchArrays, np.ndarray | None, bool]:
+    """Oracle shard ``shard``'s part of a batch (``core/oracle_shards.py``): its keys as its local rows,
+    sorted, with their masks, and whether it carries the batch's samples (number % shards == shard), whose
+    inverse then indexes the batch's keys in shard order."""
+    split = shards.split(arrays.keys)
+    mine = split.part(shard)
+    carries = arrays.number % shards.shards == shard
+    inverse = split.inverse(arrays.inverse) if carries else arrays.inverse
+    part = dataclasses.replace(arrays, keys=split.local[mine], inverse=inverse)
+    return part, (users[mine] if users is not None else None), carries
+
+
 def generate(
-    source: SourceConfig, batch_size: int, start: int, stride: int, end: int, trainers: int
-) -> Iterator[tuple[BatchArrays, bool, np.ndarray | None]]:
+    source: SourceConfig,
+    batch_size: int,
+    start: int,
+    stride: int,
+    end: int,
+    trainers: int,
+    shards: KeyShards | None = None,
+    shard: int = 0,
+) -> Iterator[tuple[BatchArrays, bool, np.ndarray | None, bool]]:
     """The batches a StreamBatches call asked for, with per-key trainer masks when ``trainers`` > 0
-    (timed as ``bagpipe_data_processor_trainer_mask_seconds``)."""
+    (timed as ``bagpipe_data_processor_trainer_mask_seconds``), and whether the samples go with each; with
+    ``shards``, oracle shard ``shard``'s part of each (``oracle_part``)."""
     batches = numbered_batches(source.open(), source.table_rows, batch_size, start, stride, end, _observe)
     for arrays, last in batches:
         users = None
@@ -42,12 +66,23 @@ def generate(
             t0 = time.perf_counter()
             users = trainer_users(arrays.inverse, arrays.keys.size, trainers)
             metrics.MASK_SECONDS.observe(time.perf_counter() - t0)
-        yield arrays, last, users
+        carries = True
+        if shards is not None:
+            arrays, users, carries = oracle_part(arrays, users, shards, shard)
+        yield arrays, last, users, carries
 
 
 class DataProcessorServicer(pb_grpc.DataProcessorServicer):
     def __init__(self, config: DataProcessorConfig) -> None:
         self.config = config
+        self._key_shards: dict[int, KeyShards] = {}
+
+    def key_shards(self, oracles: int) -> KeyShards:
+        """The key map of ``oracles`` oracle shards over the source's keys (made once per count)."""
+        if oracles not in self._key_shards:
+            num_keys = int(table_offsets(self.config.source.table_rows)[-1])
+            self._key_shards[oracles] = KeyShards(num_keys, oracles)
+        return self._key_shards[oracles]
 
     async def StreamBatches(self, request: pb.StreamBatchesRequest, context: grpc.aio.ServicerContext):  # noqa: N802
         if request.start < 0:
@@ -69,6 +104,12 @@ class DataProcessorServicer(pb_grpc.DataProcessorServicer):
             raise InvalidArgument(
                 "slices", f"batch size {self.config.batch_size} does not split into {request.slices} slices"
             )
+        if request.oracles > 1:
+            if not 0 <= request.shard < request.oracles:
+                raise InvalidArgument("shard", f"must be in [0, {request.oracles}), got {request.shard}")
+            if not request.slices:
+                raise InvalidArgument("slices", "oracle shards take the samples in slices: give slices > 0")
+        shards = self.key_shards(request.oracles) if request.oracles > 1 else None
         gen = generate(
             self.config.source,
             self.config.batch_size,
@@ -76,6 +117,8 @@ class DataProcessorServicer(pb_grpc.DataProcessorServicer):
             request.stride,
             request.end,
             request.trainers,
+            shards,
+            request.shard,
         )
         sentinel = object()
         while True:
@@ -85,10 +128,10 @@ class DataProcessorServicer(pb_grpc.DataProcessorServicer):
                 raise BadData(str(e)) from e
             if item is sentinel:
                 return
-            arrays, last, users = cast(tuple[BatchArrays, bool, "np.ndarray | None"], item)
+            arrays, last, users, carries = cast(tuple[BatchArrays, bool, "np.ndarray | None", bool], item)
             metrics.BATCHES.inc()
             metrics.SAMPLES.inc(arrays.labels.size)
-            for part in encode_batch(arrays, last, users, request.slices):
+            for part in encode_batch(arrays, last, users, request.slices, carries):
                 yield part
 
 

@@ -117,10 +117,11 @@ def source(args: RunConfig) -> SourceConfig:
     )
 
 
-def oracle(args: RunConfig, gen: GenerationSpec) -> OracleConfig:
-    """The oracle's plan, as ``bagpipe run`` asked (``--system no-cache``: L=1, critical sync); it plans a
-    flush (a checkpoint) at every evaluation point too. With the embedding servers in a network namespace
-    and a row tier, it listens on the host's end of their link, where their fetch streams reach it."""
+def oracle(args: RunConfig, gen: GenerationSpec, shard: int = 0) -> OracleConfig:
+    """Oracle shard ``shard``'s plan (of ``--oracles``), as ``bagpipe run`` asked (``--system no-cache``:
+    L=1, critical sync); it plans a flush (a checkpoint) at every evaluation point too. With the embedding
+    servers in a network namespace and a row tier, it listens on the host's end of their link, where their
+    fetch streams reach it."""
     no_cache = args.system == "no-cache"
     address = "127.0.0.1:0"
     if args.embedding_server_netns and args.row_memory:  # (a row tier's servers follow its fetch stream)
@@ -144,6 +145,8 @@ def oracle(args: RunConfig, gen: GenerationSpec) -> OracleConfig:
         eval_every=args.eval_every,
         schema=args.schema,
         planner_threads=args.planner_threads,
+        oracles=args.oracles,
+        shard=shard,
     )
 
 
@@ -200,6 +203,7 @@ def trainer(
         eval_samples=args.eval_samples,
         schema=args.schema,
         serve_after_done=True,  # (the launcher reads every trainer's last metrics, then stops it)
+        oracles=args.oracles,
     )
 
 
@@ -223,6 +227,7 @@ def checkpoint_every(args: RunConfig) -> int:
 def controller(args: RunConfig, gen: GenerationSpec, prometheus_url: str | None) -> ControllerConfig:
     return ControllerConfig(
         trainers=args.trainers,
+        oracles=args.oracles,
         coordination=gen.coordination(args),
         checkpoint_dir=gen.checkpoint_dir,
         prometheus_url=prometheus_url,

@@ -6,6 +6,7 @@ processes) is ``keeper.py``, Redis is ``redis_server.py``, and the summary ``sum
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import logging
 import os
@@ -29,6 +30,7 @@ from bagpipe.config_args import table_rows_of
 from bagpipe.control.generation import DONE, FAILED, current
 from bagpipe.control.registry import SOCKET_TIMEOUT_S, Registry
 from bagpipe.controller.config import argv as controller_argv
+from bagpipe.controller.config import oracle_process
 from bagpipe.core import snapshots
 from bagpipe.core.schema import TABLE_KINDS, schema_of
 from bagpipe.data_processor import config as data_processor_config
@@ -237,7 +239,15 @@ def _start_job(
             "bagpipe.data_processor",
             data_processor_config.argv(configs.data_processor(args, job.spec, i)),
         )
-    job.spawn("oracle-cacher", "bagpipe.oracle_cacher", oracle_config.argv(configs.oracle(args, job.spec)))
+    for shard in range(args.oracles):  # (one oracle: "oracle-cacher"; shards: "oracle-cacher-I")
+        cfg = configs.oracle(args, job.spec, shard)
+        # a shard's index first, as a trainer's rank: "bagpipe.oracle_cacher --shard 1" finds its process
+        first = ["--shard", str(shard)] if args.oracles > 1 else []
+        job.spawn(
+            oracle_process(shard, args.oracles),
+            "bagpipe.oracle_cacher",
+            first + oracle_config.argv(dataclasses.replace(cfg, shard=0)),
+        )
     dist_init = rendezvous_url(run_dir)
     for r in range(args.trainers):
         job.spawn(

@@ -127,6 +127,7 @@ class RunConfig:
         _Cache, "delayed_sync", default="delayed", name=None, read=None, show=str, text_default=None
     )
     planner_threads: int = like(OracleConfig, "planner_threads")
+    oracles: int = like(OracleConfig, "oracles")
     # failures and recovery
     checkpoint_every: int = flag(
         "a consistent, incremental checkpoint after every this many batches, from which the job recovers "
@@ -234,6 +235,7 @@ class RunConfig:
             "cache_mode",
             "sync",
             "planner_threads",
+            "oracles",
         ),
         "failures and recovery": (
             "checkpoint_every", "checkpoint_dir", "failure_timeout", "max_restarts", "resume",

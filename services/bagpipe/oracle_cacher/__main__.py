@@ -67,13 +67,14 @@ async def live_processors(registry: Registry, count: int) -> dict[str, str]:
 
 async def serve(cfg: OracleConfig) -> None:
     registry = Registry(cfg.coordination.redis_url, cfg.coordination.job)
-    membership = Membership(registry, "oracle_cacher", "0")
+    member = str(cfg.shard)  # (shard I of --oracles K; 0 for the one oracle)
+    membership = Membership(registry, "oracle_cacher", member)
     membership.announce()
     servicer = Rewinding(cfg)
     http = serving.start_metrics(
         cfg.coordination.metrics_address,
         "oracle_cacher",
-        "0",
+        member,
         registry,
         lambda: servicer.oracle.failure if servicer.tasks else None,
         cfg.coordination.advertise_host,
@@ -98,10 +99,11 @@ async def serve(cfg: OracleConfig) -> None:
     server, port, control, health = await create_server(servicer, cfg.address)
     control.address = serving.advertised(control.address, cfg.coordination.advertise_host)
     serving.stop_on_signals(control.stop)  # (before it registers: see stop_on_signals)
-    registry.register("oracle_cacher", "0", control.address)
+    registry.register("oracle_cacher", member, control.address)
     http.ready.set()
     logger.info(
-        "oracle on %s: L %s (at most %d), %s cache, %d trainers, %d data processors",
+        "oracle%s on %s: L %s (at most %d), %s cache, %d trainers, %d data processors",
+        f" shard {cfg.shard} of {cfg.oracles}" if cfg.oracles > 1 else "",
         control.address,
         cfg.lookahead or "automatic",
         cfg.window,
@@ -112,7 +114,7 @@ async def serve(cfg: OracleConfig) -> None:
     restart = await follow_until_stopped(follower, control.stop)
     servicer.stop()
     try:
-        registry.unregister("oracle_cacher", "0")
+        registry.unregister("oracle_cacher", member)
     finally:  # (the server stops even when Redis is gone)
         await serving.stop_gracefully(server, health)
         http.stop()

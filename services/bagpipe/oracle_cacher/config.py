@@ -18,6 +18,7 @@ from bagpipe.config_args import (
     lookahead_field,
     max_lookahead_field,
     non_negative_int,
+    oracles_field,
     positive_int,
     resolve_latest,
     reuse_delay_field,
@@ -86,6 +87,8 @@ class OracleConfig:
         default=1,
         parse=positive_int,
     )
+    oracles: int = oracles_field()
+    shard: int = flag("this oracle shard's index, in [0, --oracles)", default=0, parse=non_negative_int)
 
     @property
     def window(self) -> int:
@@ -119,6 +122,10 @@ class OracleConfig:
             raise ValueError(
                 f"planner_threads: must be in [1, {cores}] (the cores here), got {self.planner_threads}"
             )
+        if self.oracles < 1:
+            raise ValueError(f"oracles: must be >= 1, got {self.oracles}")
+        if not 0 <= self.shard < self.oracles:
+            raise ValueError(f"shard: must be in [0, {self.oracles}) (--oracles), got {self.shard}")
         if self.data_processors < 1:
             raise ValueError(f"data_processors: must be >= 1, got {self.data_processors}")
         if self.iterations < 0:

@@ -26,7 +26,8 @@ import numpy as np
 from bagpipe import security, serving
 from bagpipe.codec import EncodedPlan, WireBatch, check_samples, decode_batch, encode_plans
 from bagpipe.core.data import table_offsets
-from bagpipe.core.plans import BACKGROUND, CRITICAL, all_trainers, mask_dtype
+from bagpipe.core.oracle_shards import KeyShards, shard_capacity
+from bagpipe.core.plans import BACKGROUND, CRITICAL, BatchPlan, all_trainers, mask_dtype
 from bagpipe.errors import BAD_DATA, BadData, InvalidArgument, PermissionDenied
 from bagpipe.oracle_cacher import metrics
 from bagpipe.oracle_cacher.config import OracleConfig
@@ -66,11 +67,15 @@ class Oracle(pb_grpc.OracleCacherServicer):
         """``planner``: one of the same config's, reset (a rewind reuses the last generation's)."""
         self.config = config
         self.num_keys = int(table_offsets(config.table_rows)[-1])
+        # one of K oracle shards plans its keys alone, numbered by their local rows (core/oracle_shards.py)
+        self.shards = KeyShards(self.num_keys, config.oracles) if config.oracles > 1 else None
+        if self.shards is not None:
+            self.num_keys = self.shards.rows(config.shard)
         self.planner = planner or LookaheadPlanner(
             self.num_keys,
             config.window,
             trainers=config.trainers,
-            capacity=config.cache_rows,
+            capacity=shard_capacity(config.cache_rows, config.oracles, config.shard),
             reuse_delay=config.reuse_delay,
             delayed_sync=config.delayed_sync,
             threads=config.planner_threads,
@@ -123,6 +128,8 @@ class Oracle(pb_grpc.OracleCacherServicer):
             request = data_processor_pb2.StreamBatchesRequest(
                 start=offset, stride=stride, end=end, trainers=trainers, slices=slices
             )
+            if self.shards is not None:  # (its keys of every batch; the samples of those it carries)
+                request.oracles, request.shard = self.config.oracles, self.config.shard
             size = self.config.batch_size // slices
             batch: WireBatch | None = None
             samples: list[bytes] = []
@@ -142,10 +149,12 @@ class Oracle(pb_grpc.OracleCacherServicer):
                         trainers=self.config.trainers,
                         slices=slices,
                     )
-                    continue
-                samples.append(check_samples(data, batch.number, len(samples), size))
-                if len(samples) < slices:
-                    continue
+                    if self.carries(batch.number):
+                        continue
+                else:
+                    samples.append(check_samples(data, batch.number, len(samples), size))
+                    if len(samples) < slices:
+                        continue
                 users = self._users(batch)
                 received = _Received(batch, users, samples)
                 batch, samples = None, []
@@ -159,6 +168,22 @@ class Oracle(pb_grpc.OracleCacherServicer):
                 raise InvalidArgument(
                     f"batch {batch.number}: samples", f"the stream ended after {len(samples)} of {slices}"
                 )
+
+    def carries(self, batch: int) -> bool:
+        """Whether this oracle sends the trainers ``batch``'s samples: shard ``batch % K`` of K does."""
+        return batch % self.config.oracles == self.config.shard
+
+    def _global(self, plan: BatchPlan) -> BatchPlan:
+        """An oracle shard's plan in the trainers' terms (``KeyShards.for_trainers``)."""
+        return plan if self.shards is None else self.shards.for_trainers(plan, self.config.shard)
+
+    def _cached(self) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+        """The planner's cached rows (keys, slots, writer rank), in the trainers' terms."""
+        keys, slots, writer = self.planner.cached()
+        if self.shards is None:
+            return keys, slots, writer
+        shard = self.config.shard
+        return self.shards.global_keys(shard, keys), self.shards.global_slots(shard, slots), writer
 
     def _room_for(self, number: int, ahead: int) -> bool:
         return number < self.next_push + ahead or self.failure is not None
@@ -249,14 +274,14 @@ class Oracle(pb_grpc.OracleCacherServicer):
                 if not self.planner.can_pop():
                     continue
                 t0 = time.perf_counter()
-                plan = self.planner.pop()
+                plan = self._global(self.planner.pop())
                 source = self.received.pop(plan.batch)
                 cached = (
-                    self.planner.cached()
-                    if self.config.checkpoint_after(plan.batch) and not plan.last
-                    else None
+                    self._cached() if self.config.checkpoint_after(plan.batch) and not plan.last else None
                 )
-                encoded = encode_plans(plan, source.samples, self.config.batch_size, cached)
+                encoded = encode_plans(
+                    plan, source.samples, self.config.batch_size, cached, self.config.trainers
+                )
                 metrics.PLAN_SECONDS.observe(time.perf_counter() - t0)
                 metrics.BATCHES_PLANNED.inc()
                 metrics.OCCUPANCY.set(plan.occupancy)
@@ -330,7 +355,8 @@ class Oracle(pb_grpc.OracleCacherServicer):
                     self.dispatched[rank] = batch
                     self.cond.notify_all()
             yield entry.encoded.rows  # the same bytes on every trainer's stream
-            yield entry.encoded.samples[rank]  # as the data processor sent them
+            if entry.encoded.samples:  # (an oracle shard sends the samples of the batches it carries)
+                yield entry.encoded.samples[rank]  # as the data processor sent them
             yield entry.encoded.plans[rank]
             if entry.last:
                 return

@@ -21,6 +21,7 @@ from bagpipe.config_args import (
     keep_checkpoints_field,
     model_argv,
     model_config_of,
+    oracles_field,
     positive_int,
     resume_batch_field,
     schema_field,
@@ -105,6 +106,7 @@ class TrainerConfig:
     eval_every: int = eval_every_field()
     eval_samples: int = eval_samples_field()
     schema: str | None = schema_field()
+    oracles: int = oracles_field()
     serve_after_done: bool = flag(
         "after the job's end keep serving /metrics until SIGTERM instead of exiting (the local launcher "
         "reads the trainers' last metrics; a Job's pod must exit to complete)",
@@ -112,6 +114,8 @@ class TrainerConfig:
     )
 
     def __post_init__(self) -> None:
+        if self.oracles < 1:
+            raise ValueError(f"oracles: must be >= 1, got {self.oracles}")
         if self.transfer_batches < 1:
             raise ValueError(f"transfer_batches: must be >= 1, got {self.transfer_batches}")
         if self.keep_checkpoints < 1:

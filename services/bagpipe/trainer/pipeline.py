@@ -25,7 +25,7 @@ from __future__ import annotations
 import queue
 import threading
 import warnings
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from typing import Any
 
 import grpc
@@ -33,7 +33,7 @@ import numpy as np
 import torch
 
 from bagpipe import serving
-from bagpipe.codec import decode_plan
+from bagpipe.codec import decode_plans
 from bagpipe.control.registry import Registry
 from bagpipe.core.plans import TrainerBatch, TrainerPlan
 from bagpipe.core.row_store import RowStore
@@ -74,7 +74,7 @@ class Pipeline:
         self.registry = registry
         self.token = token  # the oracle binds this rank to this process
         self.store: RowStore | None = None
-        self.oracle: opb_grpc.OracleCacherStub | None = None
+        self.oracles: list[opb_grpc.OracleCacherStub] = []  # oracle shard I's at I (--oracles)
         self.cond = threading.Condition()
         self.received: dict[int, TrainerBatch] = {}
         self.ready: set[int] = set()
@@ -98,11 +98,20 @@ class Pipeline:
         self._threads: list[threading.Thread] = []
 
     def connect(
-        self, store: RowStore, oracle: opb_grpc.OracleCacherStub, initial_of: InitialOf | None = None
+        self,
+        store: RowStore,
+        oracles: list[opb_grpc.OracleCacherStub],
+        initial_of: InitialOf | None = None,
     ) -> None:
-        """``initial_of``: given only if no row of the store has changed since it was filled with its
-        initial rows, checked before any trainer trained ``start_batch`` (the trainers' barrier follows)."""
-        self.store, self.oracle, self.initial_of = store, oracle, initial_of
+        """``oracles``: every oracle shard's, in shard order. ``initial_of``: given only if no row of the
+        store has changed since it was filled with its initial rows, checked before any trainer trained
+        ``start_batch`` (the trainers' barrier follows)."""
+        self.store, self.oracles, self.initial_of = store, oracles, initial_of
+
+    def _report(self, report: opb.ProgressReport) -> None:
+        """Tells every oracle shard (each releases its part of a plan on the write-backs it depends on)."""
+        for oracle in self.oracles:
+            oracle.ReportProgress(report, timeout=serving.RPC_TIMEOUT_S, metadata=self.token)
 
     # ---- shared state
     def fail(self, error: BaseException) -> None:
@@ -195,60 +204,85 @@ class Pipeline:
         return run
 
     def _receive(self) -> None:
+        """Takes every batch's plan parts, one from each oracle shard (in lockstep: a batch needs all of its
+        parts), with the trainer's samples from the shard that carries them (batch % K), and decodes them as
+        one plan (``codec.decode_plans``)."""
         try:
-            assert self.oracle is not None
-            expected = self.start_batch
+            assert self.oracles
             model = self.config.model
+            streams = [self._plan_parts(shard) for shard in range(len(self.oracles))]
+            expected = self.start_batch
             while True:
-                request = opb.StreamPlansRequest(rank=self.config.rank, start=expected)
-                try:
-                    rows = samples = None  # each batch's rows and samples come just before its plan
-                    for part in self.oracle.StreamPlans(
-                        request, timeout=PLAN_STREAM_WINDOW_S, metadata=self.token
-                    ):
-                        kind = part.WhichOneof("part")
-                        if kind == "rows":
-                            rows = part.rows
-                            continue
-                        if kind == "samples":
-                            samples = part.samples
-                            continue
-                        if kind != "plan":
-                            raise ValueError(f"plan stream: after batch {expected - 1}, an empty part")
-                        if rows is None or samples is None:
-                            missing = [n for n, got in (("rows", rows), ("samples", samples)) if got is None]
-                            raise ValueError(
-                                f"plan stream: batch {part.plan.batch}'s plan came without "
-                                f"its {' and '.join(missing)}"
-                            )
-                        plan = decode_plan(
-                            part.plan,
-                            samples,
-                            rows,
-                            model.num_tables,
-                            model.num_dense,
-                            self.config.rank,
-                            self.config.world_size,
-                        )
-                        rows = samples = None
-                        if plan.batch != expected:
-                            raise ValueError(f"plan stream: expected batch {expected}, got {plan.batch}")
-                        with self.cond:
-                            self.received[plan.batch] = plan
-                            self.cond.notify_all()
-                        self._prefetch_queue.put(plan)
-                        if plan.last:
-                            return
-                        expected += 1
-                except grpc.RpcError as e:
-                    if e.code() != grpc.StatusCode.DEADLINE_EXCEEDED:
-                        raise
-                    continue  # the stream's window ended: re-open it where it stopped
-                raise RuntimeError(
-                    f"the oracle ended the plan stream before its last plan (at batch {expected})"
+                parts = [next(stream) for stream in streams]
+                samples = parts[expected % len(parts)][1]
+                assert samples is not None  # (_plan_parts checks it came)
+                plan = decode_plans(
+                    [(plan_msg, rows) for rows, _, plan_msg in parts],
+                    samples,
+                    model.num_tables,
+                    model.num_dense,
+                    self.config.rank,
+                    self.config.world_size,
                 )
+                if plan.batch != expected:
+                    raise ValueError(f"plan stream: expected batch {expected}, got {plan.batch}")
+                with self.cond:
+                    self.received[plan.batch] = plan
+                    self.cond.notify_all()
+                self._prefetch_queue.put(plan)
+                if plan.last:
+                    return
+                expected += 1
         finally:
             self._prefetch_queue.put(None)
+
+    def _plan_parts(self, shard: int) -> Iterator[tuple[opb.PlanRows, Any, opb.Plan]]:
+        """Oracle shard ``shard``'s plan stream, a batch at a time from the start batch: its rows, the
+        trainer's samples (for the batches the shard carries, else None) and its plan. A stream that reached
+        its deadline is opened again at the batch it did not send."""
+        oracle, shards = self.oracles[shard], len(self.oracles)
+        where = f"plan stream{f' of oracle shard {shard}' if shards > 1 else ''}"
+        expected = self.start_batch
+        while True:
+            request = opb.StreamPlansRequest(rank=self.config.rank, start=expected)
+            try:
+                rows = samples = None  # each batch's rows and samples come just before its plan
+                for part in oracle.StreamPlans(request, timeout=PLAN_STREAM_WINDOW_S, metadata=self.token):
+                    kind = part.WhichOneof("part")
+                    if kind == "rows":
+                        rows = part.rows
+                        continue
+                    if kind == "samples":
+                        samples = part.samples
+                        continue
+                    if kind != "plan":
+                        raise ValueError(f"{where}: after batch {expected - 1}, an empty part")
+                    batch = part.plan.batch
+                    if batch != expected:
+                        raise ValueError(f"{where}: expected batch {expected}, got {batch}")
+                    carries = batch % shards == shard
+                    missing = [
+                        n for n, got in (("rows", rows), ("samples", samples or not carries)) if not got
+                    ]
+                    if missing:
+                        raise ValueError(
+                            f"{where}: batch {batch}'s plan came without its {' and '.join(missing)}"
+                        )
+                    if samples is not None and not carries:
+                        raise ValueError(
+                            f"{where}: batch {batch}'s samples came from shard {shard}, not from shard "
+                            f"{batch % shards}, which carries them"
+                        )
+                    expected = batch + 1
+                    yield rows, samples, part.plan  # type: ignore[misc]
+                    if part.plan.last:
+                        return
+                    rows = samples = None
+            except grpc.RpcError as e:
+                if e.code() != grpc.StatusCode.DEADLINE_EXCEEDED:
+                    raise
+                continue  # the stream's window ended: re-open it where it stopped
+            raise RuntimeError(f"the oracle ended the {where} before its last plan (at batch {expected})")
 
     def _prefetch(self) -> None:
         group_size = self.config.transfer_batches
@@ -277,11 +311,11 @@ class Pipeline:
             for plan in group:
                 self.cache.ensure_capacity(plan.slot_high_water)
             if self.config.fetch == "prefetch":
-                assert self.oracle is not None
                 self.fetch(*(plan.share for plan in group))
                 # (the servers' row tiers keep what comes next, not what was just fetched)
-                done = opb.ProgressReport(rank=self.config.rank, fetched=group[-1].batch, fetch_only=True)
-                self.oracle.ReportProgress(done, timeout=serving.RPC_TIMEOUT_S, metadata=self.token)
+                self._report(
+                    opb.ProgressReport(rank=self.config.rank, fetched=group[-1].batch, fetch_only=True)
+                )
             with self.cond:
                 self.ready.update(plan.batch for plan in group)
                 self.cond.notify_all()
@@ -357,7 +391,7 @@ class Pipeline:
     def _write_group(self, group: list[WriteBack]) -> None:
         """Writes the evicted rows of consecutive batches back in one call per shard (an evicted key is
         not used again before its write-back, so no key appears twice), then reports them durable."""
-        assert self.store is not None and self.oracle is not None
+        assert self.store is not None and self.oracles
         keys = np.concatenate([keys for _, keys, _, _ in group])
         if keys.size:
             rows = torch.cat([rows for _, _, rows, _ in group]).numpy()
@@ -365,8 +399,7 @@ class Pipeline:
             self.store.write_back(keys, rows, state)
             self.transfers["write_back_calls"] += 1
         batch = group[-1][0]
-        report = opb.ProgressReport(rank=self.config.rank, trained=batch, written_back=batch)
-        self.oracle.ReportProgress(report, timeout=serving.RPC_TIMEOUT_S, metadata=self.token)
+        self._report(opb.ProgressReport(rank=self.config.rank, trained=batch, written_back=batch))
         with self.cond:
             self.written_back = batch
             self.cond.notify_all()

@@ -98,7 +98,7 @@ class Trainer:
         )
         self.servers: EmbeddingClient | None = None  # the embedding servers
         self.store: RowStore | None = None  # where rows are fetched from: the servers or --shared-table
-        self.oracle: opb_grpc.OracleCacherStub | None = None
+        self.oracles: list[opb_grpc.OracleCacherStub] = []  # shard I's at I
         self.held_out: HeldOut | None = None
         self.on_ready: Any = lambda: None  # called once connected and ready to train
         self._background_group: Any = None  # the background synchronisation's process group
@@ -133,12 +133,14 @@ class Trainer:
             initial=InitialRows(self.offsets, self.width, self.config.seed),
         )
         self.store = self.servers
-        oracle_address = self.registry.wait_for_members("oracle_cacher", 1)["0"]
+        # every oracle shard (--oracles): each sends its part of every batch's plan
+        oracles = self.registry.wait_for_members("oracle_cacher", self.config.oracles)
         # (progress reports are retried by gRPC itself: nothing but the server's restart to wait for)
-        self.oracle_channel = serving.channel(
-            oracle_address, serving.retrying("OracleCacher", "ReportProgress")
-        )
-        self.oracle = opb_grpc.OracleCacherStub(self.oracle_channel)
+        self.oracle_channels = [
+            serving.channel(oracles[str(shard)], serving.retrying("OracleCacher", "ReportProgress"))
+            for shard in range(self.config.oracles)
+        ]
+        self.oracles = [opb_grpc.OracleCacherStub(channel) for channel in self.oracle_channels]
 
     def _use_shared_table(self) -> None:
         """--shared-table: rank 0 copies the servers' rows into shared memory; all trainers use it."""
@@ -311,12 +313,12 @@ class Trainer:
         # that runs it)
         gc.collect()
         gc.freeze()
-        assert self.store is not None and self.oracle is not None and self.servers is not None
+        assert self.store is not None and self.oracles and self.servers is not None
         # asked before the barrier, so before any trainer trains a batch: if no row of the servers has
         # changed yet, the rows the plans use for the first time are computed here, not fetched
         untouched = self.servers.untouched()
         logger.info("embedding servers untouched before batch %d: %s", self.start_batch, untouched)
-        self.pipeline.connect(self.store, self.oracle, self.servers.initial_of if untouched else None)
+        self.pipeline.connect(self.store, self.oracles, self.servers.initial_of if untouched else None)
         self.checkpoints.connect(self.store, self.servers)
         if config.world_size > 1:
             dist.barrier()

@@ -25,21 +25,21 @@ _sym_db = _symbol_database.Default()
 from bagpipe.v1 import tensor_pb2 as bagpipe_dot_v1_dot_tensor__pb2
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x1f\x62\x61gpipe/v1/data_processor.proto\x12\nbagpipe.v1\x1a\x17\x62\x61gpipe/v1/tensor.proto\"d\n\x14StreamBatchesRequest\x12\r\n\x05start\x18\x01 \x01(\x03\x12\x0e\n\x06stride\x18\x02 \x01(\x03\x12\x0b\n\x03\x65nd\x18\x03 \x01(\x03\x12\x10\n\x08trainers\x18\x04 \x01(\x05\x12\x0e\n\x06slices\x18\x05 \x01(\x05\"_\n\tBatchPart\x12\"\n\x05\x62\x61tch\x18\x01 \x01(\x0b\x32\x11.bagpipe.v1.BatchH\x00\x12&\n\x07samples\x18\x03 \x01(\x0b\x32\x13.bagpipe.v1.SamplesH\x00\x42\x06\n\x04part\"\x92\x01\n\x07Samples\x12\r\n\x05\x62\x61tch\x18\x01 \x01(\x03\x12!\n\x05\x64\x65nse\x18\x02 \x01(\x0b\x32\x12.bagpipe.v1.Tensor\x12\"\n\x06labels\x18\x03 \x01(\x0b\x32\x12.bagpipe.v1.Tensor\x12#\n\x07inverse\x18\x04 \x01(\x0b\x32\x12.bagpipe.v1.Tensor\x12\x0c\n\x04rank\x18\x05 \x01(\x05\"\xd6\x01\n\x05\x42\x61tch\x12\x0e\n\x06number\x18\x01 \x01(\x03\x12!\n\x05\x64\x65nse\x18\x02 \x01(\x0b\x32\x12.bagpipe.v1.Tensor\x12\"\n\x06labels\x18\x03 \x01(\x0b\x32\x12.bagpipe.v1.Tensor\x12 \n\x04keys\x18\x04 \x01(\x0b\x32\x12.bagpipe.v1.Tensor\x12#\n\x07inverse\x18\x05 \x01(\x0b\x32\x12.bagpipe.v1.Tensor\x12\x0c\n\x04last\x18\x06 \x01(\x08\x12!\n\x05users\x18\x07 \x01(\x0b\x32\x12.bagpipe.v1.Tensor2[\n\rDataProcessor\x12J\n\rStreamBatches\x12 .bagpipe.v1.StreamBatchesRequest\x1a\x15.bagpipe.v1.BatchPart0\x01\x62\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x1f\x62\x61gpipe/v1/data_processor.proto\x12\nbagpipe.v1\x1a\x17\x62\x61gpipe/v1/tensor.proto\"\x84\x01\n\x14StreamBatchesRequest\x12\r\n\x05start\x18\x01 \x01(\x03\x12\x0e\n\x06stride\x18\x02 \x01(\x03\x12\x0b\n\x03\x65nd\x18\x03 \x01(\x03\x12\x10\n\x08trainers\x18\x04 \x01(\x05\x12\x0e\n\x06slices\x18\x05 \x01(\x05\x12\x0f\n\x07oracles\x18\x06 \x01(\x05\x12\r\n\x05shard\x18\x07 \x01(\x05\"_\n\tBatchPart\x12\"\n\x05\x62\x61tch\x18\x01 \x01(\x0b\x32\x11.bagpipe.v1.BatchH\x00\x12&\n\x07samples\x18\x03 \x01(\x0b\x32\x13.bagpipe.v1.SamplesH\x00\x42\x06\n\x04part\"\x92\x01\n\x07Samples\x12\r\n\x05\x62\x61tch\x18\x01 \x01(\x03\x12!\n\x05\x64\x65nse\x18\x02 \x01(\x0b\x32\x12.bagpipe.v1.Tensor\x12\"\n\x06labels\x18\x03 \x01(\x0b\x32\x12.bagpipe.v1.Tensor\x12#\n\x07inverse\x18\x04 \x01(\x0b\x32\x12.bagpipe.v1.Tensor\x12\x0c\n\x04rank\x18\x05 \x01(\x05\"\xd6\x01\n\x05\x42\x61tch\x12\x0e\n\x06number\x18\x01 \x01(\x03\x12!\n\x05\x64\x65nse\x18\x02 \x01(\x0b\x32\x12.bagpipe.v1.Tensor\x12\"\n\x06labels\x18\x03 \x01(\x0b\x32\x12.bagpipe.v1.Tensor\x12 \n\x04keys\x18\x04 \x01(\x0b\x32\x12.bagpipe.v1.Tensor\x12#\n\x07inverse\x18\x05 \x01(\x0b\x32\x12.bagpipe.v1.Tensor\x12\x0c\n\x04last\x18\x06 \x01(\x08\x12!\n\x05users\x18\x07 \x01(\x0b\x32\x12.bagpipe.v1.Tensor2[\n\rDataProcessor\x12J\n\rStreamBatches\x12 .bagpipe.v1.StreamBatchesRequest\x1a\x15.bagpipe.v1.BatchPart0\x01\x62\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
 _builder.BuildTopDescriptorsAndMessages(DESCRIPTOR, 'bagpipe.v1.data_processor_pb2', _globals)
 if not _descriptor._USE_C_DESCRIPTORS:
   DESCRIPTOR._loaded_options = None
-  _globals['_STREAMBATCHESREQUEST']._serialized_start=72
-  _globals['_STREAMBATCHESREQUEST']._serialized_end=172
-  _globals['_BATCHPART']._serialized_start=174
-  _globals['_BATCHPART']._serialized_end=269
-  _globals['_SAMPLES']._serialized_start=272
-  _globals['_SAMPLES']._serialized_end=418
-  _globals['_BATCH']._serialized_start=421
-  _globals['_BATCH']._serialized_end=635
-  _globals['_DATAPROCESSOR']._serialized_start=637
-  _globals['_DATAPROCESSOR']._serialized_end=728
+  _globals['_STREAMBATCHESREQUEST']._serialized_start=73
+  _globals['_STREAMBATCHESREQUEST']._serialized_end=205
+  _globals['_BATCHPART']._serialized_start=207
+  _globals['_BATCHPART']._serialized_end=302
+  _globals['_SAMPLES']._serialized_start=305
+  _globals['_SAMPLES']._serialized_end=451
+  _globals['_BATCH']._serialized_start=454
+  _globals['_BATCH']._serialized_end=668
+  _globals['_DATAPROCESSOR']._serialized_start=670
+  _globals['_DATAPROCESSOR']._serialized_end=761
 # @@protoc_insertion_point(module_scope)

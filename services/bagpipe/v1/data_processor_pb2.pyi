@@ -7,18 +7,22 @@ from typing import ClassVar as _ClassVar, Optional as _Optional, Union as _Union
 DESCRIPTOR: _descriptor.FileDescriptor
 
 class StreamBatchesRequest(_message.Message):
-    __slots__ = ("start", "stride", "end", "trainers", "slices")
+    __slots__ = ("start", "stride", "end", "trainers", "slices", "oracles", "shard")
     START_FIELD_NUMBER: _ClassVar[int]
     STRIDE_FIELD_NUMBER: _ClassVar[int]
     END_FIELD_NUMBER: _ClassVar[int]
     TRAINERS_FIELD_NUMBER: _ClassVar[int]
     SLICES_FIELD_NUMBER: _ClassVar[int]
+    ORACLES_FIELD_NUMBER: _ClassVar[int]
+    SHARD_FIELD_NUMBER: _ClassVar[int]
     start: int
     stride: int
     end: int
     trainers: int
     slices: int
-    def __init__(self, start: _Optional[int] = ..., stride: _Optional[int] = ..., end: _Optional[int] = ..., trainers: _Optional[int] = ..., slices: _Optional[int] = ...) -> None: ...
+    oracles: int
+    shard: int
+    def __init__(self, start: _Optional[int] = ..., stride: _Optional[int] = ..., end: _Optional[int] = ..., trainers: _Optional[int] = ..., slices: _Optional[int] = ..., oracles: _Optional[int] = ..., shard: _Optional[int] = ...) -> None: ...
 
 class BatchPart(_message.Message):
     __slots__ = ("batch", "samples")

@@ -1,0 +1,80 @@
+"""K oracle shards (``--oracles``): each plans its keys' part of every batch, the trainers merge the parts,
+and the model is the one single-process synchronous training computes, with a cache small enough to bind
+and through the loss of one shard."""
+
+from __future__ import annotations
+
+import json
+import signal
+from pathlib import Path
+
+import pytest
+
+from tests.integration.conftest import exact_flags, flags
+from tests.integration.test_equivalence import assert_synchronous
+from tests.integration.test_recovery import run_with_failure
+
+
+@pytest.mark.parametrize(("oracles", "trainers", "optimizer"), [(2, 2, "adagrad"), (3, 3, "sgd")])
+def test_oracle_shards_train_the_synchronous_model(
+    run_job, oracles: int, trainers: int, optimizer: str
+) -> None:
+    """LRPP with delayed synchronisation, L=8 (rows change hands), 2 embedding servers."""
+    iterations, batch = 24, 32 * trainers
+    summary, paths = run_job(
+        f"oracles{oracles}",
+        *flags(
+            trainers=trainers,
+            oracles=oracles,
+            embedding_servers=2,
+            lookahead=8,
+            iterations=iterations,
+            batch_size=batch,
+            optimizer=optimizer,
+            lr="0.05",
+        ),
+    )
+    assert summary["iterations"] == iterations
+    assert 0 < summary["cache_hit_rate"] < 1
+    assert summary["rows_private_per_iteration"] > 0 and summary["rows_handed_over"] > 0
+    assert summary["rows_synced_critical_per_iteration"] > 0
+    assert_synchronous(paths, iterations, batch, optimizer)
+
+
+def test_a_binding_cache_split_between_oracle_shards_stays_exact(run_job) -> None:
+    """--cache-rows is split between the shards (each its part); each shards picks its own L from it."""
+    iterations, cache_rows = 24, 450
+    summary, paths = run_job(
+        "oracles-small-cache",
+        *flags(
+            trainers=2,
+            oracles=2,
+            cache_rows=cache_rows,
+            max_lookahead=8,
+            iterations=iterations,
+            optimizer="adagrad",
+            lr="0.05",
+        ),
+    )
+    assert summary["iterations"] == iterations
+    assert 1 <= summary["lookahead"]["min"] < 8, "the cache must bind"
+    assert summary["cache_peak_occupancy_rows"] <= cache_rows
+    assert_synchronous(paths, iterations, 64, "adagrad")
+
+
+def test_a_killed_oracle_shard_rewinds_every_shard_and_the_model_is_exact(run_job, tmp_path: Path) -> None:
+    iterations, batch, optimizer = 30, 64, "adagrad"
+    summary, paths, _ = run_with_failure(
+        run_job,
+        tmp_path,
+        "oracle-shard",
+        "bagpipe.oracle_cacher --shard 1",
+        signal.SIGKILL,
+        9,
+        *exact_flags(iterations, batch, optimizer, oracles=2, failure_timeout=3),
+    )
+    failure = summary["recovery"]["failures"]
+    assert len(failure) == 1 and failure[0]["component"] == "oracle-cacher-1", json.dumps(failure)
+    assert failure[0]["resumed_at_batch"] % 5 == 0
+    assert summary["iterations"] == iterations
+    assert_synchronous(paths, iterations, batch, optimizer)
