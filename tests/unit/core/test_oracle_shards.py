@@ -21,7 +21,7 @@ def test_a_batch_split_by_shard_is_put_back_by_the_inverse(num_keys: int, shards
     for s in range(shards):
         local = split.local[split.part(s)]
         assert (np.diff(local) > 0).all(), "a part's rows are sorted, unique"
-        assert local.size == 0 or (0 <= local.min() and local.max() < key_shards.rows(s))
+        assert local.size == 0 or (local.min() >= 0 and local.max() < key_shards.rows(s))
         assert np.array_equal(key_shards.global_keys(s, local), keys[split.part(s)])
         assert (key_shards.map.shard_of(keys[split.part(s)]) == s).all()
 
