@@ -13,6 +13,7 @@ import pytest
 from tests.integration.conftest import exact_flags, flags
 from tests.integration.test_equivalence import assert_synchronous
 from tests.integration.test_recovery import run_with_failure
+from tests.integration.test_row_tier import _tier
 
 
 @pytest.mark.parametrize(("oracles", "trainers", "optimizer"), [(2, 2, "adagrad"), (3, 3, "sgd")])
@@ -78,3 +79,14 @@ def test_a_killed_oracle_shard_rewinds_every_shard_and_the_model_is_exact(run_jo
     assert failure[0]["resumed_at_batch"] % 5 == 0
     assert summary["iterations"] == iterations
     assert_synchronous(paths, iterations, batch, optimizer)
+
+
+def test_rows_on_disk_follow_every_oracle_shards_fetch_stream(run_job, tmp_path: Path) -> None:
+    """A row tier reads ahead the rows of every shard's plans (its fetch streams merged batch by batch)."""
+    iterations, batch = 40, 64
+    _, paths = run_job(
+        "oracles-tier", *exact_flags(iterations, batch, "adagrad", oracles=2), "--row-memory", "24KiB"
+    )
+    assert_synchronous(paths, iterations, batch, "adagrad")
+    tiers = _tier(tmp_path / "oracles-tier")
+    assert tiers and all(t['rows{op="prefetched"}'] > 0 for t in tiers.values()), tiers

@@ -162,7 +162,9 @@ async def serve(cfg: EmbeddingServerConfig) -> None:
     following = asyncio.create_task(follower.run(control.stop), name="generations")
     feeding = None  # (a row tier: the oracle's fetch stream feeds its schedule)
     if cfg.tier is not None:
-        feeding = asyncio.create_task(follow_fetches(servicer, registry, control.stop), name="fetches")
+        feeding = asyncio.create_task(
+            follow_fetches(servicer, registry, control.stop, cfg.oracles), name="fetches"
+        )
 
     ended: list[BaseException] = []  # why the generations' follower stopped (a Restart, or a bug)
 

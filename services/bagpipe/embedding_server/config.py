@@ -17,6 +17,7 @@ from bagpipe.config_args import (
     model_field,
     non_negative_float,
     non_negative_int,
+    oracles_field,
     positive_float,
     positive_int,
     resume_batch_field,
@@ -96,6 +97,7 @@ class EmbeddingServerConfig:
         default="lookahead",
         choices=POLICIES,
     )
+    oracles: int = oracles_field()  # (a row tier follows every oracle shard's fetch stream)
     row_disk: str | None = flag(
         "directory of the rows beyond --row-memory: a local volume (this server's files in it are its own, "
         "and removed when it stops)",

@@ -83,6 +83,7 @@ def embedding_server(
         row_memory=args.row_memory,
         row_policy=args.row_policy,
         row_disk=(args.row_disk or str(gen.run_dir / "rows")) if args.row_memory else args.row_disk,
+        oracles=args.oracles,
     )
 
 
