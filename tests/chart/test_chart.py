@@ -533,6 +533,27 @@ def test_scaling_renders_consistent_shards_and_ranks() -> None:
     assert configs["embedding-server"][0].initial_shards == 6 and configs["oracle-cacher"][0].trainers == 4
 
 
+def test_oracle_shards_are_a_statefulset_and_everyone_who_talks_to_them_knows_how_many() -> None:
+    """oracleCacher.replicaCount K: pod I is shard I of K (its ordinal); the trainers, the embedding servers
+    (their row tiers follow every shard) and the controller (every shard acks a generation) take --oracles."""
+    docs = render("--set", "oracleCacher.replicaCount=3")
+    loads = workloads(docs)
+    oracle = loads["bagpipe-oracle-cacher"]
+    assert oracle["kind"] == "StatefulSet" and oracle["spec"]["replicas"] == 3
+    configs = check_consistency(docs)
+    (container,) = oracle["spec"]["template"]["spec"]["containers"]
+    shards = [
+        parse_container(container, kubelet_env(container, docs, POD_IP="10.0.0.1", POD_INDEX=str(i)))[0]
+        for i in range(3)
+    ]
+    assert [(cfg.shard, cfg.oracles) for cfg in shards] == [(0, 3), (1, 3), (2, 3)]
+    for name in ("trainer", "embedding-server", "controller"):
+        assert configs[name][0].oracles == 3, name
+    # one oracle: no shard flags at all
+    one = check_consistency(render())
+    assert one["oracle-cacher"][0].oracles == 1 and one["trainer"][0].oracles == 1
+
+
 def without_generated(docs: list[dict[str, Any]]) -> list[dict[str, Any]]:
     """``docs`` with the values of the chart's auth Secret blanked out (random in every helm template)."""
     docs = copy.deepcopy(docs)
@@ -758,7 +779,7 @@ def test_values_that_do_not_fit_together_fail_helm_template(args: list[str], mes
             "training.batchSize: Invalid type. Expected: integer, given: string",
         ),
         ("trainers:\n  replicaCount: 2\n", "Additional property trainers is not allowed"),
-        ("oracleCacher:\n  replicaCount: 2\n", "oracleCacher.replicaCount"),
+        ("oracleCacher:\n  replicaCount: 0\n", "oracleCacher.replicaCount: Must be greater than or equal to 1"),
         ("embeddingServer:\n  migrationRowsPerSecond: -1\n", "migrationRowsPerSecond: Must be greater than"),
         ("embeddingServer:\n  lookupThreads: -1\n", "lookupThreads: Must be greater than"),
         ("embeddingServer:\n  drain: {timeoutSeconds: 0}\n", "drain.timeoutSeconds: Must be greater than"),

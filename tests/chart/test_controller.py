@@ -35,7 +35,7 @@ from tests.chart.test_chart import (
 
 SCALE_TARGETS = [
     "statefulset/bagpipe-embedding-server",
-    "deployment/bagpipe-oracle-cacher",
+    "statefulset/bagpipe-oracle-cacher",
     "deployment/bagpipe-data-processor",
 ]
 POD_RULE = {"apiGroups": [""], "resources": ["pods"], "verbs": ["get", "list", "delete"]}
@@ -127,13 +127,13 @@ def test_rbac_is_least_privilege_for_its_own_account() -> None:
         {
             "apiGroups": ["apps"],
             "resources": ["statefulsets/scale"],
-            "resourceNames": ["bagpipe-embedding-server"],
+            "resourceNames": ["bagpipe-embedding-server", "bagpipe-oracle-cacher"],
             "verbs": ["get", "patch"],
         },
         {
             "apiGroups": ["apps"],
             "resources": ["deployments/scale"],
-            "resourceNames": ["bagpipe-oracle-cacher", "bagpipe-data-processor"],
+            "resourceNames": ["bagpipe-data-processor"],
             "verbs": ["get", "patch"],
         },
     ]
@@ -162,7 +162,7 @@ def test_rbac_is_least_privilege_for_its_own_account() -> None:
     # hook of a server scaled to zero reads there that nothing is to be moved)
     external = render("-f", str(CHART / "ci" / "external-redis.yaml"))
     assert flag_values(controller(external)["args"], "--release") == SCALE_TARGETS
-    assert role_rules(external)[1]["resourceNames"] == ["bagpipe-embedding-server"]
+    assert role_rules(external)[1]["resourceNames"] == ["bagpipe-embedding-server", "bagpipe-oracle-cacher"]
 
 
 def test_disabled_renders_no_controller_and_no_rbac(tmp_path: Path) -> None:

@@ -222,6 +222,22 @@ def test_a_killed_pod_is_replaced_and_the_model_is_the_same(job: Cluster, refere
         assert generation(job) >= 2, "the job was not rolled back"
 
 
+def test_two_oracle_shards_one_killed_keep_the_model(tmp_path: Path, reference) -> None:
+    """``oracleCacher.replicaCount: 2``: a StatefulSet of two shards, each its pod's ordinal (--shard). Shard
+    1's pod is killed mid-run: every shard rewinds with the new generation, and the model is bagpipe run's
+    with one oracle (the model does not depend on the number of shards)."""
+    oracles = {**VALUES["oracleCacher"], "replicaCount": 2}
+    with cluster(tmp_path, oracleCacher=oracles) as job:
+        pods = sorted(job.pods_of("-oracle-cacher"), key=lambda p: p.index or 0)
+        assert [p.index for p in pods] == [0, 1], job.events
+        batch = at_checkpoint_batch(job, random.Random(3))
+        job.kill(pods[1])
+        still_training(job)
+        finish(job, reference, f"2 oracle shards, SIGKILL of {pods[1].name} at batch {batch}")
+        assert 137 in pods[1].exits, job.events
+        assert generation(job) >= 2, "the job was not rolled back"
+
+
 def test_a_frozen_embedding_server_is_found_and_the_model_is_the_same(job: Cluster, reference) -> None:
     batch = at_checkpoint_batch(job, random.Random(1))
     (_, server) = job.pods_of("-embedding-server")

@@ -268,6 +268,15 @@ annotations:
 - $(POD_IP)
 {{- end -}}
 
+{{/* The job's oracle shards (oracleCacher.replicaCount), for those that talk to every one of them: the
+     trainers, the embedding servers (a row tier follows their fetch streams) and the controller */}}
+{{- define "bagpipe.oracleArgs" -}}
+{{- if gt (int .Values.oracleCacher.replicaCount) 1 -}}
+- --oracles
+- {{ .Values.oracleCacher.replicaCount | int64 | quote }}
+{{- end -}}
+{{- end -}}
+
 {{/* The input and its tables: data processors, the oracle, embedding servers and trainers */}}
 {{- define "bagpipe.tableArgs" -}}
 - --data
@@ -585,7 +594,7 @@ true
 {{- if .Values.controller.release -}}
 {{- $full := include "bagpipe.fullname" . -}}
 {{- $targets = append $targets (dict "kind" "statefulset" "name" (printf "%s-embedding-server" $full)) -}}
-{{- $targets = append $targets (dict "kind" "deployment" "name" (printf "%s-oracle-cacher" $full)) -}}
+{{- $targets = append $targets (dict "kind" "statefulset" "name" (printf "%s-oracle-cacher" $full)) -}}
 {{- $targets = append $targets (dict "kind" "deployment" "name" (printf "%s-data-processor" $full)) -}}
 {{- /* (not Redis: the job's record of its end, which the controller and helm test read, stays) */ -}}
 {{- end -}}
