@@ -779,7 +779,10 @@ def test_values_that_do_not_fit_together_fail_helm_template(args: list[str], mes
             "training.batchSize: Invalid type. Expected: integer, given: string",
         ),
         ("trainers:\n  replicaCount: 2\n", "Additional property trainers is not allowed"),
-        ("oracleCacher:\n  replicaCount: 0\n", "oracleCacher.replicaCount: Must be greater than or equal to 1"),
+        (
+            "oracleCacher:\n  replicaCount: 0\n",
+            "oracleCacher.replicaCount: Must be greater than or equal to 1",
+        ),
         ("embeddingServer:\n  migrationRowsPerSecond: -1\n", "migrationRowsPerSecond: Must be greater than"),
         ("embeddingServer:\n  lookupThreads: -1\n", "lookupThreads: Must be greater than"),
         ("embeddingServer:\n  drain: {timeoutSeconds: 0}\n", "drain.timeoutSeconds: Must be greater than"),

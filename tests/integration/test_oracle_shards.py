@@ -40,6 +40,14 @@ def test_oracle_shards_train_the_synchronous_model(
     assert summary["rows_private_per_iteration"] > 0 and summary["rows_handed_over"] > 0
     assert summary["rows_synced_critical_per_iteration"] > 0
     assert_synchronous(paths, iterations, batch, optimizer)
+    # every shard planned every batch, and says how long it took and how many bytes it sent
+    for shard in range(oracles):
+        text = (
+            paths["final"].parent / f"oracles{oracles}" / "metrics" / f"oracle_cacher-{shard}.prom"
+        ).read_text()
+        figures = dict(line.rsplit(" ", 1) for line in text.splitlines() if line and not line.startswith("#"))
+        assert float(figures["bagpipe_oracle_cacher_plan_seconds_count"]) == iterations, shard
+        assert float(figures["bagpipe_oracle_cacher_plan_bytes_total"]) > 0, shard
 
 
 def test_a_binding_cache_split_between_oracle_shards_stays_exact(run_job) -> None:

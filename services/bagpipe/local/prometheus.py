@@ -37,11 +37,11 @@ def find_binary(name: str) -> str:
 
 def _scope(service: str, member: str) -> dict[str, str]:
     """The labels the chart's ServiceMonitors add, which the dashboard's variables select: a trainer's
-    rank, an embedding server's shard (a local run has no namespace or release; the variables' "All"
-    matches the missing labels)."""
+    rank, an embedding server's or oracle's shard (a local run has no namespace or release; the variables'
+    "All" matches the missing labels)."""
     if service == "trainer":
         return {"rank": member}
-    if service == "embedding-server":
+    if service in ("embedding_server", "oracle_cacher"):
         return {"shard": member}
     return {}
 

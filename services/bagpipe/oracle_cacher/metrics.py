@@ -8,6 +8,10 @@ BATCHES_RECEIVED = Counter(
 BATCHES_PLANNED = Counter("bagpipe_oracle_cacher_batches_planned_total", "Batches planned")
 PLANS_DISPATCHED = Counter("bagpipe_oracle_cacher_plans_dispatched_total", "Plans sent to trainers")
 PLAN_SECONDS = Histogram("bagpipe_oracle_cacher_plan_seconds", "Time to plan one batch")
+PLAN_BYTES = Counter(
+    "bagpipe_oracle_cacher_plan_bytes",
+    "Bytes of the plans made, over all trainers: the batch's rows, each trainer's samples and plan",
+)
 ITERATIONS_TARGET = Gauge(
     "bagpipe_oracle_cacher_iterations_target", "Batches this run trains (--iterations; 0: the whole input)"
 )

@@ -283,6 +283,7 @@ class Oracle(pb_grpc.OracleCacherServicer):
                     plan, source.samples, self.config.batch_size, cached, self.config.trainers
                 )
                 metrics.PLAN_SECONDS.observe(time.perf_counter() - t0)
+                metrics.PLAN_BYTES.inc(encoded.nbytes)
                 metrics.BATCHES_PLANNED.inc()
                 metrics.OCCUPANCY.set(plan.occupancy)
                 metrics.LOOKAHEAD.set(plan.window)
