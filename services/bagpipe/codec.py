@@ -32,10 +32,13 @@ from bagpipe.core.plans import (
     BatchPlan,
     SharedPlan,
     TrainerBatch,
-    all_trainers,
     mask_dtype,
+    mask_words,
+    masks_shape,
+    outside_trainers,
     share,
     shared_plan,
+    trainers_in,
 )
 from bagpipe.errors import InvalidArgument
 from bagpipe.v1 import data_processor_pb2 as dpb
@@ -167,7 +170,7 @@ def decode_batch(
         raise InvalidArgument(f"{where}: keys", "must be sorted and unique")
     users = None
     if msg.HasField("users"):
-        users = _tensor(msg, "users", np.int64, where, shape=(keys.size,)).view(np.uint64)
+        users = _tensor(msg, "users", np.int64, where, shape=masks_shape(keys.size, trainers)).view(np.uint64)
         _check_masks(users, trainers, f"{where}: users")
     if slices:
         for name in ("dense", "labels", "inverse"):
@@ -334,9 +337,11 @@ def _samples(
 
 
 def _mask_bytes(masks: np.ndarray) -> np.ndarray:
-    """Trainer masks as uint8 [N, W]: each mask's W little-endian bytes (a view if already little-endian)."""
+    """Trainer masks as uint8 [N, W]: each mask's W little-endian bytes, a wide mask's words in turn (a view
+    if already little-endian)."""
     little = np.ascontiguousarray(masks, dtype=masks.dtype.newbyteorder("<"))
-    return little.view(np.uint8).reshape(masks.size, masks.dtype.itemsize)
+    width = masks.itemsize * (masks.shape[1] if masks.ndim == 2 else 1)
+    return little.view(np.uint8).reshape(masks.shape[0], width)
 
 
 def _rows_fields(rows: SharedPlan) -> list[tuple[int, Any]]:
@@ -415,19 +420,27 @@ def encode_plans(
 
 def _check_masks(masks: np.ndarray, trainers: int, field: str) -> None:
     """Each trainer mask names at least one trainer, and only trainers ``0..trainers-1``."""
-    everyone = int(all_trainers(trainers))
-    if masks.size and (int(masks.min()) < 1 or int(masks.max()) > everyone):
+    bad = outside_trainers(masks, trainers)
+    if not bad.any():
+        return
+    if masks.ndim == 1:
+        everyone = (1 << trainers) - 1
         raise InvalidArgument(field, f"masks outside [1, {everyone}] for {trainers} trainers")
+    at = int(np.argmax(bad))
+    raise InvalidArgument(
+        field, f"mask {at} names no trainer, or one beyond trainers 0..{trainers - 1} ({trainers} trainers)"
+    )
 
 
 def _masks(msg: Any, name: str, where: str, count: int, trainers: int, *, one: bool = False) -> np.ndarray:
     """A mask array (uint8 [count, W] on the wire) as ``mask_dtype(trainers)``, checked by
     ``_check_masks``; with ``one``, each mask names exactly one trainer."""
     dtype = mask_dtype(trainers)
-    raw = _tensor(msg, name, np.uint8, where, shape=(count, dtype.itemsize))
-    masks = raw.view(dtype.newbyteorder("<")).reshape(count).astype(dtype, copy=False)
+    shape = masks_shape(count, trainers)
+    raw = _tensor(msg, name, np.uint8, where, shape=(count, dtype.itemsize * max(1, mask_words(trainers))))
+    masks = raw.view(dtype.newbyteorder("<")).reshape(shape).astype(dtype, copy=False)
     _check_masks(masks, trainers, f"{where}: {name}")
-    if one and (np.bitwise_count(masks) != 1).any():
+    if one and (trainers_in(masks) != 1).any():
         raise InvalidArgument(f"{where}: {name}", "each mask must name exactly one trainer")
     return masks
 

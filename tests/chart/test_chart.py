@@ -747,7 +747,7 @@ TWENTY_SIX_ROWS = "training.tableRows={" + ",".join(["9"] * 26) + "}"
             ],
             "training.tableRows has 26 entries: avazu data has 22 tables",
         ),
-        (["trainer.replicaCount=65", "training.batchSize=6500"], "at most 64 trainers"),
+        (["trainer.replicaCount=257", "training.batchSize=25700"], "at most 256 trainers"),
         (["training.iterations=0"], "synthetic data is endless"),
         (["training.data=criteo:/data/day_0.tsv"], "set training.dataVolume.claimName"),
         (

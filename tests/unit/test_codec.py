@@ -339,28 +339,35 @@ def test_a_plan_with_another_batchs_rows_is_refused() -> None:
         decode_plan(messages[0], samples[1], rows, len(TABLE_ROWS), 13, 0, TRAINERS)
 
 
-def test_masks_of_up_to_64_trainers_cross_the_wire() -> None:
-    inverse = np.arange(64 * 2, dtype=np.int32).reshape(64, 2) % 40
+def test_masks_of_up_to_256_trainers_cross_the_wire() -> None:
+    inverse = np.arange(256 * 2, dtype=np.int32).reshape(256, 2) % 40
     arrays = _batches(1)[0][0]
     arrays = dataclasses.replace(
         arrays,
-        dense=np.zeros((64, arrays.dense.shape[1]), np.float32),
-        labels=np.zeros(64, np.float32),
+        dense=np.zeros((256, arrays.dense.shape[1]), np.float32),
+        labels=np.zeros(256, np.float32),
         keys=np.arange(40, dtype=np.int64),
         inverse=inverse,
     )
-    for trainers in (8, 16, 64):  # one-, two- and eight-byte masks
+    for trainers in (8, 16, 64, 128, 256):  # one-, two- and eight-byte masks; wide ones of 2 and 4 words
+        users = trainer_users(inverse, 40, trainers)
+        # the batch's masks too: sent by the data processor, read by the oracle
+        batch, _ = _batch(arrays, True, users, trainers)
+        got_batch = decode_batch(
+            _wire(batch), num_keys=40, batch_size=256, num_tables=2, trainers=trainers, slices=trainers
+        )
+        assert got_batch.users is not None and np.array_equal(got_batch.users, users)
         planner = LookaheadPlanner(40, 2, trainers=trainers)
-        planner.push(0, arrays.keys, last=True, users=trainer_users(inverse, 40, trainers))
+        planner.push(0, arrays.keys, last=True, users=users)
         plan = planner.pop()
-        encoded = encode_plans(plan, encode_batch(arrays, True, None, trainers)[1:], 64)
+        encoded = encode_plans(plan, encode_batch(arrays, True, None, trainers)[1:], 256)
         rows = opb.PlanPart.FromString(encoded.rows).rows
         for rank, data in enumerate(encoded.plans):
             message = opb.PlanPart.FromString(data).plan
             samples = opb.PlanPart.FromString(encoded.samples[rank]).samples
             got = decode_plan(message, samples, rows, 2, arrays.dense.shape[1], rank, trainers)
             _same(got.share, for_trainer(plan, inverse, rank, trainers))
-            per = 64 // trainers
+            per = 256 // trainers
             mine = np.unique(inverse[rank * per : (rank + 1) * per])
             assert np.array_equal(got.share.slots, plan.slots[mine])
 
@@ -464,3 +471,18 @@ def test_bad_plans_name_the_batch_and_field() -> None:
             continue  # nothing evicted in this batch to corrupt
         with pytest.raises(InvalidArgument, match=message):
             decode_plan(plan, samples, rows, *dims)
+
+
+def test_wide_masks_naming_no_trainer_or_one_beyond_are_refused() -> None:
+    arrays, _ = _batches(1)[0]
+    users = np.zeros((arrays.keys.size, 3), dtype=np.uint64)
+    users[:, 0] = 1
+    assert _decode(_batch(arrays, False, users)[0], trainers=130).users is not None
+    beyond = users.copy()
+    beyond[2, 2] = np.uint64(1) << np.uint64(2)  # trainer 130 of 0..129
+    with pytest.raises(InvalidArgument, match=r"batch 0: users: mask 2 names no trainer, or one beyond"):
+        _decode(_batch(arrays, False, beyond)[0], trainers=130)
+    empty = users.copy()
+    empty[1] = 0
+    with pytest.raises(InvalidArgument, match=r"mask 1 names no trainer"):
+        _decode(_batch(arrays, False, empty)[0], trainers=130)

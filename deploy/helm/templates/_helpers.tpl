@@ -85,8 +85,8 @@ command: ["bagpipe", {{ .service | default .component | quote }}]
 {{- define "bagpipe.validate" -}}
 {{- $t := .Values.training -}}
 {{- $trainers := int .Values.trainer.replicaCount -}}
-{{- if gt $trainers 64 -}}
-{{- fail (printf "trainer.replicaCount=%d: at most 64 trainers (the oracle's per-key trainer masks are 64 bits)" $trainers) -}}
+{{- if gt $trainers 256 -}}
+{{- fail (printf "trainer.replicaCount=%d: at most 256 trainers (the oracle's per-key trainer masks are 256 bits)" $trainers) -}}
 {{- end -}}
 {{- if mod (int64 $t.batchSize) $trainers -}}
 {{- fail (printf "training.batchSize=%d does not split over trainer.replicaCount=%d trainers: use a multiple of %d" (int64 $t.batchSize) $trainers $trainers) -}}

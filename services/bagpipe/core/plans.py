@@ -2,7 +2,9 @@
 
 :class:`BatchPlan` is what the oracle's lookahead planner (``oracle_cacher/lookahead.py``) decides for one
 global batch: its rows with their cache slots, holders and synchronisation class, the prefetches,
-evictions and hand-overs. Trainer masks (``mask_dtype``) have one bit per trainer.
+evictions and hand-overs. Trainer masks (``mask_dtype``) have one bit per trainer: one unsigned integer
+up to 64 trainers, and above that a row of uint64 words (``mask_words``), so that masks of N keys are an
+``[N, words]`` array; the functions below (``has_trainer``, ``trainers_in``, ...) read either.
 
 The oracle reduces a plan to :class:`SharedPlan`, the part every trainer is told: the batch's rows with
 their slots, users and synchronisation class, the prefetches, evictions and hand-overs. It is the same for
@@ -29,7 +31,15 @@ __all__ = [
     "BatchPlan",
     "Handovers",
     "all_trainers",
+    "every_trainer",
+    "has_trainer",
+    "lowest_trainer",
     "mask_dtype",
+    "mask_words",
+    "masks_shape",
+    "named",
+    "outside_trainers",
+    "trainers_in",
     "trainer_users",
     "SharedPlan",
     "SyncStep",
@@ -43,47 +53,127 @@ __all__ = [
 ]
 
 
-MAX_TRAINERS = 64
+MAX_TRAINERS = 256
+WORD = 64  # trainers a mask word holds: up to that many, a mask is one unsigned integer
 
 # BatchPlan.sync_class: how a row's update reaches the other holders: it has one holder (updated there
 # alone); it is all-reduced before the next batch (which reads it); or in the background
 PRIVATE, CRITICAL, BACKGROUND = 0, 1, 2
 
 
-def mask_dtype(trainers: int) -> np.dtype:
-    """The smallest unsigned integer type with one bit per trainer."""
+def mask_words(trainers: int) -> int:
+    """0 when a mask is one unsigned integer (up to 64 trainers); else the uint64 words of a *wide* mask,
+    an array's row: masks of N keys are a uint64 ``[N, words]`` array, trainer ``t`` bit ``t % 64`` of
+    word ``t // 64``."""
     if not 1 <= trainers <= MAX_TRAINERS:
         raise ValueError(f"trainers: must be in [1, {MAX_TRAINERS}], got {trainers}")
+    return 0 if trainers <= WORD else -(-trainers // WORD)
+
+
+def mask_dtype(trainers: int) -> np.dtype:
+    """The smallest unsigned integer type with one bit per trainer; uint64 for wide masks (``mask_words``)."""
+    if mask_words(trainers):
+        return np.dtype(np.uint64)
     for dt in (np.uint8, np.uint16, np.uint32, np.uint64):
         if trainers <= np.iinfo(dt).bits:
             return np.dtype(dt)
     raise AssertionError("unreachable")
 
 
-def all_trainers(trainers: int) -> np.generic:
+def all_trainers(trainers: int) -> np.generic | np.ndarray:
+    """The mask of every trainer: a scalar, or a wide mask's ``[words]`` row."""
+    words = mask_words(trainers)
+    if words:
+        row = np.full(words, np.iinfo(np.uint64).max, dtype=np.uint64)
+        if trainers % WORD:
+            row[-1] = np.uint64((1 << (trainers % WORD)) - 1)
+        return row
     dt = mask_dtype(trainers)
     return dt.type((1 << trainers) - 1)
 
 
+def every_trainer(count: int, trainers: int) -> np.ndarray:
+    """``count`` masks of every trainer (a replicated cache: every key used by all)."""
+    everyone = all_trainers(trainers)
+    if isinstance(everyone, np.ndarray):
+        return np.broadcast_to(everyone, (count, everyone.size)).copy()
+    return np.full(count, everyone, dtype=mask_dtype(trainers))
+
+
+def masks_shape(count: int, trainers: int) -> tuple[int, ...]:
+    """The shape of ``count`` masks: ``(count,)``, or ``(count, words)`` for wide masks."""
+    words = mask_words(trainers)
+    return (count, words) if words else (count,)
+
+
+def has_trainer(masks: np.ndarray, rank: int) -> np.ndarray:
+    """bool ``[N]``: the masks that name trainer ``rank``."""
+    if masks.ndim == 2:
+        return ((masks[:, rank // WORD] >> np.uint64(rank % WORD)) & np.uint64(1)) != 0
+    return (masks & masks.dtype.type(1 << rank)) != 0
+
+
+def trainers_in(masks: np.ndarray) -> np.ndarray:
+    """int ``[N]``: how many trainers each mask names."""
+    counts = np.bitwise_count(masks)
+    return counts.sum(axis=1) if masks.ndim == 2 else counts
+
+
+def named(masks: np.ndarray) -> np.ndarray:
+    """bool ``[N]``: the masks that name at least one trainer."""
+    return np.asarray(masks.any(axis=1) if masks.ndim == 2 else masks != 0)
+
+
+def lowest_trainer(masks: np.ndarray) -> np.ndarray:
+    """int32 ``[N]``: the lowest trainer each (non-empty) mask names."""
+    if masks.ndim == 2:
+        word = np.argmax(masks != 0, axis=1)
+        value = masks[np.arange(masks.shape[0]), word]
+        lowest = value & (~value + np.uint64(1))
+        return (word * WORD + np.bitwise_count(lowest - np.uint64(1))).astype(np.int32)
+    one = masks.dtype.type(1)
+    lowest = masks & (~masks + one)
+    return np.bitwise_count(lowest - one).astype(np.int32)  # (its trailing zeros)
+
+
+def outside_trainers(masks: np.ndarray, trainers: int) -> np.ndarray:
+    """bool ``[N]``: the masks that name no trainer, or one beyond ``trainers``."""
+    empty = ~named(masks)
+    if masks.ndim == 2:
+        words = mask_words(trainers)
+        beyond = (masks[:, words:] != 0).any(axis=1) if masks.shape[1] > words else np.zeros_like(empty)
+        if trainers % WORD and masks.shape[1] >= words:
+            beyond |= masks[:, words - 1] > np.uint64((1 << (trainers % WORD)) - 1)
+        return empty | beyond
+    everyone = int(all_trainers(trainers))  # type: ignore[arg-type]
+    return empty | (masks.astype(np.uint64) > np.uint64(everyone))
+
+
 def trainer_users(inverse: np.ndarray, unique: int, trainers: int) -> np.ndarray:
-    """Per key of a global batch, the bit mask of trainers whose contiguous slice of samples uses it.
+    """Per key of a global batch, the bit mask of trainers whose contiguous slice of samples uses it
+    (``[unique, words]`` for wide masks, ``mask_words``).
 
     ``inverse`` is the batch's int32 ``[B, tables]`` index into its ``unique`` keys; trainer ``t`` takes
     samples ``[t*B/T, (t+1)*B/T)``. Per trainer, one scatter of its slice into a byte map of the keys
     (cache-resident), shifted into the mask.
     """
     dt = mask_dtype(trainers)
+    words = mask_words(trainers)
     size = inverse.shape[0]
     if size % trainers:
         raise ValueError(f"batch of {size} samples does not split over {trainers} trainers")
     per = size // trainers
-    out = np.zeros(unique, dtype=dt)
+    out = np.zeros(masks_shape(unique, trainers), dtype=dt)
     seen = np.zeros(unique, dtype=bool)
     true = np.ones(per * inverse.shape[1], dtype=bool)  # scattering an array is ~20x faster than a scalar
     for t in range(trainers):
         seen.fill(False)
         seen[inverse[t * per : (t + 1) * per].reshape(-1)] = true
-        out += seen.view(np.uint8).astype(dt, copy=False) << dt.type(t)
+        bits = seen.view(np.uint8).astype(dt, copy=False) << dt.type(t % WORD)
+        if words:
+            out[:, t // WORD] |= bits
+        else:
+            out += bits
     return out
 
 
@@ -256,11 +346,10 @@ def shared_plan(plan: BatchPlan) -> SharedPlan:
 def share(plan: SharedPlan, inverse: np.ndarray, rank: int) -> TrainerPlan:
     """Trainer ``rank``'s share of ``plan``; ``inverse`` is the trainer's own slice of the samples, an
     int32 ``[b, tables]`` index into the batch's rows."""
-    bit = plan.users.dtype.type(1 << rank)
-    local = np.flatnonzero(plan.users & bit)
+    local = np.flatnonzero(has_trainer(plan.users, rank))
     position = np.full(plan.unique, -1, dtype=np.int32)
     position[local] = np.arange(local.size, dtype=np.int32)
-    fetching = (plan.prefetch_holders & bit) != 0
+    fetching = has_trainer(plan.prefetch_holders, rank)
     fetch = plan.prefetch[fetching]
     written = np.flatnonzero(plan.evict_writer == rank)
     steps = []
@@ -272,8 +361,12 @@ def share(plan: SharedPlan, inverse: np.ndarray, rank: int) -> TrainerPlan:
                 slots=plan.slots[rows],
                 local=position[rows],
                 handover_slots=plan.handover_slots[handed],
-                handover_send=np.flatnonzero(plan.handover_source[handed] & bit).astype(np.int32),
-                handover_recv=np.flatnonzero(plan.handover_recipients[handed] & bit).astype(np.int32),
+                handover_send=np.flatnonzero(has_trainer(plan.handover_source[handed], rank)).astype(
+                    np.int32
+                ),
+                handover_recv=np.flatnonzero(has_trainer(plan.handover_recipients[handed], rank)).astype(
+                    np.int32
+                ),
             )
         )
     return TrainerPlan(
@@ -328,7 +421,7 @@ def traffic(plan: BatchPlan, dim: int, state_width: int, delayed: bool = True) -
     bg_sync = int((plan.sync & ~critical).sum())
     crit_hand = int(h.critical.sum()) if delayed else int(h.critical.size)
     bg_hand = int(h.critical.size - crit_hand)
-    prefetched = int(np.bitwise_count(plan.holders[plan.prefetch]).sum())
+    prefetched = int(trainers_in(plan.holders[plan.prefetch]).sum())
     return Traffic(
         unique=plan.unique,
         prefetched=prefetched,

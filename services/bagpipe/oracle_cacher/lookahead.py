@@ -85,8 +85,12 @@ from bagpipe.core.intrinsics import load_early
 from bagpipe.core.plans import (
     BatchPlan,
     Handovers,
-    all_trainers,
+    every_trainer,
+    lowest_trainer,
     mask_dtype,
+    mask_words,
+    masks_shape,
+    named,
 )
 
 logger = logging.getLogger(__name__)
@@ -409,6 +413,158 @@ def _pop_records(  # type: ignore[no-untyped-def]
     return int(evicted - lo_u), int(handed - lo_u)
 
 
+@njit(cache=True, nogil=True)
+def _word_count(row):  # type: ignore[no-untyped-def]
+    """Set bits of a wide mask's row."""
+    total = np.uint64(0)
+    for w in range(row.size):
+        total += _popcount(np.uint64(row[w]))
+    return total
+
+
+@njit(cache=True, nogil=True)
+def _push_wide(  # type: ignore[no-untyped-def]
+    state, held, pending_to, handover_at, keys, users, batch, oldest, linked, before_used, before_pos, fresh,
+    first, lo, hi,
+):  # fmt: skip
+    """``_push_records`` for wide masks (``mask_words``): a key's holders and pending hand-over recipients
+    are rows of ``held`` and ``pending_to`` (uint64 ``[num_keys, words]``), and ``users`` is ``[U, words]``;
+    the record's ``handover_to`` is 1 while a hand-over is pending. The same steps, word by word."""
+    words = held.shape[1]
+    depends_on = -1
+    fresh_count = lo
+    joiners = np.empty(words, dtype=np.uint64)
+    for i in range(lo, hi):
+        k = np.uint64(keys[i])
+        rec = state[k]
+        prev = rec.latest
+        if prev < oldest:
+            depends_on = max(depends_on, prev)
+            fresh[fresh_count] = i
+            first[fresh_count] = prev < 0
+            fresh_count += 1
+            for w in range(words):
+                held[k, w] = users[i, w]
+        else:
+            if linked and prev == batch - 1:
+                at = np.uint32(rec.pos)
+                before_used[at] = True
+                before_pos[at] = i
+            new = False
+            for w in range(words):
+                joiners[w] = users[i, w] & ~held[k, w]
+                new |= joiners[w] != 0
+            if new and rec.slot >= 0:
+                if rec.handover_to != 0:
+                    for w in range(words):
+                        pending_to[k, w] |= joiners[w]
+                else:
+                    for w in range(words):
+                        pending_to[k, w] = joiners[w]
+                    rec.handover_to = 1
+                    handover_at[k] = prev
+            for w in range(words):
+                held[k, w] |= users[i, w]
+        rec.latest = batch
+        rec.pos = i
+    return depends_on, fresh_count - lo
+
+
+@njit(cache=True, nogil=True)
+def _writer_wide(owners, key):  # type: ignore[no-untyped-def]
+    """``_writer`` of a wide mask's row: the ``key % holders``-th of its holders."""
+    n = np.uint64(key) % _word_count(owners)
+    one = np.uint64(1)
+    for w in range(owners.size):
+        v = np.uint64(owners[w])
+        c = _popcount(v)
+        if n < c:
+            for _ in range(int(n)):
+                v &= v - one
+            return w * 64 + int(_popcount((v & (~v + one)) - one))
+        n -= c
+    return -1
+
+
+@njit(cache=True, nogil=True)
+def _lowest_wide(row, out):  # type: ignore[no-untyped-def]
+    """The lowest trainer of a wide mask's ``row``, as a mask into ``out``."""
+    found = False
+    for w in range(row.size):
+        v = np.uint64(row[w])
+        if not found and v != 0:
+            out[w] = v & (~v + np.uint64(1))
+            found = True
+        else:
+            out[w] = 0
+
+
+@njit(cache=True, nogil=True)
+def _pop_wide(  # type: ignore[no-untyped-def]
+    state, held, pending_to, handover_at, slot_key, keys, next_used, next_pos, prefetch, new_slots, x,
+    delayed, following_users, ttl, slots, holders, pending, sync_class, prefetch_keys, prefetch_holders,
+    evict, evict_keys, evict_slots, writer, handed_keys, handed_slots, handed_source, handed_to,
+    handed_critical, lo, hi,
+):  # fmt: skip
+    """``_pop_records`` for wide masks (see ``_push_wide``): ``holders``, ``pending``, ``prefetch_holders``,
+    ``handed_source``, ``handed_to`` and ``following_users`` are ``[N, words]``. The same steps per key, in
+    one loop."""
+    words = held.shape[1]
+    urgent = not delayed
+    evicted = lo
+    handed = lo
+    fetched = np.searchsorted(prefetch, lo)
+    for i in range(lo, hi):
+        k = np.uint64(keys[i])
+        rec = state[k]
+        ttl[i] = rec.latest
+        slots[i] = rec.slot
+        waiting = rec.handover_to != 0
+        count = np.uint64(0)
+        for w in range(words):
+            to = pending_to[k, w] if waiting else np.uint64(0)
+            pending[i, w] = to
+            owners = held[k, w] & ~to  # those still waiting for a hand-over lack the newest value
+            holders[i, w] = owners
+            count += _popcount(owners)
+        shared = count > 1
+        background = shared and not (next_used[i] or urgent)
+        sync_class[i] = np.uint8(shared) + np.uint8(background)
+        if waiting and handover_at[k] == x:  # the hand-over due after this batch
+            rec.handover_to = 0
+            handed_keys[handed] = keys[i]
+            handed_slots[handed] = slots[i]
+            _lowest_wide(holders[i], handed_source[handed])
+            critical = urgent
+            for w in range(words):
+                handed_to[handed, w] = pending[i, w]
+                pending_to[k, w] = 0
+                if not urgent and next_used[i]:
+                    critical |= (following_users[np.uint32(next_pos[i]), w] & pending[i, w]) != 0
+            handed_critical[handed] = critical
+            handed += 1
+        if fetched < prefetch.size and prefetch[fetched] == i:
+            slot = new_slots[fetched]
+            slots[i] = slot
+            rec.slot = slot
+            slot_key[np.uint32(slot)] = keys[i] + 1
+            prefetch_keys[fetched] = keys[i]
+            for w in range(words):
+                prefetch_holders[fetched, w] = holders[i, w]
+            fetched += 1
+        if ttl[i] == x:  # its last use in the window: evicted, written back by one of its holders
+            slot_key[np.uint32(slots[i])] = 0
+            evict[evicted] = i
+            evict_keys[evicted] = keys[i]
+            evict_slots[evicted] = slots[i]
+            writer[evicted] = _writer_wide(holders[i], keys[i])
+            rec.slot = -1
+            for w in range(words):
+                held[k, w] = 0
+            evicted += 1
+    return evicted - lo, handed - lo
+
+
 @njit(cache=True, nogil=True, parallel=True)
 def _push_parts(  # type: ignore[no-untyped-def]
     state, handover_at, keys, users, batch, oldest, linked, before_used, before_pos, fresh, first, cuts, done
@@ -481,14 +637,14 @@ def _read_only(array: np.ndarray) -> np.ndarray:
     return view
 
 
-_COMPILED: set[tuple[int, bool]] = set()
+_COMPILED: set[tuple[int, int, bool]] = set()
 
 
 def _compile(trainers: int, threads: int) -> None:
     """Compiles (or loads from numba's cache) the loops for ``trainers``' mask width (and, with
     ``threads`` above 1, the loops that split them over threads), on a two-key plan, so that a service
     does it while it starts rather than on its first batch."""
-    kind = (mask_dtype(trainers).itemsize, threads > 1)
+    kind = (mask_dtype(trainers).itemsize, mask_words(trainers), threads > 1)
     if kind in _COMPILED:
         return
     _COMPILED.add(kind)
@@ -539,15 +695,19 @@ class LookaheadPlanner:
         self.delayed_sync = delayed_sync
         self.threads = threads
         self.mask = mask_dtype(trainers)
-        self._all = all_trainers(trainers)
+        # wide masks (above 64 trainers): a key's holders and pending recipients in arrays of their own,
+        # planned by the loops for them (_push_wide, _pop_wide) on one thread
+        self.words = mask_words(trainers)
         # per key: latest (LatestTracker; the eviction batch once evicted), slot (InCache), pos (in the latest
         # batch's keys), holders, handover_to (pending hand-over recipients; the batch after which it is due
         # is in _handover_at, valid while handover_to is not 0)
-        self._dtype = _state_dtype(self.mask)
+        self._dtype = _state_dtype(np.dtype(np.uint8) if self.words else self.mask)
         self._state = np.zeros(num_keys, dtype=self._dtype)
         self._state["latest"] = -1
         self._state["slot"] = -1
         self._handover_at = np.full(num_keys, -1, dtype=np.int32)
+        self._held = np.zeros((num_keys, self.words), dtype=np.uint64) if self.words else None
+        self._pending_to = np.zeros((num_keys, self.words), dtype=np.uint64) if self.words else None
         # key + 1 in each cache slot (0: empty); zeroed pages are mapped lazily, so the slots never used
         # cost no memory, and the array rarely has to grow
         self._slot_key = np.zeros(num_keys, dtype=np.int64)
@@ -584,6 +744,9 @@ class LookaheadPlanner:
         touched = np.flatnonzero((self._state != initial[0]) | (self._handover_at != -1))
         self._state[touched] = initial[0]
         self._handover_at[touched] = -1
+        if self._held is not None and self._pending_to is not None:  # (a key pushed has a latest use)
+            self._held[touched] = 0
+            self._pending_to[touched] = 0
         self._slot_key[np.flatnonzero(self._slot_key)] = 0
         self._start()
 
@@ -596,7 +759,7 @@ class LookaheadPlanner:
     def _split(self, serial: Any, parallel: Any, args: tuple[Any, ...], size: int) -> tuple[int, int]:
         """``serial(*args, 0, size)``'s results: one call with one thread, else ``parallel``'s, which
         plans the batch's ``size`` positions in parts (``_parts``), a thread each."""
-        if self.threads == 1:
+        if self.threads == 1 or self.words:  # (wide masks: one thread)
             first, second = serial(*args, 0, size)
         else:
             cuts = self._parts(size)
@@ -645,14 +808,14 @@ class LookaheadPlanner:
             raise ValueError(f"keys: expected a 1-D int64 array, got {keys.dtype} {keys.shape}")
         if keys.size and (keys[0] < 0 or keys[-1] >= self.num_keys):
             raise ValueError(f"keys: batch {batch} has keys outside [0, {self.num_keys})")
+        shape = masks_shape(keys.size, self.trainers)
         if users is None:
-            users = np.full(keys.size, self._all, dtype=self.mask)
-        elif users.dtype != self.mask or users.shape != keys.shape:
-            raise ValueError(f"users: expected {self.mask} {keys.shape}, got {users.dtype} {users.shape}")
-        elif not users.all():
-            raise ValueError(
-                f"users: batch {batch} has a key no trainer uses (key {int(keys[users == 0][0])})"
-            )
+            users = every_trainer(keys.size, self.trainers)
+        elif users.dtype != self.mask or users.shape != shape:
+            raise ValueError(f"users: expected {self.mask} {shape}, got {users.dtype} {users.shape}")
+        elif not named(users).all():
+            unused = int(keys[~named(users)][0])
+            raise ValueError(f"users: batch {batch} has a key no trainer uses (key {unused})")
         keys, users = _read_only(keys), _read_only(users)  # (one compiled variant, whatever the caller has)
         oldest = self._window[0].batch if self._window else batch
         if self.capacity is not None:  # a read-only pass first: the batch may not fit
@@ -675,11 +838,13 @@ class LookaheadPlanner:
         next_pos = np.empty(keys.size, dtype=np.int32)  # (read only where next_used is set)
         fresh = np.empty(keys.size, dtype=np.int32)
         first = np.empty(keys.size, dtype=bool)
+        wide = (self._held, self._pending_to) if self.words else ()
         depends_on, fresh_count = self._split(
-            _push_records,
+            _push_wide if self.words else _push_records,
             _push_parts,
             (
                 self._state,
+                *wide,
                 self._handover_at,
                 keys,
                 users,
@@ -738,10 +903,11 @@ class LookaheadPlanner:
         self.peak_occupancy = max(self.peak_occupancy, self.occupancy)
         size = keys.size
         ttl, slots = np.empty(size, dtype=np.int32), np.empty(size, dtype=np.int32)
-        holders, to = np.empty(size, dtype=self.mask), np.empty(size, dtype=self.mask)
+        shape = masks_shape(size, self.trainers)
+        holders, to = np.empty(shape, dtype=self.mask), np.empty(shape, dtype=self.mask)
         sync_class = np.empty(size, dtype=np.uint8)
         prefetch_keys = np.empty(prefetch.size, dtype=np.int64)
-        prefetch_holders = np.empty(prefetch.size, dtype=self.mask)
+        prefetch_holders = np.empty(masks_shape(prefetch.size, self.trainers), dtype=self.mask)
         evict, writer, due = (np.empty(size, dtype=np.int32) for _ in range(3))
         evict_keys = np.empty(size, dtype=np.int64)
         evict_slots = np.empty(size, dtype=np.int32)  # (gathered where the slots are in cache)
@@ -749,46 +915,55 @@ class LookaheadPlanner:
         h = Handovers(
             np.empty(size, np.int64),
             np.empty(size, np.int32),
-            np.empty(size, self.mask),
-            np.empty(size, self.mask),
+            np.empty(shape, self.mask),
+            np.empty(shape, self.mask),
             np.empty(size, bool),
         )
-        evicted, handed = self._split(
-            _pop_records,
-            _pop_parts,
-            (
-                self._state,
-                self._handover_at,
-                self._slot_key,
-                keys,
-                entry.next_used,
-                entry.next_pos,
-                prefetch,
-                new_slots,
-                x,
-                self.delayed_sync,
-                following.users if following is not None else entry.users[:0],
-                ttl,
-                slots,
-                holders,
-                to,
-                sync_class,
-                prefetch_keys,
-                prefetch_holders,
-                evict,
-                evict_keys,
-                evict_slots,
-                writer,
-                due,
-                h.keys,
-                h.slots,
-                h.source,
-                h.recipients,
-                h.critical,
-                np.empty(size, np.int32),
-            ),
-            size,
-        )
+        if self.words:
+            evicted, handed = _pop_wide(
+                self._state, self._held, self._pending_to, self._handover_at, self._slot_key, keys,
+                entry.next_used, entry.next_pos, prefetch, new_slots, x, self.delayed_sync,
+                following.users if following is not None else entry.users[:0], ttl, slots, holders, to,
+                sync_class, prefetch_keys, prefetch_holders, evict, evict_keys, evict_slots, writer, h.keys,
+                h.slots, h.source, h.recipients, h.critical, 0, size,
+            )  # fmt: skip
+        else:
+            evicted, handed = self._split(
+                _pop_records,
+                _pop_parts,
+                (
+                    self._state,
+                    self._handover_at,
+                    self._slot_key,
+                    keys,
+                    entry.next_used,
+                    entry.next_pos,
+                    prefetch,
+                    new_slots,
+                    x,
+                    self.delayed_sync,
+                    following.users if following is not None else entry.users[:0],
+                    ttl,
+                    slots,
+                    holders,
+                    to,
+                    sync_class,
+                    prefetch_keys,
+                    prefetch_holders,
+                    evict,
+                    evict_keys,
+                    evict_slots,
+                    writer,
+                    due,
+                    h.keys,
+                    h.slots,
+                    h.source,
+                    h.recipients,
+                    h.critical,
+                    np.empty(size, np.int32),
+                ),
+                size,
+            )
         # (views of the filled prefixes: a plan lives until it is serialised)
         evict, writer, evict_keys = evict[:evicted], writer[:evicted], evict_keys[:evicted]
         handovers = Handovers(*(a[:handed] for a in (h.keys, h.slots, h.source, h.recipients, h.critical)))
@@ -830,9 +1005,11 @@ class LookaheadPlanner:
         slots = np.flatnonzero(self._slot_key[: self._allocator.high_water]).astype(np.int32)
         keys = self._slot_key[slots] - 1
         rec = self._state[keys]
-        holders = (rec["holders"] & ~rec["handover_to"]).astype(self.mask)
-        if holders.size and not holders.all():
+        if self._held is not None and self._pending_to is not None:
+            waiting = (rec["handover_to"] != 0)[:, None]
+            holders = self._held[keys] & ~np.where(waiting, self._pending_to[keys], np.uint64(0))
+        else:
+            holders = (rec["holders"] & ~rec["handover_to"]).astype(self.mask)
+        if holders.size and not named(holders).all():
             raise AssertionError("a cached row has no holder with its newest value")
-        lowest = holders & (~holders + self.mask.type(1))
-        writer = np.bitwise_count(lowest - self.mask.type(1)).astype(np.int32)  # (its trailing zeros)
-        return keys, slots, writer
+        return keys, slots, lowest_trainer(holders)

@@ -24,7 +24,7 @@ import numpy as np
 from bagpipe.core.data import table_offsets
 from bagpipe.core.optim import OptimizerConfig
 from bagpipe.core.oracle_shards import KeyShards, shard_capacity
-from bagpipe.core.plans import all_trainers, traffic, trainer_users
+from bagpipe.core.plans import every_trainer, traffic, trainer_users
 from bagpipe.data_processor.batches import numbered_batches
 from bagpipe.data_processor.config import source_of
 from bagpipe.oracle_cacher.lookahead import LookaheadPlanner
@@ -79,7 +79,6 @@ def plan_stats(args: argparse.Namespace) -> dict[str, Any]:
         ]
         for name in ("replicated", "lrpp")
     }
-    everyone = all_trainers(args.trainers)
     totals = {mode: _Totals() for mode in MODES}
     windows: dict[str, list[int]] = {name: [] for name in planners}
     waiting = {name: [deque[_Part]() for _ in range(oracles)] for name in planners}
@@ -101,7 +100,7 @@ def plan_stats(args: argparse.Namespace) -> dict[str, Any]:
             for name, planner in ((n, planners[n][shard]) for n in planners):
                 replicated = name == "replicated"
                 queue = waiting[name][shard]
-                used_by = np.full_like(its_users, everyone) if replicated else its_users
+                used_by = every_trainer(keys.size, args.trainers) if replicated else its_users
                 queue.append((arrays.number, keys, used_by, last))
                 while True:
                     while queue and planner.wants_more():

@@ -27,7 +27,7 @@ from bagpipe import security, serving
 from bagpipe.codec import EncodedPlan, WireBatch, check_samples, decode_batch, encode_plans
 from bagpipe.core.data import table_offsets
 from bagpipe.core.oracle_shards import KeyShards, shard_capacity
-from bagpipe.core.plans import BACKGROUND, CRITICAL, BatchPlan, all_trainers, mask_dtype
+from bagpipe.core.plans import BACKGROUND, CRITICAL, BatchPlan, every_trainer, mask_dtype
 from bagpipe.errors import BAD_DATA, BadData, InvalidArgument, PermissionDenied
 from bagpipe.oracle_cacher import metrics
 from bagpipe.oracle_cacher.config import OracleConfig
@@ -195,7 +195,7 @@ class Oracle(pb_grpc.OracleCacherServicer):
         """Which trainers use each key (every trainer, for a replicated cache)."""
         unique = batch.keys.size
         if self.config.cache_mode == "replicated":
-            return np.full(unique, all_trainers(self.config.trainers), dtype=mask_dtype(self.config.trainers))
+            return every_trainer(unique, self.config.trainers)
         if batch.users is None:  # asked for (with LRPP), so a processor that predates the field
             raise InvalidArgument(f"batch {batch.number}: users", "missing: the data processor sent no masks")
         return batch.users.astype(mask_dtype(self.config.trainers))

@@ -12,15 +12,31 @@ from __future__ import annotations
 import numba
 import numpy as np
 import pytest
-from bagpipe.core.plans import for_trainer, mask_dtype, traffic, trainer_users
+from bagpipe.core.plans import for_trainer, mask_dtype, mask_words, traffic, trainer_users
 from bagpipe.oracle_cacher import lookahead
 from bagpipe.oracle_cacher.lookahead import CapacityError, LookaheadPlanner
 
 from tests.unit.oracle_cacher.test_lookahead import assert_same_plans
 
 
-def bits(mask: int, trainers: int) -> list[int]:
-    return [t for t in range(trainers) if int(mask) >> t & 1]
+def as_int(mask) -> int:
+    """A mask (an integer, or a wide mask's row of uint64 words) as a Python integer."""
+    if isinstance(mask, np.ndarray):
+        return sum(int(word) << (64 * j) for j, word in enumerate(mask.tolist()))
+    return int(mask)
+
+
+def masks_of(values: list[int], trainers: int) -> np.ndarray:
+    """Python-integer masks as the planner takes them (wide above 64 trainers: ``[N, words]``)."""
+    words = mask_words(trainers)
+    if not words:
+        return np.array(values, dtype=mask_dtype(trainers))
+    return np.array([[(v >> (64 * j)) & (2**64 - 1) for j in range(words)] for v in values], dtype=np.uint64)
+
+
+def bits(mask, trainers: int) -> list[int]:
+    value = as_int(mask)
+    return [t for t in range(trainers) if value >> t & 1]
 
 
 def make_stream(n: int, trainers: int, keys: int, per: int, seed: int) -> list[list[set[int]]]:
@@ -51,17 +67,15 @@ def plan_stream(
         delayed_sync=delayed,
         threads=threads,
     )
-    dt = mask_dtype(trainers)
     plans, nxt = [], 0
     while len(plans) < len(stream):
         while planner.wants_more() and nxt < len(stream):
             used = stream[nxt]
             keys = np.array(sorted(set().union(*used)), dtype=np.int64)
-            users = np.array(
-                [sum(1 << t for t in range(trainers) if k in used[t]) for k in keys.tolist()], dtype=dt
-            )
+            values = [sum(1 << t for t in range(trainers) if k in used[t]) for k in keys.tolist()]
             if replicated:
-                users[:] = (1 << trainers) - 1
+                values = [(1 << trainers) - 1] * len(values)
+            users = masks_of(values, trainers)
             if not planner.push(nxt, keys, last=nxt == len(stream) - 1, users=users):
                 break
             nxt += 1
@@ -101,7 +115,7 @@ def replay(stream, plans, trainers, capacity=None, delayed=True) -> dict[str, in
         for i, k in enumerate(keys):
             holders = bits(p.holders[i], trainers)
             users = [t for t in range(trainers) if k in stream[x][t]]
-            assert bits(p.users[i], trainers) == users or p.users[i] == (1 << trainers) - 1
+            assert bits(p.users[i], trainers) == users or as_int(p.users[i]) == (1 << trainers) - 1
             assert set(users) <= set(holders), f"batch {x}: {k} used by {users}, held by {holders}"
             for t in holders:
                 assert caches[t].get(slot_of[k]) == (k, newest.get(k, -1)), (
@@ -146,7 +160,8 @@ def replay(stream, plans, trainers, capacity=None, delayed=True) -> dict[str, in
     return seen
 
 
-@pytest.mark.parametrize("trainers", [2, 3, 5, 20, 64])  # 20, 64: wider per-key records and masks
+# 20, 64: wider per-key records and masks; 70, 200: wide masks (rows of words, their own loops)
+@pytest.mark.parametrize("trainers", [2, 3, 5, 20, 64, 70, 200])
 @pytest.mark.parametrize("lookahead", [1, 2, 4, 9])
 @pytest.mark.parametrize("delayed", [True, False])
 def test_every_read_is_the_newest_value(trainers: int, lookahead: int, delayed: bool) -> None:
@@ -264,3 +279,50 @@ def test_trainer_users_and_shares_follow_the_sample_slices() -> None:
     assert share.private_rows.tolist() == [1, 2]  # keys 2 and 4; key 1 is shared
     t = traffic(plans[0], dim=4, state_width=0)
     assert (t.unique, t.prefetched, t.critical_rows, t.background_rows) == (5, 6, 0, 1)
+
+
+@pytest.mark.parametrize(("capacity", "delayed"), [(None, True), (90, True), (None, False)])
+def test_wide_masks_plan_what_one_word_plans(capacity: int | None, delayed: bool) -> None:
+    """Above 64 trainers masks are rows of words, planned by loops of their own (``_push_wide``,
+    ``_pop_wide``). A stream whose samples come from 40 of 130 trainers is planned exactly as one word plans
+    it for 40 trainers: every field of every plan, masks read as integers, and the cached rows' writers."""
+    stream = make_stream(60, 40, keys=200, per=6, seed=11)
+    narrow, one = plan_stream(stream, 40, 6, 200, capacity=capacity, delayed=delayed)
+    padded = [[*used, *([set()] * 90)] for used in stream]  # (trainers 40..129 use nothing)
+    wide, many = plan_stream(padded, 130, 6, 200, capacity=capacity, delayed=delayed)
+    assert many.words == 3 and one.words == 0
+    for a, b in zip(narrow, wide, strict=True):
+        for name in ("keys", "slots", "ttl", "sync_class", "prefetch", "prefetch_keys", "evict", "writer"):
+            assert np.array_equal(getattr(a, name), getattr(b, name)), (a.batch, name)
+        for name in ("users", "holders", "prefetch_holders"):
+            assert [as_int(m) for m in getattr(a, name)] == [as_int(m) for m in getattr(b, name)], name
+        ha, hb = a.handovers, b.handovers
+        for name in ("keys", "slots", "critical"):
+            assert np.array_equal(getattr(ha, name), getattr(hb, name)), (a.batch, name)
+        for name in ("source", "recipients"):
+            assert [as_int(m) for m in getattr(ha, name)] == [as_int(m) for m in getattr(hb, name)], name
+        assert (a.depends_on, a.window, a.occupancy) == (b.depends_on, b.window, b.occupancy)
+    assert sum(p.handovers.keys.size for p in wide) > 0 and sum(p.evict.size for p in wide) > 0
+    replay(padded, wide, 130, capacity=capacity, delayed=delayed)
+
+
+def test_wide_cached_rows_name_their_writer() -> None:
+    """Mid-stream (rows cached, some hand-overs pending), the rows a checkpoint writes out and who writes
+    each are those of one word; reset leaves no wide mask behind."""
+    stream = make_stream(30, 40, keys=200, per=6, seed=5)
+    planners = [LookaheadPlanner(200, 6, 40), LookaheadPlanner(200, 6, 200)]
+    for b in range(14):
+        values = [
+            sum(1 << t for t in range(40) if k in stream[b][t]) for k in sorted(set().union(*stream[b]))
+        ]
+        keys = np.array(sorted(set().union(*stream[b])), dtype=np.int64)
+        for planner in planners:
+            if not planner.wants_more():
+                planner.pop()
+            assert planner.push(b, keys, users=masks_of(values, planner.trainers))
+    one, many = (planner.cached() for planner in planners)
+    assert one[0].size > 0
+    for a, b in zip(one, many, strict=True):
+        assert np.array_equal(a, b)
+    planners[1].reset()
+    assert not planners[1]._held.any() and not planners[1]._pending_to.any()  # noqa: SLF001
