@@ -348,7 +348,7 @@ def _rows_fields(rows: SharedPlan) -> list[tuple[int, Any]]:
     """``PlanRows``' fields (``oracle_cacher.proto``) for ``wire.encode_message``."""
     return [
         (1, rows.slots),
-        (2, _mask_bytes(rows.users)),
+        (2, _mask_bytes(rows.users) if rows.users is not None else None),
         (3, rows.sync),
         (4, rows.prefetch),
         (5, rows.prefetch_keys),
@@ -385,6 +385,7 @@ def encode_plans(
     batch_size: int,
     checkpoint: tuple[np.ndarray, np.ndarray, np.ndarray] | None = None,
     trainers: int | None = None,
+    users: bool = True,
 ) -> EncodedPlan:
     """``plan`` as StreamPlans sends it: the batch's rows (``PlanRows``), serialised once for all trainers;
     per trainer its ``Samples`` (``samples``, as the data processor sent them: ``check_samples``); and its
@@ -392,9 +393,11 @@ def encode_plans(
     writer rank), the cached rows it writes out. The bytes are what ``PlanPart.SerializeToString`` would
     give (``wire.encode_message``); StreamPlans sends them as they are and a trainer reads its share with
     :func:`decode_plan`. ``trainers``: given when ``samples`` is empty (an oracle shard that does not carry
-    the batch's samples)."""
+    the batch's samples). Without ``users`` the rows go without their trainer masks: with LRPP each trainer
+    takes the rows its samples use (``SharedPlan.users``), and a trainer receives the same bytes whatever
+    the number of trainers but for the masks of the prefetches and hand-overs."""
     trainers = len(samples) if trainers is None else trainers
-    shared = shared_plan(plan)
+    shared = shared_plan(plan, users)
     rows = encode_message(
         [(1, [*_rows_fields(shared), (14, plan.batch), (15, shared.prefetch_first), (16, plan.first_since)])]
     )
@@ -468,7 +471,7 @@ def _decode_rows(
     return SharedPlan(
         batch=batch,
         slots=slots,
-        users=_masks(msg, "users", where, count, trainers),
+        users=_masks(msg, "users", where, count, trainers) if msg.HasField("users") else None,
         sync=sync,
         prefetch=prefetch,
         prefetch_keys=_tensor(msg, "prefetch_keys", np.int64, where, shape=prefetch.shape),
@@ -493,6 +496,11 @@ def merge_rows(parts: Sequence[SharedPlan]) -> SharedPlan:
         return parts[0]
     first = parts[0]
     for i, part in enumerate(parts[1:], 1):
+        if (part.users is None) != (first.users is None):
+            raise InvalidArgument(
+                f"plan {first.batch}: oracle shard {i}: users",
+                "sent, but shard 0's are not" if part.users is not None else "not sent, but shard 0's are",
+            )
         if part.first_since != first.first_since:
             raise InvalidArgument(
                 f"plan {first.batch}: oracle shard {i}: first_since",
@@ -509,7 +517,7 @@ def merge_rows(parts: Sequence[SharedPlan]) -> SharedPlan:
     return SharedPlan(
         batch=first.batch,
         slots=cat("slots"),
-        users=cat("users"),
+        users=cat("users") if first.users is not None else None,
         sync=cat("sync"),
         prefetch=moved("prefetch"),
         prefetch_keys=cat("prefetch_keys"),

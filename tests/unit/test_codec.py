@@ -486,3 +486,20 @@ def test_wide_masks_naming_no_trainer_or_one_beyond_are_refused() -> None:
     empty[1] = 0
     with pytest.raises(InvalidArgument, match=r"mask 1 names no trainer"):
         _decode(_batch(arrays, False, empty)[0], trainers=130)
+
+
+def test_rows_sent_without_masks_give_every_trainer_the_same_share() -> None:
+    """With LRPP the oracle sends the batch's rows without their masks: each trainer takes the rows its
+    samples use, which is what the data processors' masks say, so every share is the same, and the rows'
+    message is smaller by a mask a row."""
+    for arrays, plan, rows, messages, samples, _ in _plans():
+        bare = encode_plans(
+            plan, [s.SerializeToString() for s in samples], BATCH, None, TRAINERS, users=False
+        )
+        bare_rows = opb.PlanPart.FromString(bare.rows).rows
+        assert not bare_rows.HasField("users") and len(bare.rows) < rows.ByteSize() + 8
+        for rank, message in enumerate(messages):
+            dims = (len(TABLE_ROWS), arrays.dense.shape[1], rank, TRAINERS)
+            with_masks = decode_plan(_wire(message), _wire(samples[rank]), _wire(rows), *dims)
+            without = decode_plan(_wire(message), _wire(samples[rank]), _wire(bare_rows), *dims)
+            _same(without.share, with_masks.share)

@@ -272,7 +272,9 @@ class SharedPlan:
 
     batch: int
     slots: np.ndarray  # int32 [U]
-    users: np.ndarray  # mask [U]
+    # mask [U], or None: each trainer's rows are those its own samples use (LRPP, whose masks the data
+    # processors made from the same slices of the samples), so the masks need not be sent
+    users: np.ndarray | None
     sync: np.ndarray  # uint8 [U]: PRIVATE, CRITICAL or BACKGROUND
     prefetch: np.ndarray  # int32 [P]
     prefetch_keys: np.ndarray  # int64 [P]
@@ -320,13 +322,14 @@ class TrainerBatch:
         return self.share.batch
 
 
-def shared_plan(plan: BatchPlan) -> SharedPlan:
-    """The part of ``plan`` that all trainers share (no copy: the planner made every array)."""
+def shared_plan(plan: BatchPlan, users: bool = True) -> SharedPlan:
+    """The part of ``plan`` that all trainers share (no copy: the planner made every array); without
+    ``users`` each trainer takes the rows its samples use (``SharedPlan.users``)."""
     h = plan.handovers
     return SharedPlan(
         batch=plan.batch,
         slots=plan.slots,
-        users=plan.users,
+        users=plan.users if users else None,
         sync=plan.sync_class,
         prefetch=plan.prefetch,
         prefetch_keys=plan.prefetch_keys,
@@ -346,7 +349,12 @@ def shared_plan(plan: BatchPlan) -> SharedPlan:
 def share(plan: SharedPlan, inverse: np.ndarray, rank: int) -> TrainerPlan:
     """Trainer ``rank``'s share of ``plan``; ``inverse`` is the trainer's own slice of the samples, an
     int32 ``[b, tables]`` index into the batch's rows."""
-    local = np.flatnonzero(has_trainer(plan.users, rank))
+    if plan.users is not None:
+        local = np.flatnonzero(has_trainer(plan.users, rank))
+    else:  # the rows its samples use
+        used = np.zeros(plan.unique, dtype=bool)
+        used[inverse.reshape(-1)] = True
+        local = np.flatnonzero(used)
     position = np.full(plan.unique, -1, dtype=np.int32)
     position[local] = np.arange(local.size, dtype=np.int32)
     fetching = has_trainer(plan.prefetch_holders, rank)

@@ -279,8 +279,14 @@ class Oracle(pb_grpc.OracleCacherServicer):
                 cached = (
                     self._cached() if self.config.checkpoint_after(plan.batch) and not plan.last else None
                 )
+                # (with LRPP the trainers take their rows from their samples: no masks of the batch's rows)
                 encoded = encode_plans(
-                    plan, source.samples, self.config.batch_size, cached, self.config.trainers
+                    plan,
+                    source.samples,
+                    self.config.batch_size,
+                    cached,
+                    self.config.trainers,
+                    users=self.config.cache_mode == "replicated",
                 )
                 metrics.PLAN_SECONDS.observe(time.perf_counter() - t0)
                 metrics.PLAN_BYTES.inc(encoded.nbytes)
