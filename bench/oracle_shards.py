@@ -1,26 +1,35 @@
-"""Oracle shards: what planning by key range costs a shard, measured, and the rate K shards would reach.
+"""Oracle shards (``--oracles K``): what planning by key range costs, measured, and the rates it gives.
 
-The oracle plans every key of every batch on one core (``oracle_throughput.py``: about 6 M samples/s at
-8 trainers, 3 M at 64). Each key's decisions (Algorithm 1, LRPP, delayed synchronisation) depend on that
-key's accesses alone, apart from the cache's capacity, so K oracle shards could each plan the keys of
-their own buckets (the embedding servers' bucket map over K shards), each with its part of the capacity.
+Each key's decisions (Algorithm 1, LRPP, delayed synchronisation) depend on that key's accesses alone,
+apart from the cache's capacity, so K oracle shards each plan the keys of their own buckets
+(``core/oracle_shards.py``). The same batches (synthetic Criteo-Kaggle, the paper's point: batch 16,384,
+26 tables, L=200) are split as the data processors split them (``KeyShards.split``: each shard's keys as
+its local rows, with their trainer masks), untimed. A shard's work per batch is what its service does:
+the samples' checks for the batches it carries (batch % K), its planner's pop and push, its plan in the
+trainers' terms (``KeyShards.for_trainers``) and serialised for every trainer (``codec.encode_plans``,
+the rows without masks, as with LRPP).
 
-For each K, the same batches (synthetic Criteo-Kaggle, the paper's point: batch 16,384, 26 tables, L=200)
-are split into K parts as data processors would send them (each shard's keys numbered as a server numbers
-its rows), and each shard's work per batch is timed on its own, one shard after another on one core:
-its planner's pop and push, its plan part serialised for the trainers, and, for the batches whose samples
-it carries (batch % K), the samples' checks. Measured: each shard's seconds. Computed from them: the rate
-of K shards on K cores (the slowest shard's time per batch) and the bytes a trainer receives per batch (K
-plan parts, its samples once). This is the planner, not a service: ``bagpipe run`` runs one oracle.
+* **Measured, K processes at once** (``--concurrent``, 8 trainers): K shards, each a process of its own
+  pinned to a core of its own, start the timed batches together; the rate is the batches' samples over
+  the slowest shard's time. K=1 on one core against K=2 on this machine's two is the section's goal.
+* **Measured, one shard at a time** (``--oracles``, ``--trainers``): each shard's time a batch, one after
+  another on one core. **Computed** from it: the rate of K shards on K cores (the slowest shard's time a
+  batch), for K and trainer counts beyond this machine's cores.
+* **Measured, a trainer's side**: one trainer's receipt of a batch's K plan parts (parsed from their
+  bytes), merged and cut into its share (``codec.decode_plans``), a batch at a time; and the bytes it
+  receives a batch (K plan parts, its samples once).
 
-    .venv/bin/python bench/oracle_shards.py [--oracles 1,2,4,8,16 --trainers 8,64 --timed 100]
+    .venv/bin/python bench/oracle_shards.py [--oracles 1,2,4,8,16 --trainers 8,64,256 --concurrent 1,2]
 """
 
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
+import multiprocessing
 import os
+import statistics
 import time
 from pathlib import Path
 from typing import Any
@@ -29,35 +38,47 @@ os.environ.setdefault("OMP_NUM_THREADS", "1")
 
 import numpy as np  # noqa: E402
 from bagpipe import allocator  # noqa: E402
-from bagpipe.codec import check_samples, encode_batch, encode_plans  # noqa: E402
+from bagpipe.codec import check_samples, decode_plans, encode_batch, encode_plans  # noqa: E402
 from bagpipe.core.data import KAGGLE_TABLE_ROWS, SyntheticConfig, SyntheticSource, build_batch, table_offsets  # noqa: E402
+from bagpipe.core.oracle_shards import KeyShards  # noqa: E402
 from bagpipe.core.plans import MAX_TRAINERS, trainer_users  # noqa: E402
-from bagpipe.core.shard_map import ShardMap  # noqa: E402
 from bagpipe.oracle_cacher.lookahead import LookaheadPlanner  # noqa: E402
+from bagpipe.v1 import oracle_cacher_pb2 as opb  # noqa: E402
+
+TARGET_SPEEDUP = 1.8  # K=2 on two cores against K=1 on one, 8 trainers
+TARGET_TRAINER_MS = 1.0  # a trainer's receipt and merge of K=8 parts, a batch
+
+# (the forked shards' inputs: set before forking, read by the children as the parent left them)
+_SHARED: dict[str, Any] = {}
 
 
 def measure(
     oracles: list[int],
     trainers: list[int],
+    concurrent: list[int],
     batch_size: int = 16384,
     tables: int = 26,
     lookahead: int = 200,
     timed: int = 100,
+    concurrent_timed: int = 200,
+    repeats: int = 3,
     zipf_alpha: float = 1.1,
 ) -> dict[str, Any]:
-    """Every K of ``oracles`` at every count of ``trainers`` (those above ``MAX_TRAINERS`` are reported
-    refused), over the same batches: ``lookahead`` batches to fill the window, then as many untimed (the
-    cache reusing slots, as in the rest of a job), then ``timed``."""
+    """Every K of ``oracles`` at every count of ``trainers`` one shard at a time, and every K of
+    ``concurrent`` at 8 trainers with its shards at once, over the same batches: ``lookahead`` batches to
+    fill the window, then as many untimed (the cache reusing slots, as in the rest of a job), then the
+    timed ones."""
     allocator.keep_freed_buffers()  # as the oracle service does
     rows = KAGGLE_TABLE_ROWS[:tables]
     offsets = table_offsets(rows)
     num_keys = int(offsets[-1])
     source = SyntheticSource(SyntheticConfig(table_rows=rows, zipf_alpha=zipf_alpha))
-    total = 2 * lookahead + timed
+    total = 2 * lookahead + max(timed, concurrent_timed if concurrent else 0)
     t0 = time.perf_counter()
     batches = [build_batch(b, source.batch(b, batch_size), offsets) for b in range(total)]
     generated = time.perf_counter() - t0
     points: list[dict[str, Any]] = []
+    together: list[dict[str, Any]] = []
     for count in trainers:
         if count > MAX_TRAINERS:
             points.append({"trainers": count, "refused": f"at most {MAX_TRAINERS} trainers (MAX_TRAINERS)"})
@@ -65,29 +86,51 @@ def measure(
         users = [trainer_users(a.inverse, a.keys.size, count) for a in batches]
         samples = [encode_batch(a, b == total - 1, users[b], count)[1:] for b, a in enumerate(batches)]
         for k in oracles:
-            point = _shards(batches, users, samples, num_keys, k, count, batch_size, lookahead, timed)
+            inputs = _inputs(batches, users, samples, num_keys, k, count, batch_size, lookahead)
+            point = _one_at_a_time(inputs, timed)
             points.append(point)
             print(
                 f"oracle shards: {count} trainers, K={k}: slowest shard {point['slowest_ms_per_batch']:.2f} "
                 f"ms/batch (all {point['sum_ms_per_batch']:.2f}): {point['samples_per_second'] / 1e6:.2f} M "
-                f"samples/s on {k} core(s); {point['bytes_per_trainer_per_batch'] / 1e6:.2f} MB a trainer "
-                "a batch",
+                f"samples/s on {k} core(s), computed; a trainer receives "
+                f"{point['bytes_per_trainer_per_batch'] / 1e6:.3f} MB a batch and merges it in "
+                f"{point['trainer_ms_per_batch']:.3f} ms",
                 flush=True,
             )
-    return {
+        if count == 8:
+            for k in concurrent:
+                inputs = _inputs(batches, users, samples, num_keys, k, count, batch_size, lookahead)
+                point = _at_once(inputs, concurrent_timed, repeats)
+                together.append(point)
+                runs = ", ".join(f"{r / 1e6:.2f}" for r in point["runs"])
+                print(
+                    f"oracle shards at once: 8 trainers, K={k} on {k} core(s): "
+                    f"{point['samples_per_second'] / 1e6:.2f} M samples/s measured (the best of {runs})",
+                    flush=True,
+                )
+    result: dict[str, Any] = {
         "benchmark": "oracle_shards",
         "batch_size": batch_size,
         "tables": tables,
         "total_rows": num_keys,
         "lookahead": lookahead,
         "timed_batches": timed,
+        "concurrent_timed_batches": concurrent_timed,
         "zipf_alpha": zipf_alpha,
+        "cores": len(os.sched_getaffinity(0)),
         "batch_generation_seconds_untimed": generated,
         "points": points,
+        "concurrent": together,
     }
+    rates = {p["oracles"]: p["samples_per_second"] for p in together}
+    if 1 in rates and 2 in rates:
+        result["speedup_2_over_1"] = rates[2] / rates[1]
+        result["speedup_target"] = TARGET_SPEEDUP
+        print(f"K=2 on 2 cores / K=1 on 1: {result['speedup_2_over_1']:.2f}x (goal >= {TARGET_SPEEDUP})")
+    return result
 
 
-def _shards(
+def _inputs(
     batches: list[Any],
     users: list[np.ndarray],
     samples: list[list[bytes]],
@@ -96,83 +139,194 @@ def _shards(
     trainers: int,
     batch_size: int,
     lookahead: int,
-    timed: int,
 ) -> dict[str, Any]:
-    """K planners from an empty state, each fed its part of every batch; each shard's work timed alone."""
-    total = len(batches)
-    shard_map = ShardMap.create(num_keys, oracles)
-    layouts = [shard_map.local_layout(s) for s in range(oracles)]
-
-    def part(b: int, shard: int) -> tuple[np.ndarray, np.ndarray]:
-        """Batch ``b``'s keys of ``shard`` as a data processor sends them (numbered as the shard's rows,
-        sorted) with their trainer masks; with one shard, the batch as it is."""
-        keys = batches[b].keys
-        if oracles == 1:
-            return keys, users[b]
-        mine = np.flatnonzero(shard_map.shard_of(keys) == shard)
-        local = shard_map.local_rows(keys[mine], layouts[shard][0])
-        order = np.argsort(local, kind="stable")
-        return local[order], users[b][mine[order]]
-
-    parts = [[part(b, s) for s in range(oracles)] for b in range(total)]  # (the processors' work: untimed)
-    planners = [
-        LookaheadPlanner(layouts[s][1] if oracles > 1 else num_keys, lookahead, trainers)
-        for s in range(oracles)
+    """Every batch split as the data processors split it for K shards (untimed): each shard's keys as its
+    local rows, sorted, with their masks; one shard takes the batches as they are."""
+    shards = KeyShards(num_keys, oracles) if oracles > 1 else None
+    parts: list[list[tuple[np.ndarray, np.ndarray]]] = []
+    inverses: list[np.ndarray] = []
+    for b, arrays in enumerate(batches):
+        if shards is None:
+            parts.append([(arrays.keys, users[b])])
+            inverses.append(arrays.inverse)
+            continue
+        split = shards.split(arrays.keys)
+        parts.append([(split.local[split.part(s)], users[b][split.part(s)]) for s in range(oracles)])
+        inverses.append(split.inverse(arrays.inverse))
+    # the trainers' samples in shard order (rank 0's, for the trainer's side): as a processor cuts them
+    rank0 = [
+        encode_batch(_with_inverse(arrays, inverses[b]), b == len(batches) - 1, None, trainers)[1]
+        for b, arrays in enumerate(batches)
     ]
-    for b in range(lookahead):
-        for s, planner in enumerate(planners):
-            planner.push(b, parts[b][s][0], users=parts[b][s][1])
-    seconds = np.zeros(oracles)
-    received = np.zeros(trainers)  # bytes each trainer is sent over the timed batches
-    none = [b""] * trainers
-    for b in range(lookahead, total):
-        x = b - lookahead  # the batch planned now
-        timing = x >= lookahead
-        for s, planner in enumerate(planners):
+    return {
+        "shards": shards,
+        "oracles": oracles,
+        "trainers": trainers,
+        "batch_size": batch_size,
+        "lookahead": lookahead,
+        "num_keys": num_keys,
+        "tables": batches[0].inverse.shape[1],
+        "dense": batches[0].dense.shape[1],
+        "parts": parts,
+        "samples": samples,
+        "rank0_samples": rank0,
+    }
+
+
+def _with_inverse(arrays: Any, inverse: np.ndarray) -> Any:
+    return dataclasses.replace(arrays, inverse=inverse)
+
+
+class _Shard:
+    """One oracle shard's planner and its work on a batch, as its service does it."""
+
+    def __init__(self, inputs: dict[str, Any], shard: int) -> None:
+        self.inputs, self.shard = inputs, shard
+        shards = inputs["shards"]
+        rows = shards.rows(shard) if shards is not None else inputs["num_keys"]
+        self.planner = LookaheadPlanner(rows, inputs["lookahead"], inputs["trainers"])
+        for b in range(inputs["lookahead"]):
+            keys, masks = inputs["parts"][b][shard]
+            self.planner.push(b, keys, users=masks)
+
+    def step(self, b: int) -> Any:
+        """Batch ``b`` arrives (its samples checked if this shard carries them), batch ``b - L`` is planned
+        and its messages serialised; returns them."""
+        i, planner = self.inputs, self.planner
+        k, trainers = i["oracles"], i["trainers"]
+        if b % k == self.shard:
+            for rank, piece in enumerate(i["samples"][b]):
+                check_samples(piece, b, rank, i["batch_size"] // trainers)
+        plan = planner.pop()
+        keys, masks = i["parts"][b][self.shard]
+        planner.push(b, keys, last=b == len(i["parts"]) - 1, users=masks)
+        if i["shards"] is not None:
+            plan = i["shards"].for_trainers(plan, self.shard)
+        x = plan.batch
+        carried = i["samples"][x] if x % k == self.shard else []
+        return encode_plans(plan, carried, i["batch_size"], None, trainers, users=False)
+
+
+def _one_at_a_time(inputs: dict[str, Any], timed: int) -> dict[str, Any]:
+    """K shards from an empty state, each fed its part of every batch; each shard's work timed alone, and
+    one trainer's receipt and merge of each batch's parts."""
+    k, trainers, lookahead = inputs["oracles"], inputs["trainers"], inputs["lookahead"]
+    shards = [_Shard(inputs, s) for s in range(k)]
+    seconds = np.zeros(k)
+    received = 0
+    merge: list[float] = []
+    end = 2 * lookahead + timed
+    for b in range(lookahead, end):
+        timing = b - lookahead >= lookahead
+        encoded = []
+        for s, shard in enumerate(shards):
             start = time.perf_counter()
-            carries = b % oracles == s  # (the samples of batch b travel with one shard)
-            if carries:
-                for rank, piece in enumerate(samples[b]):
-                    check_samples(piece, b, rank, batch_size // trainers)
-            plan = planner.pop()
-            planner.push(b, parts[b][s][0], last=b == total - 1, users=parts[b][s][1])
-            encoded = encode_plans(plan, samples[x] if x % oracles == s else none, batch_size)
+            encoded.append(shard.step(b))
             if timing:
                 seconds[s] += time.perf_counter() - start
-                received += [
-                    len(encoded.rows) + len(p) + len(q)
-                    for p, q in zip(encoded.samples, encoded.plans, strict=True)
-                ]
+        if not timing:
+            continue
+        x = b - lookahead
+        samples = inputs["rank0_samples"][x]
+        received += sum(len(e.rows) + len(e.plans[0]) for e in encoded) + len(samples)
+        start = time.perf_counter()  # a trainer: the parts' messages from their bytes, merged and cut
+        parts = [
+            (opb.PlanPart.FromString(e.plans[0]).plan, opb.PlanPart.FromString(e.rows).rows) for e in encoded
+        ]
+        got = opb.PlanPart.FromString(samples).samples
+        decode_plans(parts, got, inputs["tables"], inputs["dense"], 0, trainers)
+        merge.append(time.perf_counter() - start)
     slowest = float(seconds.max())
+    batch_size = inputs["batch_size"]
     return {
         "trainers": trainers,
-        "oracles": oracles,
+        "oracles": k,
         "shard_seconds": seconds.tolist(),
         "slowest_ms_per_batch": 1000 * slowest / timed,
         "sum_ms_per_batch": 1000 * float(seconds.sum()) / timed,
         "samples_per_second": timed * batch_size / slowest,
         "samples_per_second_one_core": timed * batch_size / float(seconds.sum()),
-        "bytes_per_trainer_per_batch": float(received.mean()) / timed,
+        "bytes_per_trainer_per_batch": received / timed,
+        "trainer_ms_per_batch": 1000 * statistics.median(merge),
+        "trainer_p90_ms_per_batch": 1000 * sorted(merge)[int(0.9 * len(merge))],
+    }
+
+
+def _shard_process(shard: int, timed: int, barrier: Any, out: Any) -> None:
+    """One shard in a process of its own, pinned to a core: fills its window, waits for the others, then
+    times its timed batches."""
+    cores = sorted(os.sched_getaffinity(0))
+    os.sched_setaffinity(0, {cores[shard % len(cores)]})
+    inputs = _SHARED["inputs"]
+    lookahead = inputs["lookahead"]
+    worker = _Shard(inputs, shard)
+    for b in range(lookahead, 2 * lookahead):  # untimed: the cache reusing slots, as in the rest of a job
+        worker.step(b)
+    barrier.wait()
+    start = time.perf_counter()
+    for b in range(2 * lookahead, 2 * lookahead + timed):
+        worker.step(b)
+    out.put((shard, time.perf_counter() - start))
+
+
+def _at_once(inputs: dict[str, Any], timed: int, repeats: int) -> dict[str, Any]:
+    """K shard processes at once, each on a core of its own; the best of ``repeats`` runs."""
+    k = inputs["oracles"]
+    _SHARED["inputs"] = inputs
+    context = multiprocessing.get_context("fork")  # (the children read the batches as the parent made them)
+    runs = []
+    shard_seconds = []
+    for _ in range(repeats):
+        barrier, out = context.Barrier(k), context.Queue()
+        children = [context.Process(target=_shard_process, args=(s, timed, barrier, out)) for s in range(k)]
+        for child in children:
+            child.start()
+        times = dict(out.get() for _ in range(k))
+        for child in children:
+            child.join()
+            if child.exitcode != 0:
+                raise RuntimeError(f"a shard process ended with {child.exitcode}")
+        slowest = max(times.values())
+        runs.append(timed * inputs["batch_size"] / slowest)
+        shard_seconds.append([times[s] for s in range(k)])
+    best = int(np.argmax(runs))
+    return {
+        "trainers": inputs["trainers"],
+        "oracles": k,
+        "cores": k,
+        "samples_per_second": runs[best],
+        "shard_seconds": shard_seconds[best],
+        "runs": runs,
     }
 
 
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--oracles", default="1,2,4,8,16", help="shard counts, comma-separated")
+    p.add_argument("--oracles", default="1,2,4,8,16", help="shard counts one at a time, comma-separated")
     p.add_argument("--trainers", default="8,64,256", help="trainer counts, comma-separated")
+    p.add_argument(
+        "--concurrent",
+        default="1,2",
+        help="shard counts measured at once, a process a core, 8 trainers (empty: none)",
+    )
     p.add_argument("--batch-size", type=int, default=16384)
     p.add_argument("--tables", type=int, default=26, help="the first N Kaggle tables")
     p.add_argument("--lookahead", type=int, default=200)
-    p.add_argument("--timed", type=int, default=100, help="batches timed after two windows")
+    p.add_argument("--timed", type=int, default=100, help="batches timed after two windows, one at a time")
+    p.add_argument("--concurrent-timed", type=int, default=200, help="... at once")
+    p.add_argument("--repeats", type=int, default=3, help="runs at once of each K; the best is reported")
     p.add_argument("--out", default="bench/results/oracle_shards.json")
     a = p.parse_args()
     result = measure(
         [int(k) for k in a.oracles.split(",")],
         [int(t) for t in a.trainers.split(",")],
+        [int(k) for k in a.concurrent.split(",") if k],
         a.batch_size,
         a.tables,
         a.lookahead,
         a.timed,
+        a.concurrent_timed,
+        a.repeats,
     )
     Path(a.out).parent.mkdir(parents=True, exist_ok=True)
     Path(a.out).write_text(json.dumps(result, indent=2))

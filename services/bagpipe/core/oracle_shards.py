@@ -1,10 +1,14 @@
 """Which oracle shard plans each key, and how a batch's rows are split between the shards and put back.
 
 With ``--oracles K`` the keys fall into K oracle shards by the embedding servers' bucket map over K shards
-(``ShardMap.create(num_keys, K)``: bucket ``b`` on shard ``b % K``), and each shard plans its keys
-numbered as a server numbers its rows (``ShardMap.local_rows``: its buckets' rows in turn), so that its
-planner's records cover its keys alone. The split is fixed for a job: it does not follow the servers'
-re-sharding.
+(``ShardMap.create(num_keys, K)``: key ``k`` in bucket ``k % B``, bucket ``b`` on shard ``b % K``), and each
+shard plans its keys numbered densely, so that its planner's records cover its keys alone. The numbering
+keeps the keys' order: shard ``I``'s key ``k`` is its row ``(k // B) * n + p``, where ``n`` is how many
+buckets the shard owns and ``p`` the position of ``k``'s bucket among them (``k // K`` when K divides B).
+A batch's hot keys (each table's first rows, under the usual skew) then lie together in a shard's
+records as they do in one oracle's: numbered bucket by bucket, as a server numbers its rows, they were
+spread over the whole table, and a shard's time a key was a fifth higher. The split is fixed for a job:
+it does not follow the servers' re-sharding.
 
 A batch's rows travel in *shard order*: its unique keys ordered by (shard, local row), so that shard ``I``'s
 part is one contiguous run of them and the data processor's inverse index (into the rows in that order)
@@ -64,31 +68,43 @@ class KeyShards:
         self.shards = shards
         self.map = ShardMap.create(num_keys, shards)
         b2s = self.map.bucket_to_shard
-        # each bucket's position among its shard's buckets (one array serves every shard), and each shard's
-        # buckets in that order
+        # each bucket's position among its shard's buckets (one array serves every shard), each shard's
+        # buckets in that order, and how many it owns
         self.position = np.zeros(b2s.size, dtype=np.int64)
         self.owned = [self.map.buckets_of(s) for s in range(shards)]
         for owned in self.owned:
             self.position[owned] = np.arange(owned.size)
+        self.counts = np.array([owned.size for owned in self.owned], dtype=np.int64)
+        self._shard_of = b2s.astype(np.int8 if shards <= np.iinfo(np.int8).max else np.int16)
+        # K divides the buckets: shard k % K, local row k // K
+        self._plain = self.map.num_buckets % shards == 0
 
     def rows(self, shard: int) -> int:
-        """Shard ``shard``'s local rows are ``[0, rows)`` (the last bucket's may run past the keys)."""
-        return int(self.owned[shard].size) * self.map.rows_per_bucket
+        """Shard ``shard``'s local rows are ``[0, rows)`` (its last round of buckets may pass the keys)."""
+        return -(-self.map.num_keys // self.map.num_buckets) * int(self.counts[shard])
 
     def split(self, keys: np.ndarray) -> Split:
-        """``keys`` (sorted unique global keys) in shard order."""
-        m = self.map
-        local = self.position[keys % m.num_buckets] * m.rows_per_bucket + keys // m.num_buckets
-        shard = m.shard_of(keys).astype(np.int64)
-        order = np.argsort(shard * (int(local.max(initial=0)) + 1) + local, kind="stable")
-        bounds = np.searchsorted(shard[order], np.arange(self.shards + 1))
+        """``keys`` (sorted unique global keys) in shard order: the numbering keeps the keys' order within a
+        shard, so a stable sort by shard alone (a radix sort of small integers) is the order."""
+        nb, k = self.map.num_buckets, self.shards
+        if self._plain:
+            shard = (keys % k).astype(self._shard_of.dtype)
+            local = keys // k
+        else:
+            bucket = keys % nb
+            shard = self._shard_of[bucket]
+            local = (keys // nb) * self.counts[shard] + self.position[bucket]
+        order = np.argsort(shard, kind="stable")
+        bounds = np.searchsorted(shard[order], np.arange(k + 1))
         return Split(order, bounds, local)
 
     def global_keys(self, shard: int, local: np.ndarray) -> np.ndarray:
         """The global keys of shard ``shard``'s local rows ``local``."""
-        m = self.map
         rows = np.asarray(local, dtype=np.int64)
-        return self.owned[shard][rows // m.rows_per_bucket] + m.num_buckets * (rows % m.rows_per_bucket)
+        if self._plain:
+            return rows * self.shards + shard
+        rounds, at = np.divmod(rows, self.counts[shard])
+        return rounds * self.map.num_buckets + self.owned[shard][at]
 
     def global_slots(self, shard: int, slots: np.ndarray) -> np.ndarray:
         """Shard ``shard``'s cache slots as the trainers' slots: ``s * K + shard``."""
