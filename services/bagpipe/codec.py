@@ -48,7 +48,7 @@ from bagpipe.wire import encode_message, from_tensor, read_shallow, read_tensor,
 
 
 def _tensor(msg: Any, name: str, dtype: Any, where: str, **kw: Any) -> np.ndarray:
-    return from_tensor(getattr(msg, name), f"{where}: {name}", dtype, **kw)
+    return from_tensor(getattr(msg, name), (where, name), dtype, **kw)
 
 
 def _check_index(values: np.ndarray, bound: int, field: str) -> None:
@@ -423,48 +423,39 @@ def encode_plans(
 
 def _check_masks(masks: np.ndarray, trainers: int, field: str) -> None:
     """Each trainer mask names at least one trainer, and only trainers ``0..trainers-1``."""
+    if masks.ndim == 1:  # (two reductions, no temporary: a trainer checks every part of every plan)
+        everyone = (1 << trainers) - 1
+        if masks.size and (int(masks.min()) < 1 or int(masks.max()) > everyone):
+            raise InvalidArgument(field, f"masks outside [1, {everyone}] for {trainers} trainers")
+        return
     bad = outside_trainers(masks, trainers)
     if not bad.any():
         return
-    if masks.ndim == 1:
-        everyone = (1 << trainers) - 1
-        raise InvalidArgument(field, f"masks outside [1, {everyone}] for {trainers} trainers")
     at = int(np.argmax(bad))
     raise InvalidArgument(
         field, f"mask {at} names no trainer, or one beyond trainers 0..{trainers - 1} ({trainers} trainers)"
     )
 
 
-def _masks(msg: Any, name: str, where: str, count: int, trainers: int, *, one: bool = False) -> np.ndarray:
-    """A mask array (uint8 [count, W] on the wire) as ``mask_dtype(trainers)``, checked by
-    ``_check_masks``; with ``one``, each mask names exactly one trainer."""
+def _masks(msg: Any, name: str, where: str, count: int, trainers: int) -> np.ndarray:
+    """A mask array (uint8 [count, W] on the wire) as ``mask_dtype(trainers)`` (its values:
+    ``_check_masks``)."""
     dtype = mask_dtype(trainers)
     shape = masks_shape(count, trainers)
     raw = _tensor(msg, name, np.uint8, where, shape=(count, dtype.itemsize * max(1, mask_words(trainers))))
-    masks = raw.view(dtype.newbyteorder("<")).reshape(shape).astype(dtype, copy=False)
-    _check_masks(masks, trainers, f"{where}: {name}")
-    if one and (trainers_in(masks) != 1).any():
-        raise InvalidArgument(f"{where}: {name}", "each mask must name exactly one trainer")
-    return masks
+    return raw.view(dtype.newbyteorder("<")).reshape(shape).astype(dtype, copy=False)
 
 
-def _decode_rows(
-    msg: opb.PlanRows, batch: int, trainers: int, slot_high_water: int, where: str
-) -> SharedPlan:
+def _read_rows(msg: opb.PlanRows, batch: int, trainers: int, where: str) -> SharedPlan:
+    """A ``PlanRows``' arrays, each of its dtype and of a shape that fits the others, and the indices into
+    its own rows in range (``prefetch``, ``evict``); their values are ``_check_rows``'s."""
     slots = _tensor(msg, "slots", np.int32, where, ndim=1)
-    _check_index(slots, slot_high_water, f"{where}: slots")
     count = slots.size
-    sync = _tensor(msg, "sync", np.uint8, where, shape=(count,))
-    if sync.size and int(sync.max()) > BACKGROUND:
-        raise InvalidArgument(f"{where}: sync", f"values must be in [0, {BACKGROUND}], got {int(sync.max())}")
     prefetch = _tensor(msg, "prefetch", np.int32, where, ndim=1)
     _check_index(prefetch, count, f"{where}: prefetch")
     evict = _tensor(msg, "evict", np.int32, where, ndim=1)
     _check_index(evict, count, f"{where}: evict")
-    writer = _tensor(msg, "evict_writer", np.int32, where, shape=evict.shape)
-    _check_index(writer, trainers, f"{where}: evict_writer")
     handover_slots = _tensor(msg, "handover_slots", np.int32, where, ndim=1)
-    _check_index(handover_slots, slot_high_water, f"{where}: handover_slots")
     handed = handover_slots.size
     if not 0 <= msg.first_since <= batch:
         raise InvalidArgument(f"{where}: first_since", f"must be in [0, {batch}], got {msg.first_since}")
@@ -472,20 +463,40 @@ def _decode_rows(
         batch=batch,
         slots=slots,
         users=_masks(msg, "users", where, count, trainers) if msg.HasField("users") else None,
-        sync=sync,
+        sync=_tensor(msg, "sync", np.uint8, where, shape=(count,)),
         prefetch=prefetch,
         prefetch_keys=_tensor(msg, "prefetch_keys", np.int64, where, shape=prefetch.shape),
         prefetch_holders=_masks(msg, "prefetch_holders", where, prefetch.size, trainers),
         evict=evict,
         evict_keys=_tensor(msg, "evict_keys", np.int64, where, shape=evict.shape),
-        evict_writer=writer,
+        evict_writer=_tensor(msg, "evict_writer", np.int32, where, shape=evict.shape),
         handover_slots=handover_slots,
-        handover_source=_masks(msg, "handover_source", where, handed, trainers, one=True),
+        handover_source=_masks(msg, "handover_source", where, handed, trainers),
         handover_recipients=_masks(msg, "handover_recipients", where, handed, trainers),
         handover_critical=_tensor(msg, "handover_critical", np.bool_, where, shape=(handed,)),
         prefetch_first=_tensor(msg, "prefetch_first", np.bool_, where, shape=prefetch.shape),
         first_since=msg.first_since,
     )
+
+
+def _check_rows(rows: SharedPlan, trainers: int, slot_high_water: int, where: str) -> None:
+    """The values of rows ``_read_rows`` read (or of K parts merged, each read so): slots below the
+    high-water mark, synchronisation classes, writers and hand-over masks that name trainers of the job,
+    one sender a hand-over."""
+    _check_index(rows.slots, slot_high_water, f"{where}: slots")
+    if rows.sync.size and int(rows.sync.max()) > BACKGROUND:
+        raise InvalidArgument(
+            f"{where}: sync", f"values must be in [0, {BACKGROUND}], got {int(rows.sync.max())}"
+        )
+    _check_index(rows.evict_writer, trainers, f"{where}: evict_writer")
+    _check_index(rows.handover_slots, slot_high_water, f"{where}: handover_slots")
+    if rows.users is not None:
+        _check_masks(rows.users, trainers, f"{where}: users")
+    _check_masks(rows.prefetch_holders, trainers, f"{where}: prefetch_holders")
+    _check_masks(rows.handover_source, trainers, f"{where}: handover_source")
+    if (trainers_in(rows.handover_source) != 1).any():
+        raise InvalidArgument(f"{where}: handover_source", "each mask must name exactly one trainer")
+    _check_masks(rows.handover_recipients, trainers, f"{where}: handover_recipients")
 
 
 def merge_rows(parts: Sequence[SharedPlan]) -> SharedPlan:
@@ -586,8 +597,9 @@ def decode_plans(
         rows_where = f"{where}: rows" if len(parts) == 1 else f"{where}: oracle shard {i}: rows"
         if rows_msg.batch != b:
             raise InvalidArgument(rows_where, f"are batch {rows_msg.batch}'s")
-        decoded.append(_decode_rows(rows_msg, b, trainers, slot_high_water, rows_where))
-    rows = merge_rows(decoded)
+        decoded.append(_read_rows(rows_msg, b, trainers, rows_where))
+    rows = merge_rows(decoded)  # (the values checked once, over every part: a trainer does this a batch)
+    _check_rows(rows, trainers, slot_high_water, f"{where}: rows")
     size = msg.global_batch_size // trainers
     dense, labels, inverse = _samples(samples, b, rank, size, num_dense, num_tables)
     _check_index(inverse, rows.unique, f"batch {b}: samples: inverse")

@@ -54,26 +54,30 @@ def to_tensor(array: np.ndarray) -> tensor_pb2.Tensor:
 
 def from_tensor(
     tensor: tensor_pb2.Tensor,
-    field: str,
+    field: str | tuple[str, str],
     dtype: np.dtype | type | str,
     ndim: int | None = None,
     shape: tuple[int | None, ...] | None = None,
 ) -> np.ndarray:
-    """Decodes and validates a Tensor; raises InvalidArgument naming ``field`` on any mismatch.
+    """Decodes and validates a Tensor; raises InvalidArgument naming ``field`` on any mismatch (a pair is
+    joined as ``"where: name"``, only then: a trainer reads a hundred tensors a batch).
 
     ``shape`` entries of None match any size. The result is a read-only view of the message bytes.
     """
-    want = np.dtype(dtype)
+    want = _WANT.get(dtype) if isinstance(dtype, type) else None
+    if want is None:
+        want = np.dtype(dtype)
     got = _FROM_PROTO.get(tensor.dtype)
-    if got is None:
-        raise InvalidArgument(field, f"unknown dtype {tensor.dtype}")
     if got != want:
-        raise InvalidArgument(field, f"dtype must be {want.name}, got {_NAMES[tensor.dtype]}")
+        name = _field(field)
+        if got is None:
+            raise InvalidArgument(name, f"unknown dtype {tensor.dtype}")
+        raise InvalidArgument(name, f"dtype must be {want.name}, got {_NAMES[tensor.dtype]}")
     dims = tuple(tensor.shape)
-    if min(dims, default=0) < 0:
-        raise InvalidArgument(field, f"negative dimension in shape {list(dims)}")
+    if dims and min(dims) < 0:
+        raise InvalidArgument(_field(field), f"negative dimension in shape {list(dims)}")
     if ndim is not None and len(dims) != ndim:
-        raise InvalidArgument(field, f"must have {ndim} dimensions, got shape {list(dims)}")
+        raise InvalidArgument(_field(field), f"must have {ndim} dimensions, got shape {list(dims)}")
     if (
         shape is not None
         and dims != shape
@@ -82,12 +86,21 @@ def from_tensor(
         )
     ):
         expect = ["*" if s is None else s for s in shape]
-        raise InvalidArgument(field, f"shape must be {expect}, got {list(dims)}")
-    if len(tensor.data) != math.prod(dims) * want.itemsize:
+        raise InvalidArgument(_field(field), f"shape must be {expect}, got {list(dims)}")
+    data = tensor.data  # (read once: each read of a message's bytes field makes a bytes object)
+    if len(data) != math.prod(dims) * want.itemsize:
         raise InvalidArgument(
-            field, f"{len(tensor.data)} bytes do not hold shape {list(dims)} of {want.name}"
+            _field(field), f"{len(data)} bytes do not hold shape {list(dims)} of {want.name}"
         )
-    return np.frombuffer(tensor.data, dtype=want).reshape(dims)
+    return np.frombuffer(data, dtype=want).reshape(dims)
+
+
+def _field(field: str | tuple[str, str]) -> str:
+    return field if isinstance(field, str) else f"{field[0]}: {field[1]}"
+
+
+# (numpy's scalar types a caller names, as dtypes: np.dtype() of a type costs a dictionary's lookups)
+_WANT: dict[Any, np.dtype] = {t: np.dtype(t) for t in (np.float32, np.int64, np.int32, np.uint8, np.bool_)}
 
 
 def _varint_slow(value: int) -> bytes:
