@@ -98,27 +98,31 @@ class KeyShards:
         bounds = np.searchsorted(shard[order], np.arange(k + 1))
         return Split(order, bounds, local)
 
-    def global_keys(self, shard: int, local: np.ndarray) -> np.ndarray:
-        """The global keys of shard ``shard``'s local rows ``local``."""
+    def global_keys(self, shard: int, local: np.ndarray, out: np.ndarray | None = None) -> np.ndarray:
+        """The global keys of shard ``shard``'s local rows ``local`` (into ``out``: may be ``local``)."""
         rows = np.asarray(local, dtype=np.int64)
         if self._plain:
-            return rows * self.shards + shard
+            out = np.multiply(rows, self.shards, out=out)
+            return np.add(out, shard, out=out)
         rounds, at = np.divmod(rows, self.counts[shard])
-        return rounds * self.map.num_buckets + self.owned[shard][at]
+        return np.add(rounds * self.map.num_buckets, self.owned[shard][at], out=out)
 
-    def global_slots(self, shard: int, slots: np.ndarray) -> np.ndarray:
-        """Shard ``shard``'s cache slots as the trainers' slots: ``s * K + shard``."""
-        return slots * np.int32(self.shards) + np.int32(shard)
+    def global_slots(self, shard: int, slots: np.ndarray, out: np.ndarray | None = None) -> np.ndarray:
+        """Shard ``shard``'s cache slots as the trainers' slots: ``s * K + shard`` (into ``out``)."""
+        out = np.multiply(slots, np.int32(self.shards), out=out)
+        return np.add(out, np.int32(shard), out=out)
 
     def for_trainers(self, plan: BatchPlan, shard: int) -> BatchPlan:
         """Shard ``shard``'s plan of its local rows in the trainers' terms: global keys and slots, and a slot
-        high-water mark K times the shard's (every slot of the shard lies below it)."""
+        high-water mark K times the shard's (every slot of the shard lies below it). The planner's own
+        arrays are converted where they lie (the shard's plan is not kept); the batch's keys, which the
+        data processor sent, are copied."""
 
         def keys(local: np.ndarray) -> np.ndarray:
-            return self.global_keys(shard, local)
+            return self.global_keys(shard, local, local if local.flags.writeable else None)
 
         def slots(local: np.ndarray) -> np.ndarray:
-            return self.global_slots(shard, local)
+            return self.global_slots(shard, local, local if local.flags.writeable else None)
 
         h = plan.handovers
         return dataclasses.replace(
