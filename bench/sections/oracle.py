@@ -1,7 +1,9 @@
 """Section ``oracle``: the oracle's planning throughput against batch size, number of tables and L
 (paper Figure 17), and end to end (the samples' checks, planning, serialising the trainers' plans); at
 the target's point (batch 16,384, 26 tables, L=200, 8 trainers) with one planning thread and with
-every core. Each point is ``bench/oracle_throughput.py`` in a process of its own."""
+every core. Each point is ``bench/oracle_throughput.py`` in a process of its own. Then oracle shards
+(``bench/oracle_shards.py``, its own process): K=1 and K=2 shards at once on this machine's cores, each
+shard alone for K up to 16 and 8 to 256 trainers, a trainer's merge of the parts and its bytes."""
 
 from __future__ import annotations
 
@@ -85,7 +87,48 @@ def run(profile: dict[str, Any], out: Path) -> dict[str, Any]:
             f"thread(s): {target['end_to_end_samples_per_second'] / 1e6:.2f} M samples/s (the best of "
             f"{runs} M; median {statistics.median(every) / 1e6:.2f} M)"
         )
-    return {"points": points, "paper_samples_per_second": 3.27e6}
+    shards = in_own_process(
+        "oracle_shards.py",
+        oracles="1,2,4,8,16",
+        trainers="8,64,256",
+        concurrent="1,2",
+        timed=o.get("shards_timed", 100),
+        concurrent_timed=o.get("target_timed", 200),
+        repeats=3,
+    )
+    for line in shards_lines(shards):
+        log(line)
+    return {"points": points, "paper_samples_per_second": 3.27e6, "shards": shards}
+
+
+def shards_lines(shards: dict[str, Any]) -> list[str]:
+    """The shards' figures in a line each: measured at once, then each point computed from one at a time."""
+    lines = [
+        f"oracle shards at once, 8 trainers: K={p['oracles']} on {p['cores']} core(s) "
+        f"{p['samples_per_second'] / 1e6:.2f} M samples/s (measured)"
+        for p in shards.get("concurrent", [])
+    ]
+    if "speedup_2_over_1" in shards:
+        lines.append(f"oracle shards: K=2 on 2 cores / K=1 on 1: {shards['speedup_2_over_1']:.2f}x")
+    lines += [
+        f"oracle shards, {p['trainers']} trainers, K={p['oracles']}: {p['samples_per_second'] / 1e6:.2f} M "
+        f"samples/s on {p['oracles']} core(s) (computed), {p['bytes_per_trainer_per_batch'] / 1e6:.3f} MB "
+        f"a trainer a batch, its merge {p['trainer_ms_per_batch']:.3f} ms"
+        for p in shards.get("points", [])
+        if "refused" not in p
+    ]
+    return lines
+
+
+def shard_point(shards: dict[str, Any], trainers: int, oracles: int) -> dict[str, Any] | None:
+    return next(
+        (
+            p
+            for p in shards.get("points", [])
+            if p.get("trainers") == trainers and p.get("oracles") == oracles
+        ),
+        None,
+    )
 
 
 def oracle_targets(points: list[dict[str, Any]]) -> list[dict[str, Any]]:
@@ -100,9 +143,10 @@ def oracle_targets(points: list[dict[str, Any]]) -> list[dict[str, Any]]:
 
 
 def table(results: dict[str, Any]) -> list[str]:
-    """Every point of the sweeps, planning alone and end to end."""
+    """Every point of the sweeps, planning alone and end to end; the shards' rates and a trainer's side."""
     if "oracle" not in results:
         return []
+    shards = results["oracle"].get("shards", {})
     lines = [
         "",
         "| oracle sweep | batch | tables | L | threads | M samples/s planning | ms per batch | "
@@ -115,6 +159,28 @@ def table(results: dict[str, Any]) -> list[str]:
         f"{p['end_to_end_samples_per_second'] / 1e6:.2f} |"
         for p in results["oracle"]["points"]
     ]
+    if shards.get("points"):
+        oracles = sorted({p["oracles"] for p in shards["points"] if "oracles" in p})
+        lines += [
+            "",
+            "| oracle shards (computed from each shard alone) | "
+            + " | ".join(f"K={k}, M samples/s" for k in oracles)
+            + " | MB a trainer a batch | a trainer's merge at the largest K, ms |",
+            "|---|" + "---|" * (len(oracles) + 2),
+        ]
+        for trainers in sorted({p["trainers"] for p in shards["points"]}):
+            cells = [shard_point(shards, trainers, k) for k in oracles]
+            if not any(cells):
+                continue
+            rates = [f"{c['samples_per_second'] / 1e6:.2f}" if c else "refused" for c in cells]
+            last = next(c for c in reversed(cells) if c)
+            mb, ms = last["bytes_per_trainer_per_batch"] / 1e6, last["trainer_ms_per_batch"]
+            lines.append(f"| {trainers} trainers | {' | '.join(rates)} | {mb:.3f} | {ms:.3f} |")
+        for p in shards.get("concurrent", []):
+            lines.append(
+                f"| measured at once: K={p['oracles']} on {p['cores']} core(s), 8 trainers | "
+                f"{p['samples_per_second'] / 1e6:.2f} |" + " |" * (len(oracles) + 1)
+            )
     return lines
 
 
@@ -137,6 +203,20 @@ def targets(results: dict[str, Any]) -> tuple[list[Target], list[str]]:
                     f"{p['end_to_end_samples_per_second'] / 1e6:.3f} M, median of its {len(every)} replays "
                     f"{m:.3f} M)"
                 )
+    shards = results.get("oracle", {}).get("shards", {})
+    if "speedup_2_over_1" in shards:
+        r = shards["speedup_2_over_1"]
+        rows.append(
+            ("oracle shards: K=2 on 2 cores / K=1 on 1, 8 trainers (measured)", r, ">= 1.8", r >= 1.8)
+        )
+    merge = shard_point(shards, 8, 8)
+    if merge is not None:
+        ms = merge["trainer_ms_per_batch"]
+        rows.append(("a trainer's receipt and merge of K=8 parts, ms a batch", ms, "<= 1.0", ms <= 1.0))
+    few, many = shard_point(shards, 8, 1), shard_point(shards, 256, 1)
+    if few is not None and many is not None:
+        r = many["bytes_per_trainer_per_batch"] / few["bytes_per_trainer_per_batch"]
+        rows.append(("bytes a trainer receives a batch, 256 / 8 trainers", r, "<= 1.00", r <= 1.0))
     return rows, notes
 
 

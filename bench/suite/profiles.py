@@ -76,6 +76,7 @@ PROFILES: dict[str, dict[str, Any]] = {
             "target_repeats": 2,
             "target_replays": 6,
             "target_timed": 200,  # the target's point (batch 16,384, 26 tables, L=200), as the bench alone
+            "shards_timed": 100,  # oracle shards: batches each shard is timed alone (bench/oracle_shards.py)
         },
         # 100 Mbit/s: the paper's low-bandwidth cloud regime (its bagpipe/ideal target is 1.10)
         "rates": ["10gbit", "1gbit", "100mbit"],
