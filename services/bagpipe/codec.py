@@ -32,13 +32,13 @@ from bagpipe.core.plans import (
     BatchPlan,
     SharedPlan,
     TrainerBatch,
+    TrainerBits,
     mask_dtype,
     mask_words,
     masks_shape,
     outside_trainers,
     share,
     shared_plan,
-    trainers_in,
 )
 from bagpipe.errors import InvalidArgument
 from bagpipe.v1 import data_processor_pb2 as dpb
@@ -352,13 +352,10 @@ def _rows_fields(rows: SharedPlan) -> list[tuple[int, Any]]:
         (3, rows.sync),
         (4, rows.prefetch),
         (5, rows.prefetch_keys),
-        (6, _mask_bytes(rows.prefetch_holders)),
         (7, rows.evict),
         (8, rows.evict_keys),
         (9, rows.evict_writer),
         (10, rows.handover_slots),
-        (11, _mask_bytes(rows.handover_source)),
-        (12, _mask_bytes(rows.handover_recipients)),
         (13, rows.handover_critical),
     ]
 
@@ -410,15 +407,54 @@ def encode_plans(
         (9, plan.depends_on),
         (10, plan.occupancy),
     ]
-    if checkpoint is None:  # the same Plan for every trainer
-        out = [encode_message([(2, scalars)])] * trainers
-    else:
-        keys, slots, writer = checkpoint
-        out = []
-        for rank in range(trainers):
+    # each trainer's bits of the prefetches' and hand-overs' masks (Plan.prefetch_mine, handover_send, _recv)
+    h = plan.handovers
+    fetch = trainer_bitmaps(plan.prefetch_holders, trainers)
+    send = trainer_bitmaps(h.source, trainers)
+    recv = trainer_bitmaps(h.recipients, trainers)
+    out = []
+    for rank in range(trainers):
+        fields = [*scalars]
+        if checkpoint is not None:
+            keys, slots, writer = checkpoint
             mine = writer == rank
-            out.append(encode_message([(2, [*scalars, (11, True), (12, keys[mine]), (13, slots[mine])])]))
+            fields += [(11, True), (12, keys[mine]), (13, slots[mine])]
+        fields += [(14, fetch[rank]), (15, send[rank]), (16, recv[rank])]
+        out.append(encode_message([(2, fields)]))
     return EncodedPlan(rows, samples, out)
+
+
+def trainer_bitmaps(masks: np.ndarray, trainers: int) -> np.ndarray:
+    """uint8 ``[trainers, ceil(N / 8)]``: row ``t`` is trainer ``t``'s bits of the N ``masks`` (bit ``i`` of
+    byte ``i // 8`` at ``i % 8``, as ``np.packbits(..., bitorder="little")``), one pass over their set
+    bits."""
+    out = np.zeros((trainers, (masks.shape[0] + 7) // 8), dtype=np.uint8)
+    if masks.shape[0]:
+        words = masks.reshape(masks.shape[0], -1).astype(np.uint64, copy=False)
+        _fill_bitmaps(words, out)
+    return out
+
+
+@njit(cache=True, nogil=True)
+def _fill_bitmaps(words, out):  # type: ignore[no-untyped-def]
+    one = np.uint64(1)
+    for i in range(words.shape[0]):
+        byte, bit = i >> 3, np.uint8(1 << (i & 7))
+        for w in range(words.shape[1]):
+            m = words[i, w]
+            while m != 0:
+                low = m & (~m + one)
+                out[w * 64 + int(_ones(low - one)), byte] |= bit  # (the lowest set bit's trainer)
+                m &= m - one
+
+
+@njit(cache=True, nogil=True)
+def _ones(v):  # type: ignore[no-untyped-def]
+    """Set bits of a uint64 (SWAR, no branch)."""
+    v = v - ((v >> np.uint64(1)) & np.uint64(0x5555555555555555))
+    v = (v & np.uint64(0x3333333333333333)) + ((v >> np.uint64(2)) & np.uint64(0x3333333333333333))
+    v = (v + (v >> np.uint64(4))) & np.uint64(0x0F0F0F0F0F0F0F0F)
+    return (v * np.uint64(0x0101010101010101)) >> np.uint64(56)
 
 
 def _check_masks(masks: np.ndarray, trainers: int, field: str) -> None:
@@ -466,13 +502,13 @@ def _read_rows(msg: opb.PlanRows, batch: int, trainers: int, where: str) -> Shar
         sync=_tensor(msg, "sync", np.uint8, where, shape=(count,)),
         prefetch=prefetch,
         prefetch_keys=_tensor(msg, "prefetch_keys", np.int64, where, shape=prefetch.shape),
-        prefetch_holders=_masks(msg, "prefetch_holders", where, prefetch.size, trainers),
+        prefetch_holders=None,  # (this trainer's bits come with its plan: _trainer_bits)
         evict=evict,
         evict_keys=_tensor(msg, "evict_keys", np.int64, where, shape=evict.shape),
         evict_writer=_tensor(msg, "evict_writer", np.int32, where, shape=evict.shape),
         handover_slots=handover_slots,
-        handover_source=_masks(msg, "handover_source", where, handed, trainers),
-        handover_recipients=_masks(msg, "handover_recipients", where, handed, trainers),
+        handover_source=None,
+        handover_recipients=None,
         handover_critical=_tensor(msg, "handover_critical", np.bool_, where, shape=(handed,)),
         prefetch_first=_tensor(msg, "prefetch_first", np.bool_, where, shape=prefetch.shape),
         first_since=msg.first_since,
@@ -492,11 +528,17 @@ def _check_rows(rows: SharedPlan, trainers: int, slot_high_water: int, where: st
     _check_index(rows.handover_slots, slot_high_water, f"{where}: handover_slots")
     if rows.users is not None:
         _check_masks(rows.users, trainers, f"{where}: users")
-    _check_masks(rows.prefetch_holders, trainers, f"{where}: prefetch_holders")
-    _check_masks(rows.handover_source, trainers, f"{where}: handover_source")
-    if (trainers_in(rows.handover_source) != 1).any():
-        raise InvalidArgument(f"{where}: handover_source", "each mask must name exactly one trainer")
-    _check_masks(rows.handover_recipients, trainers, f"{where}: handover_recipients")
+
+
+def _trainer_bits(plans: Sequence[opb.Plan], name: str, counts: list[int], where: str) -> np.ndarray:
+    """bool ``[sum(counts)]``: this trainer's bitmap ``name`` of each part's plan (``count`` bits each, in
+    ``ceil(count / 8)`` bytes), unpacked and concatenated in shard order."""
+    out = []
+    for i, (plan, count) in enumerate(zip(plans, counts, strict=True)):
+        field = (where if len(plans) == 1 else f"{where}: oracle shard {i}", name)
+        raw = from_tensor(getattr(plan, name), field, np.uint8, shape=((count + 7) // 8,))
+        out.append(np.unpackbits(raw, count=count, bitorder="little").view(np.bool_))
+    return out[0] if len(out) == 1 else np.concatenate(out)
 
 
 def merge_rows(parts: Sequence[SharedPlan]) -> SharedPlan:
@@ -532,13 +574,13 @@ def merge_rows(parts: Sequence[SharedPlan]) -> SharedPlan:
         sync=cat("sync"),
         prefetch=moved("prefetch"),
         prefetch_keys=cat("prefetch_keys"),
-        prefetch_holders=cat("prefetch_holders"),
+        prefetch_holders=cat("prefetch_holders") if first.prefetch_holders is not None else None,
         evict=moved("evict"),
         evict_keys=cat("evict_keys"),
         evict_writer=cat("evict_writer"),
         handover_slots=cat("handover_slots"),
-        handover_source=cat("handover_source"),
-        handover_recipients=cat("handover_recipients"),
+        handover_source=cat("handover_source") if first.handover_source is not None else None,
+        handover_recipients=cat("handover_recipients") if first.handover_recipients is not None else None,
         handover_critical=cat("handover_critical"),
         prefetch_first=cat("prefetch_first"),
         first_since=first.first_since,
@@ -618,7 +660,17 @@ def decode_plans(
                 slots[0],
             )
         )
-    mine = share(rows, inverse, rank)
+    bits = TrainerBits(
+        *(
+            _trainer_bits([part for part, _ in parts], name, [getattr(d, field).size for d in decoded], where)
+            for name, field in (
+                ("prefetch_mine", "prefetch"),
+                ("handover_send", "handover_slots"),
+                ("handover_recv", "handover_slots"),
+            )
+        )
+    )
+    mine = share(rows, inverse, rank, bits)
     if mine.inverse.size and int(mine.inverse.min()) < 0:
         row = int(inverse[mine.inverse < 0][0])
         raise InvalidArgument(

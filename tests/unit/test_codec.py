@@ -389,14 +389,15 @@ def test_bad_plans_name_the_batch_and_field() -> None:
 
     unique = decode_plan(messages[0], good_samples[0], good_rows, *dims).unique_rows
     high = messages[0].slot_high_water
-    one_row = np.ones((1, 1), np.uint8)
 
-    def handover(source: int):
-        def change(_: opb.Plan, rows: opb.PlanRows) -> None:
+    def handover(send_bytes: int):
+        """One hand-over, which this trainer sends (its bitmap ``send_bytes`` long: one byte is right)."""
+
+        def change(plan: opb.Plan, rows: opb.PlanRows) -> None:
             rows.handover_slots.CopyFrom(to_tensor(np.zeros(1, np.int32)))
-            rows.handover_source.CopyFrom(to_tensor(one_row * source))
-            rows.handover_recipients.CopyFrom(to_tensor(one_row * 4))
             rows.handover_critical.CopyFrom(to_tensor(np.ones(1, bool)))
+            plan.handover_send.CopyFrom(to_tensor(np.ones(send_bytes, np.uint8)))
+            plan.handover_recv.CopyFrom(to_tensor(np.zeros(1, np.uint8)))
 
         return change
 
@@ -410,7 +411,8 @@ def test_bad_plans_name_the_batch_and_field() -> None:
         m.labels.CopyFrom(to_tensor(np.zeros(BATCH // TRAINERS - 1, np.float32)))
 
     sample_changes = (bad_inverse, bad_dense, few_labels)
-    decode_plan(*corrupted(handover(2)), *dims)  # a well-formed hand-over passes
+    sent = decode_plan(*corrupted(handover(1)), *dims)  # a well-formed hand-over passes
+    assert sent.share.critical.handover_send.tolist() == [0] and not sent.share.critical.handover_recv.size
     cases = [
         (bad_inverse, rf"batch 1: samples: inverse: index {unique} outside \[0, {unique}\)"),
         (bad_dense, r"batch 1: samples: dense: shape must be \[8, 13\], got \[8, 2\]"),
@@ -451,7 +453,11 @@ def test_bad_plans_name_the_batch_and_field() -> None:
             lambda _, r: r.evict_writer.CopyFrom(to_tensor(np.full(r.evict.shape[0], 3, np.int32))),
             r"plan 1: rows: evict_writer: index 3 outside \[0, 3\)",
         ),
-        (handover(3), r"plan 1: rows: handover_source: each mask must name exactly one trainer"),
+        (handover(2), r"plan 1: handover_send: shape must be \[1\], got \[2\]"),
+        (
+            lambda m, _: m.prefetch_mine.CopyFrom(to_tensor(np.zeros(10**3, np.uint8))),
+            r"plan 1: prefetch_mine: shape must be",
+        ),
         (
             lambda _, r: r.handover_critical.CopyFrom(to_tensor(np.ones(7, bool))),
             r"plan 1: rows: handover_critical: shape must be",

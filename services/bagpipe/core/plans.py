@@ -43,6 +43,7 @@ __all__ = [
     "trainer_users",
     "SharedPlan",
     "SyncStep",
+    "TrainerBits",
     "TrainerPlan",
     "Traffic",
     "TrainerBatch",
@@ -278,13 +279,14 @@ class SharedPlan:
     sync: np.ndarray  # uint8 [U]: PRIVATE, CRITICAL or BACKGROUND
     prefetch: np.ndarray  # int32 [P]
     prefetch_keys: np.ndarray  # int64 [P]
-    prefetch_holders: np.ndarray  # mask [P]
+    # mask [P] (None as a trainer reads it: its own bits come with its plan, ``TrainerBits``)
+    prefetch_holders: np.ndarray | None
     evict: np.ndarray  # int32 [E]
     evict_keys: np.ndarray  # int64 [E]
     evict_writer: np.ndarray  # int32 [E]
     handover_slots: np.ndarray  # int32 [H]
-    handover_source: np.ndarray  # mask [H]: one bit
-    handover_recipients: np.ndarray  # mask [H]
+    handover_source: np.ndarray | None  # mask [H]: one bit (None: as prefetch_holders)
+    handover_recipients: np.ndarray | None  # mask [H]
     handover_critical: np.ndarray  # bool [H]
     # bool [P]: the prefetched key's first use since batch first_since, the planner's first (no batch
     # from then until this one used it, so no trainer has changed its row since then)
@@ -294,6 +296,16 @@ class SharedPlan:
     @property
     def unique(self) -> int:
         return int(self.slots.size)
+
+
+@dataclass(frozen=True)
+class TrainerBits:
+    """One trainer's bits of a batch's prefetch and hand-over masks, which the oracle sends it alone
+    (``Plan.prefetch_mine``, ``handover_send``, ``handover_recv``): bool [P], [H] and [H]."""
+
+    fetch: np.ndarray
+    send: np.ndarray
+    recv: np.ndarray
 
 
 @dataclass(frozen=True)
@@ -346,9 +358,21 @@ def shared_plan(plan: BatchPlan, users: bool = True) -> SharedPlan:
     )
 
 
-def share(plan: SharedPlan, inverse: np.ndarray, rank: int) -> TrainerPlan:
+def share(plan: SharedPlan, inverse: np.ndarray, rank: int, bits: TrainerBits | None = None) -> TrainerPlan:
     """Trainer ``rank``'s share of ``plan``; ``inverse`` is the trainer's own slice of the samples, an
-    int32 ``[b, tables]`` index into the batch's rows."""
+    int32 ``[b, tables]`` index into the batch's rows; ``bits`` its own bits of the prefetch and hand-over
+    masks (None: read from the plan's masks)."""
+    if bits is None:
+        assert (
+            plan.prefetch_holders is not None
+            and plan.handover_source is not None
+            and plan.handover_recipients is not None
+        ), "a plan without masks needs the trainer's bits"
+        bits = TrainerBits(
+            has_trainer(plan.prefetch_holders, rank),
+            has_trainer(plan.handover_source, rank),
+            has_trainer(plan.handover_recipients, rank),
+        )
     if plan.users is not None:
         local = np.flatnonzero(has_trainer(plan.users, rank))
     else:  # the rows its samples use
@@ -357,7 +381,7 @@ def share(plan: SharedPlan, inverse: np.ndarray, rank: int) -> TrainerPlan:
         local = np.flatnonzero(used)
     position = np.full(plan.unique, -1, dtype=np.int32)
     position[local] = np.arange(local.size, dtype=np.int32)
-    fetching = has_trainer(plan.prefetch_holders, rank)
+    fetching = bits.fetch
     fetch = plan.prefetch[fetching]
     written = np.flatnonzero(plan.evict_writer == rank)
     steps = []
@@ -369,12 +393,8 @@ def share(plan: SharedPlan, inverse: np.ndarray, rank: int) -> TrainerPlan:
                 slots=plan.slots[rows],
                 local=position[rows],
                 handover_slots=plan.handover_slots[handed],
-                handover_send=np.flatnonzero(has_trainer(plan.handover_source[handed], rank)).astype(
-                    np.int32
-                ),
-                handover_recv=np.flatnonzero(has_trainer(plan.handover_recipients[handed], rank)).astype(
-                    np.int32
-                ),
+                handover_send=np.flatnonzero(bits.send[handed]).astype(np.int32),
+                handover_recv=np.flatnonzero(bits.recv[handed]).astype(np.int32),
             )
         )
     return TrainerPlan(

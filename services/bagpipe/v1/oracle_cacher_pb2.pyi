@@ -48,7 +48,7 @@ class PlanPart(_message.Message):
     def __init__(self, rows: _Optional[_Union[PlanRows, _Mapping]] = ..., plan: _Optional[_Union[Plan, _Mapping]] = ..., samples: _Optional[_Union[_data_processor_pb2.Samples, _Mapping]] = ...) -> None: ...
 
 class Plan(_message.Message):
-    __slots__ = ("batch", "slot_high_water", "global_batch_size", "last", "lookahead", "depends_on", "occupancy", "checkpoint", "checkpoint_keys", "checkpoint_slots")
+    __slots__ = ("batch", "slot_high_water", "global_batch_size", "last", "lookahead", "depends_on", "occupancy", "checkpoint", "checkpoint_keys", "checkpoint_slots", "prefetch_mine", "handover_send", "handover_recv")
     BATCH_FIELD_NUMBER: _ClassVar[int]
     SLOT_HIGH_WATER_FIELD_NUMBER: _ClassVar[int]
     GLOBAL_BATCH_SIZE_FIELD_NUMBER: _ClassVar[int]
@@ -59,6 +59,9 @@ class Plan(_message.Message):
     CHECKPOINT_FIELD_NUMBER: _ClassVar[int]
     CHECKPOINT_KEYS_FIELD_NUMBER: _ClassVar[int]
     CHECKPOINT_SLOTS_FIELD_NUMBER: _ClassVar[int]
+    PREFETCH_MINE_FIELD_NUMBER: _ClassVar[int]
+    HANDOVER_SEND_FIELD_NUMBER: _ClassVar[int]
+    HANDOVER_RECV_FIELD_NUMBER: _ClassVar[int]
     batch: int
     slot_high_water: int
     global_batch_size: int
@@ -69,22 +72,22 @@ class Plan(_message.Message):
     checkpoint: bool
     checkpoint_keys: _tensor_pb2.Tensor
     checkpoint_slots: _tensor_pb2.Tensor
-    def __init__(self, batch: _Optional[int] = ..., slot_high_water: _Optional[int] = ..., global_batch_size: _Optional[int] = ..., last: _Optional[bool] = ..., lookahead: _Optional[int] = ..., depends_on: _Optional[int] = ..., occupancy: _Optional[int] = ..., checkpoint: _Optional[bool] = ..., checkpoint_keys: _Optional[_Union[_tensor_pb2.Tensor, _Mapping]] = ..., checkpoint_slots: _Optional[_Union[_tensor_pb2.Tensor, _Mapping]] = ...) -> None: ...
+    prefetch_mine: _tensor_pb2.Tensor
+    handover_send: _tensor_pb2.Tensor
+    handover_recv: _tensor_pb2.Tensor
+    def __init__(self, batch: _Optional[int] = ..., slot_high_water: _Optional[int] = ..., global_batch_size: _Optional[int] = ..., last: _Optional[bool] = ..., lookahead: _Optional[int] = ..., depends_on: _Optional[int] = ..., occupancy: _Optional[int] = ..., checkpoint: _Optional[bool] = ..., checkpoint_keys: _Optional[_Union[_tensor_pb2.Tensor, _Mapping]] = ..., checkpoint_slots: _Optional[_Union[_tensor_pb2.Tensor, _Mapping]] = ..., prefetch_mine: _Optional[_Union[_tensor_pb2.Tensor, _Mapping]] = ..., handover_send: _Optional[_Union[_tensor_pb2.Tensor, _Mapping]] = ..., handover_recv: _Optional[_Union[_tensor_pb2.Tensor, _Mapping]] = ...) -> None: ...
 
 class PlanRows(_message.Message):
-    __slots__ = ("slots", "users", "sync", "prefetch", "prefetch_keys", "prefetch_holders", "evict", "evict_keys", "evict_writer", "handover_slots", "handover_source", "handover_recipients", "handover_critical", "batch", "prefetch_first", "first_since")
+    __slots__ = ("slots", "users", "sync", "prefetch", "prefetch_keys", "evict", "evict_keys", "evict_writer", "handover_slots", "handover_critical", "batch", "prefetch_first", "first_since")
     SLOTS_FIELD_NUMBER: _ClassVar[int]
     USERS_FIELD_NUMBER: _ClassVar[int]
     SYNC_FIELD_NUMBER: _ClassVar[int]
     PREFETCH_FIELD_NUMBER: _ClassVar[int]
     PREFETCH_KEYS_FIELD_NUMBER: _ClassVar[int]
-    PREFETCH_HOLDERS_FIELD_NUMBER: _ClassVar[int]
     EVICT_FIELD_NUMBER: _ClassVar[int]
     EVICT_KEYS_FIELD_NUMBER: _ClassVar[int]
     EVICT_WRITER_FIELD_NUMBER: _ClassVar[int]
     HANDOVER_SLOTS_FIELD_NUMBER: _ClassVar[int]
-    HANDOVER_SOURCE_FIELD_NUMBER: _ClassVar[int]
-    HANDOVER_RECIPIENTS_FIELD_NUMBER: _ClassVar[int]
     HANDOVER_CRITICAL_FIELD_NUMBER: _ClassVar[int]
     BATCH_FIELD_NUMBER: _ClassVar[int]
     PREFETCH_FIRST_FIELD_NUMBER: _ClassVar[int]
@@ -94,18 +97,15 @@ class PlanRows(_message.Message):
     sync: _tensor_pb2.Tensor
     prefetch: _tensor_pb2.Tensor
     prefetch_keys: _tensor_pb2.Tensor
-    prefetch_holders: _tensor_pb2.Tensor
     evict: _tensor_pb2.Tensor
     evict_keys: _tensor_pb2.Tensor
     evict_writer: _tensor_pb2.Tensor
     handover_slots: _tensor_pb2.Tensor
-    handover_source: _tensor_pb2.Tensor
-    handover_recipients: _tensor_pb2.Tensor
     handover_critical: _tensor_pb2.Tensor
     batch: int
     prefetch_first: _tensor_pb2.Tensor
     first_since: int
-    def __init__(self, slots: _Optional[_Union[_tensor_pb2.Tensor, _Mapping]] = ..., users: _Optional[_Union[_tensor_pb2.Tensor, _Mapping]] = ..., sync: _Optional[_Union[_tensor_pb2.Tensor, _Mapping]] = ..., prefetch: _Optional[_Union[_tensor_pb2.Tensor, _Mapping]] = ..., prefetch_keys: _Optional[_Union[_tensor_pb2.Tensor, _Mapping]] = ..., prefetch_holders: _Optional[_Union[_tensor_pb2.Tensor, _Mapping]] = ..., evict: _Optional[_Union[_tensor_pb2.Tensor, _Mapping]] = ..., evict_keys: _Optional[_Union[_tensor_pb2.Tensor, _Mapping]] = ..., evict_writer: _Optional[_Union[_tensor_pb2.Tensor, _Mapping]] = ..., handover_slots: _Optional[_Union[_tensor_pb2.Tensor, _Mapping]] = ..., handover_source: _Optional[_Union[_tensor_pb2.Tensor, _Mapping]] = ..., handover_recipients: _Optional[_Union[_tensor_pb2.Tensor, _Mapping]] = ..., handover_critical: _Optional[_Union[_tensor_pb2.Tensor, _Mapping]] = ..., batch: _Optional[int] = ..., prefetch_first: _Optional[_Union[_tensor_pb2.Tensor, _Mapping]] = ..., first_since: _Optional[int] = ...) -> None: ...
+    def __init__(self, slots: _Optional[_Union[_tensor_pb2.Tensor, _Mapping]] = ..., users: _Optional[_Union[_tensor_pb2.Tensor, _Mapping]] = ..., sync: _Optional[_Union[_tensor_pb2.Tensor, _Mapping]] = ..., prefetch: _Optional[_Union[_tensor_pb2.Tensor, _Mapping]] = ..., prefetch_keys: _Optional[_Union[_tensor_pb2.Tensor, _Mapping]] = ..., evict: _Optional[_Union[_tensor_pb2.Tensor, _Mapping]] = ..., evict_keys: _Optional[_Union[_tensor_pb2.Tensor, _Mapping]] = ..., evict_writer: _Optional[_Union[_tensor_pb2.Tensor, _Mapping]] = ..., handover_slots: _Optional[_Union[_tensor_pb2.Tensor, _Mapping]] = ..., handover_critical: _Optional[_Union[_tensor_pb2.Tensor, _Mapping]] = ..., batch: _Optional[int] = ..., prefetch_first: _Optional[_Union[_tensor_pb2.Tensor, _Mapping]] = ..., first_since: _Optional[int] = ...) -> None: ...
 
 class ProgressReport(_message.Message):
     __slots__ = ("rank", "trained", "written_back", "fetched", "fetch_only")
