@@ -44,7 +44,7 @@ from bagpipe.errors import InvalidArgument
 from bagpipe.v1 import data_processor_pb2 as dpb
 from bagpipe.v1 import oracle_cacher_pb2 as opb
 from bagpipe.v1 import tensor_pb2
-from bagpipe.wire import encode_message, from_tensor, read_shallow, read_tensor, unwrap
+from bagpipe.wire import embedded, encode_message, from_tensor, read_shallow, read_tensor, unwrap
 
 
 def _tensor(msg: Any, name: str, dtype: Any, where: str, **kw: Any) -> np.ndarray:
@@ -409,52 +409,71 @@ def encode_plans(
     ]
     # each trainer's bits of the prefetches' and hand-overs' masks (Plan.prefetch_mine, handover_send, _recv)
     h = plan.handovers
-    fetch = trainer_bitmaps(plan.prefetch_holders, trainers)
-    send = trainer_bitmaps(h.source, trainers)
-    recv = trainer_bitmaps(h.recipients, trainers)
-    out = []
-    for rank in range(trainers):
-        fields = [*scalars]
-        if checkpoint is not None:
-            keys, slots, writer = checkpoint
+    bitmaps = [
+        (14, trainer_bitmaps(plan.prefetch_holders, trainers)),
+        (15, trainer_bitmaps(h.source, trainers)),
+        (16, trainer_bitmaps(h.recipients, trainers)),
+    ]
+    if checkpoint is not None:
+        keys, slots, writer = checkpoint
+        out = []
+        for rank in range(trainers):
             mine = writer == rank
-            fields += [(11, True), (12, keys[mine]), (13, slots[mine])]
-        fields += [(14, fetch[rank]), (15, send[rank]), (16, recv[rank])]
-        out.append(encode_message([(2, fields)]))
+            fields = [*scalars, (11, True), (12, keys[mine]), (13, slots[mine])]
+            out.append(encode_message([(2, fields + [(n, bits[rank]) for n, bits in bitmaps])]))
+        return EncodedPlan(rows, samples, out)
+    # every trainer's Plan is the same scalars and bitmaps of the same shapes: each field's bytes but the
+    # bitmap's own are written once, and a trainer's plan is them joined with its bitmaps' bytes (what
+    # encode_message gives, at a tenth of its time for 8 trainers)
+    head = encode_message(scalars)
+    prefixes = []
+    for number, bits in bitmaps:
+        whole = encode_message([(number, bits[0])])
+        prefixes.append(whole[: len(whole) - bits.shape[1]])
+    out = [
+        embedded(
+            2,
+            b"".join(
+                [head, *(p + bits[rank].tobytes() for p, (_, bits) in zip(prefixes, bitmaps, strict=True))]
+            ),
+        )
+        for rank in range(trainers)
+    ]
     return EncodedPlan(rows, samples, out)
 
 
 def trainer_bitmaps(masks: np.ndarray, trainers: int) -> np.ndarray:
     """uint8 ``[trainers, ceil(N / 8)]``: row ``t`` is trainer ``t``'s bits of the N ``masks`` (bit ``i`` of
-    byte ``i // 8`` at ``i % 8``, as ``np.packbits(..., bitorder="little")``), one pass over their set
-    bits."""
-    out = np.zeros((trainers, (masks.shape[0] + 7) // 8), dtype=np.uint8)
-    if masks.shape[0]:
-        words = masks.reshape(masks.shape[0], -1).astype(np.uint64, copy=False)
-        _fill_bitmaps(words, out)
-    return out
+    byte ``i // 8`` at ``i % 8``, as ``np.packbits(..., bitorder="little")``): each byte column of the masks,
+    8 masks to a word, as 8x8 bit blocks, each transposed in a few word operations
+    (``_transpose_blocks``)."""
+    count = masks.shape[0]
+    blocks = (count + 7) // 8
+    columns = np.zeros((_mask_bytes(masks[:0]).shape[1] if count else 1, 8 * blocks), dtype=np.uint8)
+    if count:
+        columns[:, :count] = _mask_bytes(masks).T
+    out = np.zeros((8 * columns.shape[0], blocks), dtype=np.uint8)
+    _transpose_blocks(columns.view(np.dtype("<u8")), out)
+    return out[:trainers]
 
 
 @njit(cache=True, nogil=True)
-def _fill_bitmaps(words, out):  # type: ignore[no-untyped-def]
-    one = np.uint64(1)
-    for i in range(words.shape[0]):
-        byte, bit = i >> 3, np.uint8(1 << (i & 7))
-        for w in range(words.shape[1]):
-            m = words[i, w]
-            while m != 0:
-                low = m & (~m + one)
-                out[w * 64 + int(_ones(low - one)), byte] |= bit  # (the lowest set bit's trainer)
-                m &= m - one
-
-
-@njit(cache=True, nogil=True)
-def _ones(v):  # type: ignore[no-untyped-def]
-    """Set bits of a uint64 (SWAR, no branch)."""
-    v = v - ((v >> np.uint64(1)) & np.uint64(0x5555555555555555))
-    v = (v & np.uint64(0x3333333333333333)) + ((v >> np.uint64(2)) & np.uint64(0x3333333333333333))
-    v = (v + (v >> np.uint64(4))) & np.uint64(0x0F0F0F0F0F0F0F0F)
-    return (v * np.uint64(0x0101010101010101)) >> np.uint64(56)
+def _transpose_blocks(words, out):  # type: ignore[no-untyped-def]
+    """``out[8c + r, j]`` bit ``k`` = bit ``r`` of byte ``k`` of ``words[c, j]``: each word (8 masks' byte
+    ``c``) an 8x8 bit block, transposed (Hacker's Delight, 7-3)."""
+    for c in range(words.shape[0]):
+        for j in range(words.shape[1]):
+            x = np.uint64(words[c, j])
+            if x == 0:
+                continue
+            t = (x ^ (x >> np.uint64(7))) & np.uint64(0x00AA00AA00AA00AA)
+            x = x ^ t ^ (t << np.uint64(7))
+            t = (x ^ (x >> np.uint64(14))) & np.uint64(0x0000CCCC0000CCCC)
+            x = x ^ t ^ (t << np.uint64(14))
+            t = (x ^ (x >> np.uint64(28))) & np.uint64(0x00000000F0F0F0F0)
+            x = x ^ t ^ (t << np.uint64(28))
+            for r in range(8):
+                out[8 * c + r, j] = np.uint8((x >> np.uint64(8 * r)) & np.uint64(0xFF))
 
 
 def _check_masks(masks: np.ndarray, trainers: int, field: str) -> None:

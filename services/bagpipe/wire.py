@@ -231,6 +231,11 @@ def encode_message(fields: Sequence[tuple[int, Any]]) -> bytes:
     return _filled_bytes(parts, sum(_size(p) for p in parts))
 
 
+def embedded(number: int, body: bytes) -> bytes:
+    """Field ``number`` of a message holding ``body``, an embedded message's serialised fields."""
+    return _varint(number << 3 | 2) + _varint(len(body)) + body
+
+
 def _message_parts(fields: Sequence[tuple[int, Any]]) -> list[Any]:
     parts: list[Any] = []
     for number, value in fields:
