@@ -449,7 +449,8 @@ def trainer_bitmaps(masks: np.ndarray, trainers: int) -> np.ndarray:
     (``_transpose_blocks``)."""
     count = masks.shape[0]
     blocks = (count + 7) // 8
-    columns = np.zeros((_mask_bytes(masks[:0]).shape[1] if count else 1, 8 * blocks), dtype=np.uint8)
+    width = masks.itemsize * (masks.shape[1] if masks.ndim == 2 else 1)  # (bytes a mask)
+    columns = np.zeros((width, 8 * blocks), dtype=np.uint8)
     if count:
         columns[:, :count] = _mask_bytes(masks).T
     out = np.zeros((8 * columns.shape[0], blocks), dtype=np.uint8)

@@ -15,9 +15,10 @@ from bagpipe.codec import (
     decode_plan,
     encode_batch,
     encode_plans,
+    trainer_bitmaps,
 )
 from bagpipe.core.data import SyntheticConfig, SyntheticSource, table_offsets
-from bagpipe.core.plans import for_trainer, trainer_users
+from bagpipe.core.plans import for_trainer, has_trainer, mask_dtype, mask_words, trainer_users
 from bagpipe.data_processor.batches import numbered_batches
 from bagpipe.errors import InvalidArgument
 from bagpipe.oracle_cacher.lookahead import LookaheadPlanner
@@ -509,3 +510,21 @@ def test_rows_sent_without_masks_give_every_trainer_the_same_share() -> None:
             with_masks = decode_plan(_wire(message), _wire(samples[rank]), _wire(rows), *dims)
             without = decode_plan(_wire(message), _wire(samples[rank]), _wire(bare_rows), *dims)
             _same(without.share, with_masks.share)
+
+
+@pytest.mark.parametrize("trainers", [3, 8, 16, 64, 70, 256])
+@pytest.mark.parametrize("count", [0, 1, 13, 1001])
+def test_each_trainers_bitmap_is_its_bits_of_the_masks(trainers: int, count: int) -> None:
+    """``trainer_bitmaps`` (8x8 bit blocks transposed) gives each trainer what packing its bits would."""
+    rng = np.random.default_rng(trainers * 1000 + count)
+    words = mask_words(trainers)
+    if words:
+        masks = rng.integers(0, 2**63, size=(count, words), dtype=np.uint64) << np.uint64(1)
+        if trainers % 64:
+            masks[:, -1] &= np.uint64((1 << (trainers % 64)) - 1)
+    else:
+        masks = rng.integers(0, 1 << trainers, size=count, dtype=np.uint64).astype(mask_dtype(trainers))
+    got = trainer_bitmaps(masks, trainers)
+    assert got.shape == (trainers, (count + 7) // 8)
+    for t in range(trainers):
+        assert np.array_equal(got[t], np.packbits(has_trainer(masks, t), bitorder="little")), t
