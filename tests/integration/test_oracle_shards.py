@@ -20,20 +20,11 @@ from tests.integration.test_row_tier import _tier
 def test_oracle_shards_train_the_synchronous_model(
     run_job, oracles: int, trainers: int, optimizer: str
 ) -> None:
-    """LRPP with delayed synchronisation, L=8 (rows change hands), 2 embedding servers."""
+    """LRPP with delayed synchronisation, L=8 (rows change hands), 2 embedding servers, a checkpoint every 5
+    batches (each flushes the rows every shard holds in the cache)."""
     iterations, batch = 24, 32 * trainers
     summary, paths = run_job(
-        f"oracles{oracles}",
-        *flags(
-            trainers=trainers,
-            oracles=oracles,
-            embedding_servers=2,
-            lookahead=8,
-            iterations=iterations,
-            batch_size=batch,
-            optimizer=optimizer,
-            lr="0.05",
-        ),
+        f"oracles{oracles}", *exact_flags(iterations, batch, optimizer, trainers=trainers, oracles=oracles)
     )
     assert summary["iterations"] == iterations
     assert 0 < summary["cache_hit_rate"] < 1
