@@ -26,6 +26,7 @@ from bagpipe.config_args import (
     table_rows_field,
 )
 from bagpipe.core.plans import MAX_TRAINERS
+from bagpipe.core.shard_map import DEFAULT_BUCKETS
 from bagpipe.flags import flag
 
 
@@ -126,6 +127,9 @@ class OracleConfig:
             raise ValueError(f"oracles: must be >= 1, got {self.oracles}")
         if not 0 <= self.shard < self.oracles:
             raise ValueError(f"shard: must be in [0, {self.oracles}) (--oracles), got {self.shard}")
+        buckets = min(DEFAULT_BUCKETS, sum(self.table_rows))  # (a shard owns whole key buckets)
+        if self.table_rows and self.oracles > buckets:
+            raise ValueError(f"oracles: at most {buckets}, a key bucket a shard, got {self.oracles}")
         if self.data_processors < 1:
             raise ValueError(f"data_processors: must be >= 1, got {self.data_processors}")
         if self.iterations < 0:

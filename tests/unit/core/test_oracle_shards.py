@@ -41,3 +41,14 @@ def test_the_capacity_is_split_into_equal_parts() -> None:
     assert shard_capacity(None, 3, 1) is None
     with pytest.raises(ValueError, match="oracles"):
         KeyShards(10, 0)
+
+
+def test_a_shard_owns_at_least_one_key_bucket() -> None:
+    from bagpipe.oracle_cacher.config import OracleConfig
+
+    job = {"table_rows": (5, 7), "batch_size": 8, "trainers": 2, "lookahead": 2, "data_processors": 1}
+    OracleConfig(**job, iterations=4, oracles=12, shard=11)
+    with pytest.raises(ValueError, match="oracles: at most 12, a key bucket a shard, got 13"):
+        OracleConfig(**job, iterations=4, oracles=13)
+    with pytest.raises(ValueError, match=r"shard: must be in \[0, 2\)"):
+        OracleConfig(**job, iterations=4, oracles=2, shard=2)
