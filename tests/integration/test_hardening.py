@@ -22,6 +22,7 @@ import torch
 from bagpipe import cli, security, serving, tls
 from bagpipe.control.registry import Registry
 from bagpipe.core.data import table_offsets
+from bagpipe.core.plans import MAX_TRAINERS
 from bagpipe.core.shard_map import ShardMap
 from bagpipe.data_processor.config import DataProcessorConfig, SourceConfig
 from bagpipe.data_processor.files import CriteoConfig, CriteoTSVSource
@@ -300,8 +301,10 @@ async def _fuzz(count: int) -> None:
                 start=rng.randrange(-9, 0) if bad == 0 else rng.randrange(0, 9),
                 stride=rng.randrange(-3, 1) if bad == 1 else rng.randrange(1, 4),
                 end=rng.randrange(0, 20),
-                trainers=rng.choice([-1, 5, 7, 65, 1 << 20]) if bad == 2 else rng.randrange(0, 4),
-                slices=rng.choice([-1, 5, 7, 65]) if bad == 3 else rng.choice([0, 1, 2, 4]),
+                trainers=rng.choice([-1, 5, 7, MAX_TRAINERS + 1, 1 << 20])
+                if bad == 2
+                else rng.randrange(0, 4),
+                slices=rng.choice([-1, 5, 7, MAX_TRAINERS + 1]) if bad == 3 else rng.choice([0, 1, 2, 4]),
             )
             code = await _code(lambda r=stream: pstub.StreamBatches(r, timeout=5))
             assert code == grpc.StatusCode.INVALID_ARGUMENT, f"data processor request {i}: {stream} -> {code}"

@@ -14,7 +14,7 @@ import numpy as np
 import pytest
 from bagpipe.codec import WireBatch, decode_batch, encode_batch
 from bagpipe.core.data import SyntheticConfig, SyntheticSource, build_batch, scaled_table_rows, table_offsets
-from bagpipe.core.plans import trainer_users
+from bagpipe.core.plans import MAX_TRAINERS, trainer_users
 from bagpipe.core.shard_map import ShardMap
 from bagpipe.data_processor.config import DataProcessorConfig, SourceConfig
 from bagpipe.data_processor.server import create_server as create_data_processor
@@ -123,52 +123,58 @@ async def _processor_trainer_masks() -> None:
     rows = tuple(scaled_table_rows(0.0005))
     cfg = DataProcessorConfig(SourceConfig("synthetic", rows), 12, 0)
     server, port, _, _ = await create_data_processor(cfg)
-    async with grpc.aio.insecure_channel(f"127.0.0.1:{port}") as ch:
-        stub = data_processor_pb2_grpc.DataProcessorStub(ch)
-        request = data_processor_pb2.StreamBatchesRequest(start=0, stride=1, end=2, trainers=3)
-        parts = [p async for p in stub.StreamBatches(request, timeout=10)]
-        assert [p.WhichOneof("part") for p in parts] == ["batch", "batch"]
-        for batch in (p.batch for p in parts):
-            keys = from_tensor(batch.keys, "keys", np.int64, ndim=1)
-            inverse = from_tensor(batch.inverse, "inverse", np.int32, ndim=2)
-            users = from_tensor(batch.users, "users", np.int64, shape=keys.shape)
-            assert np.array_equal(users, trainer_users(inverse, keys.size, 3))
-        plain = [
-            p.batch
-            async for p in stub.StreamBatches(
-                data_processor_pb2.StreamBatchesRequest(start=0, stride=1, end=1)
-            )
-        ]
-        assert not plain[0].HasField("users")
-        # in slices: each batch's keys and masks, then its samples, one part per trainer in rank order
-        request = data_processor_pb2.StreamBatchesRequest(start=0, stride=1, end=2, trainers=3, slices=3)
-        parts = [p async for p in stub.StreamBatches(request, timeout=10)]
-        assert [p.WhichOneof("part") for p in parts] == ["batch", "samples", "samples", "samples"] * 2
-        for head, *samples in (parts[:4], parts[4:]):
-            assert not head.batch.HasField("inverse") and head.batch.HasField("users")
-            assert [(s.samples.batch, s.samples.rank) for s in samples] == [
-                (head.batch.number, r) for r in range(3)
+    try:
+        async with grpc.aio.insecure_channel(f"127.0.0.1:{port}") as ch:
+            stub = data_processor_pb2_grpc.DataProcessorStub(ch)
+            request = data_processor_pb2.StreamBatchesRequest(start=0, stride=1, end=2, trainers=3)
+            parts = [p async for p in stub.StreamBatches(request, timeout=10)]
+            assert [p.WhichOneof("part") for p in parts] == ["batch", "batch"]
+            for batch in (p.batch for p in parts):
+                keys = from_tensor(batch.keys, "keys", np.int64, ndim=1)
+                inverse = from_tensor(batch.inverse, "inverse", np.int32, ndim=2)
+                users = from_tensor(batch.users, "users", np.int64, shape=keys.shape)
+                assert np.array_equal(users, trainer_users(inverse, keys.size, 3))
+            plain = [
+                p.batch
+                async for p in stub.StreamBatches(
+                    data_processor_pb2.StreamBatchesRequest(start=0, stride=1, end=1)
+                )
             ]
-            inverse = np.concatenate(
-                [from_tensor(s.samples.inverse, "inverse", np.int32, ndim=2) for s in samples]
-            )
-            keys = from_tensor(head.batch.keys, "keys", np.int64, ndim=1)
-            users = from_tensor(head.batch.users, "users", np.int64, shape=keys.shape)
-            assert inverse.shape == (12, len(rows)) and np.array_equal(
-                users, trainer_users(inverse, keys.size, 3)
-            )
-        for field, value, why in (
-            ("trainers", 5, "trainers: batch size 12 does not split over 5 trainers"),
-            ("trainers", 65, "trainers: must be in [0, 64], got 65"),
-            ("slices", 5, "slices: batch size 12 does not split into 5 slices"),
-            ("slices", -1, "slices: must be in [0, 64], got -1"),
-        ):
-            with pytest.raises(grpc.aio.AioRpcError) as err:
-                bad = data_processor_pb2.StreamBatchesRequest(start=0, stride=1, end=1, **{field: value})
-                _ = [b async for b in stub.StreamBatches(bad, timeout=10)]
-            assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT
-            assert err.value.details() == why
-    await server.stop(None)
+            assert not plain[0].HasField("users")
+            # in slices: each batch's keys and masks, then its samples, one part per trainer in rank order
+            request = data_processor_pb2.StreamBatchesRequest(start=0, stride=1, end=2, trainers=3, slices=3)
+            parts = [p async for p in stub.StreamBatches(request, timeout=10)]
+            assert [p.WhichOneof("part") for p in parts] == ["batch", "samples", "samples", "samples"] * 2
+            for head, *samples in (parts[:4], parts[4:]):
+                assert not head.batch.HasField("inverse") and head.batch.HasField("users")
+                assert [(s.samples.batch, s.samples.rank) for s in samples] == [
+                    (head.batch.number, r) for r in range(3)
+                ]
+                inverse = np.concatenate(
+                    [from_tensor(s.samples.inverse, "inverse", np.int32, ndim=2) for s in samples]
+                )
+                keys = from_tensor(head.batch.keys, "keys", np.int64, ndim=1)
+                users = from_tensor(head.batch.users, "users", np.int64, shape=keys.shape)
+                assert inverse.shape == (12, len(rows)) and np.array_equal(
+                    users, trainer_users(inverse, keys.size, 3)
+                )
+            for field, value, why in (
+                ("trainers", 5, "trainers: batch size 12 does not split over 5 trainers"),
+                (
+                    "trainers",
+                    MAX_TRAINERS + 1,
+                    f"trainers: must be in [0, {MAX_TRAINERS}], got {MAX_TRAINERS + 1}",
+                ),
+                ("slices", 5, "slices: batch size 12 does not split into 5 slices"),
+                ("slices", -1, f"slices: must be in [0, {MAX_TRAINERS}], got -1"),
+            ):
+                with pytest.raises(grpc.aio.AioRpcError) as err:
+                    bad = data_processor_pb2.StreamBatchesRequest(start=0, stride=1, end=1, **{field: value})
+                    _ = [b async for b in stub.StreamBatches(bad, timeout=10)]
+                assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+                assert err.value.details() == why
+    finally:  # (a server left running is collected later, and its shutdown then hangs)
+        await server.stop(None)
 
 
 def test_data_processor_works_out_which_trainers_use_each_key() -> None:
