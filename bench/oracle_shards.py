@@ -155,7 +155,9 @@ def _inputs(
         inverses.append(split.inverse(arrays.inverse))
     # the trainers' samples in shard order (rank 0's, for the trainer's side): as a processor cuts them
     rank0 = [
-        encode_batch(_with_inverse(arrays, inverses[b]), b == len(batches) - 1, None, trainers)[1]
+        encode_batch(dataclasses.replace(arrays, inverse=inverses[b]), b == len(batches) - 1, None, trainers)[
+            1
+        ]
         for b, arrays in enumerate(batches)
     ]
     return {
@@ -171,10 +173,6 @@ def _inputs(
         "samples": samples,
         "rank0_samples": rank0,
     }
-
-
-def _with_inverse(arrays: Any, inverse: np.ndarray) -> Any:
-    return dataclasses.replace(arrays, inverse=inverse)
 
 
 class _Shard:

@@ -564,7 +564,8 @@ def _trainer_bits(plans: Sequence[opb.Plan], name: str, counts: list[int], where
 def merge_rows(parts: Sequence[SharedPlan]) -> SharedPlan:
     """The K oracle shards' rows of one batch as one: concatenated in shard order (the order the samples'
     inverse indexes, core/oracle_shards.py), each part's indices into its rows moved past the parts before
-    it. One part is returned as it is."""
+    it. The parts are as a trainer reads them (``_read_rows``: no prefetch or hand-over masks, its own
+    bits come with its plan). One part is returned as it is."""
     if len(parts) == 1:
         return parts[0]
     first = parts[0]
@@ -594,13 +595,13 @@ def merge_rows(parts: Sequence[SharedPlan]) -> SharedPlan:
         sync=cat("sync"),
         prefetch=moved("prefetch"),
         prefetch_keys=cat("prefetch_keys"),
-        prefetch_holders=cat("prefetch_holders") if first.prefetch_holders is not None else None,
+        prefetch_holders=None,  # (read from the wire: each trainer's own bits come with its plan)
         evict=moved("evict"),
         evict_keys=cat("evict_keys"),
         evict_writer=cat("evict_writer"),
         handover_slots=cat("handover_slots"),
-        handover_source=cat("handover_source") if first.handover_source is not None else None,
-        handover_recipients=cat("handover_recipients") if first.handover_recipients is not None else None,
+        handover_source=None,
+        handover_recipients=None,
         handover_critical=cat("handover_critical"),
         prefetch_first=cat("prefetch_first"),
         first_since=first.first_since,
