@@ -22,6 +22,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import numpy as np
+from numba import njit
 
 __all__ = [
     "BACKGROUND",
@@ -373,37 +374,45 @@ def share(plan: SharedPlan, inverse: np.ndarray, rank: int, bits: TrainerBits | 
             has_trainer(plan.handover_source, rank),
             has_trainer(plan.handover_recipients, rank),
         )
+    flat = np.ascontiguousarray(inverse, dtype=np.int32).reshape(-1)
     if plan.users is not None:
-        local = np.flatnonzero(has_trainer(plan.users, rank))
+        used = has_trainer(plan.users, rank)
     else:  # the rows its samples use
         used = np.zeros(plan.unique, dtype=bool)
-        used[inverse.reshape(-1)] = True
-        local = np.flatnonzero(used)
-    position = np.full(plan.unique, -1, dtype=np.int32)
-    position[local] = np.arange(local.size, dtype=np.int32)
+        if (bad := _mark(flat, used)) >= 0:
+            raise _outside(inverse, bad, plan.unique)
+    rows = _RowsOfTrainer(plan.unique)
+    counts = _rows_of_trainer(
+        used, plan.slots, plan.sync, rows.position, rows.slots, rows.private, rows.sync_slots, rows.sync_local
+    )
+    local, private, critical, background = (int(c) for c in counts)
     fetching = bits.fetch
-    fetch = plan.prefetch[fetching]
     written = np.flatnonzero(plan.evict_writer == rank)
     steps = []
-    for kind, in_step in ((CRITICAL, plan.handover_critical), (BACKGROUND, ~plan.handover_critical)):
-        rows = np.flatnonzero(plan.sync == kind)
+    for at, count, in_step in (
+        (0, critical, plan.handover_critical),
+        (1, background, ~plan.handover_critical),
+    ):
         handed = np.flatnonzero(in_step)
         steps.append(
             SyncStep(
-                slots=plan.slots[rows],
-                local=position[rows],
+                slots=rows.sync_slots[at, :count],
+                local=rows.sync_local[at, :count],
                 handover_slots=plan.handover_slots[handed],
                 handover_send=np.flatnonzero(bits.send[handed]).astype(np.int32),
                 handover_recv=np.flatnonzero(bits.recv[handed]).astype(np.int32),
             )
         )
+    mine = np.empty(flat.size, dtype=np.int32)
+    if (bad := _gather(rows.position, flat, mine)) >= 0:
+        raise _outside(inverse, bad, plan.unique)
     return TrainerPlan(
         batch=plan.batch,
-        slots=plan.slots[local],
-        inverse=position[inverse],
+        slots=rows.slots[:local],
+        inverse=mine.reshape(inverse.shape),
         prefetch_keys=plan.prefetch_keys[fetching],
-        prefetch_slots=plan.slots[fetch],
-        private_rows=np.flatnonzero(plan.sync[local] == PRIVATE).astype(np.int32),
+        prefetch_slots=plan.slots[plan.prefetch[fetching]],
+        private_rows=rows.private[:private],
         critical=steps[0],
         background=steps[1],
         writeback_keys=plan.evict_keys[written],
@@ -411,6 +420,77 @@ def share(plan: SharedPlan, inverse: np.ndarray, rank: int, bits: TrainerBits | 
         prefetch_first=plan.prefetch_first[fetching],
         first_since=plan.first_since,
     )
+
+
+class _RowsOfTrainer:
+    """The arrays ``_rows_of_trainer`` fills for a batch of ``unique`` rows (each as long as it may get)."""
+
+    def __init__(self, unique: int) -> None:
+        self.position = np.empty(unique, dtype=np.int32)
+        self.slots = np.empty(unique, dtype=np.int32)
+        self.private = np.empty(unique, dtype=np.int32)
+        self.sync_slots = np.empty((2, unique), dtype=np.int32)  # CRITICAL's, then BACKGROUND's
+        self.sync_local = np.empty((2, unique), dtype=np.int32)
+
+
+@njit(cache=True, nogil=True)
+def _mark(inverse, used):  # type: ignore[no-untyped-def]
+    """``used[r]`` set for every row ``r`` that ``inverse`` names; returns the first position of an index
+    outside ``used`` (-1: none), having marked the ones before it."""
+    rows = np.uint64(used.size)
+    for j in range(inverse.size):
+        r = np.uint64(np.int64(inverse[j]))  # (a negative index wraps past every row)
+        if r >= rows:
+            return j
+        used[r] = True
+    return -1
+
+
+@njit(cache=True, nogil=True)
+def _gather(table, index, out):  # type: ignore[no-untyped-def]
+    """``out[j] = table[index[j]]``; returns the first position of an index outside ``table`` (-1: none)."""
+    rows = np.uint64(table.size)
+    for j in range(index.size):
+        r = np.uint64(np.int64(index[j]))
+        if r >= rows:
+            return j
+        out[j] = table[r]
+    return -1
+
+
+def _outside(inverse: np.ndarray, at: int, rows: int) -> IndexError:
+    return IndexError(f"inverse: index {int(inverse.reshape(-1)[at])} outside the batch's {rows} rows")
+
+
+@njit(cache=True, nogil=True)
+def _rows_of_trainer(used, slots, sync, position, mine, private, sync_slots, sync_local):  # type: ignore[no-untyped-def]
+    """One pass over a batch's rows for the trainer whose rows are ``used``: each row's ``position`` among
+    them (-1: not its row), their slots (``mine``), which of them it updates alone (``private``, by
+    position), and the rows of each all-reduce (``sync_slots[0]``, ``sync_local[0]``: CRITICAL's slots and
+    this trainer's position of each; ``[1]``: BACKGROUND's). Returns how many of each it filled. Every
+    list is written at its end and grows by whether the row belongs to it, without a branch: the classes
+    come in no order a branch could predict (a pass with branches took as long as numpy's dozen passes)."""
+    count = np.int64(0)
+    privates = np.int64(0)
+    critical = np.int64(0)
+    background = np.int64(0)
+    for i in range(slots.size):
+        u = np.int64(used[i])
+        at = np.int32(count) if u else np.int32(-1)
+        position[i] = at
+        slot = slots[i]
+        kind = sync[i]
+        mine[count] = slot
+        private[privates] = np.int32(count)
+        privates += u & np.int64(kind == PRIVATE)
+        count += u
+        sync_slots[0, critical] = slot
+        sync_local[0, critical] = at
+        critical += np.int64(kind == CRITICAL)
+        sync_slots[1, background] = slot
+        sync_local[1, background] = at
+        background += np.int64(kind == BACKGROUND)
+    return count, privates, critical, background
 
 
 def for_trainer(plan: BatchPlan, inverse: np.ndarray, rank: int, trainers: int) -> TrainerPlan:

@@ -10,7 +10,9 @@ from bagpipe.core.plans import (
     CRITICAL,
     PRIVATE,
     BatchPlan,
+    TrainerPlan,
     for_trainer,
+    share,
     shared_plan,
     trainer_users,
 )
@@ -38,10 +40,12 @@ def _plans(trainers: int, seed: int) -> list[tuple[BatchPlan, np.ndarray]]:
 
 
 def _has(mask, rank: int) -> bool:
+    if np.ndim(mask):  # a wide mask: its words
+        return bool(int(mask[rank // 64]) >> rank % 64 & 1)
     return bool(int(mask) >> rank & 1)
 
 
-@pytest.mark.parametrize("trainers", [2, 3, 9])
+@pytest.mark.parametrize("trainers", [2, 3, 9, 70])
 def test_each_share_is_the_plan_read_row_by_row(trainers: int) -> None:
     for plan, inverse in _plans(trainers, seed=trainers):
         per = inverse.shape[0] // trainers
@@ -78,3 +82,45 @@ def test_shared_part_classes_every_row_once() -> None:
         assert np.array_equal(sync == PRIVATE, ~plan.sync)
         assert np.array_equal(sync == CRITICAL, plan.sync & plan.critical)
         assert np.array_equal(sync == BACKGROUND, plan.sync & ~plan.critical)
+
+
+def _arrays(plan: TrainerPlan) -> dict[str, np.ndarray]:
+    steps = {
+        f"{name}.{field}": getattr(getattr(plan, name), field)
+        for name in ("critical", "background")
+        for field in ("slots", "local", "handover_slots", "handover_send", "handover_recv")
+    }
+    return {
+        **{
+            n: getattr(plan, n)
+            for n in ("slots", "inverse", "prefetch_keys", "prefetch_slots", "private_rows")
+        },
+        **{n: getattr(plan, n) for n in ("writeback_keys", "writeback_slots", "prefetch_first")},
+        **steps,
+    }
+
+
+@pytest.mark.parametrize("trainers", [3, 70])
+def test_rows_from_the_samples_are_the_rows_the_masks_name(trainers: int) -> None:
+    """With LRPP the masks are not sent: a trainer's rows are those its samples use, which is what the
+    masks say, so its share is the same array for array, dtype for dtype."""
+    for plan, inverse in _plans(trainers, seed=5):
+        per = inverse.shape[0] // trainers
+        for rank in range(trainers):
+            mine = inverse[rank * per : (rank + 1) * per]
+            by_masks = _arrays(share(shared_plan(plan), mine, rank))
+            by_samples = _arrays(share(shared_plan(plan, users=False), mine.astype(np.int64), rank))
+            for name, want in by_masks.items():
+                got = by_samples[name]
+                assert got.dtype == want.dtype and np.array_equal(got, want), name
+            assert by_masks["slots"].dtype == np.int32 and by_masks["inverse"].shape == mine.shape
+
+
+@pytest.mark.parametrize("bad", [-1, 10**6])
+def test_an_index_outside_the_rows_is_refused(bad: int) -> None:
+    plan, inverse = _plans(2, seed=3)[0]
+    mine = inverse[: inverse.shape[0] // 2].copy()
+    mine[1, 2] = bad
+    for users in (True, False):
+        with pytest.raises(IndexError, match=f"inverse: index {bad} outside the batch's {plan.unique} rows"):
+            share(shared_plan(plan, users=users), mine, 0)
