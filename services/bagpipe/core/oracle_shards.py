@@ -23,6 +23,7 @@ import dataclasses
 from dataclasses import dataclass
 
 import numpy as np
+from numba import njit
 
 from bagpipe.core.plans import BatchPlan
 from bagpipe.core.shard_map import ShardMap
@@ -115,22 +116,61 @@ class KeyShards:
     def for_trainers(self, plan: BatchPlan, shard: int) -> BatchPlan:
         """Shard ``shard``'s plan of its local rows in the trainers' terms: global keys and slots, and a slot
         high-water mark K times the shard's (every slot of the shard lies below it). The planner's own
-        arrays are converted where they lie (the shard's plan is not kept); the batch's keys, which the
-        data processor sent, are copied."""
-
-        def keys(local: np.ndarray) -> np.ndarray:
-            return self.global_keys(shard, local, local if local.flags.writeable else None)
-
-        def slots(local: np.ndarray) -> np.ndarray:
-            return self.global_slots(shard, local, local if local.flags.writeable else None)
-
+        arrays are converted where they lie, in one compiled call (the shard's plan is not kept; the
+        conversion is on every batch's path); the batch's keys, which the data processor sent, are
+        copied."""
         h = plan.handovers
+        keys = plan.keys if plan.keys.flags.writeable else np.empty_like(plan.keys)
+        owned = self.owned[shard].astype(np.int64, copy=False)
+        arrays = (plan.slots, plan.prefetch_keys, plan.evict_keys, h.keys, h.slots)
+        if not all(a.flags.writeable for a in arrays):
+            arrays = tuple(a if a.flags.writeable else a.copy() for a in arrays)
+        slots, prefetch_keys, evict_keys, handed_keys, handed_slots = arrays
+        _to_global(
+            plan.keys, keys, prefetch_keys, evict_keys, handed_keys, slots, handed_slots,
+            self.shards, shard, self._plain, int(self.counts[shard]), owned, self.map.num_buckets,
+        )  # fmt: skip
         return dataclasses.replace(
             plan,
-            keys=keys(plan.keys),
-            slots=slots(plan.slots),
-            prefetch_keys=keys(plan.prefetch_keys),
-            evict_keys=keys(plan.evict_keys),
-            handovers=dataclasses.replace(h, keys=keys(h.keys), slots=slots(h.slots)),
+            keys=keys,
+            slots=slots,
+            prefetch_keys=prefetch_keys,
+            evict_keys=evict_keys,
+            handovers=dataclasses.replace(h, keys=handed_keys, slots=handed_slots),
             slot_high_water=plan.slot_high_water * self.shards,
         )
+
+
+@njit(cache=True, nogil=True)
+def _global_key(row, shards, shard, plain, count, owned, buckets):  # type: ignore[no-untyped-def]
+    """``KeyShards.global_keys`` of one local row."""
+    if plain:
+        return row * shards + shard
+    return (row // count) * buckets + owned[row % count]
+
+
+@njit(cache=True, nogil=True)
+def _keys_global(rows, out, shards, shard, plain, count, owned, buckets):  # type: ignore[no-untyped-def]
+    for i in range(rows.size):
+        out[i] = _global_key(rows[i], shards, shard, plain, count, owned, buckets)
+
+
+@njit(cache=True, nogil=True)
+def _slots_global(slots, shards, shard):  # type: ignore[no-untyped-def]
+    for i in range(slots.size):
+        slots[i] = slots[i] * np.int32(shards) + np.int32(shard)
+
+
+@njit(cache=True, nogil=True)
+def _to_global(  # type: ignore[no-untyped-def]
+    batch_keys, keys, prefetch_keys, evict_keys, handed_keys, slots, handed_slots,
+    shards, shard, plain, count, owned, buckets,
+):  # fmt: skip
+    """``KeyShards.for_trainers``' arrays: ``batch_keys`` into ``keys`` (may be the same array), the
+    other keys and the slots where they lie."""
+    _keys_global(batch_keys, keys, shards, shard, plain, count, owned, buckets)
+    _keys_global(prefetch_keys, prefetch_keys, shards, shard, plain, count, owned, buckets)
+    _keys_global(evict_keys, evict_keys, shards, shard, plain, count, owned, buckets)
+    _keys_global(handed_keys, handed_keys, shards, shard, plain, count, owned, buckets)
+    _slots_global(slots, shards, shard)
+    _slots_global(handed_slots, shards, shard)

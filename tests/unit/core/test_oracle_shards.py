@@ -5,6 +5,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 from bagpipe.core.oracle_shards import KeyShards, shard_capacity
+from bagpipe.oracle_cacher.lookahead import LookaheadPlanner
 
 
 @pytest.mark.parametrize(("num_keys", "shards"), [(5000, 2), (5000, 3), (700, 4), (3, 2)])
@@ -52,3 +53,41 @@ def test_a_shard_owns_at_least_one_key_bucket() -> None:
         OracleConfig(**job, iterations=4, oracles=13)
     with pytest.raises(ValueError, match=r"shard: must be in \[0, 2\)"):
         OracleConfig(**job, iterations=4, oracles=2, shard=2)
+
+
+@pytest.mark.parametrize("shards", [2, 3, 5])
+def test_a_shards_plan_in_the_trainers_terms(shards: int) -> None:
+    """``for_trainers`` (one compiled pass) gives every key and slot of a shard's plan as ``global_keys``
+    and ``global_slots`` do, and leaves the batch's keys the data processor sent as they were."""
+    rng = np.random.default_rng(shards)
+    key_shards = KeyShards(9000, shards)
+    for shard in range(shards):
+        planner = LookaheadPlanner(key_shards.rows(shard), 2, trainers=3)
+        plans = []
+        for b in range(6):
+            keys = key_shards.split(np.unique(rng.integers(0, 9000, size=300)))
+            local = keys.local[keys.part(shard)]
+            local.flags.writeable = False
+            users = rng.integers(1, 8, size=local.size).astype(np.uint8)
+            if not planner.wants_more():
+                plans.append(planner.pop())
+            assert planner.push(b, local, last=b == 5, users=users)
+        while planner.can_pop():
+            plans.append(planner.pop())
+        for plan in plans:
+            h = plan.handovers
+            want_keys = [
+                key_shards.global_keys(shard, a.copy())
+                for a in (plan.keys, plan.prefetch_keys, plan.evict_keys, h.keys)
+            ]
+            want_slots = [key_shards.global_slots(shard, a.copy()) for a in (plan.slots, h.slots)]
+            sent = plan.keys.copy()
+            got = key_shards.for_trainers(plan, shard)
+            assert np.array_equal(plan.keys, sent), "the batch's keys as sent"
+            for want, have in zip(
+                want_keys, (got.keys, got.prefetch_keys, got.evict_keys, got.handovers.keys), strict=True
+            ):
+                assert have.dtype == np.int64 and np.array_equal(have, want)
+            for want, have in zip(want_slots, (got.slots, got.handovers.slots), strict=True):
+                assert have.dtype == np.int32 and np.array_equal(have, want)
+            assert got.slot_high_water == plan.slot_high_water * shards
