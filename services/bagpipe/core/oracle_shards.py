@@ -122,10 +122,10 @@ class KeyShards:
         h = plan.handovers
         keys = plan.keys if plan.keys.flags.writeable else np.empty_like(plan.keys)
         owned = self.owned[shard].astype(np.int64, copy=False)
-        arrays = (plan.slots, plan.prefetch_keys, plan.evict_keys, h.keys, h.slots)
-        if not all(a.flags.writeable for a in arrays):
-            arrays = tuple(a if a.flags.writeable else a.copy() for a in arrays)
-        slots, prefetch_keys, evict_keys, handed_keys, handed_slots = arrays
+        slots, prefetch_keys, evict_keys, handed_keys, handed_slots = (
+            a if a.flags.writeable else a.copy()
+            for a in (plan.slots, plan.prefetch_keys, plan.evict_keys, h.keys, h.slots)
+        )
         _to_global(
             plan.keys, keys, prefetch_keys, evict_keys, handed_keys, slots, handed_slots,
             self.shards, shard, self._plain, int(self.counts[shard]), owned, self.map.num_buckets,
