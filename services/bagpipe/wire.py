@@ -231,9 +231,9 @@ def encode_message(fields: Sequence[tuple[int, Any]]) -> bytes:
     return _filled_bytes(parts, sum(_size(p) for p in parts))
 
 
-def embedded(number: int, body: bytes) -> bytes:
-    """Field ``number`` of a message holding ``body``, an embedded message's serialised fields."""
-    return _varint(number << 3 | 2) + _varint(len(body)) + body
+def embedded_head(number: int, size: int) -> bytes:
+    """The bytes before the ``size`` bytes of an embedded message in field ``number``: its tag and length."""
+    return _varint(number << 3 | 2) + _varint(size)
 
 
 def _message_parts(fields: Sequence[tuple[int, Any]]) -> list[Any]:
