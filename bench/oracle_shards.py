@@ -3,11 +3,13 @@
 Each key's decisions (Algorithm 1, LRPP, delayed synchronisation) depend on that key's accesses alone,
 apart from the cache's capacity, so K oracle shards each plan the keys of their own buckets
 (``core/oracle_shards.py``). The same batches (synthetic Criteo-Kaggle, the paper's point: batch 16,384,
-26 tables, L=200) are split as the data processors split them (``KeyShards.split``: each shard's keys as
-its local rows, with their trainer masks), untimed. A shard's work per batch is what its service does:
-the samples' checks for the batches it carries (batch % K), its planner's pop and push, its plan in the
-trainers' terms (``KeyShards.for_trainers``) and serialised for every trainer (``codec.encode_plans``,
-the rows without masks, as with LRPP).
+26 tables, L=200) are cut as the data processors cut them for K shards (``oracle_part``: each shard's keys
+as its local rows, with their trainer masks; the trainers' samples from the shard that carries the batch)
+and serialised as they send them, untimed. A shard's work per batch is what its service does, end to
+end: its part read and checked as it arrives (``decode_batch``) and the samples' checks for the batches
+it carries (batch % K), its planner's pop and push, its plan in the trainers' terms
+(``KeyShards.for_trainers``) and serialised for every trainer (``codec.encode_plans``, the rows without
+masks, as with LRPP). gRPC's own sending and receiving is not in it.
 
 * **Measured, K processes at once** (``--concurrent``, 8 trainers): K shards, each a process of its own
   pinned to a core of its own, start the timed batches together; the rate is the batches' samples over
@@ -25,7 +27,6 @@ the rows without masks, as with LRPP).
 from __future__ import annotations
 
 import argparse
-import dataclasses
 import json
 import multiprocessing
 import os
@@ -38,11 +39,13 @@ os.environ.setdefault("OMP_NUM_THREADS", "1")
 
 import numpy as np  # noqa: E402
 from bagpipe import allocator  # noqa: E402
-from bagpipe.codec import check_samples, decode_plans, encode_batch, encode_plans  # noqa: E402
+from bagpipe.codec import check_samples, decode_batch, decode_plans, encode_batch, encode_plans  # noqa: E402
 from bagpipe.core.data import KAGGLE_TABLE_ROWS, SyntheticConfig, SyntheticSource, build_batch, table_offsets  # noqa: E402
 from bagpipe.core.oracle_shards import KeyShards  # noqa: E402
-from bagpipe.core.plans import MAX_TRAINERS, trainer_users  # noqa: E402
+from bagpipe.core.plans import MAX_TRAINERS, mask_dtype, trainer_users  # noqa: E402
+from bagpipe.data_processor.server import oracle_part  # noqa: E402
 from bagpipe.oracle_cacher.lookahead import LookaheadPlanner  # noqa: E402
+from bagpipe.v1 import data_processor_pb2 as dpb  # noqa: E402
 from bagpipe.v1 import oracle_cacher_pb2 as opb  # noqa: E402
 
 TARGET_SPEEDUP = 1.8  # K=2 on two cores against K=1 on one, 8 trainers
@@ -61,7 +64,7 @@ def measure(
     lookahead: int = 200,
     timed: int = 100,
     concurrent_timed: int = 200,
-    repeats: int = 3,
+    repeats: int = 5,
     zipf_alpha: float = 1.1,
 ) -> dict[str, Any]:
     """Every K of ``oracles`` at every count of ``trainers`` one shard at a time, and every K of
@@ -84,9 +87,8 @@ def measure(
             points.append({"trainers": count, "refused": f"at most {MAX_TRAINERS} trainers (MAX_TRAINERS)"})
             continue
         users = [trainer_users(a.inverse, a.keys.size, count) for a in batches]
-        samples = [encode_batch(a, b == total - 1, users[b], count)[1:] for b, a in enumerate(batches)]
         for k in oracles:
-            inputs = _inputs(batches, users, samples, num_keys, k, count, batch_size, lookahead)
+            inputs = _inputs(batches, users, num_keys, k, count, batch_size, lookahead)
             point = _one_at_a_time(inputs, timed)
             points.append(point)
             print(
@@ -97,11 +99,11 @@ def measure(
                 f"{point['trainer_ms_per_batch']:.3f} ms",
                 flush=True,
             )
-        if count == 8:
-            for k in concurrent:
-                inputs = _inputs(batches, users, samples, num_keys, k, count, batch_size, lookahead)
-                point = _at_once(inputs, concurrent_timed, repeats)
+        if count == 8 and concurrent:
+            each = [_inputs(batches, users, num_keys, k, count, batch_size, lookahead) for k in concurrent]
+            for point in _at_once(each, concurrent_timed, repeats):
                 together.append(point)
+                k = point["oracles"]
                 runs = ", ".join(f"{r / 1e6:.2f}" for r in point["runs"])
                 print(
                     f"oracle shards at once: 8 trainers, K={k} on {k} core(s): "
@@ -133,33 +135,30 @@ def measure(
 def _inputs(
     batches: list[Any],
     users: list[np.ndarray],
-    samples: list[list[bytes]],
     num_keys: int,
     oracles: int,
     trainers: int,
     batch_size: int,
     lookahead: int,
 ) -> dict[str, Any]:
-    """Every batch split as the data processors split it for K shards (untimed): each shard's keys as its
-    local rows, sorted, with their masks; one shard takes the batches as they are."""
+    """Every batch as the data processors send it to K shards (untimed): each shard's part
+    (``oracle_part``: its keys as its local rows, sorted, with their masks) as the ``BatchPart`` bytes of a
+    StreamBatches call that asked for samples in per-trainer slices, and the trainers' ``Samples`` parts
+    from the shard that carries the batch (batch % K; their inverse indexes the keys in shard order)."""
     shards = KeyShards(num_keys, oracles) if oracles > 1 else None
-    parts: list[list[tuple[np.ndarray, np.ndarray]]] = []
-    inverses: list[np.ndarray] = []
+    heads: list[list[bytes]] = []  # [batch][shard]
+    samples: list[list[bytes]] = []  # [batch]: every trainer's, from the carrying shard
     for b, arrays in enumerate(batches):
-        if shards is None:
-            parts.append([(arrays.keys, users[b])])
-            inverses.append(arrays.inverse)
-            continue
-        split = shards.split(arrays.keys)
-        parts.append([(split.local[split.part(s)], users[b][split.part(s)]) for s in range(oracles)])
-        inverses.append(split.inverse(arrays.inverse))
-    # the trainers' samples in shard order (rank 0's, for the trainer's side): as a processor cuts them
-    rank0 = [
-        encode_batch(dataclasses.replace(arrays, inverse=inverses[b]), b == len(batches) - 1, None, trainers)[
-            1
-        ]
-        for b, arrays in enumerate(batches)
-    ]
+        row = []
+        for shard in range(oracles):
+            part, its_users, carries = (
+                (arrays, users[b], True) if shards is None else oracle_part(arrays, users[b], shards, shard)
+            )
+            encoded = encode_batch(part, b == len(batches) - 1, its_users, trainers, carries)
+            row.append(encoded[0])
+            if carries:
+                samples.append(encoded[1:])
+        heads.append(row)
     return {
         "shards": shards,
         "oracles": oracles,
@@ -169,9 +168,8 @@ def _inputs(
         "num_keys": num_keys,
         "tables": batches[0].inverse.shape[1],
         "dense": batches[0].dense.shape[1],
-        "parts": parts,
+        "heads": heads,
         "samples": samples,
-        "rank0_samples": rank0,
     }
 
 
@@ -181,23 +179,42 @@ class _Shard:
     def __init__(self, inputs: dict[str, Any], shard: int) -> None:
         self.inputs, self.shard = inputs, shard
         shards = inputs["shards"]
-        rows = shards.rows(shard) if shards is not None else inputs["num_keys"]
-        self.planner = LookaheadPlanner(rows, inputs["lookahead"], inputs["trainers"])
+        self.rows = shards.rows(shard) if shards is not None else inputs["num_keys"]
+        self.mask = mask_dtype(inputs["trainers"])
+        self.planner = LookaheadPlanner(self.rows, inputs["lookahead"], inputs["trainers"])
         for b in range(inputs["lookahead"]):
-            keys, masks = inputs["parts"][b][shard]
-            self.planner.push(b, keys, users=masks)
+            keys, users = self.receive(b)
+            self.planner.push(b, keys, users=users)
+
+    def receive(self, b: int) -> tuple[np.ndarray, np.ndarray]:
+        """Batch ``b``'s part read as the service reads it from a data processor's stream: the ``Batch``
+        parsed and checked (``decode_batch``: keys sorted, unique and in range, masks naming trainers of the
+        job), the masks in the planner's width, and the trainers' samples checked if it carries them."""
+        i = self.inputs
+        trainers, size = i["trainers"], i["batch_size"]
+        part = dpb.BatchPart.FromString(i["heads"][b][self.shard])
+        wire = decode_batch(
+            part.batch,
+            num_keys=self.rows,
+            batch_size=size,
+            num_tables=i["tables"],
+            trainers=trainers,
+            slices=trainers,
+        )
+        if b % i["oracles"] == self.shard:
+            for rank, piece in enumerate(i["samples"][b]):
+                check_samples(piece, b, rank, size // trainers)
+        assert wire.users is not None
+        return wire.keys, wire.users.astype(self.mask)
 
     def step(self, b: int) -> Any:
-        """Batch ``b`` arrives (its samples checked if this shard carries them), batch ``b - L`` is planned
-        and its messages serialised; returns them."""
+        """Batch ``b`` arrives (``receive``), batch ``b - L`` is planned and its messages serialised;
+        returns them."""
         i, planner = self.inputs, self.planner
         k, trainers = i["oracles"], i["trainers"]
-        if b % k == self.shard:
-            for rank, piece in enumerate(i["samples"][b]):
-                check_samples(piece, b, rank, i["batch_size"] // trainers)
+        keys, users = self.receive(b)
         plan = planner.pop()
-        keys, masks = i["parts"][b][self.shard]
-        planner.push(b, keys, last=b == len(i["parts"]) - 1, users=masks)
+        planner.push(b, keys, last=b == len(i["heads"]) - 1, users=users)
         if i["shards"] is not None:
             plan = i["shards"].for_trainers(plan, self.shard)
         x = plan.batch
@@ -225,7 +242,7 @@ def _one_at_a_time(inputs: dict[str, Any], timed: int) -> dict[str, Any]:
         if not timing:
             continue
         x = b - lookahead
-        samples = inputs["rank0_samples"][x]
+        samples = inputs["samples"][x][0]
         received += sum(len(e.rows) + len(e.plans[0]) for e in encoded) + len(samples)
         start = time.perf_counter()  # a trainer: the parts' messages from their bytes, merged and cut
         parts = [
@@ -267,35 +284,44 @@ def _shard_process(shard: int, timed: int, barrier: Any, out: Any) -> None:
     out.put((shard, time.perf_counter() - start))
 
 
-def _at_once(inputs: dict[str, Any], timed: int, repeats: int) -> dict[str, Any]:
-    """K shard processes at once, each on a core of its own; the best of ``repeats`` runs."""
-    k = inputs["oracles"]
-    _SHARED["inputs"] = inputs
+def _at_once(each: list[dict[str, Any]], timed: int, repeats: int) -> list[dict[str, Any]]:
+    """For each K of ``each`` (one ``_inputs`` a K), K shard processes at once, each on a core of its own;
+    the best of ``repeats`` runs. The Ks take turns, run by run, so that a slow spell of this shared
+    machine (``oracle_throughput.py``'s docstring) falls on each alike rather than on one K's runs."""
     context = multiprocessing.get_context("fork")  # (the children read the batches as the parent made them)
-    runs = []
-    shard_seconds = []
+    runs: list[list[float]] = [[] for _ in each]
+    shard_seconds: list[list[list[float]]] = [[] for _ in each]
     for _ in range(repeats):
-        barrier, out = context.Barrier(k), context.Queue()
-        children = [context.Process(target=_shard_process, args=(s, timed, barrier, out)) for s in range(k)]
-        for child in children:
-            child.start()
-        times = dict(out.get() for _ in range(k))
-        for child in children:
-            child.join()
-            if child.exitcode != 0:
-                raise RuntimeError(f"a shard process ended with {child.exitcode}")
-        slowest = max(times.values())
-        runs.append(timed * inputs["batch_size"] / slowest)
-        shard_seconds.append([times[s] for s in range(k)])
-    best = int(np.argmax(runs))
-    return {
-        "trainers": inputs["trainers"],
-        "oracles": k,
-        "cores": k,
-        "samples_per_second": runs[best],
-        "shard_seconds": shard_seconds[best],
-        "runs": runs,
-    }
+        for i, inputs in enumerate(each):
+            k = inputs["oracles"]
+            _SHARED["inputs"] = inputs
+            barrier, out = context.Barrier(k), context.Queue()
+            children = [
+                context.Process(target=_shard_process, args=(s, timed, barrier, out)) for s in range(k)
+            ]
+            for child in children:
+                child.start()
+            times = dict(out.get() for _ in range(k))
+            for child in children:
+                child.join()
+                if child.exitcode != 0:
+                    raise RuntimeError(f"a shard process ended with {child.exitcode}")
+            runs[i].append(timed * inputs["batch_size"] / max(times.values()))
+            shard_seconds[i].append([times[s] for s in range(k)])
+    points = []
+    for i, inputs in enumerate(each):
+        best = int(np.argmax(runs[i]))
+        points.append(
+            {
+                "trainers": inputs["trainers"],
+                "oracles": inputs["oracles"],
+                "cores": inputs["oracles"],
+                "samples_per_second": runs[i][best],
+                "shard_seconds": shard_seconds[i][best],
+                "runs": runs[i],
+            }
+        )
+    return points
 
 
 def main() -> None:
@@ -312,7 +338,9 @@ def main() -> None:
     p.add_argument("--lookahead", type=int, default=200)
     p.add_argument("--timed", type=int, default=100, help="batches timed after two windows, one at a time")
     p.add_argument("--concurrent-timed", type=int, default=200, help="... at once")
-    p.add_argument("--repeats", type=int, default=3, help="runs at once of each K; the best is reported")
+    p.add_argument(
+        "--repeats", type=int, default=5, help="runs at once of each K, in turns; the best is reported"
+    )
     p.add_argument("--out", default="bench/results/oracle_shards.json")
     a = p.parse_args()
     result = measure(

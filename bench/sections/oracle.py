@@ -94,7 +94,7 @@ def run(profile: dict[str, Any], out: Path) -> dict[str, Any]:
         concurrent="1,2",
         timed=o.get("shards_timed", 100),
         concurrent_timed=o.get("target_timed", 200),
-        repeats=3,
+        repeats=5,
     )
     for line in shards_lines(shards):
         log(line)

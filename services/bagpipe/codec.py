@@ -50,6 +50,7 @@ from bagpipe.wire import (
     from_tensor,
     read_shallow,
     read_tensor,
+    tensor_head,
     unwrap,
 )
 
@@ -434,8 +435,7 @@ def encode_plans(
     # into its row, and a trainer's message is its row
     pieces: list[bytes | np.ndarray] = [encode_message(scalars)]
     for number, bits in bitmaps:
-        whole = encode_message([(number, bits[0])])
-        pieces += [whole[: len(whole) - bits.shape[1]], bits]
+        pieces += [tensor_head(number, bits[0]), bits]
     size = sum(p.shape[1] if isinstance(p, np.ndarray) else len(p) for p in pieces)
     head = embedded_head(2, size)
     rows_of = np.empty((trainers, len(head) + size), dtype=np.uint8)

@@ -163,8 +163,9 @@ def gather(table: np.ndarray, index: np.ndarray) -> Gather | np.ndarray:
     return Gather(table, index) if _gatherable(table) else table[index]
 
 
-def _tensor_parts(number: int, array: np.ndarray | Gather) -> list[Any]:
-    """Field ``number`` holding ``array`` as a ``Tensor`` (dtype = 1, shape = 2 packed, data = 3)."""
+def _tensor_parts(number: int, array: np.ndarray | Gather) -> tuple[list[Any], int]:
+    """Field ``number`` holding ``array`` as a ``Tensor`` (dtype = 1, shape = 2 packed, data = 3), and its
+    size in bytes."""
     data: np.ndarray | Gather
     if isinstance(array, Gather):
         if not _gatherable(array.table):
@@ -172,17 +173,32 @@ def _tensor_parts(number: int, array: np.ndarray | Gather) -> list[Any]:
         dtype, data = _wire_dtype(array.table), array
     else:
         dtype = _wire_dtype(array)
-        data = np.ascontiguousarray(array, dtype=dtype)
+        # (an array as the wire has it already is sent as it is: a plan's dozen arrays a batch)
+        data = (
+            array if array.dtype is dtype and array.flags.c_contiguous else np.ascontiguousarray(array, dtype)
+        )
     head = _DTYPE_FIELDS[dtype]
-    if len(data.shape):
-        dims = b"".join([_varint(int(d)) for d in data.shape])
+    shape = data.shape
+    if len(shape) == 1:
+        dims = _varint(shape[0])
+        head += b"\x12" + _SMALL_VARINTS[len(dims)] + dims
+    elif shape:
+        dims = b"".join([_varint(int(d)) for d in shape])
         head += b"\x12" + _varint(len(dims)) + dims
-    if data.nbytes:
-        head += b"\x1a" + _varint(data.nbytes)
-    parts: list[Any] = [_varint(number << 3 | 2) + _varint(len(head) + data.nbytes), head]
-    if data.nbytes:
-        parts.append(data)
-    return parts
+    nbytes = data.nbytes
+    if not nbytes:
+        tag = _varint(number << 3 | 2) + _varint(len(head))
+        return [tag, head], len(tag) + len(head)
+    head += b"\x1a" + _varint(nbytes)
+    tag = _varint(number << 3 | 2) + _varint(len(head) + nbytes)
+    return [tag, head, data], len(tag) + len(head) + nbytes
+
+
+def tensor_head(number: int, array: np.ndarray) -> bytes:
+    """The bytes of field ``number`` holding ``array`` as a ``Tensor``, up to its data: what
+    :func:`encode_message` writes before the array's bytes (the same for every array of its dtype and
+    shape)."""
+    return b"".join(_tensor_parts(number, array)[0][:2])
 
 
 def _size(part: Any) -> int:
@@ -225,10 +241,10 @@ def encode_message(fields: Sequence[tuple[int, Any]]) -> bytes:
     out, as proto3 does), a list of (number, value) is an embedded message, None is an unset field, a
     :class:`Gather` is the rows it names, and anything else is an array written as a ``Tensor``. Each
     array's data is copied once, into the result."""
-    parts = _message_parts(fields)
-    if not any(isinstance(p, Gather) for p in parts):
+    parts, size, gathers = _message_parts(fields)
+    if not gathers:
         return b"".join(parts)  # (a C-contiguous array is a buffer: join copies it once)
-    return _filled_bytes(parts, sum(_size(p) for p in parts))
+    return _filled_bytes(parts, size)
 
 
 def embedded_head(number: int, size: int) -> bytes:
@@ -236,23 +252,37 @@ def embedded_head(number: int, size: int) -> bytes:
     return _varint(number << 3 | 2) + _varint(size)
 
 
-def _message_parts(fields: Sequence[tuple[int, Any]]) -> list[Any]:
+def _message_parts(fields: Sequence[tuple[int, Any]]) -> tuple[list[Any], int, bool]:
+    """The parts of a message's bytes (bytes, arrays, :class:`Gather`), their size, and whether a
+    :class:`Gather` is among them."""
     parts: list[Any] = []
+    size = 0
+    gathers = False
     for number, value in fields:
         if value is None:
             continue
         if isinstance(value, int | np.integer):
             if value:
-                parts += [_varint(number << 3), _varint(int(value))]
-        elif isinstance(value, list):
-            inner = _message_parts(value)
-            size = sum(_size(p) for p in inner)
-            parts += [_varint(number << 3 | 2), _varint(size), *inner]
-        elif isinstance(value, Gather):
-            parts += _tensor_parts(number, value)
+                tag, varint = _varint(number << 3), _varint(int(value))
+                parts += [tag, varint]
+                size += len(tag) + len(varint)
+            continue
+        if isinstance(value, list):
+            inner, inner_size, inner_gathers = _message_parts(value)
+            head = _varint(number << 3 | 2) + _varint(inner_size)
+            parts.append(head)
+            parts += inner
+            size += len(head) + inner_size
+            gathers = gathers or inner_gathers
+            continue
+        if isinstance(value, Gather):
+            gathers = True
         else:  # an array (or anything np.asarray takes, such as a CPU tensor)
-            parts += _tensor_parts(number, np.asarray(value))
-    return parts
+            value = value if isinstance(value, np.ndarray) else np.asarray(value)
+        tensor, tensor_size = _tensor_parts(number, value)
+        parts += tensor
+        size += tensor_size
+    return parts, size, gathers
 
 
 def serialized(message: Any) -> bytes:

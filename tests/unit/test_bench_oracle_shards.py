@@ -24,7 +24,7 @@ def test_each_shard_is_timed_and_the_rate_is_the_slowest_shards() -> None:
         lookahead=4,
         timed=6,
         concurrent_timed=5,
-        repeats=1,
+        repeats=2,
     )
     one, three, wide_one, wide_three, refused = r["points"]
     assert (one["oracles"], three["oracles"]) == (1, 3) and len(three["shard_seconds"]) == 3
@@ -44,6 +44,8 @@ def test_each_shard_is_timed_and_the_rate_is_the_slowest_shards() -> None:
     at_once = {p["oracles"]: p for p in r["concurrent"]}
     assert len(at_once[2]["shard_seconds"]) == 2 and min(at_once[2]["shard_seconds"]) > 0
     assert at_once[2]["samples_per_second"] == pytest.approx(5 * 1280 / max(at_once[2]["shard_seconds"]))
+    assert [len(p["runs"]) for p in at_once.values()] == [2, 2]  # (the Ks in turns, the best run each)
+    assert all(p["samples_per_second"] == max(p["runs"]) for p in at_once.values())
     assert r["speedup_2_over_1"] == pytest.approx(
         at_once[2]["samples_per_second"] / at_once[1]["samples_per_second"]
     )
