@@ -39,6 +39,15 @@ def test_oracle_shards_train_the_synchronous_model(
         figures = dict(line.rsplit(" ", 1) for line in text.splitlines() if line and not line.startswith("#"))
         assert float(figures["bagpipe_oracle_cacher_plan_seconds_count"]) == iterations, shard
         assert float(figures["bagpipe_oracle_cacher_plan_bytes_total"]) > 0, shard
+    # the processors built each batch once for the K shards' streams, which took their parts of it
+    built = shared = 0.0
+    for path in (paths["final"].parent / f"oracles{oracles}" / "metrics").glob("data_processor-*.prom"):
+        figures = dict(
+            line.rsplit(" ", 1) for line in path.read_text().splitlines() if line and not line.startswith("#")
+        )
+        built += float(figures["bagpipe_data_processor_batch_build_seconds_count"])
+        shared += float(figures["bagpipe_data_processor_shared_batches_total"])
+    assert (built, shared) == (iterations, iterations * (oracles - 1))
 
 
 def test_a_binding_cache_split_between_oracle_shards_stays_exact(run_job) -> None:

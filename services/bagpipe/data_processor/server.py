@@ -3,10 +3,11 @@
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import dataclasses
 import logging
 import time
-from collections.abc import Iterator
+from collections.abc import Generator, Iterator
 from typing import cast
 
 import grpc
@@ -15,11 +16,12 @@ import numpy as np
 from bagpipe import serving
 from bagpipe.codec import encode_batch
 from bagpipe.core.data import BatchArrays, DataFormatError, table_offsets
-from bagpipe.core.oracle_shards import KeyShards
+from bagpipe.core.oracle_shards import KeyShards, Split
 from bagpipe.core.plans import MAX_TRAINERS, trainer_users
 from bagpipe.data_processor import metrics
 from bagpipe.data_processor.batches import numbered_batches
 from bagpipe.data_processor.config import DataProcessorConfig, SourceConfig
+from bagpipe.data_processor.sharing import BuildRegistry, Built, shared_stream
 from bagpipe.errors import BadData, InvalidArgument
 from bagpipe.v1 import data_processor_pb2 as pb
 from bagpipe.v1 import data_processor_pb2_grpc as pb_grpc
@@ -33,17 +35,33 @@ def _observe(seconds: float, bad_rows: int) -> None:
 
 
 def oracle_part(
-    arrays: BatchArrays, users: np.ndarray | None, shards: KeyShards, shard: int
+    arrays: BatchArrays, users: np.ndarray | None, shards: KeyShards, shard: int, split: Split | None = None
 ) -> tuple[BatchArrays, np.ndarray | None, bool]:
     """Oracle shard ``shard``'s part of a batch (``core/oracle_shards.py``): its keys as its local rows,
     sorted, with their masks, and whether it carries the batch's samples (number % shards == shard), whose
-    inverse then indexes the batch's keys in shard order."""
-    split = shards.split(arrays.keys)
+    inverse then indexes the batch's keys in shard order. ``split``: the batch's keys split by shard, when
+    made already (``KeyShards.split``)."""
+    split = shards.split(arrays.keys) if split is None else split
     mine = split.part(shard)
     carries = arrays.number % shards.shards == shard
     inverse = split.inverse(arrays.inverse) if carries else arrays.inverse
     part = dataclasses.replace(arrays, keys=split.local[mine], inverse=inverse)
     return part, (users[mine] if users is not None else None), carries
+
+
+def built_batches(
+    source: SourceConfig, batch_size: int, start: int, stride: int, end: int, trainers: int
+) -> Iterator[tuple[BatchArrays, bool, np.ndarray | None]]:
+    """The batches a StreamBatches call asked for, each with its ``last`` flag and, when ``trainers`` > 0,
+    its keys' trainer masks (timed as ``bagpipe_data_processor_trainer_mask_seconds``)."""
+    batches = numbered_batches(source.open(), source.table_rows, batch_size, start, stride, end, _observe)
+    for arrays, last in batches:
+        users = None
+        if trainers:
+            t0 = time.perf_counter()
+            users = trainer_users(arrays.inverse, arrays.keys.size, trainers)
+            metrics.MASK_SECONDS.observe(time.perf_counter() - t0)
+        yield arrays, last, users
 
 
 def generate(
@@ -55,17 +73,10 @@ def generate(
     trainers: int,
     shards: KeyShards | None = None,
     shard: int = 0,
-) -> Iterator[tuple[BatchArrays, bool, np.ndarray | None, bool]]:
-    """The batches a StreamBatches call asked for, with per-key trainer masks when ``trainers`` > 0
-    (timed as ``bagpipe_data_processor_trainer_mask_seconds``), and whether the samples go with each; with
-    ``shards``, oracle shard ``shard``'s part of each (``oracle_part``)."""
-    batches = numbered_batches(source.open(), source.table_rows, batch_size, start, stride, end, _observe)
-    for arrays, last in batches:
-        users = None
-        if trainers:
-            t0 = time.perf_counter()
-            users = trainer_users(arrays.inverse, arrays.keys.size, trainers)
-            metrics.MASK_SECONDS.observe(time.perf_counter() - t0)
+) -> Generator[tuple[BatchArrays, bool, np.ndarray | None, bool]]:
+    """``built_batches``, each with whether the samples go with it; with ``shards``, oracle shard
+    ``shard``'s part of each (``oracle_part``), built for this stream alone."""
+    for arrays, last, users in built_batches(source, batch_size, start, stride, end, trainers):
         carries = True
         if shards is not None:
             arrays, users, carries = oracle_part(arrays, users, shards, shard)
@@ -76,6 +87,30 @@ class DataProcessorServicer(pb_grpc.DataProcessorServicer):
     def __init__(self, config: DataProcessorConfig) -> None:
         self.config = config
         self._key_shards: dict[int, KeyShards] = {}
+        self.builds = BuildRegistry()  # the oracle shards' streams share one build of each batch
+
+    def shard_stream(
+        self, request: pb.StreamBatchesRequest, shards: KeyShards
+    ) -> Generator[tuple[BatchArrays, bool, np.ndarray | None, bool]]:
+        """Oracle shard ``request.shard``'s part of each batch it asked for, from one build of each batch
+        for the K shards' streams of the same request (``sharing.py``)."""
+        config = self.config
+
+        def builder(start: int) -> Iterator[Built]:
+            batches = built_batches(
+                config.source, config.batch_size, start, request.stride, request.end, request.trainers
+            )
+            for arrays, last, users in batches:
+                yield Built(arrays, last, users, shards.split(arrays.keys))
+
+        key = (request.start, request.stride, request.end, request.trainers, request.oracles)
+        for built, mine in shared_stream(self.builds, key, request.start, request.stride, builder):
+            if not mine:
+                metrics.SHARED.inc()
+            arrays, users, carries = oracle_part(
+                built.arrays, built.users, shards, request.shard, built.split
+            )
+            yield arrays, built.last, users, carries
 
     def key_shards(self, oracles: int) -> KeyShards:
         """The key map of ``oracles`` oracle shards over the source's keys (made once per count)."""
@@ -109,30 +144,34 @@ class DataProcessorServicer(pb_grpc.DataProcessorServicer):
                 raise InvalidArgument("shard", f"must be in [0, {request.oracles}), got {request.shard}")
             if not request.slices:
                 raise InvalidArgument("slices", "oracle shards take the samples in slices: give slices > 0")
-        shards = self.key_shards(request.oracles) if request.oracles > 1 else None
-        gen = generate(
-            self.config.source,
-            self.config.batch_size,
-            request.start,
-            request.stride,
-            request.end,
-            request.trainers,
-            shards,
-            request.shard,
-        )
+        if request.oracles > 1:
+            gen = self.shard_stream(request, self.key_shards(request.oracles))
+        else:
+            gen = generate(
+                self.config.source,
+                self.config.batch_size,
+                request.start,
+                request.stride,
+                request.end,
+                request.trainers,
+            )
         sentinel = object()
-        while True:
-            try:
-                item = await asyncio.to_thread(next, gen, sentinel)
-            except DataFormatError as e:
-                raise BadData(str(e)) from e
-            if item is sentinel:
-                return
-            arrays, last, users, carries = cast(tuple[BatchArrays, bool, "np.ndarray | None", bool], item)
-            metrics.BATCHES.inc()
-            metrics.SAMPLES.inc(arrays.labels.size)
-            for part in encode_batch(arrays, last, users, request.slices, carries):
-                yield part
+        try:
+            while True:
+                try:
+                    item = await asyncio.to_thread(next, gen, sentinel)
+                except DataFormatError as e:
+                    raise BadData(str(e)) from e
+                if item is sentinel:
+                    return
+                arrays, last, users, carries = cast(tuple[BatchArrays, bool, "np.ndarray | None", bool], item)
+                metrics.BATCHES.inc()
+                metrics.SAMPLES.inc(arrays.labels.size)
+                for part in encode_batch(arrays, last, users, request.slices, carries):
+                    yield part
+        finally:  # (a shard's stream leaves its group of builds now, not when collected)
+            with contextlib.suppress(ValueError):  # (still running in its thread: it leaves when collected)
+                gen.close()
 
 
 async def create_server(config: DataProcessorConfig, address: str = "127.0.0.1:0"):
