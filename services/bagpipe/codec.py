@@ -511,37 +511,147 @@ def _masks(msg: Any, name: str, where: str, count: int, trainers: int) -> np.nda
     return raw.view(dtype.newbyteorder("<")).reshape(shape).astype(dtype, copy=False)
 
 
-def _read_rows(msg: opb.PlanRows, batch: int, trainers: int, where: str) -> SharedPlan:
-    """A ``PlanRows``' arrays, each of its dtype and of a shape that fits the others, and the indices into
-    its own rows in range (``prefetch``, ``evict``); their values are ``_check_rows``'s."""
-    slots = _tensor(msg, "slots", np.int32, where, ndim=1)
-    count = slots.size
-    prefetch = _tensor(msg, "prefetch", np.int32, where, ndim=1)
-    _check_index(prefetch, count, f"{where}: prefetch")
-    evict = _tensor(msg, "evict", np.int32, where, ndim=1)
-    _check_index(evict, count, f"{where}: evict")
-    handover_slots = _tensor(msg, "handover_slots", np.int32, where, ndim=1)
-    handed = handover_slots.size
-    if not 0 <= msg.first_since <= batch:
-        raise InvalidArgument(f"{where}: first_since", f"must be in [0, {batch}], got {msg.first_since}")
+# (a Tensor's dtype on the wire, by numpy dtype)
+_WIRE_CODE = {np.dtype(t): tensor_pb2.DType.Value(f"DTYPE_{n}") for t, n in (
+    (np.int32, "INT32"), (np.int64, "INT64"), (np.uint8, "UINT8"), (np.bool_, "BOOL"))}  # fmt: skip
+
+
+def _field_parts(
+    msgs: Sequence[Any], wheres: Sequence[str], name: str, dtype: Any, sizes: Sequence[int] | None = None
+) -> tuple[list[bytes], list[int]]:
+    """Field ``name`` (a ``Tensor``) of each of ``msgs``: its bytes and its length, each of ``dtype`` and
+    one dimension (of ``sizes[i]`` for message ``i`` when given). A part that is not gets
+    ``wire.from_tensor``'s error for it; the rest is a few attribute reads a part (a trainer reads about a
+    hundred a batch at K=8)."""
+    want = np.dtype(dtype)
+    code, itemsize = _WIRE_CODE[want], want.itemsize
+    datas, lengths = [], []
+    for i, msg in enumerate(msgs):
+        tensor = getattr(msg, name)
+        data = tensor.data
+        shape = tensor.shape
+        length = len(data) // itemsize
+        if (
+            tensor.dtype != code
+            or len(shape) != 1
+            or shape[0] != length
+            or length * itemsize != len(data)
+            or (sizes is not None and length != sizes[i])
+        ):
+            expect = {"ndim": 1} if sizes is None else {"shape": (sizes[i],)}
+            from_tensor(tensor, (wheres[i], name), want, **expect)
+            raise AssertionError(f"{wheres[i]}: {name}: refused here, accepted by from_tensor")
+        datas.append(data)
+        lengths.append(length)
+    return datas, lengths
+
+
+def _joined(datas: list[bytes], dtype: Any) -> np.ndarray:
+    """The parts' bytes as one array (the one part's own bytes when there is one)."""
+    return np.frombuffer(datas[0] if len(datas) == 1 else b"".join(datas), dtype=dtype)
+
+
+@njit(cache=True, nogil=True)
+def _move_parts(values, lengths, rows, out):  # type: ignore[no-untyped-def]
+    """``out``: ``values``, the parts' indices into their own rows (``lengths[i]`` of part ``i``, which has
+    ``rows[i]`` rows) as indices into the parts' rows one after another. Returns the position of the first
+    index outside its part's rows (-1: none)."""
+    at = 0
+    start = 0
+    for i in range(lengths.size):
+        count = rows[i]
+        for j in range(at, at + lengths[i]):
+            v = values[j]
+            if v < 0 or v >= count:
+                return j
+            out[j] = v + start
+        at += lengths[i]
+        start += count
+    return -1
+
+
+@njit(cache=True, nogil=True)
+def _unpack_parts(packed, nbytes, bits, out):  # type: ignore[no-untyped-def]
+    """``out``: the parts' bitmaps (part ``i``: ``bits[i]`` bits in ``nbytes[i]`` bytes of ``packed``, bit
+    ``k`` of a byte at ``k``, as ``np.packbits(..., bitorder="little")``) unpacked one after another."""
+    at = 0
+    written = 0
+    for i in range(nbytes.size):
+        for k in range(bits[i]):
+            out[written + k] = (packed[at + (k >> 3)] >> (k & 7)) & 1
+        at += nbytes[i]
+        written += bits[i]
+
+
+def _read_rows(
+    msgs: Sequence[opb.PlanRows], batch: int, trainers: int, wheres: Sequence[str]
+) -> tuple[SharedPlan, dict[str, list[int]]]:
+    """The K oracle shards' ``PlanRows`` of one batch as one, read field by field over the parts: each
+    part's arrays of their dtype and of shapes that fit its others, its indices into its own rows in range
+    (``prefetch``, ``evict``) and moved past the parts before it, concatenated in shard order (the order
+    the samples' inverse indexes, core/oracle_shards.py); the values are ``_check_rows``'. The parts must
+    agree on whether masks are sent and on ``first_since``. Also each part's number of prefetches and of
+    hand-overs (its bitmaps' lengths)."""
+    first = msgs[0]
+    for i, msg in enumerate(msgs):
+        if not 0 <= msg.first_since <= batch:
+            raise InvalidArgument(
+                f"{wheres[i]}: first_since", f"must be in [0, {batch}], got {msg.first_since}"
+            )
+        if i and msg.first_since != first.first_since:
+            raise InvalidArgument(
+                f"plan {batch}: oracle shard {i}: first_since",
+                f"{msg.first_since}, but shard 0 counts from {first.first_since}",
+            )
+        if i and msg.HasField("users") != first.HasField("users"):
+            raise InvalidArgument(
+                f"plan {batch}: oracle shard {i}: users",
+                "sent, but shard 0's are not" if msg.HasField("users") else "not sent, but shard 0's are",
+            )
+    slots, counts = _field_parts(msgs, wheres, "slots", np.int32)
+    rows = np.array(counts, dtype=np.int64)
+
+    def moved(name: str) -> tuple[np.ndarray, list[int]]:
+        datas, lengths = _field_parts(msgs, wheres, name, np.int32)
+        values = _joined(datas, np.int32)
+        out = np.empty_like(values)
+        bad = _move_parts(values, np.array(lengths, dtype=np.int64), rows, out)
+        if bad >= 0:
+            part = int(np.searchsorted(np.cumsum(lengths), bad, side="right"))
+            raise InvalidArgument(
+                f"{wheres[part]}: {name}", f"index {int(values[bad])} outside [0, {counts[part]})"
+            )
+        return out, lengths
+
+    prefetch, fetched = moved("prefetch")
+    evict, evicted = moved("evict")
+    handover_slots, handed = _field_parts(msgs, wheres, "handover_slots", np.int32)
+
+    def read(name: str, dtype: Any, sizes: list[int]) -> np.ndarray:
+        return _joined(_field_parts(msgs, wheres, name, dtype, sizes)[0], dtype)
+
+    users = None
+    if first.HasField("users"):
+        masks = [_masks(msg, "users", wheres[i], counts[i], trainers) for i, msg in enumerate(msgs)]
+        users = masks[0] if len(masks) == 1 else np.concatenate(masks)
     return SharedPlan(
         batch=batch,
-        slots=slots,
-        users=_masks(msg, "users", where, count, trainers) if msg.HasField("users") else None,
-        sync=_tensor(msg, "sync", np.uint8, where, shape=(count,)),
+        slots=_joined(slots, np.int32),
+        users=users,
+        sync=read("sync", np.uint8, counts),
         prefetch=prefetch,
-        prefetch_keys=_tensor(msg, "prefetch_keys", np.int64, where, shape=prefetch.shape),
+        prefetch_keys=read("prefetch_keys", np.int64, fetched),
         prefetch_holders=None,  # (this trainer's bits come with its plan: _trainer_bits)
         evict=evict,
-        evict_keys=_tensor(msg, "evict_keys", np.int64, where, shape=evict.shape),
-        evict_writer=_tensor(msg, "evict_writer", np.int32, where, shape=evict.shape),
-        handover_slots=handover_slots,
+        evict_keys=read("evict_keys", np.int64, evicted),
+        evict_writer=read("evict_writer", np.int32, evicted),
+        handover_slots=_joined(handover_slots, np.int32),
         handover_source=None,
         handover_recipients=None,
-        handover_critical=_tensor(msg, "handover_critical", np.bool_, where, shape=(handed,)),
-        prefetch_first=_tensor(msg, "prefetch_first", np.bool_, where, shape=prefetch.shape),
-        first_since=msg.first_since,
-    )
+        handover_critical=read("handover_critical", np.bool_, handed),
+        prefetch_first=read("prefetch_first", np.bool_, fetched),
+        first_since=first.first_since,
+    ), {"prefetch": fetched, "handover_slots": handed}
 
 
 def _check_rows(rows: SharedPlan, trainers: int, slot_high_water: int, where: str) -> None:
@@ -559,62 +669,18 @@ def _check_rows(rows: SharedPlan, trainers: int, slot_high_water: int, where: st
         _check_masks(rows.users, trainers, f"{where}: users")
 
 
-def _trainer_bits(plans: Sequence[opb.Plan], name: str, counts: list[int], where: str) -> np.ndarray:
+def _trainer_bits(
+    plans: Sequence[opb.Plan], name: str, counts: list[int], wheres: Sequence[str]
+) -> np.ndarray:
     """bool ``[sum(counts)]``: this trainer's bitmap ``name`` of each part's plan (``count`` bits each, in
     ``ceil(count / 8)`` bytes), unpacked and concatenated in shard order."""
-    out = []
-    for i, (plan, count) in enumerate(zip(plans, counts, strict=True)):
-        field = (where if len(plans) == 1 else f"{where}: oracle shard {i}", name)
-        raw = from_tensor(getattr(plan, name), field, np.uint8, shape=((count + 7) // 8,))
-        out.append(np.unpackbits(raw, count=count, bitorder="little").view(np.bool_))
-    return out[0] if len(out) == 1 else np.concatenate(out)
-
-
-def merge_rows(parts: Sequence[SharedPlan]) -> SharedPlan:
-    """The K oracle shards' rows of one batch as one: concatenated in shard order (the order the samples'
-    inverse indexes, core/oracle_shards.py), each part's indices into its rows moved past the parts before
-    it. The parts are as a trainer reads them (``_read_rows``: no prefetch or hand-over masks, its own
-    bits come with its plan). One part is returned as it is."""
-    if len(parts) == 1:
-        return parts[0]
-    first = parts[0]
-    for i, part in enumerate(parts[1:], 1):
-        if (part.users is None) != (first.users is None):
-            raise InvalidArgument(
-                f"plan {first.batch}: oracle shard {i}: users",
-                "sent, but shard 0's are not" if part.users is not None else "not sent, but shard 0's are",
-            )
-        if part.first_since != first.first_since:
-            raise InvalidArgument(
-                f"plan {first.batch}: oracle shard {i}: first_since",
-                f"{part.first_since}, but shard 0 counts from {first.first_since}",
-            )
-    starts = np.cumsum([0, *(p.unique for p in parts[:-1])]).astype(np.int32)
-
-    def cat(name: str) -> np.ndarray:
-        return np.concatenate([getattr(p, name) for p in parts])
-
-    def moved(name: str) -> np.ndarray:
-        return np.concatenate([getattr(p, name) + start for p, start in zip(parts, starts, strict=True)])
-
-    return SharedPlan(
-        batch=first.batch,
-        slots=cat("slots"),
-        users=cat("users") if first.users is not None else None,
-        sync=cat("sync"),
-        prefetch=moved("prefetch"),
-        prefetch_keys=cat("prefetch_keys"),
-        prefetch_holders=None,  # (read from the wire: each trainer's own bits come with its plan)
-        evict=moved("evict"),
-        evict_keys=cat("evict_keys"),
-        evict_writer=cat("evict_writer"),
-        handover_slots=cat("handover_slots"),
-        handover_source=None,
-        handover_recipients=None,
-        handover_critical=cat("handover_critical"),
-        prefetch_first=cat("prefetch_first"),
-        first_since=first.first_since,
+    nbytes = [(count + 7) // 8 for count in counts]
+    datas, _ = _field_parts(plans, wheres, name, np.uint8, nbytes)
+    out = np.empty(sum(counts), dtype=np.bool_)
+    _unpack_parts(
+        _joined(datas, np.uint8), np.array(nbytes, np.int64), np.array(counts, np.int64), out.view(np.uint8)
     )
+    return out
 
 
 def decode_plan(
@@ -664,14 +730,12 @@ def decode_plans(
         )
     high_water = max(part.slot_high_water for part, _ in parts)
     slot_high_water = max(1, high_water)
-    decoded = []
+    wheres = [where] if len(parts) == 1 else [f"{where}: oracle shard {i}" for i in range(len(parts))]
     for i, (_, rows_msg) in enumerate(parts):
-        rows_where = f"{where}: rows" if len(parts) == 1 else f"{where}: oracle shard {i}: rows"
         if rows_msg.batch != b:
-            raise InvalidArgument(rows_where, f"are batch {rows_msg.batch}'s")
-        decoded.append(_read_rows(rows_msg, b, trainers, rows_where))
-    rows = merge_rows(decoded)  # (the values checked once, over every part: a trainer does this a batch)
-    _check_rows(rows, trainers, slot_high_water, f"{where}: rows")
+            raise InvalidArgument(f"{wheres[i]}: rows", f"are batch {rows_msg.batch}'s")
+    rows, lengths = _read_rows([r for _, r in parts], b, trainers, [f"{w}: rows" for w in wheres])
+    _check_rows(rows, trainers, slot_high_water, f"{where}: rows")  # (once, over every part's values)
     size = msg.global_batch_size // trainers
     dense, labels, inverse = _samples(samples, b, rank, size, num_dense, num_tables)
     _check_index(inverse, rows.unique, f"batch {b}: samples: inverse")
@@ -690,9 +754,10 @@ def decode_plans(
                 slots[0],
             )
         )
+    plans = [part for part, _ in parts]
     bits = TrainerBits(
         *(
-            _trainer_bits([part for part, _ in parts], name, [getattr(d, field).size for d in decoded], where)
+            _trainer_bits(plans, name, lengths[field], wheres)
             for name, field in (
                 ("prefetch_mine", "prefetch"),
                 ("handover_send", "handover_slots"),

@@ -15,6 +15,7 @@ from bagpipe.errors import InvalidArgument
 from bagpipe.oracle_cacher.lookahead import LookaheadPlanner
 from bagpipe.v1 import data_processor_pb2 as dpb
 from bagpipe.v1 import oracle_cacher_pb2 as opb
+from bagpipe.wire import from_tensor, to_tensor
 
 TABLE_ROWS = (40, 7, 300, 5, 90, 3)
 BATCH, TRAINERS, L, BATCHES = 24, 3, 4, 14
@@ -24,6 +25,9 @@ NUM_KEYS = int(table_offsets(TABLE_ROWS)[-1])
 def _batches():
     source = SyntheticSource(SyntheticConfig(table_rows=TABLE_ROWS, seed=5))
     return list(numbered_batches(source, TABLE_ROWS, BATCH, 0, 1, BATCHES))
+
+
+_DTYPES = {"prefetch_keys": "int64", "prefetch_first": "bool_"}
 
 
 def _parts(data: list[bytes]) -> tuple[dpb.Batch, list[bytes]]:
@@ -151,3 +155,37 @@ def test_shard_parts_that_disagree_on_the_batch_are_refused() -> None:
     # one part missing: the samples index rows that are not there
     with pytest.raises(InvalidArgument, match="inverse"):
         decode_plans([(plan0, rows0)], sample, len(TABLE_ROWS), 13, 0, TRAINERS)
+    rows1.batch = 0
+    decode_plans([(plan0, rows0), (plan1, rows1)], sample, len(TABLE_ROWS), 13, 0, TRAINERS)
+    # each part is read on its own terms: an index into the merged rows that is outside its own part's, a
+    # field of the wrong length, a bitmap of the wrong length, a first batch after this one
+    count1 = len(rows1.slots.data) // 4
+    for change, field, why in (
+        (
+            ("rows", "prefetch", np.array([count1], np.int32)),
+            "oracle shard 1: rows: prefetch",
+            f"index {count1}",
+        ),
+        (("rows", "sync", np.zeros(count1 + 1, np.uint8)), "oracle shard 1: rows: sync", "shape must be"),
+        (("plan", "prefetch_mine", np.zeros(1, np.uint8)), "oracle shard 1: prefetch_mine", "shape must be"),
+        (("rows", "first_since", 1), "oracle shard 1: rows: first_since", "must be in [0, 0], got 1"),
+    ):
+        broken_plan, broken_rows = opb.Plan(), opb.PlanRows()
+        broken_plan.CopyFrom(plan1)
+        broken_rows.CopyFrom(rows1)
+        where, name, value = change
+        target = broken_rows if where == "rows" else broken_plan
+        if isinstance(value, np.ndarray):
+            if name == "prefetch":  # (with its per-prefetch fields cut to one, so only the index is wrong)
+                for other in ("prefetch_keys", "prefetch_first"):
+                    cut = from_tensor(getattr(broken_rows, other), other, getattr(np, _DTYPES[other]))[:1]
+                    getattr(broken_rows, other).CopyFrom(to_tensor(cut))
+                broken_plan.prefetch_mine.CopyFrom(to_tensor(np.zeros(1, np.uint8)))
+            getattr(target, name).CopyFrom(to_tensor(value))
+        else:
+            broken_rows.first_since = value
+        with pytest.raises(InvalidArgument, match=f"plan 0: {field}") as e:
+            decode_plans(
+                [(plan0, rows0), (broken_plan, broken_rows)], sample, len(TABLE_ROWS), 13, 0, TRAINERS
+            )
+        assert why in str(e.value), (field, str(e.value))
