@@ -89,7 +89,7 @@ def measure(
         users = [trainer_users(a.inverse, a.keys.size, count) for a in batches]
         for k in oracles:
             inputs = _inputs(batches, users, num_keys, k, count, batch_size, lookahead)
-            point = _one_at_a_time(inputs, timed)
+            point = _in_child(_one_at_a_time, inputs, timed)
             points.append(point)
             print(
                 f"oracle shards: {count} trainers, K={k}: slowest shard {point['slowest_ms_per_batch']:.2f} "
@@ -265,6 +265,32 @@ def _one_at_a_time(inputs: dict[str, Any], timed: int) -> dict[str, Any]:
         "trainer_ms_per_batch": 1000 * statistics.median(merge),
         "trainer_p90_ms_per_batch": 1000 * sorted(merge)[int(0.9 * len(merge))],
     }
+
+
+def _in_child(work: Any, inputs: dict[str, Any], *args: Any) -> Any:
+    """``work(inputs, *args)`` in a process of its own, forked (it reads the batches as the parent made
+    them): its planners' memory is its own, as each of ``oracle_throughput.py``'s points is, so a point's
+    figures do not depend on the heap the points before it left."""
+    _SHARED["inputs"] = inputs
+    context = multiprocessing.get_context("fork")
+    out = context.Queue()
+    child = context.Process(target=_child, args=(work, args, out))
+    child.start()
+    result = out.get()
+    child.join()
+    if child.exitcode != 0 or isinstance(result, BaseException):
+        raise RuntimeError(f"a measuring process failed ({child.exitcode})") from (
+            result if isinstance(result, BaseException) else None
+        )
+    return result
+
+
+def _child(work: Any, args: tuple[Any, ...], out: Any) -> None:
+    try:
+        out.put(work(_SHARED["inputs"], *args))
+    except BaseException as e:  # (reported to the parent, which raises it)
+        out.put(RuntimeError(repr(e)))
+        raise
 
 
 def _shard_process(shard: int, timed: int, barrier: Any, out: Any) -> None:
