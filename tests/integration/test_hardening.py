@@ -74,38 +74,42 @@ async def _unauthenticated_calls_are_refused() -> None:
     store = _store()
     before = store.weights.copy()
     server, port, control, _ = await create_embedding_server(store)
-    keys = to_tensor(np.array([1, 2], dtype=np.int64))
-    rows = to_tensor(np.full((2, DIM), 0.5, dtype=np.float32))
-    write = epb.WriteBackRequest(shard_map_version=1, keys=keys, rows=rows, state=rows)
-    address = f"127.0.0.1:{port}"
-    for metadata in (None, [(security.SECRET_KEY, "wrong")]):
-        async with grpc.aio.insecure_channel(address) as ch:
-            stub = epb_grpc.EmbeddingServerStub(ch)
-            assert (
-                await _code(lambda s=stub, m=metadata: s.WriteBack(write, metadata=m))
-                == grpc.StatusCode.UNAUTHENTICATED
-            )
-            assert (
-                await _code(
-                    lambda s=stub, m=metadata: s.Lookup(
-                        epb.LookupRequest(shard_map_version=1, keys=keys), metadata=m
-                    )
+    try:
+        keys = to_tensor(np.array([1, 2], dtype=np.int64))
+        rows = to_tensor(np.full((2, DIM), 0.5, dtype=np.float32))
+        write = epb.WriteBackRequest(shard_map_version=1, keys=keys, rows=rows, state=rows)
+        address = f"127.0.0.1:{port}"
+        for metadata in (None, [(security.SECRET_KEY, "wrong")]):
+            async with grpc.aio.insecure_channel(address) as ch:
+                stub = epb_grpc.EmbeddingServerStub(ch)
+                assert (
+                    await _code(lambda s=stub, m=metadata: s.WriteBack(write, metadata=m))
+                    == grpc.StatusCode.UNAUTHENTICATED
                 )
-                == grpc.StatusCode.UNAUTHENTICATED
+                assert (
+                    await _code(
+                        lambda s=stub, m=metadata: s.Lookup(
+                            epb.LookupRequest(shard_map_version=1, keys=keys), metadata=m
+                        )
+                    )
+                    == grpc.StatusCode.UNAUTHENTICATED
+                )
+                shutdown = control_pb2_grpc.ControlStub(ch).Shutdown
+                assert await _code(
+                    lambda f=shutdown, m=metadata: f(control_pb2.ShutdownRequest(), metadata=m)
+                ) == (grpc.StatusCode.UNAUTHENTICATED)
+                # kubelet probes cannot send metadata: health stays open
+                reply = await health_pb2_grpc.HealthStub(ch).Check(health_pb2.HealthCheckRequest(service=""))
+                assert reply.status == health_pb2.HealthCheckResponse.SERVING
+        assert not control.stop.is_set() and np.array_equal(store.weights, before)
+        async with serving.aio_channel(address) as ch:  # the job's own clients carry the secret
+            await epb_grpc.EmbeddingServerStub(ch).WriteBack(write, timeout=5)
+            await control_pb2_grpc.ControlStub(ch).Shutdown(
+                control_pb2.ShutdownRequest(reason="test"), timeout=5
             )
-            shutdown = control_pb2_grpc.ControlStub(ch).Shutdown
-            assert await _code(
-                lambda f=shutdown, m=metadata: f(control_pb2.ShutdownRequest(), metadata=m)
-            ) == (grpc.StatusCode.UNAUTHENTICATED)
-            # kubelet probes cannot send metadata: health stays open
-            reply = await health_pb2_grpc.HealthStub(ch).Check(health_pb2.HealthCheckRequest(service=""))
-            assert reply.status == health_pb2.HealthCheckResponse.SERVING
-    assert not control.stop.is_set() and np.array_equal(store.weights, before)
-    async with serving.aio_channel(address) as ch:  # the job's own clients carry the secret
-        await epb_grpc.EmbeddingServerStub(ch).WriteBack(write, timeout=5)
-        await control_pb2_grpc.ControlStub(ch).Shutdown(control_pb2.ShutdownRequest(reason="test"), timeout=5)
-    assert control.stop.is_set() and not np.array_equal(store.weights, before)
-    await server.stop(None)
+        assert control.stop.is_set() and not np.array_equal(store.weights, before)
+    finally:  # (a server left running is collected later, and its shutdown then hangs)
+        await server.stop(None)
 
 
 def test_calls_without_the_job_secret_are_refused(monkeypatch) -> None:
@@ -135,37 +139,40 @@ async def _limits_and_values() -> None:
     store = _store()
     before = (store.weights.copy(), store.state.copy())
     server, port, _, _ = await create_embedding_server(store)
-    async with grpc.aio.insecure_channel(f"127.0.0.1:{port}") as ch:
-        stub = epb_grpc.EmbeddingServerStub(ch)
-        # a huge lookup is refused from its declared shape, before anything is decoded or allocated
-        huge = tensor_pb2.Tensor(dtype=tensor_pb2.DTYPE_INT64, shape=[1 << 30], data=b"")
-        with pytest.raises(grpc.aio.AioRpcError) as err:
-            await stub.Lookup(epb.LookupRequest(shard_map_version=1, keys=huge), timeout=5)
-        assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT
-        assert err.value.details() == (
-            f"keys: 1073741824 keys in one request; a client sends at most {MAX_ROWS_PER_RPC}"
-        )
-        keys = np.array([1, 2], dtype=np.int64)
-        ok = np.full((2, DIM), 0.5, dtype=np.float32)
-        for rows, state, message in (
-            (
-                np.full((2, DIM), 3e38, dtype=np.float32),
-                ok,
-                "rows: key 1: value 3e+38 (must be at most 1e+06",
-            ),
-            (ok, -ok, "state: key 1: value -0.5 (must be finite and >= 0)"),
-            (ok * np.inf, ok, "rows: key 1: value inf"),
-        ):
-            request = epb.WriteBackRequest(
-                shard_map_version=1, keys=to_tensor(keys), rows=to_tensor(rows), state=to_tensor(state)
-            )
+    try:
+        async with grpc.aio.insecure_channel(f"127.0.0.1:{port}") as ch:
+            stub = epb_grpc.EmbeddingServerStub(ch)
+            # a huge lookup is refused from its declared shape, before anything is decoded or allocated
+            huge = tensor_pb2.Tensor(dtype=tensor_pb2.DTYPE_INT64, shape=[1 << 30], data=b"")
             with pytest.raises(grpc.aio.AioRpcError) as err:
-                await stub.WriteBack(request, timeout=5)
-            assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT and err.value.details().startswith(
-                message
+                await stub.Lookup(epb.LookupRequest(shard_map_version=1, keys=huge), timeout=5)
+            assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+            assert err.value.details() == (
+                f"keys: 1073741824 keys in one request; a client sends at most {MAX_ROWS_PER_RPC}"
             )
-    assert np.array_equal(store.weights, before[0]) and np.array_equal(store.state, before[1])
-    await server.stop(None)
+            keys = np.array([1, 2], dtype=np.int64)
+            ok = np.full((2, DIM), 0.5, dtype=np.float32)
+            for rows, state, message in (
+                (
+                    np.full((2, DIM), 3e38, dtype=np.float32),
+                    ok,
+                    "rows: key 1: value 3e+38 (must be at most 1e+06",
+                ),
+                (ok, -ok, "state: key 1: value -0.5 (must be finite and >= 0)"),
+                (ok * np.inf, ok, "rows: key 1: value inf"),
+            ):
+                request = epb.WriteBackRequest(
+                    shard_map_version=1, keys=to_tensor(keys), rows=to_tensor(rows), state=to_tensor(state)
+                )
+                with pytest.raises(grpc.aio.AioRpcError) as err:
+                    await stub.WriteBack(request, timeout=5)
+                assert (
+                    err.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+                    and err.value.details().startswith(message)
+                )
+        assert np.array_equal(store.weights, before[0]) and np.array_equal(store.state, before[1])
+    finally:  # (a server left running is collected later, and its shutdown then hangs)
+        await server.stop(None)
 
 
 def test_oversized_requests_and_out_of_domain_values_are_refused_and_change_nothing() -> None:
@@ -262,90 +269,98 @@ async def _fuzz(count: int) -> None:
         guarded, guarded_port, _, _ = await create_embedding_server(guarded_store)
     finally:
         del os.environ[security.JOB_SECRET_ENV]
-    stranger = grpc.aio.insecure_channel(
-        f"127.0.0.1:{guarded_port}", options=[("grpc.max_send_message_length", 64 << 20)]
-    )
-    defined = {grpc.StatusCode.INVALID_ARGUMENT, grpc.StatusCode.FAILED_PRECONDITION}
-    seen: dict[grpc.StatusCode, int] = {}
-    async with (
-        grpc.aio.insecure_channel(f"127.0.0.1:{port}") as ch,
-        grpc.aio.insecure_channel(f"127.0.0.1:{oracle_port}") as och,
-    ):
-        stub = epb_grpc.EmbeddingServerStub(ch)
-        ostub = opb_grpc.OracleCacherStub(och)
-        pch = grpc.aio.insecure_channel(f"127.0.0.1:{processor_port}")
-        pstub = data_processor_pb2_grpc.DataProcessorStub(pch)
-        raw = [ch.unary_unary(f"/bagpipe.v1.EmbeddingServer/{m}") for m in ("Lookup", "WriteBack", "Seal")]
-        for i in range(count):
-            method, request = _bad_embedding_request(rng)
-            code = await _code(lambda m=method, r=request: getattr(stub, m)(r, timeout=5))
-            assert code in defined, f"request {i}: {method} {request} -> {code}"
-            seen[code] = seen.get(code, 0) + 1
-            # the oracle: progress never sent, or from ranks that do not exist; plan streams of no rank
-            if rng.random() < 0.5:
-                report = opb.ProgressReport(
-                    rank=rng.randrange(-3, 5),
-                    trained=rng.randrange(-9, 1 << 40),
-                    written_back=rng.randrange(0, 1 << 40),
+    try:
+        stranger = grpc.aio.insecure_channel(
+            f"127.0.0.1:{guarded_port}", options=[("grpc.max_send_message_length", 64 << 20)]
+        )
+        defined = {grpc.StatusCode.INVALID_ARGUMENT, grpc.StatusCode.FAILED_PRECONDITION}
+        seen: dict[grpc.StatusCode, int] = {}
+        async with (
+            grpc.aio.insecure_channel(f"127.0.0.1:{port}") as ch,
+            grpc.aio.insecure_channel(f"127.0.0.1:{oracle_port}") as och,
+        ):
+            stub = epb_grpc.EmbeddingServerStub(ch)
+            ostub = opb_grpc.OracleCacherStub(och)
+            pch = grpc.aio.insecure_channel(f"127.0.0.1:{processor_port}")
+            pstub = data_processor_pb2_grpc.DataProcessorStub(pch)
+            raw = [
+                ch.unary_unary(f"/bagpipe.v1.EmbeddingServer/{m}") for m in ("Lookup", "WriteBack", "Seal")
+            ]
+            for i in range(count):
+                method, request = _bad_embedding_request(rng)
+                code = await _code(lambda m=method, r=request: getattr(stub, m)(r, timeout=5))
+                assert code in defined, f"request {i}: {method} {request} -> {code}"
+                seen[code] = seen.get(code, 0) + 1
+                # the oracle: progress never sent, or from ranks that do not exist; plan streams of no rank
+                if rng.random() < 0.5:
+                    report = opb.ProgressReport(
+                        rank=rng.randrange(-3, 5),
+                        trained=rng.randrange(-9, 1 << 40),
+                        written_back=rng.randrange(0, 1 << 40),
+                    )
+                    code = await _code(lambda r=report: ostub.ReportProgress(r, timeout=5))
+                else:
+                    plans = opb.StreamPlansRequest(
+                        rank=rng.choice([-1, 2, 9, 1 << 30]), start=rng.randrange(-5, 5)
+                    )
+                    code = await _code(lambda r=plans: ostub.StreamPlans(r, timeout=5))
+                assert code == grpc.StatusCode.INVALID_ARGUMENT, f"oracle request {i} -> {code}"
+                # a data processor: ranges, strides, trainer counts and slices it cannot serve
+                bad = rng.randrange(4)
+                stream = data_processor_pb2.StreamBatchesRequest(
+                    start=rng.randrange(-9, 0) if bad == 0 else rng.randrange(0, 9),
+                    stride=rng.randrange(-3, 1) if bad == 1 else rng.randrange(1, 4),
+                    end=rng.randrange(0, 20),
+                    trainers=rng.choice([-1, 5, 7, MAX_TRAINERS + 1, 1 << 20])
+                    if bad == 2
+                    else rng.randrange(0, 4),
+                    slices=rng.choice([-1, 5, 7, MAX_TRAINERS + 1]) if bad == 3 else rng.choice([0, 1, 2, 4]),
                 )
-                code = await _code(lambda r=report: ostub.ReportProgress(r, timeout=5))
-            else:
-                plans = opb.StreamPlansRequest(
-                    rank=rng.choice([-1, 2, 9, 1 << 30]), start=rng.randrange(-5, 5)
+                code = await _code(lambda r=stream: pstub.StreamBatches(r, timeout=5))
+                assert code == grpc.StatusCode.INVALID_ARGUMENT, (
+                    f"data processor request {i}: {stream} -> {code}"
                 )
-                code = await _code(lambda r=plans: ostub.StreamPlans(r, timeout=5))
-            assert code == grpc.StatusCode.INVALID_ARGUMENT, f"oracle request {i} -> {code}"
-            # a data processor: ranges, strides, trainer counts and slices it cannot serve
-            bad = rng.randrange(4)
-            stream = data_processor_pb2.StreamBatchesRequest(
-                start=rng.randrange(-9, 0) if bad == 0 else rng.randrange(0, 9),
-                stride=rng.randrange(-3, 1) if bad == 1 else rng.randrange(1, 4),
-                end=rng.randrange(0, 20),
-                trainers=rng.choice([-1, 5, 7, MAX_TRAINERS + 1, 1 << 20])
-                if bad == 2
-                else rng.randrange(0, 4),
-                slices=rng.choice([-1, 5, 7, MAX_TRAINERS + 1]) if bad == 3 else rng.choice([0, 1, 2, 4]),
+                if i % 10 == 0:  # bytes that are no message at all
+                    junk = bytes(rng.randrange(256) for _ in range(rng.randrange(1, 64)))
+                    call = rng.choice(raw)
+                    code = await _code(lambda f=call, j=junk: f(j, timeout=5))
+                    assert code in defined | {grpc.StatusCode.OK}, (code, junk)
+                    # and more than the method can carry: refused from its size, undecoded
+                    name = rng.choice(["Lookup", "Seal", "Snapshot"])
+                    cap = caps.get(name, security.SMALL_REQUEST_BYTES)
+                    over = bytes(rng.randrange(cap + 1, 2 * cap))
+                    call = ch.unary_unary(f"/bagpipe.v1.EmbeddingServer/{name}")
+                    code = await _code(lambda f=call, o=over: f(o, timeout=5))
+                    assert code == grpc.StatusCode.RESOURCE_EXHAUSTED, (name, len(over), code)
+                    # without the secret, any size: refused unread
+                    name = rng.choice(["Lookup", "WriteBack", "Receive", "Seal"])
+                    junk = bytes(rng.randrange(1, 16 << 20))
+                    call = stranger.unary_unary(f"/bagpipe.v1.EmbeddingServer/{name}")
+                    code = await _code(lambda f=call, j=junk: f(j, timeout=10))
+                    assert code == grpc.StatusCode.UNAUTHENTICATED, (name, len(junk), code)
+        assert (store.weights.tobytes(), store.state.tobytes(), store.shard_map.to_json()) == before
+        assert store.migration is None
+        assert (list(oracle.written_back), list(oracle.trained)) == oracle_before[:2]
+        assert len(seen) == 2, seen  # both kinds of refusal were exercised
+        # and every server still answers a good request
+        async with grpc.aio.insecure_channel(f"127.0.0.1:{port}") as ch:
+            good = epb.LookupRequest(shard_map_version=1, keys=to_tensor(np.arange(80, dtype=np.int64)))
+            await epb_grpc.EmbeddingServerStub(ch).Lookup(good, timeout=5)
+        batches = [
+            p.batch
+            async for p in pstub.StreamBatches(
+                data_processor_pb2.StreamBatchesRequest(start=0, stride=1, end=2)
             )
-            code = await _code(lambda r=stream: pstub.StreamBatches(r, timeout=5))
-            assert code == grpc.StatusCode.INVALID_ARGUMENT, f"data processor request {i}: {stream} -> {code}"
-            if i % 10 == 0:  # bytes that are no message at all
-                junk = bytes(rng.randrange(256) for _ in range(rng.randrange(1, 64)))
-                call = rng.choice(raw)
-                code = await _code(lambda f=call, j=junk: f(j, timeout=5))
-                assert code in defined | {grpc.StatusCode.OK}, (code, junk)
-                # and more than the method can carry: refused from its size, undecoded
-                name = rng.choice(["Lookup", "Seal", "Snapshot"])
-                cap = caps.get(name, security.SMALL_REQUEST_BYTES)
-                over = bytes(rng.randrange(cap + 1, 2 * cap))
-                call = ch.unary_unary(f"/bagpipe.v1.EmbeddingServer/{name}")
-                code = await _code(lambda f=call, o=over: f(o, timeout=5))
-                assert code == grpc.StatusCode.RESOURCE_EXHAUSTED, (name, len(over), code)
-                # without the secret, any size: refused unread
-                name = rng.choice(["Lookup", "WriteBack", "Receive", "Seal"])
-                junk = bytes(rng.randrange(1, 16 << 20))
-                call = stranger.unary_unary(f"/bagpipe.v1.EmbeddingServer/{name}")
-                code = await _code(lambda f=call, j=junk: f(j, timeout=10))
-                assert code == grpc.StatusCode.UNAUTHENTICATED, (name, len(junk), code)
-    assert (store.weights.tobytes(), store.state.tobytes(), store.shard_map.to_json()) == before
-    assert store.migration is None
-    assert (list(oracle.written_back), list(oracle.trained)) == oracle_before[:2]
-    assert len(seen) == 2, seen  # both kinds of refusal were exercised
-    # and every server still answers a good request
-    async with grpc.aio.insecure_channel(f"127.0.0.1:{port}") as ch:
-        good = epb.LookupRequest(shard_map_version=1, keys=to_tensor(np.arange(80, dtype=np.int64)))
-        await epb_grpc.EmbeddingServerStub(ch).Lookup(good, timeout=5)
-    batches = [
-        p.batch
-        async for p in pstub.StreamBatches(data_processor_pb2.StreamBatchesRequest(start=0, stride=1, end=2))
-    ]
-    assert [b.number for b in batches] == [0, 1]
-    await pch.close()
-    await stranger.close()
-    assert (guarded_store.weights.tobytes(), guarded_store.state.tobytes()) == guarded_before
-    await guarded.stop(None)
-    await processor_server.stop(None)
-    await server.stop(None)
-    await oracle_server.stop(None)
+        ]
+        assert [b.number for b in batches] == [0, 1]
+        await pch.close()
+        await stranger.close()
+        assert (guarded_store.weights.tobytes(), guarded_store.state.tobytes()) == guarded_before
+    finally:  # (a server left running is collected later, and its shutdown then hangs)
+        await guarded.stop(None)
+        await processor_server.stop(None)
+        await server.stop(None)
+        await oracle_server.stop(None)
 
 
 def test_a_seeded_fuzz_of_bad_requests_gets_defined_statuses_and_changes_nothing() -> None:
@@ -635,22 +650,24 @@ def _use_tls(monkeypatch, files: dict[str, str]) -> None:
 
 async def _tls_server(store: ShardStore, files: dict[str, str], stranger: dict[str, str]) -> None:
     server, port, _, _ = await create_embedding_server(store)
-    address = f"127.0.0.1:{port}"
-    request = epb.LookupRequest(shard_map_version=1, keys=to_tensor(np.array([1, 2], dtype=np.int64)))
-    async with serving.aio_channel(address) as ch:  # the job's certificate: served
-        await epb_grpc.EmbeddingServerStub(ch).Lookup(request, timeout=5)
-    async with grpc.aio.insecure_channel(address) as ch:  # plaintext: no handshake
-        assert await _code(lambda c=ch: epb_grpc.EmbeddingServerStub(c).Lookup(request, timeout=5)) == (
-            grpc.StatusCode.UNAVAILABLE
-        )
-    pem = {k: Path(v).read_bytes() for k, v in stranger.items()}
-    foreign = grpc.ssl_channel_credentials(pem["ca"], pem["key"], pem["cert"])  # another CA's certificate
-    options = [("grpc.ssl_target_name_override", "bagpipe")]
-    async with grpc.aio.secure_channel(address, foreign, options=options) as ch:
-        assert await _code(lambda c=ch: epb_grpc.EmbeddingServerStub(c).Lookup(request, timeout=5)) == (
-            grpc.StatusCode.UNAVAILABLE
-        )
-    await server.stop(None)
+    try:
+        address = f"127.0.0.1:{port}"
+        request = epb.LookupRequest(shard_map_version=1, keys=to_tensor(np.array([1, 2], dtype=np.int64)))
+        async with serving.aio_channel(address) as ch:  # the job's certificate: served
+            await epb_grpc.EmbeddingServerStub(ch).Lookup(request, timeout=5)
+        async with grpc.aio.insecure_channel(address) as ch:  # plaintext: no handshake
+            assert await _code(lambda c=ch: epb_grpc.EmbeddingServerStub(c).Lookup(request, timeout=5)) == (
+                grpc.StatusCode.UNAVAILABLE
+            )
+        pem = {k: Path(v).read_bytes() for k, v in stranger.items()}
+        foreign = grpc.ssl_channel_credentials(pem["ca"], pem["key"], pem["cert"])  # another CA's certificate
+        options = [("grpc.ssl_target_name_override", "bagpipe")]
+        async with grpc.aio.secure_channel(address, foreign, options=options) as ch:
+            assert await _code(lambda c=ch: epb_grpc.EmbeddingServerStub(c).Lookup(request, timeout=5)) == (
+                grpc.StatusCode.UNAVAILABLE
+            )
+    finally:  # (a server left running is collected later, and its shutdown then hangs)
+        await server.stop(None)
 
 
 @pytest.mark.skipif(shutil.which("openssl") is None, reason="needs the openssl binary to make certificates")

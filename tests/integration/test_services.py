@@ -36,58 +36,60 @@ async def _embedding_server_rejects_bad_requests() -> None:
     offsets = table_offsets([50, 30])
     store = ShardStore(ShardMap.create(80, 1, num_buckets=8), 0, offsets, dim=4, state_width=4, seed=1)
     server, port, _, _ = await create_embedding_server(store)
-    before = store.weights.copy()
-    async with grpc.aio.insecure_channel(f"127.0.0.1:{port}") as ch:
-        stub = epb_grpc.EmbeddingServerStub(ch)
-        keys = np.array([3, 60], dtype=np.int64)
-        good_rows = np.full((2, 4), 0.5, dtype=np.float32)
-        bad = {
-            "keys: dtype must be int64, got int32": epb.WriteBackRequest(
-                shard_map_version=1,
-                keys=to_tensor(keys.astype(np.int32)),
-                rows=to_tensor(good_rows),
-                state=to_tensor(good_rows),
-            ),
-            "rows: shape must be [2, 4], got [2, 3]": epb.WriteBackRequest(
-                shard_map_version=1,
-                keys=to_tensor(keys),
-                rows=to_tensor(good_rows[:, :3]),
-                state=to_tensor(good_rows),
-            ),
-            "keys: key 80 out of range [0, 80)": epb.WriteBackRequest(
-                shard_map_version=1,
-                keys=to_tensor(np.array([3, 80])),
-                rows=to_tensor(good_rows),
-                state=to_tensor(good_rows),
-            ),
-        }
-        for message, request in bad.items():
+    try:
+        before = store.weights.copy()
+        async with grpc.aio.insecure_channel(f"127.0.0.1:{port}") as ch:
+            stub = epb_grpc.EmbeddingServerStub(ch)
+            keys = np.array([3, 60], dtype=np.int64)
+            good_rows = np.full((2, 4), 0.5, dtype=np.float32)
+            bad = {
+                "keys: dtype must be int64, got int32": epb.WriteBackRequest(
+                    shard_map_version=1,
+                    keys=to_tensor(keys.astype(np.int32)),
+                    rows=to_tensor(good_rows),
+                    state=to_tensor(good_rows),
+                ),
+                "rows: shape must be [2, 4], got [2, 3]": epb.WriteBackRequest(
+                    shard_map_version=1,
+                    keys=to_tensor(keys),
+                    rows=to_tensor(good_rows[:, :3]),
+                    state=to_tensor(good_rows),
+                ),
+                "keys: key 80 out of range [0, 80)": epb.WriteBackRequest(
+                    shard_map_version=1,
+                    keys=to_tensor(np.array([3, 80])),
+                    rows=to_tensor(good_rows),
+                    state=to_tensor(good_rows),
+                ),
+            }
+            for message, request in bad.items():
+                with pytest.raises(grpc.aio.AioRpcError) as err:
+                    await stub.WriteBack(request, timeout=5)
+                assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+                assert err.value.details() == message
             with pytest.raises(grpc.aio.AioRpcError) as err:
-                await stub.WriteBack(request, timeout=5)
+                await stub.Lookup(
+                    epb.LookupRequest(shard_map_version=1, keys=to_tensor(np.array([-1]))), timeout=5
+                )
             assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT
-            assert err.value.details() == message
-        with pytest.raises(grpc.aio.AioRpcError) as err:
-            await stub.Lookup(
-                epb.LookupRequest(shard_map_version=1, keys=to_tensor(np.array([-1]))), timeout=5
+            with pytest.raises(grpc.aio.AioRpcError) as err:
+                await stub.Lookup(epb.LookupRequest(shard_map_version=2, keys=to_tensor(keys)), timeout=5)
+            assert err.value.code() == grpc.StatusCode.FAILED_PRECONDITION
+            assert np.array_equal(store.weights, before), "a rejected request changed rows"
+            await stub.WriteBack(
+                epb.WriteBackRequest(
+                    shard_map_version=1,
+                    keys=to_tensor(keys),
+                    rows=to_tensor(good_rows),
+                    state=to_tensor(good_rows),
+                ),
+                timeout=5,
             )
-        assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT
-        with pytest.raises(grpc.aio.AioRpcError) as err:
-            await stub.Lookup(epb.LookupRequest(shard_map_version=2, keys=to_tensor(keys)), timeout=5)
-        assert err.value.code() == grpc.StatusCode.FAILED_PRECONDITION
-        assert np.array_equal(store.weights, before), "a rejected request changed rows"
-        await stub.WriteBack(
-            epb.WriteBackRequest(
-                shard_map_version=1,
-                keys=to_tensor(keys),
-                rows=to_tensor(good_rows),
-                state=to_tensor(good_rows),
-            ),
-            timeout=5,
-        )
-        reply = await stub.Lookup(epb.LookupRequest(shard_map_version=1, keys=to_tensor(keys)), timeout=5)
-        packed = from_tensor(reply.packed, "packed", np.float32)  # each row followed by its state
-        assert np.array_equal(packed, np.hstack([good_rows, good_rows])) and not reply.HasField("rows")
-    await server.stop(None)
+            reply = await stub.Lookup(epb.LookupRequest(shard_map_version=1, keys=to_tensor(keys)), timeout=5)
+            packed = from_tensor(reply.packed, "packed", np.float32)  # each row followed by its state
+            assert np.array_equal(packed, np.hstack([good_rows, good_rows])) and not reply.HasField("rows")
+    finally:  # (a server left running is collected later, and its shutdown then hangs)
+        await server.stop(None)
 
 
 def test_embedding_server_rejects_bad_requests_and_changes_nothing() -> None:
@@ -101,18 +103,20 @@ async def _malformed_tsv(tmp_path: Path) -> None:
     path.write_text("\n".join([good, good, bad, good]) + "\n")
     cfg = DataProcessorConfig(SourceConfig(f"criteo:{path}", tuple([100] * 26)), 2, 0)
     server, port, _, _ = await create_data_processor(cfg)
-    async with grpc.aio.insecure_channel(f"127.0.0.1:{port}") as ch:
-        stub = data_processor_pb2_grpc.DataProcessorStub(ch)
-        got = []
-        with pytest.raises(grpc.aio.AioRpcError) as err:
-            async for part in stub.StreamBatches(
-                data_processor_pb2.StreamBatchesRequest(start=0, stride=1), timeout=10
-            ):
-                got.append(part.batch.number)
-        assert got in ([], [0])  # batch 0 may go out before the processor reads past it
-        assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT
-        assert f"{path}:3: field C3: 'zz' is not hexadecimal" in err.value.details()
-    await server.stop(None)
+    try:
+        async with grpc.aio.insecure_channel(f"127.0.0.1:{port}") as ch:
+            stub = data_processor_pb2_grpc.DataProcessorStub(ch)
+            got = []
+            with pytest.raises(grpc.aio.AioRpcError) as err:
+                async for part in stub.StreamBatches(
+                    data_processor_pb2.StreamBatchesRequest(start=0, stride=1), timeout=10
+                ):
+                    got.append(part.batch.number)
+            assert got in ([], [0])  # batch 0 may go out before the processor reads past it
+            assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+            assert f"{path}:3: field C3: 'zz' is not hexadecimal" in err.value.details()
+    finally:  # (a server left running is collected later, and its shutdown then hangs)
+        await server.stop(None)
 
 
 def test_malformed_tsv_line_fails_with_file_line_and_field(tmp_path: Path) -> None:
@@ -222,74 +226,76 @@ async def _oracle_gates_plans() -> None:
     oracle.readers_done = 1
     planner = asyncio.create_task(oracle.run_planner())
     server, port, _, _ = await create_oracle(oracle)
-    async with grpc.aio.insecure_channel(f"127.0.0.1:{port}") as ch:
-        stub = opb_grpc.OracleCacherStub(ch)
-        stream = stub.StreamPlans(opb.StreamPlansRequest(rank=0, start=0), timeout=30)
-        it = stream.__aiter__()
-        prefetched: dict[int, np.ndarray] = {}  # each plan's fetched keys, as the trainers are told
+    try:
+        async with grpc.aio.insecure_channel(f"127.0.0.1:{port}") as ch:
+            stub = opb_grpc.OracleCacherStub(ch)
+            stream = stub.StreamPlans(opb.StreamPlansRequest(rank=0, start=0), timeout=30)
+            it = stream.__aiter__()
+            prefetched: dict[int, np.ndarray] = {}  # each plan's fetched keys, as the trainers are told
 
-        async def fetches() -> list[opb.Fetches]:  # (an embedding server's stream, read all along)
-            return [m async for m in stub.StreamFetches(opb.StreamFetchesRequest(start=0), timeout=30)]
+            async def fetches() -> list[opb.Fetches]:  # (an embedding server's stream, read all along)
+                return [m async for m in stub.StreamFetches(opb.StreamFetchesRequest(start=0), timeout=30)]
 
-        fetching = asyncio.create_task(fetches())
+            fetching = asyncio.create_task(fetches())
 
-        async def next_plan() -> opb.Plan:  # each batch's rows, its samples, then its plan
-            rows, samples, plan = await it.__anext__(), await it.__anext__(), await it.__anext__()
-            kinds = (rows.WhichOneof("part"), samples.WhichOneof("part"), plan.WhichOneof("part"))
-            assert kinds == ("rows", "samples", "plan")
-            assert rows.rows.batch == samples.samples.batch == plan.plan.batch
-            prefetched[plan.plan.batch] = from_tensor(rows.rows.prefetch_keys, "keys", np.int64)
-            return plan.plan
+            async def next_plan() -> opb.Plan:  # each batch's rows, its samples, then its plan
+                rows, samples, plan = await it.__anext__(), await it.__anext__(), await it.__anext__()
+                kinds = (rows.WhichOneof("part"), samples.WhichOneof("part"), plan.WhichOneof("part"))
+                assert kinds == ("rows", "samples", "plan")
+                assert rows.rows.batch == samples.samples.batch == plan.plan.batch
+                prefetched[plan.plan.batch] = from_tensor(rows.rows.prefetch_keys, "keys", np.int64)
+                return plan.plan
 
-        assert [(await next_plan()).batch for _ in range(2)] == [0, 1]
-        async with oracle.cond:
-            await oracle.cond.wait_for(lambda: 2 in oracle.planned)
-            # batch 2 refetches keys batch 0 evicted (tiny tables), so it depends on batch 0's write-backs
-            assert oracle.planned[2].depends_on == 0
-            assert not oracle._dispatchable(2), "plan 2 must wait for the write-backs of batch 0"
-        await stub.ReportProgress(opb.ProgressReport(rank=0, trained=0, written_back=0), timeout=5)
-        assert (await next_plan()).batch == 2
-        rest = []
-        for b in range(1, 4):  # (a trainer reports only batches it was sent)
-            await stub.ReportProgress(opb.ProgressReport(rank=0, trained=b, written_back=b), timeout=5)
-            rest.append(await next_plan())
-        assert [p.batch for p in rest] == [3, 4, 5] and rest[-1].last
-        # the fetch stream told every batch's fetched keys, in order, and the progress as it moved
-        told = await fetching
-        batches = [m.batch for m in told if m.batch >= 0]
-        assert batches == sorted(set(batches)) and batches[-1] == 5 and told[-1].last
-        assert len(batches) >= 3 and batches[0] <= 1, batches
-        for m in told:
-            if m.batch >= 0:
-                assert np.array_equal(from_tensor(m.keys, "keys", np.int64), prefetched[m.batch]), m.batch
-        progress = [m.trained for m in told]
-        assert progress == sorted(progress) and progress[0] == -1
-        # progress on a batch never sent, or going back, is refused
-        for trained, field in ((6, "sent plans up to 5"), (2, "progress only moves on")):
+            assert [(await next_plan()).batch for _ in range(2)] == [0, 1]
+            async with oracle.cond:
+                await oracle.cond.wait_for(lambda: 2 in oracle.planned)
+                # batch 2 refetches keys batch 0 evicted (tiny tables), so it depends on batch 0's write-backs
+                assert oracle.planned[2].depends_on == 0
+                assert not oracle._dispatchable(2), "plan 2 must wait for the write-backs of batch 0"
+            await stub.ReportProgress(opb.ProgressReport(rank=0, trained=0, written_back=0), timeout=5)
+            assert (await next_plan()).batch == 2
+            rest = []
+            for b in range(1, 4):  # (a trainer reports only batches it was sent)
+                await stub.ReportProgress(opb.ProgressReport(rank=0, trained=b, written_back=b), timeout=5)
+                rest.append(await next_plan())
+            assert [p.batch for p in rest] == [3, 4, 5] and rest[-1].last
+            # the fetch stream told every batch's fetched keys, in order, and the progress as it moved
+            told = await fetching
+            batches = [m.batch for m in told if m.batch >= 0]
+            assert batches == sorted(set(batches)) and batches[-1] == 5 and told[-1].last
+            assert len(batches) >= 3 and batches[0] <= 1, batches
+            for m in told:
+                if m.batch >= 0:
+                    assert np.array_equal(from_tensor(m.keys, "keys", np.int64), prefetched[m.batch]), m.batch
+            progress = [m.trained for m in told]
+            assert progress == sorted(progress) and progress[0] == -1
+            # progress on a batch never sent, or going back, is refused
+            for trained, field in ((6, "sent plans up to 5"), (2, "progress only moves on")):
+                with pytest.raises(grpc.aio.AioRpcError) as err:
+                    await stub.ReportProgress(
+                        opb.ProgressReport(rank=0, trained=trained, written_back=trained), timeout=5
+                    )
+                assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT and field in err.value.details()
+            # a rank belongs to the process that first called for it
             with pytest.raises(grpc.aio.AioRpcError) as err:
                 await stub.ReportProgress(
-                    opb.ProgressReport(rank=0, trained=trained, written_back=trained), timeout=5
+                    opb.ProgressReport(rank=0, trained=5, written_back=5),
+                    timeout=5,
+                    metadata=[("bagpipe-trainer", "x")],
                 )
-            assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT and field in err.value.details()
-        # a rank belongs to the process that first called for it
-        with pytest.raises(grpc.aio.AioRpcError) as err:
-            await stub.ReportProgress(
-                opb.ProgressReport(rank=0, trained=5, written_back=5),
-                timeout=5,
-                metadata=[("bagpipe-trainer", "x")],
-            )
-        assert err.value.code() == grpc.StatusCode.PERMISSION_DENIED
-        with pytest.raises(grpc.aio.AioRpcError) as err:
-            async for _ in stub.StreamPlans(
-                opb.StreamPlansRequest(rank=0, start=0), metadata=[("bagpipe-trainer", "x")]
-            ):
-                pass
-        assert err.value.code() == grpc.StatusCode.PERMISSION_DENIED
-        with pytest.raises(grpc.aio.AioRpcError) as err:
-            await stub.ReportProgress(opb.ProgressReport(rank=3), timeout=5)
-        assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT
-    await planner
-    await server.stop(None)
+            assert err.value.code() == grpc.StatusCode.PERMISSION_DENIED
+            with pytest.raises(grpc.aio.AioRpcError) as err:
+                async for _ in stub.StreamPlans(
+                    opb.StreamPlansRequest(rank=0, start=0), metadata=[("bagpipe-trainer", "x")]
+                ):
+                    pass
+            assert err.value.code() == grpc.StatusCode.PERMISSION_DENIED
+            with pytest.raises(grpc.aio.AioRpcError) as err:
+                await stub.ReportProgress(opb.ProgressReport(rank=3), timeout=5)
+            assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+        await planner
+    finally:  # (a server left running is collected later, and its shutdown then hangs)
+        await server.stop(None)
 
 
 def test_oracle_releases_a_plan_only_after_writebacks_of_batch_x_minus_l() -> None:
