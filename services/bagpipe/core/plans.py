@@ -123,7 +123,14 @@ def trainers_in(masks: np.ndarray) -> np.ndarray:
 
 def named(masks: np.ndarray) -> np.ndarray:
     """bool ``[N]``: the masks that name at least one trainer."""
-    return np.asarray(masks.any(axis=1) if masks.ndim == 2 else masks != 0)
+    if masks.ndim == 2:  # (the words ORed column by column: ``any(axis=1)`` over 4 words took 10x as long)
+        if not masks.shape[1]:
+            return np.zeros(masks.shape[0], dtype=bool)
+        either = masks[:, 0].copy()
+        for w in range(1, masks.shape[1]):
+            either |= masks[:, w]
+        return either != 0
+    return masks != 0
 
 
 def lowest_trainer(masks: np.ndarray) -> np.ndarray:
@@ -143,7 +150,7 @@ def outside_trainers(masks: np.ndarray, trainers: int) -> np.ndarray:
     empty = ~named(masks)
     if masks.ndim == 2:
         words = mask_words(trainers)
-        beyond = (masks[:, words:] != 0).any(axis=1) if masks.shape[1] > words else np.zeros_like(empty)
+        beyond = named(masks[:, words:]) if masks.shape[1] > words else np.zeros_like(empty)
         if trainers % WORD and masks.shape[1] >= words:
             beyond |= masks[:, words - 1] > np.uint64((1 << (trainers % WORD)) - 1)
         return empty | beyond

@@ -12,6 +12,10 @@ from bagpipe.core.plans import (
     BatchPlan,
     TrainerPlan,
     for_trainer,
+    mask_dtype,
+    mask_words,
+    named,
+    outside_trainers,
     share,
     shared_plan,
     trainer_users,
@@ -124,3 +128,28 @@ def test_an_index_outside_the_rows_is_refused(bad: int) -> None:
     for users in (True, False):
         with pytest.raises(IndexError, match=f"inverse: index {bad} outside the batch's {plan.unique} rows"):
             share(shared_plan(plan, users=users), mine, 0)
+
+
+@pytest.mark.parametrize("trainers", [7, 64, 130, 256])
+def test_masks_that_name_trainers_are_told_word_by_word(trainers: int) -> None:
+    """``named`` and ``outside_trainers`` on one-word and wide masks, against a plain reading of the bits."""
+    rng = np.random.default_rng(trainers)
+    words = mask_words(trainers)
+    count = 500
+    bits = rng.random((count, trainers)) < rng.choice([0.0, 0.01, 0.5], size=(count, 1))
+    if words:
+        masks = np.zeros((count, words), dtype=np.uint64)
+        for t in range(trainers):
+            masks[:, t // 64] |= bits[:, t].astype(np.uint64) << np.uint64(t % 64)
+        beyond = masks.copy()
+        if trainers % 64:
+            beyond[3, -1] |= np.uint64(1) << np.uint64(63)  # a trainer past the job's
+    else:
+        masks = (bits * (1 << np.arange(trainers))).sum(axis=1).astype(mask_dtype(trainers))
+        beyond = masks.copy()
+        beyond[3] |= mask_dtype(trainers).type(1 << 7)
+    want = bits.any(axis=1)
+    assert np.array_equal(named(masks), want)
+    assert np.array_equal(outside_trainers(masks, trainers), ~want)
+    if trainers % 64:
+        assert outside_trainers(beyond, trainers)[3]
