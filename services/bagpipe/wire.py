@@ -174,9 +174,8 @@ def _tensor_parts(number: int, array: np.ndarray | Gather) -> tuple[list[Any], i
     else:
         dtype = _wire_dtype(array)
         # (an array as the wire has it already is sent as it is: a plan's dozen arrays a batch)
-        data = (
-            array if array.dtype is dtype and array.flags.c_contiguous else np.ascontiguousarray(array, dtype)
-        )
+        ready = array.ndim and array.dtype is dtype and array.flags.c_contiguous  # (0-d: made [1], as before)
+        data = array if ready else np.ascontiguousarray(array, dtype)
     head = _DTYPE_FIELDS[dtype]
     shape = data.shape
     if len(shape) == 1:

@@ -26,6 +26,22 @@ def test_encoded_reply_is_what_protobuf_serialises(rows: np.ndarray, state: np.n
     assert encode_message([(1, rows), (2, state)]) == message.SerializeToString()
 
 
+@pytest.mark.parametrize(
+    "array",
+    [
+        np.arange(7, dtype=np.int32),  # as the wire has it: sent as it is
+        np.arange(12, dtype=np.int64).reshape(3, 4),
+        np.zeros(0, dtype=np.uint8),
+        np.array(2.5, dtype=np.float32),  # 0-d: one element
+        np.arange(6, dtype="<i8")[::2],  # strided
+        np.ones(3, dtype=bool),
+    ],
+)
+def test_an_array_field_is_what_protobuf_serialises(array: np.ndarray) -> None:
+    as_proto = to_tensor(np.ascontiguousarray(array))
+    assert encode_message([(1, array)]) == pb.LookupResponse(rows=as_proto).SerializeToString()
+
+
 @pytest.mark.parametrize("version", [0, 1, 300, -2, (1 << 62) + 5])
 def test_encoded_request_scalars_match_protobuf_and_read_back(version: int) -> None:
     keys = np.array([7, 0, 1 << 40], dtype=np.int64)

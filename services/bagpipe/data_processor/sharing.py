@@ -46,8 +46,9 @@ Builder = Callable[[int], Iterator[Built]]
 class SharedBuilds:
     """The builds of one request's batches, from ``start`` on, for the streams that joined it."""
 
-    def __init__(self, builder: Builder, start: int, keep: int = KEEP) -> None:
+    def __init__(self, builder: Builder, start: int, stride: int, keep: int = KEEP) -> None:
         self._builds = builder(start)
+        self._stride = stride
         self._next = start  # the batch the builder yields next
         self._ended = False
         self._error: BaseException | None = None  # the build that failed: every stream fails with it
@@ -57,9 +58,16 @@ class SharedBuilds:
         self.streams = 0  # joined and not yet left (the registry's count)
 
     def can_serve(self, number: int) -> bool:
-        """Whether batch ``number`` is kept, or is still to be built here."""
-        with self._lock:
-            return number in self._kept or (number >= self._next and not self._ended)
+        """Whether batch ``number`` is kept, or is among the next ``keep`` this group builds (a stream
+        further ahead would have this group build, and drop, the batches between for nobody). A group
+        whose build failed serves no new stream. Read without the group's lock, which a build holds: a
+        stream joining or leaving does not wait for one. An answer out of date by a build is harmless
+        (``take`` says so, and the stream joins another group)."""
+        if self._error is not None:
+            return False
+        if number in self._kept:
+            return True
+        return not self._ended and 0 <= number - self._next < self._keep * self._stride
 
     def take(self, number: int) -> tuple[Built | None, bool]:
         """Batch ``number`` and whether this call built it (rather than a stream before it), building up
@@ -103,7 +111,7 @@ class BuildRegistry:
         self._lock = threading.Lock()
         self._keep = keep
 
-    def join(self, request: tuple[int, ...], number: int, builder: Builder) -> SharedBuilds:
+    def join(self, request: tuple[int, ...], number: int, stride: int, builder: Builder) -> SharedBuilds:
         """A group of ``request`` that can serve batch ``number`` (a new one if none can)."""
         with self._lock:
             groups = self._groups.setdefault(request, [])
@@ -111,7 +119,7 @@ class BuildRegistry:
                 if group.can_serve(number):
                     group.streams += 1
                     return group
-            group = SharedBuilds(builder, number, self._keep)
+            group = SharedBuilds(builder, number, stride, self._keep)
             group.streams = 1
             groups.append(group)
             return group
@@ -138,14 +146,14 @@ def shared_stream(
     """A stream's batches ``start, start+stride, ...`` from the groups of ``request``, each with whether
     this stream built it; ends after the last batch or when the data ends."""
     number = start
-    group = registry.join(request, number, builder)
+    group = registry.join(request, number, stride, builder)
     try:
         while True:
             try:
                 built, mine = group.take(number)
             except LookupError:  # fell behind the group: another that can serve it, or a new one
                 registry.leave(request, group)
-                group = registry.join(request, number, builder)
+                group = registry.join(request, number, stride, builder)
                 continue
             if built is None:
                 return

@@ -88,8 +88,13 @@ def test_streams_in_threads_of_their_own(builds: list[int]) -> None:
     shards = servicer.key_shards(K)
     got: list[list[Any]] = [[] for _ in range(K)]
 
+    joined = threading.Barrier(K)  # (the shards' streams are open together, as a job's are)
+
     def read(s: int) -> None:
-        got[s] = list(servicer.shard_stream(_request(s), shards))
+        stream = servicer.shard_stream(_request(s), shards)
+        got[s] = [next(stream)]
+        joined.wait()
+        got[s] += list(stream)
 
     threads = [threading.Thread(target=read, args=(s,)) for s in range(K)]
     for t in threads:
@@ -157,4 +162,45 @@ def test_a_stream_closed_early_leaves_its_group() -> None:
     streams[0].close()
     assert servicer.builds.open_groups() == 1
     streams[1].close()
+    assert servicer.builds.open_groups() == 0
+
+
+def test_a_stream_far_ahead_of_a_group_does_not_make_it_build_for_nobody(builds: list[int]) -> None:
+    servicer = _servicer(keep=2)
+    shards = servicer.key_shards(K)
+    behind = servicer.shard_stream(_request(0), shards)
+    next(behind)  # (its group will build batch 1 next)
+    far = servicer.builds.join((0, 1, END, TRAINERS, K), 6, 1, lambda start: iter(()))
+    assert servicer.builds.open_groups() == 2, "batch 6 is more than two builds past the group at batch 1"
+    servicer.builds.leave((0, 1, END, TRAINERS, K), far)
+    near = servicer.builds.join((0, 1, END, TRAINERS, K), 2, 1, lambda start: iter(()))
+    assert servicer.builds.open_groups() == 1, "batch 2 is within the group's next two builds"
+    servicer.builds.leave((0, 1, END, TRAINERS, K), near)
+    behind.close()
+    assert servicer.builds.open_groups() == 0 and builds == [0]
+
+
+def test_a_stream_after_a_failed_build_starts_a_group_of_its_own(monkeypatch: pytest.MonkeyPatch) -> None:
+    real = server.built_batches
+    failures = [2]  # (the first build of batch 2 fails; built again, it does not)
+
+    def failing_once(*args: Any) -> Iterator[Any]:
+        for item in real(*args):
+            if item[0].number in failures:
+                failures.remove(item[0].number)
+                raise OSError("disk gone at batch 2")
+            yield item
+
+    monkeypatch.setattr(server, "built_batches", failing_once)
+    servicer = _servicer()
+    shards = servicer.key_shards(K)
+    first = servicer.shard_stream(_request(0), shards)
+    for _ in range(2):
+        next(first)
+    with pytest.raises(OSError, match="disk gone at batch 2"):
+        next(first)
+    # a shard that asks again while the failed group is still held gets batches, not the old error
+    again = servicer.shard_stream(_request(1), shards)
+    _same(list(again), _own(1))
+    first.close()
     assert servicer.builds.open_groups() == 0
