@@ -65,22 +65,11 @@ def built_batches(
 
 
 def generate(
-    source: SourceConfig,
-    batch_size: int,
-    start: int,
-    stride: int,
-    end: int,
-    trainers: int,
-    shards: KeyShards | None = None,
-    shard: int = 0,
+    source: SourceConfig, batch_size: int, start: int, stride: int, end: int, trainers: int
 ) -> Generator[tuple[BatchArrays, bool, np.ndarray | None, bool]]:
-    """``built_batches``, each with whether the samples go with it; with ``shards``, oracle shard
-    ``shard``'s part of each (``oracle_part``), built for this stream alone."""
+    """``built_batches`` for one oracle, which takes every batch's samples."""
     for arrays, last, users in built_batches(source, batch_size, start, stride, end, trainers):
-        carries = True
-        if shards is not None:
-            arrays, users, carries = oracle_part(arrays, users, shards, shard)
-        yield arrays, last, users, carries
+        yield arrays, last, users, True
 
 
 class DataProcessorServicer(pb_grpc.DataProcessorServicer):

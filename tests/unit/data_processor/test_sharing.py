@@ -15,7 +15,7 @@ from bagpipe.core.data import scaled_table_rows
 from bagpipe.core.oracle_shards import KeyShards
 from bagpipe.data_processor import server
 from bagpipe.data_processor.config import DataProcessorConfig, SourceConfig
-from bagpipe.data_processor.server import DataProcessorServicer, generate
+from bagpipe.data_processor.server import DataProcessorServicer, built_batches, oracle_part
 from bagpipe.data_processor.sharing import BuildRegistry
 from bagpipe.v1 import data_processor_pb2 as pb
 
@@ -52,10 +52,14 @@ def _request(shard: int, start: int = 0) -> pb.StreamBatchesRequest:
 
 
 def _own(shard: int, start: int = 0) -> list[Any]:
-    """Shard ``shard``'s parts from a build of its own (``generate``)."""
+    """Shard ``shard``'s parts from a build of its own."""
     source = SourceConfig("synthetic", ROWS)
     shards = KeyShards(int(np.sum(ROWS)), K)
-    return list(generate(source, BATCH, start, 1, END, TRAINERS, shards, shard))
+    parts = []
+    for arrays, last, users in built_batches(source, BATCH, start, 1, END, TRAINERS):
+        part, its_users, carries = oracle_part(arrays, users, shards, shard)
+        parts.append((part, last, its_users, carries))
+    return parts
 
 
 def _same(got: list[Any], want: list[Any]) -> None:
