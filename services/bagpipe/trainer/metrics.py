@@ -90,14 +90,16 @@ SHARD_MAP_REFUSALS = Counter(
 
 
 @contextmanager
-def heartbeat_while(what: str, every: float = 0.25) -> Iterator[None]:
+def heartbeat_while(what: str, every: float = 0.25, at_most: float | None = None) -> Iterator[None]:
     """Keeps ``HEARTBEAT`` going through a long step between two batches (a checkpoint, an evaluation, the
     final export): the failure detector must not take it for a hang. Each part of such a step has a deadline
-    of its own (RPCs, the re-sharding lock, the collectives' timeout), so a real hang inside it still ends."""
+    of its own (RPCs, the re-sharding lock, the collectives' timeout), so a real hang inside it still ends.
+    A step with no deadline of its own beats for ``at_most`` seconds: past that, a hang is found as one."""
     stop = threading.Event()
+    until = None if at_most is None else time.monotonic() + at_most
 
     def beat() -> None:
-        while not stop.wait(every):
+        while not stop.wait(every) and (until is None or time.monotonic() < until):
             HEARTBEAT.set(time.time())
 
     beater = threading.Thread(target=beat, name=f"heartbeat-{what}", daemon=True)

@@ -25,6 +25,7 @@ from bagpipe.trainer.shared_table import SharedTable
 from bagpipe.trainer.stats import StageTimer
 from bagpipe.trainer.sync import Synchronizer, backend_for, gather_rows
 from bagpipe.trainer.worker import trainer_device
+from prometheus_client import REGISTRY
 
 CPU = torch.device("cpu")
 
@@ -206,3 +207,24 @@ def test_device_and_backend_follow_the_gpus_this_host_has(monkeypatch: pytest.Mo
     assert launcher_backend("--trainers", "3", "--device", "cpu") == "auto"
     assert backend_for("auto", torch.device("cuda", 1)) == "nccl"
     assert backend_for("gloo", torch.device("cuda", 1)) == "gloo"
+
+
+def _heartbeat() -> float:
+    value = REGISTRY.get_sample_value("bagpipe_trainer_heartbeat_timestamp_seconds")
+    assert value is not None
+    return value
+
+
+def test_the_heartbeat_goes_on_through_a_step_and_for_at_most_its_bound() -> None:
+    """A step with no deadline of its own (the wait for the oracle's first plan) beats for ``at_most``
+    seconds only: past that, a hang inside it stops the heartbeat and the failure detector finds it."""
+    metrics.HEARTBEAT.set(0.0)
+    with metrics.heartbeat_while("a long step", every=0.01):
+        threading.Event().wait(0.2)
+        assert _heartbeat() > 0
+    metrics.HEARTBEAT.set(0.0)
+    with metrics.heartbeat_while("a hang", every=0.01, at_most=0.05):
+        threading.Event().wait(0.3)  # (the bound passed long ago: no beat since)
+        last = _heartbeat()
+        threading.Event().wait(0.1)
+        assert 0 < last == _heartbeat()
