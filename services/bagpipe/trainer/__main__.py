@@ -98,7 +98,8 @@ def _run(cfg: TrainerConfig) -> None:
 
     watch = Watch(membership, generation, make_way)
     watch.start()
-    trainer = Trainer(cfg, generation.id)
+    with metrics.heartbeat_while("building the model"):  # (local work: a large model takes a while)
+        trainer = Trainer(cfg, generation.id)
     if trainer.stats.tensorboard is not None:
         trainer.stats.tensorboard.generation(generation.number, generation.start_batch)
     trainer.on_ready = http.ready.set
