@@ -69,7 +69,9 @@ def run(oracles: int) -> tuple[list[list[TrainerBatch]], list[dict[int, int]]]:
                 if shards is not None:
                     plan = shards.for_trainers(plan, s)
                 encoded = encode_plans(plan, [], BATCH, None, TRAINERS)
-                planned[s][plan.batch] = (encoded.rows, encoded.plans, plan.keys, plan.slots)
+                # (the batch's keys, which no trainer receives, stay the shard's rows)
+                keys = plan.keys if shards is None else shards.global_keys(s, plan.keys.copy())
+                planned[s][plan.batch] = (encoded.rows, encoded.plans, keys, plan.slots)
             planned[s][-arrays.number - 1] = samples
     # (the samples of batch x wait under -x-1 until its plan is made)
     out: list[list[TrainerBatch]] = [[] for _ in range(TRAINERS)]

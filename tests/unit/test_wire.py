@@ -9,7 +9,8 @@ import pytest
 from bagpipe.core.intrinsics import ROWS_AHEAD, gather_rows
 from bagpipe.errors import InvalidArgument
 from bagpipe.v1 import embedding_server_pb2 as pb
-from bagpipe.wire import Gather, decode_message, encode_message, from_tensor, gather, to_tensor
+from bagpipe.v1 import tensor_pb2
+from bagpipe.wire import Gather, _varint, decode_message, encode_message, from_tensor, gather, to_tensor
 
 PACKED = np.arange(60, dtype=np.float32).reshape(5, 12)
 CASES = [
@@ -200,3 +201,34 @@ def test_the_compiled_gather_copies_the_rows_take_copies() -> None:
         out = np.full((n, 32), np.nan, dtype=np.float32)
         gather_rows(table, index, out)
         assert np.array_equal(out, table.take(index, axis=0))
+
+
+@pytest.mark.parametrize("size", [0, 1, 4095, 4096, 4097, 70_000, 1 << 20])
+def test_a_large_array_field_is_what_protobuf_serialises(size: int) -> None:
+    """Sizes around and past the varints of one lookup (2^14) and two (2^28 bytes are not built here)."""
+    rows = np.arange(4 * size, dtype=np.float32).reshape(size, 4)
+    message = pb.LookupResponse(rows=to_tensor(rows), state=to_tensor(rows[:, :1]))
+    assert encode_message([(1, rows), (2, rows[:, :1])]) == message.SerializeToString()
+
+
+def test_varints_of_every_width_are_protobufs() -> None:
+    """A varint of any value, as protobuf writes it (int64: a negative value in ten bytes)."""
+    values = [
+        0,
+        1,
+        127,
+        128,
+        (1 << 14) - 1,
+        1 << 14,
+        (1 << 21) + 5,
+        (1 << 28) - 1,
+        1 << 28,
+        1 << 40,
+        -1,
+        -(1 << 40),
+    ]
+    values += np.random.default_rng(0).integers(0, 1 << 30, size=200).tolist()
+    for value in values:
+        # (a Tensor of one dimension: its shape's field is a tag, a length and the dimension's varint)
+        want = tensor_pb2.Tensor(shape=[value]).SerializeToString()
+        assert want[2 : 2 + want[1]] == _varint(value), value

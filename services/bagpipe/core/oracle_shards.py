@@ -114,29 +114,28 @@ class KeyShards:
         return np.add(out, np.int32(shard), out=out)
 
     def for_trainers(self, plan: BatchPlan, shard: int) -> BatchPlan:
-        """Shard ``shard``'s plan of its local rows in the trainers' terms: global keys and slots, and a slot
-        high-water mark K times the shard's (every slot of the shard lies below it). The planner's own
-        arrays are converted where they lie, in one compiled call (the shard's plan is not kept; the
-        conversion is on every batch's path); the batch's keys, which the data processor sent, are
-        copied."""
+        """Shard ``shard``'s plan of its local rows in the terms of what the trainers receive of it
+        (``codec.encode_plans``): global slots and the global keys of its prefetches and evictions, and a
+        slot high-water mark K times the shard's (every slot of the shard lies below it). The batch's keys
+        and the hand-overs' keys, which no trainer receives (a trainer reads its rows by slot), stay the
+        shard's rows. The planner's own arrays are converted where they lie, in one compiled call (the
+        shard's plan is not kept; the conversion is on every batch's path)."""
         h = plan.handovers
-        keys = plan.keys if plan.keys.flags.writeable else np.empty_like(plan.keys)
         owned = self.owned[shard].astype(np.int64, copy=False)
-        slots, prefetch_keys, evict_keys, handed_keys, handed_slots = (
+        slots, prefetch_keys, evict_keys, handed_slots = (
             a if a.flags.writeable else a.copy()
-            for a in (plan.slots, plan.prefetch_keys, plan.evict_keys, h.keys, h.slots)
+            for a in (plan.slots, plan.prefetch_keys, plan.evict_keys, h.slots)
         )
         _to_global(
-            plan.keys, keys, prefetch_keys, evict_keys, handed_keys, slots, handed_slots,
+            prefetch_keys, evict_keys, slots, handed_slots,
             self.shards, shard, self._plain, int(self.counts[shard]), owned, self.map.num_buckets,
         )  # fmt: skip
         return dataclasses.replace(
             plan,
-            keys=keys,
             slots=slots,
             prefetch_keys=prefetch_keys,
             evict_keys=evict_keys,
-            handovers=dataclasses.replace(h, keys=handed_keys, slots=handed_slots),
+            handovers=dataclasses.replace(h, slots=handed_slots),
             slot_high_water=plan.slot_high_water * self.shards,
         )
 
@@ -163,14 +162,10 @@ def _slots_global(slots, shards, shard):  # type: ignore[no-untyped-def]
 
 @njit(cache=True, nogil=True)
 def _to_global(  # type: ignore[no-untyped-def]
-    batch_keys, keys, prefetch_keys, evict_keys, handed_keys, slots, handed_slots,
-    shards, shard, plain, count, owned, buckets,
-):  # fmt: skip
-    """``KeyShards.for_trainers``' arrays: ``batch_keys`` into ``keys`` (may be the same array), the
-    other keys and the slots where they lie."""
-    _keys_global(batch_keys, keys, shards, shard, plain, count, owned, buckets)
+    prefetch_keys, evict_keys, slots, handed_slots, shards, shard, plain, count, owned, buckets
+):
+    """``KeyShards.for_trainers``' arrays, converted where they lie."""
     _keys_global(prefetch_keys, prefetch_keys, shards, shard, plain, count, owned, buckets)
     _keys_global(evict_keys, evict_keys, shards, shard, plain, count, owned, buckets)
-    _keys_global(handed_keys, handed_keys, shards, shard, plain, count, owned, buckets)
     _slots_global(slots, shards, shard)
     _slots_global(handed_slots, shards, shard)

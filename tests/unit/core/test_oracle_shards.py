@@ -57,8 +57,9 @@ def test_a_shard_owns_at_least_one_key_bucket() -> None:
 
 @pytest.mark.parametrize("shards", [2, 3, 5])
 def test_a_shards_plan_in_the_trainers_terms(shards: int) -> None:
-    """``for_trainers`` (one compiled pass) gives every key and slot of a shard's plan as ``global_keys``
-    and ``global_slots`` do, and leaves the batch's keys the data processor sent as they were."""
+    """``for_trainers`` (one compiled pass) gives every key and slot the trainers receive of a shard's plan
+    as ``global_keys`` and ``global_slots`` do, and leaves the batch's keys and the hand-overs' keys, which
+    no trainer receives, as they were."""
     rng = np.random.default_rng(shards)
     key_shards = KeyShards(9000, shards)
     for shard in range(shards):
@@ -74,19 +75,20 @@ def test_a_shards_plan_in_the_trainers_terms(shards: int) -> None:
             assert planner.push(b, local, last=b == 5, users=users)
         while planner.can_pop():
             plans.append(planner.pop())
+        assert sum(p.prefetch_keys.size for p in plans) and sum(p.evict_keys.size for p in plans)
         for plan in plans:
             h = plan.handovers
             want_keys = [
-                key_shards.global_keys(shard, a.copy())
-                for a in (plan.keys, plan.prefetch_keys, plan.evict_keys, h.keys)
+                key_shards.global_keys(shard, a.copy()) for a in (plan.prefetch_keys, plan.evict_keys)
             ]
             want_slots = [key_shards.global_slots(shard, a.copy()) for a in (plan.slots, h.slots)]
-            sent = plan.keys.copy()
+            sent, handed = plan.keys.copy(), h.keys.copy()
             got = key_shards.for_trainers(plan, shard)
-            assert np.array_equal(plan.keys, sent), "the batch's keys as sent"
-            for want, have in zip(
-                want_keys, (got.keys, got.prefetch_keys, got.evict_keys, got.handovers.keys), strict=True
-            ):
+            assert np.array_equal(got.keys, sent) and np.array_equal(plan.keys, sent), (
+                "the batch's keys as sent"
+            )
+            assert np.array_equal(got.handovers.keys, handed)
+            for want, have in zip(want_keys, (got.prefetch_keys, got.evict_keys), strict=True):
                 assert have.dtype == np.int64 and np.array_equal(have, want)
             for want, have in zip(want_slots, (got.slots, got.handovers.slots), strict=True):
                 assert have.dtype == np.int32 and np.array_equal(have, want)
