@@ -417,73 +417,62 @@ def encode_plans(
     ]
     # each trainer's bits of the prefetches' and hand-overs' masks (Plan.prefetch_mine, handover_send, _recv)
     h = plan.handovers
-    bitmaps = [
-        (14, trainer_bitmaps(plan.prefetch_holders, trainers)),
-        (15, trainer_bitmaps(h.source, trainers)),
-        (16, trainer_bitmaps(h.recipients, trainers)),
-    ]
+    masks = [(14, plan.prefetch_holders), (15, h.source), (16, h.recipients)]
     if checkpoint is not None:
         keys, slots, writer = checkpoint
+        bitmaps = [(number, trainer_bitmaps(m, trainers)) for number, m in masks]
         out = []
         for rank in range(trainers):
             mine = writer == rank
             fields = [*scalars, (11, True), (12, keys[mine]), (13, slots[mine])]
             out.append(encode_message([(2, fields + [(n, bits[rank]) for n, bits in bitmaps])]))
         return EncodedPlan(rows, samples, out)
-    # every trainer's Plan is the same scalars and bitmaps of the same shapes, so the same length: the
-    # bytes all trainers share are written once into one [trainers, length] array, each trainer's bitmaps
-    # into its row, and a trainer's message is its row
-    pieces: list[bytes | np.ndarray] = [encode_message(scalars)]
-    for number, bits in bitmaps:
-        pieces += [tensor_head(number, bits[0]), bits]
-    size = sum(p.shape[1] if isinstance(p, np.ndarray) else len(p) for p in pieces)
-    head = embedded_head(2, size)
-    rows_of = np.empty((trainers, len(head) + size), dtype=np.uint8)
-    at = len(head)
-    rows_of[:, :at] = np.frombuffer(head, dtype=np.uint8)
-    for piece in pieces:
-        width = piece.shape[1] if isinstance(piece, np.ndarray) else len(piece)
-        rows_of[:, at : at + width] = (
-            piece if isinstance(piece, np.ndarray) else np.frombuffer(piece, np.uint8)
-        )
-        at += width
-    out = [row.tobytes() for row in rows_of]
-    return EncodedPlan(rows, samples, out)
+    # every trainer's Plan is the same scalars and bitmaps of the same lengths, so the same length: the
+    # bytes all trainers share are written once into one [trainers, length] array, then each trainer's
+    # bitmaps into its row (_bitmaps_into), and a trainer's message is its row
+    body = bytearray(encode_message(scalars))
+    starts = []
+    for number, m in masks:
+        width = (m.shape[0] + 7) // 8
+        body += tensor_head(number, np.empty(width, np.uint8))
+        starts.append(len(body))
+        body += bytes(width)
+    head = embedded_head(2, len(body))
+    rows_of = np.empty((trainers, len(head) + len(body)), dtype=np.uint8)
+    rows_of[:] = np.frombuffer(head + body, dtype=np.uint8)
+    for (_, m), start in zip(masks, starts, strict=True):
+        _bitmaps_into(_mask_bytes(m), trainers, rows_of, len(head) + start)
+    return EncodedPlan(rows, samples, [row.tobytes() for row in rows_of])
 
 
 def trainer_bitmaps(masks: np.ndarray, trainers: int) -> np.ndarray:
     """uint8 ``[trainers, ceil(N / 8)]``: row ``t`` is trainer ``t``'s bits of the N ``masks`` (bit ``i`` of
-    byte ``i // 8`` at ``i % 8``, as ``np.packbits(..., bitorder="little")``): each byte column of the masks,
-    8 masks to a word, as 8x8 bit blocks, each transposed in a few word operations
-    (``_transpose_blocks``)."""
-    count = masks.shape[0]
-    blocks = (count + 7) // 8
-    width = masks.itemsize * (masks.shape[1] if masks.ndim == 2 else 1)  # (bytes a mask)
-    columns = np.zeros((width, 8 * blocks), dtype=np.uint8)
-    if count:
-        columns[:, :count] = _mask_bytes(masks).T
-    out = np.zeros((8 * columns.shape[0], blocks), dtype=np.uint8)
-    _transpose_blocks(columns.view(np.dtype("<u8")), out)
-    return out[:trainers]
+    byte ``i // 8`` at ``i % 8``, as ``np.packbits(..., bitorder="little")``)."""
+    out = np.empty((trainers, (masks.shape[0] + 7) // 8), dtype=np.uint8)
+    _bitmaps_into(_mask_bytes(masks), trainers, out, 0)
+    return out
 
 
 @njit(cache=True, nogil=True)
-def _transpose_blocks(words, out):  # type: ignore[no-untyped-def]
-    """``out[8c + r, j]`` bit ``k`` = bit ``r`` of byte ``k`` of ``words[c, j]``: each word (8 masks' byte
-    ``c``) an 8x8 bit block, transposed (Hacker's Delight, 7-3)."""
-    for c in range(words.shape[0]):
-        for j in range(words.shape[1]):
-            x = np.uint64(words[c, j])
-            if x == 0:
-                continue
-            t = (x ^ (x >> np.uint64(7))) & np.uint64(0x00AA00AA00AA00AA)
-            x = x ^ t ^ (t << np.uint64(7))
-            t = (x ^ (x >> np.uint64(14))) & np.uint64(0x0000CCCC0000CCCC)
-            x = x ^ t ^ (t << np.uint64(14))
-            t = (x ^ (x >> np.uint64(28))) & np.uint64(0x00000000F0F0F0F0)
-            x = x ^ t ^ (t << np.uint64(28))
-            for r in range(8):
-                out[8 * c + r, j] = np.uint8((x >> np.uint64(8 * r)) & np.uint64(0xFF))
+def _bitmaps_into(masks, trainers, out, at):  # type: ignore[no-untyped-def]
+    """``out[t, at + j]``, for every trainer ``t``: its bits of masks ``8j .. 8j+7`` (``masks``: uint8
+    ``[N, W]``, each mask's W little-endian bytes). Byte ``c`` of 8 masks is one word, an 8x8 bit block,
+    transposed (Hacker's Delight, 7-3): its byte ``r`` is then trainer ``8c + r``'s 8 bits."""
+    count, width = masks.shape
+    for c in range(min(width, (trainers + 7) // 8)):
+        for j in range((count + 7) // 8):
+            x = np.uint64(0)
+            for k in range(min(8, count - 8 * j)):
+                x |= np.uint64(masks[8 * j + k, c]) << np.uint64(8 * k)
+            if x != 0:
+                t = (x ^ (x >> np.uint64(7))) & np.uint64(0x00AA00AA00AA00AA)
+                x = x ^ t ^ (t << np.uint64(7))
+                t = (x ^ (x >> np.uint64(14))) & np.uint64(0x0000CCCC0000CCCC)
+                x = x ^ t ^ (t << np.uint64(14))
+                t = (x ^ (x >> np.uint64(28))) & np.uint64(0x00000000F0F0F0F0)
+                x = x ^ t ^ (t << np.uint64(28))
+            for r in range(min(8, trainers - 8 * c)):
+                out[8 * c + r, at + j] = np.uint8((x >> np.uint64(8 * r)) & np.uint64(0xFF))
 
 
 def _check_masks(masks: np.ndarray, trainers: int, field: str) -> None:
