@@ -208,9 +208,10 @@ _POP_CHUNK = 4096  # ... and of _pop_records (10% less time a pop than 256 at th
 # another thread costs more than it saves
 _MIN_PART = 8192
 # how many keys ahead the loops that read records at random start loading the record they will read
-# (intrinsics.load_early); at the paper's point (62.9 k keys a batch in 33.8 M records) 32 and 64
-# planned about 11% faster than none, 16 about 5%
-_AHEAD = 32
+# (intrinsics.load_early). At the paper's point (62.9 k keys a batch in 33.8 M records) 32 and 64 first
+# planned about 11% faster than none, 16 about 5%; on this machine's present host a batch's push and pop
+# took 0.99 ms at 128 against 1.25 ms at 32 and 1.06 ms at 64 (256: as 128), one planner a process
+_AHEAD = 128
 # The compiled loops index with unsigned values (``np.uint64(key)``, ``np.uint32(position)``): numba
 # wraps a signed index around when it is negative, which costs a few instructions per access and
 # registers that the loops' other values need; every index here is already in range. Plans are the
