@@ -25,7 +25,7 @@ from dataclasses import dataclass
 import numpy as np
 from numba import njit
 
-from bagpipe.core.plans import BatchPlan
+from bagpipe.core.plans import BatchPlan, Handovers
 from bagpipe.core.shard_map import ShardMap
 
 __all__ = ["KeyShards", "shard_capacity"]
@@ -72,7 +72,7 @@ class KeyShards:
         # each bucket's position among its shard's buckets (one array serves every shard), each shard's
         # buckets in that order, and how many it owns
         self.position = np.zeros(b2s.size, dtype=np.int64)
-        self.owned = [self.map.buckets_of(s) for s in range(shards)]
+        self.owned = [self.map.buckets_of(s).astype(np.int64, copy=False) for s in range(shards)]
         for owned in self.owned:
             self.position[owned] = np.arange(owned.size)
         self.counts = np.array([owned.size for owned in self.owned], dtype=np.int64)
@@ -121,23 +121,28 @@ class KeyShards:
         shard's rows. The planner's own arrays are converted where they lie, in one compiled call (the
         shard's plan is not kept; the conversion is on every batch's path)."""
         h = plan.handovers
-        owned = self.owned[shard].astype(np.int64, copy=False)
         slots, prefetch_keys, evict_keys, handed_slots = (
-            a if a.flags.writeable else a.copy()
-            for a in (plan.slots, plan.prefetch_keys, plan.evict_keys, h.slots)
+            _writeable(plan.slots),
+            _writeable(plan.prefetch_keys),
+            _writeable(plan.evict_keys),
+            _writeable(h.slots),
         )
         _to_global(
-            prefetch_keys, evict_keys, slots, handed_slots,
-            self.shards, shard, self._plain, int(self.counts[shard]), owned, self.map.num_buckets,
+            prefetch_keys, evict_keys, slots, handed_slots, self.shards, shard, self._plain,
+            int(self.counts[shard]), self.owned[shard], self.map.num_buckets,
         )  # fmt: skip
         return dataclasses.replace(
             plan,
             slots=slots,
             prefetch_keys=prefetch_keys,
             evict_keys=evict_keys,
-            handovers=dataclasses.replace(h, slots=handed_slots),
+            handovers=Handovers(h.keys, handed_slots, h.source, h.recipients, h.critical),
             slot_high_water=plan.slot_high_water * self.shards,
         )
+
+
+def _writeable(array: np.ndarray) -> np.ndarray:
+    return array if array.flags.writeable else array.copy()
 
 
 @njit(cache=True, nogil=True)
