@@ -276,14 +276,16 @@ class Trainer:
         self.sync.start(self._background_group)
         start = time.perf_counter()
         batch = self.start_batch
-        # The pipeline's fill: the oracle plans L batches ahead before it sends the first plan, and after a
-        # restart of the whole job its processors and itself start over too. No deadline bounds that wait
-        # (the plan stream is opened again when its window ends), so the heartbeat goes on for at most the
-        # collectives' timeout: an oracle that hangs is still found, its trainers stuck.
-        with metrics.heartbeat_while("the oracle's first plan", at_most=self.config.collective_timeout):
-            self.pipeline.wait(lambda: batch in self.pipeline.received)
-        while not self.step(batch).last:
+        # The first batch waits for the pipeline's fill: the oracle plans L batches ahead before it sends the
+        # first plan (after a restart of the whole job its processors and itself start over too), then its
+        # first rows. No deadline bounds the wait for the plan (the plan stream is opened again when its
+        # window ends), so the heartbeat goes on through the first batch for at most the collectives'
+        # timeout: an oracle that hangs is still found, its trainers stuck.
+        with metrics.heartbeat_while("the first batch", at_most=self.config.collective_timeout):
+            last = self.step(batch).last
+        while not last:
             batch += 1
+            last = self.step(batch).last
         return self._finish(batch, start)
 
     def _set_up(self) -> None:
