@@ -42,7 +42,7 @@ from bagpipe import allocator  # noqa: E402
 from bagpipe.codec import check_samples, decode_batch, decode_plans, encode_batch, encode_plans  # noqa: E402
 from bagpipe.core.data import KAGGLE_TABLE_ROWS, SyntheticConfig, SyntheticSource, build_batch, table_offsets  # noqa: E402
 from bagpipe.core.oracle_shards import KeyShards  # noqa: E402
-from bagpipe.core.plans import MAX_TRAINERS, mask_dtype, trainer_users  # noqa: E402
+from bagpipe.core.plans import MAX_TRAINERS, trainer_users  # noqa: E402
 from bagpipe.data_processor.server import oracle_part  # noqa: E402
 from bagpipe.oracle_cacher.lookahead import LookaheadPlanner  # noqa: E402
 from bagpipe.v1 import data_processor_pb2 as dpb  # noqa: E402
@@ -180,7 +180,6 @@ class _Shard:
         self.inputs, self.shard = inputs, shard
         shards = inputs["shards"]
         self.rows = shards.rows(shard) if shards is not None else inputs["num_keys"]
-        self.mask = mask_dtype(inputs["trainers"])
         self.planner = LookaheadPlanner(self.rows, inputs["lookahead"], inputs["trainers"])
         for b in range(inputs["lookahead"]):
             keys, users = self.receive(b)
@@ -189,7 +188,7 @@ class _Shard:
     def receive(self, b: int) -> tuple[np.ndarray, np.ndarray]:
         """Batch ``b``'s part read as the service reads it from a data processor's stream: the ``Batch``
         parsed and checked (``decode_batch``: keys sorted, unique and in range, masks naming trainers of the
-        job), the masks in the planner's width, and the trainers' samples checked if it carries them."""
+        job; the masks come in the planner's width), and the trainers' samples checked if it carries them."""
         i = self.inputs
         trainers, size = i["trainers"], i["batch_size"]
         part = dpb.BatchPart.FromString(i["heads"][b][self.shard])
@@ -205,7 +204,7 @@ class _Shard:
             for rank, piece in enumerate(i["samples"][b]):
                 check_samples(piece, b, rank, size // trainers)
         assert wire.users is not None
-        return wire.keys, wire.users.astype(self.mask)
+        return wire.keys, wire.users
 
     def step(self, b: int) -> Any:
         """Batch ``b`` arrives (``receive``), batch ``b - L`` is planned and its messages serialised;

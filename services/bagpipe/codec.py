@@ -103,9 +103,9 @@ def _check_tables(keys: np.ndarray, inverse: np.ndarray, table_rows: Sequence[in
 class WireBatch:
     """A decoded ``Batch``: its number, sorted unique keys and the stream's extras.
 
-    ``users`` (uint64 ``[U]``, or None when the processor was not asked) holds, per key, the bit mask of
-    the trainers whose samples use it. ``arrays`` is the whole batch when it came with its samples, and
-    None when they came cut per trainer (``slices``).
+    ``users`` (``mask_dtype(trainers)`` ``[U]``, ``[U, words]`` for wide masks, or None when the processor
+    was not asked) holds, per key, the bit mask of the trainers whose samples use it. ``arrays`` is the
+    whole batch when it came with its samples, and None when they came cut per trainer (``slices``).
     """
 
     number: int
@@ -125,8 +125,9 @@ def encode_batch(
     """The serialised ``BatchPart``s of one batch: the ``Batch`` alone (with its samples), or with
     ``slices`` > 0 the ``Batch`` without them followed by one ``Samples`` per trainer, in rank order (none
     without ``with_samples``: an oracle shard that does not carry the batch's samples).
-    ``users``: the per-key trainer masks (uint64; int64 on the wire, the same bits) or None."""
-    masks = np.asarray(users, dtype=np.uint64).view(np.int64) if users is not None else None
+    ``users``: the per-key trainer masks as ``trainer_users`` gives them (``mask_dtype(trainers)``: one
+    byte a key up to 8 trainers), or None; on the wire, each mask's little-endian bytes."""
+    masks = _mask_bytes(users) if users is not None else None
     whole = not slices
     head = [
         (1, arrays.number),
@@ -178,7 +179,7 @@ def decode_batch(
         raise InvalidArgument(f"{where}: keys", "must be sorted and unique")
     users = None
     if msg.HasField("users"):
-        users = _tensor(msg, "users", np.int64, where, shape=masks_shape(keys.size, trainers)).view(np.uint64)
+        users = _masks(msg, "users", where, keys.size, trainers)
         _check_masks(users, trainers, f"{where}: users")
     if slices:
         for name in ("dense", "labels", "inverse"):

@@ -82,8 +82,10 @@ def test_batch_round_trip_with_and_without_trainer_masks() -> None:
         assert not rest and got.arrays is not None
         _same(got.arrays, arrays)
         assert got.last == last and got.number == arrays.number and np.array_equal(got.keys, arrays.keys)
-        assert got.users is not None and got.users.dtype == np.uint64
-        assert np.array_equal(got.users, users.astype(np.uint64))
+        # (the masks cross in the planner's width: one byte a key for 3 trainers)
+        assert message.users.shape == [arrays.keys.size, 1] and len(message.users.data) == arrays.keys.size
+        assert got.users is not None and got.users.dtype == mask_dtype(TRAINERS)
+        assert np.array_equal(got.users, users)
         plain = _decode(_batch(arrays, last)[0])
         assert plain.users is None and plain.arrays is not None
         _same(plain.arrays, arrays)
@@ -96,7 +98,7 @@ def test_a_batch_in_slices_is_its_keys_then_every_trainers_samples_as_a_plan_par
     message, samples = _batch(arrays, last, users, slices=TRAINERS)
     got = _decode(message, slices=TRAINERS)
     assert got.arrays is None and got.number == 1 and got.last == last
-    assert np.array_equal(got.keys, arrays.keys) and np.array_equal(got.users, users.astype(np.uint64))
+    assert np.array_equal(got.keys, arrays.keys) and np.array_equal(got.users, users)
     assert len(samples) == TRAINERS
     per = BATCH // TRAINERS
     for rank, data in enumerate(samples):
@@ -240,7 +242,7 @@ def test_bad_keys_and_masks_are_refused() -> None:
         message.keys.CopyFrom(to_tensor(keys))
         with pytest.raises(InvalidArgument, match=reason):
             _decode(message)
-    users = trainer_users(arrays.inverse, arrays.keys.size, TRAINERS).astype(np.uint64)
+    users = trainer_users(arrays.inverse, arrays.keys.size, TRAINERS)
     users[0] = 1 << TRAINERS  # a trainer that does not exist
     with pytest.raises(InvalidArgument, match=r"batch 0: users: masks outside \[1, 7\] for 3 trainers"):
         _decode(_batch(arrays, last, users)[0])

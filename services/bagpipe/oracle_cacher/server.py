@@ -198,7 +198,7 @@ class Oracle(pb_grpc.OracleCacherServicer):
             return every_trainer(unique, self.config.trainers)
         if batch.users is None:  # asked for (with LRPP), so a processor that predates the field
             raise InvalidArgument(f"batch {batch.number}: users", "missing: the data processor sent no masks")
-        return batch.users.astype(mask_dtype(self.config.trainers))
+        return batch.users.astype(mask_dtype(self.config.trainers), copy=False)  # (decode_batch's: no copy)
 
     async def run_readers(self, addresses: list[str]) -> None:
         async def one(i: int, addr: str) -> None:
