@@ -136,7 +136,7 @@ def encode_batch(
         (4, arrays.keys),
         (5, arrays.inverse if whole else None),
         (6, last),
-        (7, masks),
+        (8, masks),
     ]
     parts = [encode_message([(1, head)])]
     if slices and with_samples:
@@ -449,7 +449,7 @@ def encode_plans(
 def trainer_bitmaps(masks: np.ndarray, trainers: int) -> np.ndarray:
     """uint8 ``[trainers, ceil(N / 8)]``: row ``t`` is trainer ``t``'s bits of the N ``masks`` (bit ``i`` of
     byte ``i // 8`` at ``i % 8``, as ``np.packbits(..., bitorder="little")``)."""
-    out = np.empty((trainers, (masks.shape[0] + 7) // 8), dtype=np.uint8)
+    out = np.zeros((trainers, (masks.shape[0] + 7) // 8), dtype=np.uint8)  # (masks narrower: rows of 0)
     _bitmaps_into(_mask_bytes(masks), trainers, out, 0)
     return out
 

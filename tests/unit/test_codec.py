@@ -24,7 +24,7 @@ from bagpipe.errors import InvalidArgument
 from bagpipe.oracle_cacher.lookahead import LookaheadPlanner
 from bagpipe.v1 import data_processor_pb2 as dpb
 from bagpipe.v1 import oracle_cacher_pb2 as opb
-from bagpipe.wire import to_tensor
+from bagpipe.wire import encode_message, to_tensor
 
 TABLE_ROWS = (40, 7, 300, 5, 90, 3)
 BATCH = 24
@@ -530,3 +530,16 @@ def test_each_trainers_bitmap_is_its_bits_of_the_masks(trainers: int, count: int
     assert got.shape == (trainers, (count + 7) // 8)
     for t in range(trainers):
         assert np.array_equal(got[t], np.packbits(has_trainer(masks, t), bitorder="little")), t
+
+
+def test_int64_masks_of_an_older_processor_are_not_taken_for_masks() -> None:
+    """A processor from before the masks took field 8 sends them as int64 in field 7, which is reserved:
+    the batch reads as one without masks (the oracle then says the processor sent none)."""
+    arrays, last = _batches(1)[0]
+    users = trainer_users(arrays.inverse, arrays.keys.size, TRAINERS).astype(np.int64)
+    fields = [(1, arrays.number), (2, arrays.dense), (3, arrays.labels), (4, arrays.keys)]
+    old = encode_message([(1, [*fields, (5, arrays.inverse), (6, last), (7, users)])])
+    head = dpb.BatchPart.FromString(old)
+    assert not head.batch.HasField("users")
+    got = _decode(head.batch)
+    assert got.users is None and np.array_equal(got.keys, arrays.keys)

@@ -206,7 +206,9 @@ class BatchPlan:
     """
 
     batch: int
-    keys: np.ndarray  # int64 [U], sorted unique global keys
+    # int64 [U], sorted unique global keys (an oracle shard's own rows: ``KeyShards.for_trainers`` converts
+    # only what the trainers receive, slots and the prefetched and evicted keys)
+    keys: np.ndarray
     slots: np.ndarray  # int32 [U]
     ttl: np.ndarray  # int32 [U]
     users: np.ndarray  # mask [U]: trainers whose samples use the key in this batch

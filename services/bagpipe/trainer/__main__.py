@@ -98,7 +98,8 @@ def _run(cfg: TrainerConfig) -> None:
 
     watch = Watch(membership, generation, make_way)
     watch.start()
-    with metrics.heartbeat_while("building the model"):  # (local work: a large model takes a while)
+    # (local work, with no deadline of its own: a large model takes a while, a hang is still found)
+    with metrics.heartbeat_while("building the model", at_most=cfg.collective_timeout):
         trainer = Trainer(cfg, generation.id)
     if trainer.stats.tensorboard is not None:
         trainer.stats.tensorboard.generation(generation.number, generation.start_batch)
