@@ -45,6 +45,7 @@ from bagpipe.v1 import data_processor_pb2 as dpb
 from bagpipe.v1 import oracle_cacher_pb2 as opb
 from bagpipe.v1 import tensor_pb2
 from bagpipe.wire import (
+    DTYPE_CODES,
     embedded_head,
     encode_message,
     from_tensor,
@@ -501,11 +502,6 @@ def _masks(msg: Any, name: str, where: str, count: int, trainers: int) -> np.nda
     return raw.view(dtype.newbyteorder("<")).reshape(shape).astype(dtype, copy=False)
 
 
-# (a Tensor's dtype on the wire, by numpy dtype)
-_WIRE_CODE = {np.dtype(t): tensor_pb2.DType.Value(f"DTYPE_{n}") for t, n in (
-    (np.int32, "INT32"), (np.int64, "INT64"), (np.uint8, "UINT8"), (np.bool_, "BOOL"))}  # fmt: skip
-
-
 def _field_parts(
     msgs: Sequence[Any], wheres: Sequence[str], name: str, dtype: Any, sizes: Sequence[int] | None = None
 ) -> tuple[list[bytes], list[int]]:
@@ -514,7 +510,7 @@ def _field_parts(
     ``wire.from_tensor``'s error for it; the rest is a few attribute reads a part (a trainer reads about a
     hundred a batch at K=8)."""
     want = np.dtype(dtype)
-    code, itemsize = _WIRE_CODE[want], want.itemsize
+    code, itemsize = DTYPE_CODES[want], want.itemsize
     datas, lengths = [], []
     for i, msg in enumerate(msgs):
         tensor = getattr(msg, name)

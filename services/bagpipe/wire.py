@@ -25,21 +25,22 @@ from bagpipe.core.intrinsics import gather_rows
 from bagpipe.errors import InvalidArgument
 from bagpipe.v1 import tensor_pb2
 
-_TO_PROTO: dict[np.dtype, tensor_pb2.DType] = {
+# each dtype the wire carries, and its ``Tensor.dtype`` code
+DTYPE_CODES: dict[np.dtype, tensor_pb2.DType] = {
     np.dtype("<f4"): tensor_pb2.DTYPE_FLOAT32,
     np.dtype("<i8"): tensor_pb2.DTYPE_INT64,
     np.dtype("<i4"): tensor_pb2.DTYPE_INT32,
     np.dtype("bool"): tensor_pb2.DTYPE_BOOL,
     np.dtype("uint8"): tensor_pb2.DTYPE_UINT8,
 }
-_FROM_PROTO = {v: k for k, v in _TO_PROTO.items()}
-_NAMES = {v: k.name for k, v in _TO_PROTO.items()}
+_FROM_PROTO = {v: k for k, v in DTYPE_CODES.items()}
+_NAMES = {v: k.name for k, v in DTYPE_CODES.items()}
 
 
 def _wire_dtype(array: np.ndarray) -> np.dtype:
     """The little-endian dtype ``array`` travels as; TypeError for one the wire has no name for."""
     dtype = array.dtype.newbyteorder("<") if array.dtype.byteorder == ">" else array.dtype
-    if dtype not in _TO_PROTO:
+    if dtype not in DTYPE_CODES:
         raise TypeError(f"unsupported dtype {array.dtype}")
     return dtype
 
@@ -49,7 +50,7 @@ def to_tensor(array: np.ndarray) -> tensor_pb2.Tensor:
     dtype = _wire_dtype(array)
     # tobytes() writes C order from any strides: one copy, even for a column slice of a packed table
     data = array.astype(dtype, copy=False).tobytes()
-    return tensor_pb2.Tensor(dtype=_TO_PROTO[dtype], shape=list(array.shape), data=data)
+    return tensor_pb2.Tensor(dtype=DTYPE_CODES[dtype], shape=list(array.shape), data=data)
 
 
 def from_tensor(
@@ -127,7 +128,7 @@ def _varint(value: int) -> bytes:
     return _varint_slow(value)
 
 
-_DTYPE_FIELDS = {dtype: b"\x08" + _varint(number) for dtype, number in _TO_PROTO.items()}
+_DTYPE_FIELDS = {dtype: b"\x08" + _varint(number) for dtype, number in DTYPE_CODES.items()}
 
 
 @dataclass(frozen=True)
@@ -275,7 +276,7 @@ def _message_parts(fields: Sequence[tuple[int, Any]]) -> tuple[list[Any], int, b
             continue
         if isinstance(value, list):
             inner, inner_size, inner_gathers = _message_parts(value)
-            head = _varint(number << 3 | 2) + _varint(inner_size)
+            head = embedded_head(number, inner_size)
             parts.append(head)
             parts += inner
             size += len(head) + inner_size
