@@ -7,8 +7,8 @@ apart from the cache's capacity, so K oracle shards each plan the keys of their 
 as its local rows, with their trainer masks; the trainers' samples from the shard that carries the batch)
 and serialised as they send them, untimed. A shard's work per batch is what its service does, end to
 end: its part read and checked as it arrives (``decode_batch``) and the samples' checks for the batches
-it carries (batch % K), its planner's pop and push, its plan in the trainers' terms
-(``KeyShards.for_trainers``) and serialised for every trainer (``codec.encode_plans``, the rows without
+it carries (batch % K), its planner's pop (its plan written in the trainers' terms: ``LookaheadPlanner``'s
+``shard``) and push, its plan serialised for every trainer (``codec.encode_plans``, the rows without
 masks, as with LRPP). gRPC's own sending and receiving is not in it.
 
 * **Measured, K processes at once** (``--concurrent``, 8 trainers): K shards, each a process of its own
@@ -180,7 +180,8 @@ class _Shard:
         self.inputs, self.shard = inputs, shard
         shards = inputs["shards"]
         self.rows = shards.rows(shard) if shards is not None else inputs["num_keys"]
-        self.planner = LookaheadPlanner(self.rows, inputs["lookahead"], inputs["trainers"])
+        its = None if shards is None else (shards, shard)  # (a shard's plans: in the trainers' terms)
+        self.planner = LookaheadPlanner(self.rows, inputs["lookahead"], inputs["trainers"], shard=its)
         for b in range(inputs["lookahead"]):
             keys, users = self.receive(b)
             self.planner.push(b, keys, users=users)
@@ -214,8 +215,6 @@ class _Shard:
         keys, users = self.receive(b)
         plan = planner.pop()
         planner.push(b, keys, last=b == len(i["heads"]) - 1, users=users)
-        if i["shards"] is not None:
-            plan = i["shards"].for_trainers(plan, self.shard)
         x = plan.batch
         carried = i["samples"][x] if x % k == self.shard else []
         return encode_plans(plan, carried, i["batch_size"], None, trainers, users=False)

@@ -40,7 +40,10 @@ def run(oracles: int) -> tuple[list[list[TrainerBatch]], list[dict[int, int]]]:
     trainers' slot of each key of each batch."""
     shards = KeyShards(NUM_KEYS, oracles) if oracles > 1 else None
     planners = [
-        LookaheadPlanner(shards.rows(s) if shards else NUM_KEYS, L, trainers=TRAINERS) for s in range(oracles)
+        LookaheadPlanner(NUM_KEYS, L, trainers=TRAINERS)
+        if shards is None
+        else LookaheadPlanner(shards.rows(s), L, trainers=TRAINERS, shard=(shards, s))
+        for s in range(oracles)
     ]
     # per shard: batch -> (rows part, plan parts per rank, samples per rank or None, global keys)
     planned: list[dict[int, tuple]] = [{} for _ in range(oracles)]
@@ -65,9 +68,7 @@ def run(oracles: int) -> tuple[list[list[TrainerBatch]], list[dict[int, int]]]:
             if last:
                 planner.finish()
             while planner.can_pop():
-                plan = planner.pop()
-                if shards is not None:
-                    plan = shards.for_trainers(plan, s)
+                plan = planner.pop()  # (a shard's: in the trainers' terms)
                 encoded = encode_plans(plan, [], BATCH, None, TRAINERS)
                 # (the batch's keys, which no trainer receives, stay the shard's rows)
                 keys = plan.keys if shards is None else shards.global_keys(s, plan.keys.copy())
@@ -138,9 +139,9 @@ def test_shard_parts_that_disagree_on_the_batch_are_refused() -> None:
     encoded = []
     for s in range(2):
         part, its_users, _ = oracle_part(arrays, users, shards, s)
-        planner = LookaheadPlanner(shards.rows(s), 1, trainers=TRAINERS)
+        planner = LookaheadPlanner(shards.rows(s), 1, trainers=TRAINERS, shard=(shards, s))
         planner.push(0, part.keys, last=False, users=its_users)
-        encoded.append(encode_plans(shards.for_trainers(planner.pop(), s), [], BATCH, None, TRAINERS))
+        encoded.append(encode_plans(planner.pop(), [], BATCH, None, TRAINERS))
     samples = encode_batch(oracle_part(arrays, users, shards, 0)[0], last, None, TRAINERS)[1]
     sample = opb.PlanPart.FromString(samples).samples
     plan0 = opb.PlanPart.FromString(encoded[0].plans[0]).plan

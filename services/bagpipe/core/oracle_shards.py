@@ -19,16 +19,14 @@ slots never meet.
 
 from __future__ import annotations
 
-import dataclasses
 from dataclasses import dataclass
 
 import numpy as np
 from numba import njit
 
-from bagpipe.core.plans import BatchPlan, Handovers
 from bagpipe.core.shard_map import ShardMap
 
-__all__ = ["KeyShards", "shard_capacity"]
+__all__ = ["KeyShards", "global_key", "one_shard_terms", "shard_capacity"]
 
 
 def shard_capacity(capacity: int | None, oracles: int, shard: int) -> int | None:
@@ -113,64 +111,24 @@ class KeyShards:
         out = np.multiply(slots, np.int32(self.shards), out=out)
         return np.add(out, np.int32(shard), out=out)
 
-    def for_trainers(self, plan: BatchPlan, shard: int) -> BatchPlan:
-        """Shard ``shard``'s plan of its local rows in the terms of what the trainers receive of it
-        (``codec.encode_plans``): global slots and the global keys of its prefetches and evictions, and a
-        slot high-water mark K times the shard's (every slot of the shard lies below it). The batch's keys
-        and the hand-overs' keys, which no trainer receives (a trainer reads its rows by slot), stay the
-        shard's rows. The planner's own arrays are converted where they lie, in one compiled call (the
-        shard's plan is not kept; the conversion is on every batch's path)."""
-        h = plan.handovers
-        slots, prefetch_keys, evict_keys, handed_slots = (
-            _writeable(plan.slots),
-            _writeable(plan.prefetch_keys),
-            _writeable(plan.evict_keys),
-            _writeable(h.slots),
-        )
-        _to_global(
-            prefetch_keys, evict_keys, slots, handed_slots, self.shards, shard, self._plain,
-            int(self.counts[shard]), self.owned[shard], self.map.num_buckets,
-        )  # fmt: skip
-        return dataclasses.replace(
-            plan,
-            slots=slots,
-            prefetch_keys=prefetch_keys,
-            evict_keys=evict_keys,
-            handovers=Handovers(h.keys, handed_slots, h.source, h.recipients, h.critical),
-            slot_high_water=plan.slot_high_water * self.shards,
-        )
+    def terms(self, shard: int) -> tuple[np.ndarray, np.ndarray]:
+        """What a planner of shard ``shard``'s local rows needs to write its plans in the trainers' terms
+        (``LookaheadPlanner(..., shard=...)``): int64 ``[K, shard, plain, buckets it owns, buckets]`` and
+        its buckets (``global_key``'s arguments)."""
+        plain = 1 if self._plain else 0
+        terms = [self.shards, shard, plain, self.counts[shard], self.map.num_buckets]
+        return np.array(terms, dtype=np.int64), self.owned[shard]
 
 
-def _writeable(array: np.ndarray) -> np.ndarray:
-    return array if array.flags.writeable else array.copy()
+def one_shard_terms() -> tuple[np.ndarray, np.ndarray]:
+    """``KeyShards.terms`` of a job with one oracle: a key is its own row, a slot its own."""
+    return np.array([1, 0, 1, 1, 1], dtype=np.int64), np.zeros(1, dtype=np.int64)
 
 
 @njit(cache=True, nogil=True)
-def _global_key(row, shards, shard, plain, count, owned, buckets):  # type: ignore[no-untyped-def]
-    """``KeyShards.global_keys`` of one local row."""
+def global_key(row, shards, shard, plain, count, owned, buckets):  # type: ignore[no-untyped-def]
+    """``KeyShards.global_keys`` of one local row, compiled (``KeyShards.terms`` gives the arguments after
+    ``row``, ``plain`` as 0 or 1)."""
     if plain:
         return row * shards + shard
     return (row // count) * buckets + owned[row % count]
-
-
-@njit(cache=True, nogil=True)
-def _keys_global(rows, out, shards, shard, plain, count, owned, buckets):  # type: ignore[no-untyped-def]
-    for i in range(rows.size):
-        out[i] = _global_key(rows[i], shards, shard, plain, count, owned, buckets)
-
-
-@njit(cache=True, nogil=True)
-def _slots_global(slots, shards, shard):  # type: ignore[no-untyped-def]
-    for i in range(slots.size):
-        slots[i] = slots[i] * np.int32(shards) + np.int32(shard)
-
-
-@njit(cache=True, nogil=True)
-def _to_global(  # type: ignore[no-untyped-def]
-    prefetch_keys, evict_keys, slots, handed_slots, shards, shard, plain, count, owned, buckets
-):
-    """``KeyShards.for_trainers``' arrays, converted where they lie."""
-    _keys_global(prefetch_keys, prefetch_keys, shards, shard, plain, count, owned, buckets)
-    _keys_global(evict_keys, evict_keys, shards, shard, plain, count, owned, buckets)
-    _slots_global(slots, shards, shard)
-    _slots_global(handed_slots, shards, shard)

@@ -206,8 +206,8 @@ class BatchPlan:
     """
 
     batch: int
-    # int64 [U], sorted unique global keys (an oracle shard's own rows: ``KeyShards.for_trainers`` converts
-    # only what the trainers receive, slots and the prefetched and evicted keys)
+    # int64 [U], sorted unique global keys (an oracle shard's own rows: its planner writes only what the
+    # trainers receive in global terms, slots and the prefetched and evicted keys; LookaheadPlanner's shard)
     keys: np.ndarray
     slots: np.ndarray  # int32 [U]
     ttl: np.ndarray  # int32 [U]

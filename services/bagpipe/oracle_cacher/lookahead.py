@@ -82,6 +82,7 @@ import numpy as np
 from numba import njit, prange
 
 from bagpipe.core.intrinsics import load_early
+from bagpipe.core.oracle_shards import KeyShards, global_key, one_shard_terms
 from bagpipe.core.plans import (
     BatchPlan,
     Handovers,
@@ -323,6 +324,8 @@ def _pop_records(  # type: ignore[no-untyped-def]
     handed_to,
     handed_critical,
     due_at,
+    terms,
+    owned,
     lo,
     hi,
 ):
@@ -331,7 +334,8 @@ def _pop_records(  # type: ignore[no-untyped-def]
     window; then ``next_used`` is all False). Returns how many of ``evict``, ``evict_keys``,
     ``evict_slots`` and ``writer`` and of the ``handed_*`` arrays it filled. Only the keys at positions
     ``lo .. hi-1`` and the prefetches among them (a part, see ``LookaheadPlanner.threads``): the lists
-    are filled from ``lo`` on.
+    are filled from ``lo`` on. The slots, hand-over slots and prefetched and evicted keys are written in
+    the trainers' terms (``terms`` and ``owned``: ``_terms``); ``evict_slots`` stay the planner's.
 
     In chunks of ``_POP_CHUNK`` keys, and in phases, each a loop that does one thing: gather the chunk's
     records (nothing else in the loop, so that many loads are in flight at once), work out every key's
@@ -341,6 +345,7 @@ def _pop_records(  # type: ignore[no-untyped-def]
     slower: a mispredicted branch drops the loads in flight with it. (A key's own steps keep their order,
     and keys do not share records, so the plan is the one whole-batch phases give.)"""
     one, ahead, lo_u, hi_u = np.uint64(1), np.uint64(_AHEAD), np.uint64(lo), np.uint64(hi)
+    shards, shard, plain, count, buckets = terms[0], terms[1], terms[2] != 0, terms[3], terms[4]
     urgent = not delayed
     evicted = lo_u
     waiting = lo_u
@@ -379,7 +384,7 @@ def _pop_records(  # type: ignore[no-untyped-def]
                 owners = np.uint64(holders[i])
                 to = np.uint64(pending[i])
                 handed_keys[handed] = k
-                handed_slots[handed] = slots[i]
+                handed_slots[handed] = slots[i] * shards + shard
                 handed_source[handed] = owners & (~owners + one)  # the lowest holder sends
                 handed_to[handed] = to
                 if urgent:
@@ -398,19 +403,22 @@ def _pop_records(  # type: ignore[no-untyped-def]
             slots[i] = slot
             state[np.uint64(k)].slot = slot
             slot_key[np.uint32(slot)] = k + 1
-            prefetch_keys[j] = k
+            prefetch_keys[j] = global_key(k, shards, shard, plain, count, owned, buckets)
             prefetch_holders[j] = holders[i]
             fetched += one
         for j in range(evicting, evicted):
             i = np.uint32(evict[j])
             k = keys[i]
             slot_key[np.uint32(slots[i])] = 0
-            evict_keys[j] = k
+            evict_keys[j] = global_key(k, shards, shard, plain, count, owned, buckets)
             evict_slots[j] = slots[i]
             writer[j] = _writer(np.uint64(holders[i]), k)
             rec = state[np.uint64(k)]
             rec.slot = -1
             rec.holders = 0
+        if shards != 1:  # (the chunk's slots, used above as the planner's, in the trainers' terms)
+            for i in range(start, end):
+                slots[i] = slots[i] * shards + shard
     return int(evicted - lo_u), int(handed - lo_u)
 
 
@@ -505,12 +513,13 @@ def _pop_wide(  # type: ignore[no-untyped-def]
     state, held, pending_to, handover_at, slot_key, keys, next_used, next_pos, prefetch, new_slots, x,
     delayed, following_users, ttl, slots, holders, pending, sync_class, prefetch_keys, prefetch_holders,
     evict, evict_keys, evict_slots, writer, handed_keys, handed_slots, handed_source, handed_to,
-    handed_critical, lo, hi,
+    handed_critical, terms, owned, lo, hi,
 ):  # fmt: skip
     """``_pop_records`` for wide masks (see ``_push_wide``): ``holders``, ``pending``, ``prefetch_holders``,
     ``handed_source``, ``handed_to`` and ``following_users`` are ``[N, words]``. The same steps per key, in
     one loop."""
     words = held.shape[1]
+    shards, shard, plain, count_, buckets = terms[0], terms[1], terms[2] != 0, terms[3], terms[4]
     urgent = not delayed
     evicted = lo
     handed = lo
@@ -534,7 +543,7 @@ def _pop_wide(  # type: ignore[no-untyped-def]
         if waiting and handover_at[k] == x:  # the hand-over due after this batch
             rec.handover_to = 0
             handed_keys[handed] = keys[i]
-            handed_slots[handed] = slots[i]
+            handed_slots[handed] = slots[i] * shards + shard
             _lowest_wide(holders[i], handed_source[handed])
             critical = urgent
             for w in range(words):
@@ -549,20 +558,21 @@ def _pop_wide(  # type: ignore[no-untyped-def]
             slots[i] = slot
             rec.slot = slot
             slot_key[np.uint32(slot)] = keys[i] + 1
-            prefetch_keys[fetched] = keys[i]
+            prefetch_keys[fetched] = global_key(keys[i], shards, shard, plain, count_, owned, buckets)
             for w in range(words):
                 prefetch_holders[fetched, w] = holders[i, w]
             fetched += 1
         if ttl[i] == x:  # its last use in the window: evicted, written back by one of its holders
             slot_key[np.uint32(slots[i])] = 0
             evict[evicted] = i
-            evict_keys[evicted] = keys[i]
+            evict_keys[evicted] = global_key(keys[i], shards, shard, plain, count_, owned, buckets)
             evict_slots[evicted] = slots[i]
             writer[evicted] = _writer_wide(holders[i], keys[i])
             rec.slot = -1
             for w in range(words):
                 held[k, w] = 0
             evicted += 1
+        slots[i] = slots[i] * shards + shard
     return evicted - lo, handed - lo
 
 
@@ -593,7 +603,7 @@ def _pop_parts(  # type: ignore[no-untyped-def]
     state, handover_at, slot_key, keys, next_used, next_pos, prefetch, new_slots, x, delayed,
     following_users, ttl, slots, holders, pending, sync_class, prefetch_keys, prefetch_holders, evict,
     evict_keys, evict_slots, writer, due, handed_keys, handed_slots, handed_source, handed_to,
-    handed_critical, due_at, cuts, done,
+    handed_critical, due_at, terms, owned, cuts, done,
 ):  # fmt: skip
     """``_pop_records`` for the parts ``cuts[p] .. cuts[p+1]-1``, one a thread (``done[p]``: the part's
     results), then each part's lists moved up behind the part's before it: ``_pop_records``'s results
@@ -603,7 +613,7 @@ def _pop_parts(  # type: ignore[no-untyped-def]
             state, handover_at, slot_key, keys, next_used, next_pos, prefetch, new_slots, x, delayed,
             following_users, ttl, slots, holders, pending, sync_class, prefetch_keys, prefetch_holders,
             evict, evict_keys, evict_slots, writer, due, handed_keys, handed_slots, handed_source,
-            handed_to, handed_critical, due_at, cuts[p], cuts[p + 1],
+            handed_to, handed_critical, due_at, terms, owned, cuts[p], cuts[p + 1],
         )  # fmt: skip
         done[p, 0] = evicted
         done[p, 1] = handed
@@ -668,6 +678,13 @@ class LookaheadPlanner:
     position or slot, and each part lists its evictions and hand-overs from its first position on: the
     plan is the same whatever the number of threads. (At most numba's thread count, the machine's cores
     unless ``NUMBA_NUM_THREADS`` says otherwise.)
+
+    ``shard`` (``(KeyShards, I)``): the planner of oracle shard ``I``, whose keys are the shard's local rows
+    (``num_keys`` is ``KeyShards.rows(I)``). Its plans are in the trainers' terms, written so by the
+    compiled pop as it goes: slots (the plan's and its hand-overs') are ``s * K + I``, the prefetched and
+    evicted keys are global, and the slot high-water mark is K times the shard's (every slot of the shard
+    lies below it); the batch's keys and the hand-overs' keys, which no trainer receives (a trainer reads
+    its rows by slot), stay the shard's rows. ``cached`` gives global keys and slots too.
     """
 
     def __init__(
@@ -679,6 +696,7 @@ class LookaheadPlanner:
         reuse_delay: int | None = None,
         delayed_sync: bool = True,
         threads: int = 1,
+        shard: tuple[KeyShards, int] | None = None,
     ) -> None:
         if num_keys < 1:
             raise ValueError(f"num_keys: must be >= 1, got {num_keys}")
@@ -689,7 +707,13 @@ class LookaheadPlanner:
         most = int(numba.config.NUMBA_NUM_THREADS)  # type: ignore[attr-defined]
         if not 1 <= threads <= most:
             raise ValueError(f"threads: must be in [1, {most}] (numba's threads), got {threads}")
+        if shard is not None and num_keys != shard[0].rows(shard[1]):
+            rows = shard[0].rows(shard[1])
+            raise ValueError(f"num_keys: oracle shard {shard[1]} has {rows} rows, got {num_keys}")
         self.num_keys = num_keys
+        self.shard = shard
+        # what the compiled pop needs to write its plans in the trainers' terms (KeyShards.terms)
+        self._terms, self._owned = one_shard_terms() if shard is None else shard[0].terms(shard[1])
         self.lookahead = lookahead
         self.trainers = trainers
         self.capacity = capacity
@@ -926,7 +950,7 @@ class LookaheadPlanner:
                 entry.next_used, entry.next_pos, prefetch, new_slots, x, self.delayed_sync,
                 following.users if following is not None else entry.users[:0], ttl, slots, holders, to,
                 sync_class, prefetch_keys, prefetch_holders, evict, evict_keys, evict_slots, writer, h.keys,
-                h.slots, h.source, h.recipients, h.critical, 0, size,
+                h.slots, h.source, h.recipients, h.critical, self._terms, self._owned, 0, size,
             )  # fmt: skip
         else:
             evicted, handed = self._split(
@@ -962,6 +986,8 @@ class LookaheadPlanner:
                     h.recipients,
                     h.critical,
                     np.empty(size, np.int32),
+                    self._terms,
+                    self._owned,
                 ),
                 size,
             )
@@ -994,7 +1020,7 @@ class LookaheadPlanner:
             handovers=handovers,
             depends_on=depends_on,
             window=window,
-            slot_high_water=self._allocator.high_water,
+            slot_high_water=self._allocator.high_water * int(self._terms[0]),
             occupancy=self.occupancy + evict.size,
             last=self._ended and not self._window,
         )
@@ -1013,4 +1039,8 @@ class LookaheadPlanner:
             holders = (rec["holders"] & ~rec["handover_to"]).astype(self.mask)
         if holders.size and not named(holders).all():
             raise AssertionError("a cached row has no holder with its newest value")
+        if self.shard is not None:
+            shards, shard = self.shard
+            keys = shards.global_keys(shard, keys, out=keys)
+            slots = shards.global_slots(shard, slots, out=slots)
         return keys, slots, lowest_trainer(holders)

@@ -27,7 +27,7 @@ from bagpipe import security, serving
 from bagpipe.codec import EncodedPlan, WireBatch, check_samples, decode_batch, encode_plans
 from bagpipe.core.data import table_offsets
 from bagpipe.core.oracle_shards import KeyShards, shard_capacity
-from bagpipe.core.plans import BACKGROUND, CRITICAL, BatchPlan, every_trainer, mask_dtype
+from bagpipe.core.plans import BACKGROUND, CRITICAL, every_trainer, mask_dtype
 from bagpipe.errors import BAD_DATA, BadData, InvalidArgument, PermissionDenied
 from bagpipe.oracle_cacher import metrics
 from bagpipe.oracle_cacher.config import OracleConfig
@@ -79,6 +79,7 @@ class Oracle(pb_grpc.OracleCacherServicer):
             reuse_delay=config.reuse_delay,
             delayed_sync=config.delayed_sync,
             threads=config.planner_threads,
+            shard=None if self.shards is None else (self.shards, config.shard),  # (plans in global terms)
         )
         self.received: dict[int, _Received] = {}
         self.planned: dict[int, _Planned] = {}
@@ -173,18 +174,6 @@ class Oracle(pb_grpc.OracleCacherServicer):
         """Whether this oracle sends the trainers ``batch``'s samples: shard ``batch % K`` of K does."""
         return batch % self.config.oracles == self.config.shard
 
-    def _global(self, plan: BatchPlan) -> BatchPlan:
-        """An oracle shard's plan in the trainers' terms (``KeyShards.for_trainers``)."""
-        return plan if self.shards is None else self.shards.for_trainers(plan, self.config.shard)
-
-    def _cached(self) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
-        """The planner's cached rows (keys, slots, writer rank), in the trainers' terms."""
-        keys, slots, writer = self.planner.cached()
-        if self.shards is None:
-            return keys, slots, writer
-        shard = self.config.shard
-        return self.shards.global_keys(shard, keys), self.shards.global_slots(shard, slots), writer
-
     def _room_for(self, number: int, ahead: int) -> bool:
         return number < self.next_push + ahead or self.failure is not None
 
@@ -274,11 +263,10 @@ class Oracle(pb_grpc.OracleCacherServicer):
                 if not self.planner.can_pop():
                     continue
                 t0 = time.perf_counter()
-                plan = self._global(self.planner.pop())
+                plan = self.planner.pop()
                 source = self.received.pop(plan.batch)
-                cached = (
-                    self._cached() if self.config.checkpoint_after(plan.batch) and not plan.last else None
-                )
+                checkpoint = self.config.checkpoint_after(plan.batch) and not plan.last
+                cached = self.planner.cached() if checkpoint else None
                 # (with LRPP the trainers take their rows from their samples: no masks of the batch's rows)
                 encoded = encode_plans(
                     plan,

@@ -2,9 +2,12 @@
 
 from __future__ import annotations
 
+import dataclasses
+
 import numpy as np
 import pytest
 from bagpipe.core.oracle_shards import KeyShards, shard_capacity
+from bagpipe.core.plans import mask_dtype, mask_words
 from bagpipe.oracle_cacher.lookahead import LookaheadPlanner
 
 
@@ -55,41 +58,74 @@ def test_a_shard_owns_at_least_one_key_bucket() -> None:
         OracleConfig(**job, iterations=4, oracles=2, shard=2)
 
 
-@pytest.mark.parametrize("shards", [2, 3, 5])
-def test_a_shards_plan_in_the_trainers_terms(shards: int) -> None:
-    """``for_trainers`` (one compiled pass) gives every key and slot the trainers receive of a shard's plan
-    as ``global_keys`` and ``global_slots`` do, and leaves the batch's keys and the hand-overs' keys, which
-    no trainer receives, as they were."""
-    rng = np.random.default_rng(shards)
-    key_shards = KeyShards(9000, shards)
+@pytest.mark.parametrize(
+    ("shards", "trainers", "threads", "keys", "size"),
+    [
+        (2, 3, 1, 3000, 400),  # K divides the buckets: key k is shard k % K's row k // K
+        (3, 3, 1, 3000, 400),  # it does not: by the shard's buckets
+        (5, 3, 1, 3000, 1000),
+        (3, 70, 1, 3000, 400),  # wide masks (_pop_wide)
+        (2, 3, 2, 120_000, 50_000),  # two threads (_pop_parts: each part's slots, then the lists moved up)
+    ],
+)
+def test_a_shards_planner_writes_its_plans_in_the_trainers_terms(
+    shards: int, trainers: int, threads: int, keys: int, size: int
+) -> None:
+    """A shard's planner (``shard=``) plans as a planner of its rows alone, and writes what the trainers
+    receive in their terms: slots and hand-over slots as ``global_slots`` gives them, prefetched and evicted
+    keys as ``global_keys``, the high-water mark K times; the batch's keys and the hand-overs' keys, which
+    no trainer receives, and every other field as the plain planner's. Its cached rows too."""
+    rng = np.random.default_rng(shards + trainers)
+    key_shards = KeyShards(keys, shards)
+    bits = mask_words(trainers)
     for shard in range(shards):
-        planner = LookaheadPlanner(key_shards.rows(shard), 2, trainers=3)
-        plans = []
-        for b in range(6):
-            keys = key_shards.split(np.unique(rng.integers(0, 9000, size=300)))
-            local = keys.local[keys.part(shard)]
-            local.flags.writeable = False
-            users = rng.integers(1, 8, size=local.size).astype(np.uint8)
-            if not planner.wants_more():
-                plans.append(planner.pop())
-            assert planner.push(b, local, last=b == 5, users=users)
-        while planner.can_pop():
-            plans.append(planner.pop())
-        assert sum(p.prefetch_keys.size for p in plans) and sum(p.evict_keys.size for p in plans)
-        for plan in plans:
-            h = plan.handovers
-            want_keys = [
-                key_shards.global_keys(shard, a.copy()) for a in (plan.prefetch_keys, plan.evict_keys)
-            ]
-            want_slots = [key_shards.global_slots(shard, a.copy()) for a in (plan.slots, h.slots)]
-            sent, handed = plan.keys.copy(), h.keys.copy()
-            got = key_shards.for_trainers(plan, shard)
-            assert np.array_equal(got.keys, sent) and np.array_equal(plan.keys, sent), (
-                "the batch's keys as sent"
-            )
-            assert np.array_equal(got.handovers.keys, handed)
-            for want, have in zip(want_keys, (got.prefetch_keys, got.evict_keys), strict=True):
-                assert have.dtype == np.int64 and np.array_equal(have, want)
-            for want, have in zip(want_slots, (got.slots, got.handovers.slots), strict=True):
-                assert have.dtype == np.int32 and np.array_equal(have, want)
-            assert got.slot_high_water == plan.slot_high_water * shards
+        rows = key_shards.rows(shard)
+        plain = LookaheadPlanner(rows, 3, trainers=trainers, threads=threads)
+        theirs = LookaheadPlanner(rows, 3, trainers=trainers, threads=threads, shard=(key_shards, shard))
+        pairs = []
+        for b in range(12):
+            split = key_shards.split(np.unique(rng.integers(0, keys, size=size)))
+            local = split.local[split.part(shard)]
+            if bits:
+                users = rng.integers(0, 1 << 62, size=(local.size, bits), dtype=np.uint64)
+                users[:, 0] |= np.uint64(1)
+                users[:, -1] &= np.uint64((1 << (trainers - 64 * (bits - 1))) - 1)
+            else:
+                users = rng.integers(1, 1 << trainers, size=local.size).astype(mask_dtype(trainers))
+            if not plain.wants_more():
+                pairs.append((plain.pop(), theirs.pop()))
+            assert plain.push(b, local, last=b == 11, users=users)
+            assert theirs.push(b, local, last=b == 11, users=users)
+        while plain.can_pop():
+            pairs.append((plain.pop(), theirs.pop()))
+            if len(pairs) == 3:  # (between batches: the rows cached after batch 2)
+                want_keys, want_slots, want_writer = plain.cached()
+                got_keys, got_slots, got_writer = theirs.cached()
+                assert np.array_equal(got_keys, key_shards.global_keys(shard, want_keys))
+                assert np.array_equal(got_slots, key_shards.global_slots(shard, want_slots))
+                assert np.array_equal(got_writer, want_writer)
+        assert sum(p.prefetch_keys.size for p, _ in pairs) and sum(p.evict_keys.size for p, _ in pairs)
+        assert sum(p.handovers.keys.size for p, _ in pairs), "hand-overs were planned"
+        converted = {"prefetch_keys", "evict_keys", "slots", "slot_high_water", "handovers"}
+        for want, got in pairs:
+            for f in dataclasses.fields(want):
+                if f.name not in converted:
+                    a, b = getattr(want, f.name), getattr(got, f.name)
+                    assert np.array_equal(a, b) if isinstance(a, np.ndarray) else a == b, f.name
+            for name in ("prefetch_keys", "evict_keys"):
+                have = getattr(got, name)
+                assert have.dtype == np.int64
+                assert np.array_equal(have, key_shards.global_keys(shard, getattr(want, name))), name
+            assert got.slots.dtype == np.int32
+            assert np.array_equal(got.slots, key_shards.global_slots(shard, want.slots))
+            assert got.slot_high_water == want.slot_high_water * shards
+            h, g = want.handovers, got.handovers
+            assert np.array_equal(g.slots, key_shards.global_slots(shard, h.slots))
+            for name in ("keys", "source", "recipients", "critical"):
+                assert np.array_equal(getattr(g, name), getattr(h, name)), name
+
+
+def test_a_shards_planner_has_the_shards_rows() -> None:
+    key_shards = KeyShards(9000, 3)
+    with pytest.raises(ValueError, match="num_keys: oracle shard 1 has 3069 rows, got 9000"):
+        LookaheadPlanner(9000, 2, trainers=3, shard=(key_shards, 1))
