@@ -335,7 +335,7 @@ def _pop_records(  # type: ignore[no-untyped-def]
     ``evict_slots`` and ``writer`` and of the ``handed_*`` arrays it filled. Only the keys at positions
     ``lo .. hi-1`` and the prefetches among them (a part, see ``LookaheadPlanner.threads``): the lists
     are filled from ``lo`` on. The slots, hand-over slots and prefetched and evicted keys are written in
-    the trainers' terms (``terms`` and ``owned``: ``_terms``); ``evict_slots`` stay the planner's.
+    the trainers' terms (``terms``, ``owned``: ``KeyShards.terms``); ``evict_slots`` stay the planner's.
 
     In chunks of ``_POP_CHUNK`` keys, and in phases, each a loop that does one thing: gather the chunk's
     records (nothing else in the loop, so that many loads are in flight at once), work out every key's
