@@ -444,6 +444,10 @@ def _push_wide(  # type: ignore[no-untyped-def]
     fresh_count = lo
     joiners = np.empty(words, dtype=np.uint64)
     for i in range(lo, hi):
+        if i + _AHEAD < hi:  # (the record and the holders' row of a key ahead: their loads overlap)
+            ahead = np.uint64(keys[i + _AHEAD])
+            load_early(state, ahead)
+            load_early(held[ahead], 0)
         k = np.uint64(keys[i])
         rec = state[k]
         prev = rec.latest
@@ -525,6 +529,10 @@ def _pop_wide(  # type: ignore[no-untyped-def]
     handed = lo
     fetched = np.searchsorted(prefetch, lo)
     for i in range(lo, hi):
+        if i + _AHEAD < hi:  # (as _push_wide)
+            ahead = np.uint64(keys[i + _AHEAD])
+            load_early(state, ahead)
+            load_early(held[ahead], 0)
         k = np.uint64(keys[i])
         rec = state[k]
         ttl[i] = rec.latest
