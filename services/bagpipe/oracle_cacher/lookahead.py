@@ -81,6 +81,7 @@ import numba
 import numpy as np
 from numba import njit, prange
 
+from bagpipe.allocator import huge_page_zeros
 from bagpipe.core.intrinsics import load_early
 from bagpipe.core.oracle_shards import KeyShards, global_key, one_shard_terms
 from bagpipe.core.plans import (
@@ -765,7 +766,9 @@ class LookaheadPlanner:
         self._state["latest"] = -1
         self._state["slot"] = -1
         self._handover_at = np.full(num_keys, -1, dtype=np.int32)
-        self._held = np.zeros((num_keys, self.words), dtype=np.uint64) if self.words else None
+        # (every key of every batch reads and writes its holders' row, at random over a gigabyte at 256
+        # trainers: on huge pages a pop took 15% less, a push 9%; the pending rows are rarely touched)
+        self._held = huge_page_zeros((num_keys, self.words), np.uint64) if self.words else None
         self._pending_to = np.zeros((num_keys, self.words), dtype=np.uint64) if self.words else None
         # key + 1 in each cache slot (0: empty); zeroed pages are mapped lazily, so the slots never used
         # cost no memory, and the array rarely has to grow
