@@ -433,6 +433,16 @@ def _word_count(row):  # type: ignore[no-untyped-def]
 
 
 @njit(cache=True, nogil=True)
+def _load_wide_early(state, held, keys, i, hi):  # type: ignore[no-untyped-def]
+    """Starts loading the record and the holders' row of the key ``_AHEAD`` positions after ``i`` (below
+    ``hi``), so that the wide loops' random loads overlap as the one-word loops' do."""
+    if i + _AHEAD < hi:
+        ahead = np.uint64(keys[i + _AHEAD])
+        load_early(state, ahead)
+        load_early(held[ahead], 0)
+
+
+@njit(cache=True, nogil=True)
 def _push_wide(  # type: ignore[no-untyped-def]
     state, held, pending_to, handover_at, keys, users, batch, oldest, linked, before_used, before_pos, fresh,
     first, lo, hi,
@@ -445,10 +455,7 @@ def _push_wide(  # type: ignore[no-untyped-def]
     fresh_count = lo
     joiners = np.empty(words, dtype=np.uint64)
     for i in range(lo, hi):
-        if i + _AHEAD < hi:  # (the record and the holders' row of a key ahead: their loads overlap)
-            ahead = np.uint64(keys[i + _AHEAD])
-            load_early(state, ahead)
-            load_early(held[ahead], 0)
+        _load_wide_early(state, held, keys, i, hi)
         k = np.uint64(keys[i])
         rec = state[k]
         prev = rec.latest
@@ -538,10 +545,7 @@ def _pop_wide(  # type: ignore[no-untyped-def]
         end = min(hi, start + _POP_CHUNK)
         waiting = 0
         for i in range(start, end):
-            if i + _AHEAD < hi:  # (the record and the holders' row of a key ahead: their loads overlap)
-                ahead = np.uint64(keys[i + _AHEAD])
-                load_early(state, ahead)
-                load_early(held[ahead], 0)
+            _load_wide_early(state, held, keys, i, hi)
             k = np.uint64(keys[i])
             rec = state[k]
             ttl[i] = rec.latest
