@@ -215,14 +215,14 @@ class BatchPlan:
     holders: np.ndarray  # mask [U]: trainers that hold the key during this batch
     sync_class: np.ndarray  # uint8 [U]: PRIVATE (one holder), CRITICAL or BACKGROUND (all-reduced)
     prefetch: np.ndarray  # int32 [P]: fetched by their holders before this batch
-    prefetch_keys: np.ndarray  # int64 [P]: keys[prefetch]
+    prefetch_keys: np.ndarray  # int64 [P]: keys[prefetch] (an oracle shard's: their global keys)
     prefetch_holders: np.ndarray  # mask [P]: holders[prefetch]
     # bool [P]: the key's first use since batch first_since (the planner's first): no batch from then
     # until this one used it, so nothing since then has changed its row
     prefetch_first: np.ndarray
     first_since: int
     evict: np.ndarray  # int32 [E]
-    evict_keys: np.ndarray  # int64 [E]: keys[evict]
+    evict_keys: np.ndarray  # int64 [E]: keys[evict] (an oracle shard's: their global keys)
     writer: np.ndarray  # int32 [E]: the trainer that writes each evicted key back
     handovers: Handovers  # after this batch's update
     depends_on: int  # write-backs of this batch must be durable before the prefetches start

@@ -704,7 +704,8 @@ def _compile(trainers: int, threads: int) -> None:
 
 
 class LookaheadPlanner:
-    """Algorithm 1 with LRPP over global keys ``0 .. num_keys-1`` for ``trainers`` trainers.
+    """Algorithm 1 with LRPP over keys ``0 .. num_keys-1`` (global keys, or an oracle shard's rows: ``shard``)
+    for ``trainers`` trainers.
 
     ``push`` batches in order (lines 5-11) with the mask of trainers using each key (``users``;
     all trainers for a replicated cache); ``pop`` plans the oldest one (lines 12-25) once the window
@@ -845,6 +846,7 @@ class LookaheadPlanner:
 
     @property
     def slot_high_water(self) -> int:
+        """The planner's own slots in use at most (a shard's: its plans' ``slot_high_water`` is K times)."""
         return self._allocator.high_water
 
     @property

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import dataclasses
 
+import numba
 import numpy as np
 import pytest
 from bagpipe.core.oracle_shards import KeyShards, shard_capacity
@@ -65,7 +66,11 @@ def test_a_shard_owns_at_least_one_key_bucket() -> None:
         (3, 3, 1, 3000, 400),  # it does not: by the shard's buckets
         (5, 3, 1, 3000, 1000),
         (3, 70, 1, 3000, 400),  # wide masks (_pop_wide)
-        (2, 3, 2, 120_000, 50_000),  # two threads (_pop_parts: each part's slots, then the lists moved up)
+        (2, 130, 1, 60_000, 20_000),  # ... over several of its chunks (over _POP_CHUNK keys a shard)
+        pytest.param(  # two threads (_pop_parts: each part's slots, then the lists moved up)
+            *(2, 3, 2, 120_000, 50_000),
+            marks=pytest.mark.skipif(numba.config.NUMBA_NUM_THREADS < 2, reason="one core: no second thread"),
+        ),
     ],
 )
 def test_a_shards_planner_writes_its_plans_in_the_trainers_terms(
@@ -94,16 +99,17 @@ def test_a_shards_planner_writes_its_plans_in_the_trainers_terms(
                 users = rng.integers(1, 1 << trainers, size=local.size).astype(mask_dtype(trainers))
             if not plain.wants_more():
                 pairs.append((plain.pop(), theirs.pop()))
+                if len(pairs) == 3:  # (between batches: the rows cached after the third)
+                    want_keys, want_slots, want_writer = plain.cached()
+                    got_keys, got_slots, got_writer = theirs.cached()
+                    assert want_keys.size, "rows are cached"
+                    assert np.array_equal(got_keys, key_shards.global_keys(shard, want_keys))
+                    assert np.array_equal(got_slots, key_shards.global_slots(shard, want_slots))
+                    assert np.array_equal(got_writer, want_writer)
             assert plain.push(b, local, last=b == 11, users=users)
             assert theirs.push(b, local, last=b == 11, users=users)
         while plain.can_pop():
             pairs.append((plain.pop(), theirs.pop()))
-            if len(pairs) == 3:  # (between batches: the rows cached after batch 2)
-                want_keys, want_slots, want_writer = plain.cached()
-                got_keys, got_slots, got_writer = theirs.cached()
-                assert np.array_equal(got_keys, key_shards.global_keys(shard, want_keys))
-                assert np.array_equal(got_slots, key_shards.global_slots(shard, want_slots))
-                assert np.array_equal(got_writer, want_writer)
         assert sum(p.prefetch_keys.size for p, _ in pairs) and sum(p.evict_keys.size for p, _ in pairs)
         assert sum(p.handovers.keys.size for p, _ in pairs), "hand-overs were planned"
         converted = {"prefetch_keys", "evict_keys", "slots", "slot_high_water", "handovers"}

@@ -14,7 +14,7 @@ import numpy as np
 import pytest
 from bagpipe.core.plans import for_trainer, mask_dtype, mask_words, traffic, trainer_users
 from bagpipe.oracle_cacher import lookahead
-from bagpipe.oracle_cacher.lookahead import CapacityError, LookaheadPlanner
+from bagpipe.oracle_cacher.lookahead import _POP_CHUNK, CapacityError, LookaheadPlanner
 
 from tests.unit.oracle_cacher.test_lookahead import assert_same_plans
 
@@ -281,15 +281,25 @@ def test_trainer_users_and_shares_follow_the_sample_slices() -> None:
     assert (t.unique, t.prefetched, t.critical_rows, t.background_rows) == (5, 6, 0, 1)
 
 
-@pytest.mark.parametrize(("capacity", "delayed"), [(None, True), (90, True), (None, False)])
-def test_wide_masks_plan_what_one_word_plans(capacity: int | None, delayed: bool) -> None:
+@pytest.mark.parametrize(
+    ("capacity", "delayed", "batches", "keys", "per"),
+    [
+        (None, True, 60, 200, 6),
+        (90, True, 60, 200, 6),
+        (None, False, 60, 200, 6),
+        (None, True, 10, 200_000, 500),  # batches of over _POP_CHUNK keys: several chunks a pop
+    ],
+)
+def test_wide_masks_plan_what_one_word_plans(
+    capacity: int | None, delayed: bool, batches: int, keys: int, per: int
+) -> None:
     """Above 64 trainers masks are rows of words, planned by loops of their own (``_push_wide``,
     ``_pop_wide``). A stream whose samples come from 40 of 130 trainers is planned exactly as one word plans
     it for 40 trainers: every field of every plan, masks read as integers, and the cached rows' writers."""
-    stream = make_stream(60, 40, keys=200, per=6, seed=11)
-    narrow, one = plan_stream(stream, 40, 6, 200, capacity=capacity, delayed=delayed)
+    stream = make_stream(batches, 40, keys=keys, per=per, seed=11)
+    narrow, one = plan_stream(stream, 40, 6, keys, capacity=capacity, delayed=delayed)
     padded = [[*used, *([set()] * 90)] for used in stream]  # (trainers 40..129 use nothing)
-    wide, many = plan_stream(padded, 130, 6, 200, capacity=capacity, delayed=delayed)
+    wide, many = plan_stream(padded, 130, 6, keys, capacity=capacity, delayed=delayed)
     assert many.words == 3 and one.words == 0
     for a, b in zip(narrow, wide, strict=True):
         for name in ("keys", "slots", "ttl", "sync_class", "prefetch", "prefetch_keys", "evict", "writer"):
@@ -303,6 +313,7 @@ def test_wide_masks_plan_what_one_word_plans(capacity: int | None, delayed: bool
             assert [as_int(m) for m in getattr(ha, name)] == [as_int(m) for m in getattr(hb, name)], name
         assert (a.depends_on, a.window, a.occupancy) == (b.depends_on, b.window, b.occupancy)
     assert sum(p.handovers.keys.size for p in wide) > 0 and sum(p.evict.size for p in wide) > 0
+    assert max(p.keys.size for p in wide) > _POP_CHUNK or keys < _POP_CHUNK
     replay(padded, wide, 130, capacity=capacity, delayed=delayed)
 
 
