@@ -881,7 +881,8 @@ class LookaheadPlanner:
             users = every_trainer(keys.size, self.trainers)
         elif users.dtype != self.mask or users.shape != shape:
             raise ValueError(f"users: expected {self.mask} {shape}, got {users.dtype} {users.shape}")
-        elif not named(users).all():
+        elif users.size and (users.min() == 0 if users.ndim == 1 else not named(users).all()):
+            # (one-word masks: their least is 0 where one names no trainer; a reduction, no temporary)
             unused = int(keys[~named(users)][0])
             raise ValueError(f"users: batch {batch} has a key no trainer uses (key {unused})")
         keys, users = _read_only(keys), _read_only(users)  # (one compiled variant, whatever the caller has)
