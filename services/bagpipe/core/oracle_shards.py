@@ -26,7 +26,7 @@ from numba import njit
 
 from bagpipe.core.shard_map import ShardMap
 
-__all__ = ["KeyShards", "global_key", "one_shard_terms", "shard_capacity"]
+__all__ = ["KeyShards", "global_key", "global_slot", "one_shard_terms", "shard_capacity"]
 
 
 def shard_capacity(capacity: int | None, oracles: int, shard: int) -> int | None:
@@ -98,18 +98,21 @@ class KeyShards:
         return Split(order, bounds, local)
 
     def global_keys(self, shard: int, local: np.ndarray, out: np.ndarray | None = None) -> np.ndarray:
-        """The global keys of shard ``shard``'s local rows ``local`` (into ``out``: may be ``local``)."""
+        """The global keys of shard ``shard``'s local rows ``local`` (into ``out``: may be ``local``), by
+        ``global_key``."""
         rows = np.asarray(local, dtype=np.int64)
-        if self._plain:
-            out = np.multiply(rows, self.shards, out=out)
-            return np.add(out, shard, out=out)
-        rounds, at = np.divmod(rows, self.counts[shard])
-        return np.add(rounds * self.map.num_buckets, self.owned[shard][at], out=out)
+        out = np.empty_like(rows) if out is None else out
+        terms, owned = self.terms(shard)
+        _global_keys(rows, out, terms, owned)
+        return out
 
     def global_slots(self, shard: int, slots: np.ndarray, out: np.ndarray | None = None) -> np.ndarray:
-        """Shard ``shard``'s cache slots as the trainers' slots: ``s * K + shard`` (into ``out``)."""
-        out = np.multiply(slots, np.int32(self.shards), out=out)
-        return np.add(out, np.int32(shard), out=out)
+        """Shard ``shard``'s cache slots as the trainers' slots (into ``out``: may be ``slots``), by
+        ``global_slot``."""
+        slots = np.asarray(slots, dtype=np.int32)
+        out = np.empty_like(slots) if out is None else out
+        _global_slots(slots, out, self.shards, shard)
+        return out
 
     def terms(self, shard: int) -> tuple[np.ndarray, np.ndarray]:
         """What a planner of shard ``shard``'s local rows needs to write its plans in the trainers' terms
@@ -127,8 +130,27 @@ def one_shard_terms() -> tuple[np.ndarray, np.ndarray]:
 
 @njit(cache=True, nogil=True)
 def global_key(row, shards, shard, plain, count, owned, buckets):  # type: ignore[no-untyped-def]
-    """``KeyShards.global_keys`` of one local row, compiled (``KeyShards.terms`` gives the arguments after
-    ``row``, ``plain`` as 0 or 1)."""
+    """The global key of shard ``shard``'s local row ``row``: the one mapping, for compiled loops
+    (``KeyShards.terms`` gives the arguments after ``row``, ``plain`` as 0 or 1)."""
     if plain:
         return row * shards + shard
     return (row // count) * buckets + owned[row % count]
+
+
+@njit(cache=True, nogil=True)
+def global_slot(slot, shards, shard):  # type: ignore[no-untyped-def]
+    """Shard ``shard``'s cache slot ``slot`` as the trainers' slot: ``slot * K + shard``."""
+    return slot * shards + shard
+
+
+@njit(cache=True, nogil=True)
+def _global_keys(rows, out, terms, owned):  # type: ignore[no-untyped-def]
+    shards, shard, plain, count, buckets = terms[0], terms[1], terms[2] != 0, terms[3], terms[4]
+    for i in range(rows.size):
+        out[i] = global_key(rows[i], shards, shard, plain, count, owned, buckets)
+
+
+@njit(cache=True, nogil=True)
+def _global_slots(slots, out, shards, shard):  # type: ignore[no-untyped-def]
+    for i in range(slots.size):
+        out[i] = global_slot(slots[i], shards, shard)

@@ -83,7 +83,7 @@ from numba import njit, prange
 
 from bagpipe.allocator import huge_page_zeros
 from bagpipe.core.intrinsics import load_early
-from bagpipe.core.oracle_shards import KeyShards, global_key, one_shard_terms
+from bagpipe.core.oracle_shards import KeyShards, global_key, global_slot, one_shard_terms
 from bagpipe.core.plans import (
     BatchPlan,
     Handovers,
@@ -385,7 +385,7 @@ def _pop_records(  # type: ignore[no-untyped-def]
                 owners = np.uint64(holders[i])
                 to = np.uint64(pending[i])
                 handed_keys[handed] = k
-                handed_slots[handed] = slots[i] * shards + shard
+                handed_slots[handed] = global_slot(slots[i], shards, shard)
                 handed_source[handed] = owners & (~owners + one)  # the lowest holder sends
                 handed_to[handed] = to
                 if urgent:
@@ -419,7 +419,7 @@ def _pop_records(  # type: ignore[no-untyped-def]
             rec.holders = 0
         if shards != 1:  # (the chunk's slots, used above as the planner's, in the trainers' terms)
             for i in range(start, end):
-                slots[i] = slots[i] * shards + shard
+                slots[i] = global_slot(slots[i], shards, shard)
     return int(evicted - lo_u), int(handed - lo_u)
 
 
@@ -579,7 +579,7 @@ def _pop_wide(  # type: ignore[no-untyped-def]
                 continue
             state[k].handover_to = 0
             handed_keys[handed] = keys[i]
-            handed_slots[handed] = slots[i] * shards + shard
+            handed_slots[handed] = global_slot(slots[i], shards, shard)
             _lowest_wide(holders[i], handed_source[handed])
             critical = urgent
             for w in range(words):
@@ -611,7 +611,7 @@ def _pop_wide(  # type: ignore[no-untyped-def]
                 held[k, w] = 0
         if shards != 1:  # (the chunk's slots, used above as the planner's, in the trainers' terms)
             for i in range(start, end):
-                slots[i] = slots[i] * shards + shard
+                slots[i] = global_slot(slots[i], shards, shard)
     return evicted - lo, handed - lo
 
 
