@@ -66,5 +66,13 @@ if [ -z "$source" ] || [ "$source" = wheels ]; then
   fi
 fi
 trap 'rm -f docker/wheels/*.whl docker/pip/*.pem' EXIT
+# the image TAG named before this build: once TAG names the new one, the old one is removed, so that
+# rebuilds (every `make cluster-test`) do not pile up untagged images; one a container still uses stays
+previous=$("$engine" images -q "$tag" 2>/dev/null | head -n 1)
 "${build[@]}" -f docker/Dockerfile --build-arg BASE_IMAGE="$base" --build-arg TORCH_VARIANT="$variant" \
   --build-arg TORCH_SOURCE="$source" --build-arg PIP_INDEX_URL="${index:-https://pypi.org/simple}" -t "$tag" .
+now=$("$engine" images -q "$tag" 2>/dev/null | head -n 1)
+if [ -n "$previous" ] && [ "$previous" != "$now" ]; then
+  if "$engine" rmi "$previous" >/dev/null 2>&1; then echo "removed the previous $tag ($previous)"
+  else echo "kept the previous $tag ($previous): in use or tagged again"; fi
+fi
