@@ -850,6 +850,12 @@ class LookaheadPlanner:
         return self._allocator.high_water
 
     @property
+    def trainer_slot_high_water(self) -> int:
+        """The slots a trainer's cache needs for this planner's rows: its plans' ``slot_high_water`` (a
+        shard's slot ``s`` is the trainers' ``s·K + I``, so K times its own)."""
+        return self._allocator.high_water * int(self._terms[0])
+
+    @property
     def early_reuses(self) -> int:
         return self._allocator.early_reuses
 
@@ -1064,7 +1070,7 @@ class LookaheadPlanner:
             handovers=handovers,
             depends_on=depends_on,
             window=window,
-            slot_high_water=self._allocator.high_water * int(self._terms[0]),
+            slot_high_water=self.trainer_slot_high_water,
             occupancy=self.occupancy + evict.size,
             last=self._ended and not self._window,
         )

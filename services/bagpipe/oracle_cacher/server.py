@@ -304,7 +304,7 @@ class Oracle(pb_grpc.OracleCacherServicer):
                         self.planner.min_window,
                         max(self.windows),
                         self.planner.peak_occupancy,
-                        self.planner.slot_high_water,
+                        self.planner.trainer_slot_high_water,
                     )
                     return
 
@@ -453,7 +453,7 @@ class Oracle(pb_grpc.OracleCacherServicer):
             "lookahead": float(self.windows[-1] if self.windows else self.config.window),
             "min_lookahead": float(self.planner.min_window),
             "peak_occupancy": float(self.planner.peak_occupancy),
-            "slot_high_water": float(self.planner.slot_high_water),
+            "slot_high_water": float(self.planner.trainer_slot_high_water),  # (as the metric: a plan's)
             "min_written_back": float(min(self.written_back)),
         }
 

@@ -112,6 +112,9 @@ def test_a_shards_planner_writes_its_plans_in_the_trainers_terms(
             pairs.append((plain.pop(), theirs.pop()))
         assert sum(p.prefetch_keys.size for p, _ in pairs) and sum(p.evict_keys.size for p, _ in pairs)
         assert sum(p.handovers.keys.size for p, _ in pairs), "hand-overs were planned"
+        # (what the server's counters and log report, as its metric does: the plan's figure)
+        high_water = theirs.trainer_slot_high_water
+        assert high_water == plain.slot_high_water * shards == pairs[-1][1].slot_high_water
         converted = {"prefetch_keys", "evict_keys", "slots", "slot_high_water", "handovers"}
         for want, got in pairs:
             for f in dataclasses.fields(want):
