@@ -17,7 +17,8 @@ masks, as with LRPP). gRPC's own sending and receiving is not in it.
 * **Measured, one shard at a time** (``--oracles``, ``--trainers``): each shard's time a batch, one after
   another on one core. **Computed** from it: the rate of K shards on K cores (the slowest shard's time a
   batch), for K and trainer counts beyond this machine's cores.
-* **Measured, a trainer's side**: one trainer's receipt of a batch's K plan parts (parsed from their
+* **Measured, a trainer's side**: one trainer's receipt of a batch's K plan parts from their bytes, as
+  its plan streams yield them (``codec.plan_part``: the plans and samples parsed, the rows read from their
   bytes), merged and cut into its share (``codec.decode_plans``), a batch at a time; and the bytes it
   receives a batch (K plan parts, its samples once).
 
@@ -39,14 +40,20 @@ os.environ.setdefault("OMP_NUM_THREADS", "1")
 
 import numpy as np  # noqa: E402
 from bagpipe import allocator  # noqa: E402
-from bagpipe.codec import check_samples, decode_batch, decode_plans, encode_batch, encode_plans  # noqa: E402
+from bagpipe.codec import (  # noqa: E402
+    check_samples,
+    decode_batch,
+    decode_plans,
+    encode_batch,
+    encode_plans,
+    plan_part,
+)
 from bagpipe.core.data import KAGGLE_TABLE_ROWS, SyntheticConfig, SyntheticSource, build_batch, table_offsets  # noqa: E402
 from bagpipe.core.oracle_shards import KeyShards  # noqa: E402
 from bagpipe.core.plans import MAX_TRAINERS, trainer_users  # noqa: E402
 from bagpipe.data_processor.server import oracle_part  # noqa: E402
 from bagpipe.oracle_cacher.lookahead import LookaheadPlanner  # noqa: E402
 from bagpipe.v1 import data_processor_pb2 as dpb  # noqa: E402
-from bagpipe.v1 import oracle_cacher_pb2 as opb  # noqa: E402
 
 TARGET_SPEEDUP = 1.8  # K=2 on two cores against K=1 on one, 8 trainers
 TARGET_TRAINER_MS = 1.0  # a trainer's receipt and merge of K=8 parts, a batch
@@ -243,10 +250,8 @@ def _one_at_a_time(inputs: dict[str, Any], timed: int) -> dict[str, Any]:
         samples = inputs["samples"][x][0]
         received += sum(len(e.rows) + len(e.plans[0]) for e in encoded) + len(samples)
         start = time.perf_counter()  # a trainer: the parts' messages from their bytes, merged and cut
-        parts = [
-            (opb.PlanPart.FromString(e.plans[0]).plan, opb.PlanPart.FromString(e.rows).rows) for e in encoded
-        ]
-        got = opb.PlanPart.FromString(samples).samples
+        parts = [(plan_part(e.plans[0], "plan")[1], plan_part(e.rows, "rows")[1]) for e in encoded]
+        got = plan_part(samples, "samples")[1]
         decode_plans(parts, got, inputs["tables"], inputs["dense"], 0, trainers)
         merge.append(time.perf_counter() - start)
     slowest = float(seconds.max())

@@ -13,7 +13,8 @@ every check on the way in sits beside the encoding it checks.)
 
 Decoding validates everything the receiver indexes with (dtypes, shapes, index ranges, trainer masks)
 and raises :class:`~bagpipe.errors.InvalidArgument` naming the batch and the field, so a bad message is
-refused before it changes any state. Decoded arrays are read-only views of the message bytes (no copy).
+refused before it changes any state. Decoded arrays are read-only views of the message bytes (no copy),
+but for the K parts of a plan's rows, each field of which is copied once into one block.
 Tensors themselves are raw little-endian bytes (``bagpipe.wire``).
 """
 
@@ -542,18 +543,18 @@ def _move_parts(values, lengths, rows, out):  # type: ignore[no-untyped-def]
     """``out``: ``values``, the parts' indices into their own rows (``lengths[i]`` of part ``i``, which has
     ``rows[i]`` rows) as indices into the parts' rows one after another. Returns the position of the first
     index outside its part's rows (-1: none)."""
-    at = 0
-    start = 0
+    at = np.uint64(0)
+    start = np.int32(0)
     for i in range(lengths.size):
-        count = rows[i]
-        for j in range(at, at + lengths[i]):
+        count = np.uint64(rows[i])
+        for j in range(at, at + np.uint64(lengths[i])):  # (unsigned: one compare a value, no wrapping)
             v = values[j]
-            if v < 0 or v >= count:
-                return j
+            if np.uint64(np.int64(v)) >= count:
+                return np.int64(j)
             out[j] = v + start
-        at += lengths[i]
-        start += count
-    return -1
+        at += np.uint64(lengths[i])
+        start += np.int32(count)
+    return np.int64(-1)
 
 
 @njit(cache=True, nogil=True)
@@ -640,6 +641,218 @@ def _read_rows(
     ), {"prefetch": fetched, "handover_slots": handed}
 
 
+# ---- PlanRows read from their bytes (a trainer reads K of them a batch)
+#
+# ``_read_rows`` reads parsed messages field by field, a dozen attribute reads and a copy of the data a
+# field a part: about 30 us a part with cold caches, so a trainer's receipt grew by a quarter of a
+# millisecond from K=1 to K=8. A trainer receives the rows as bytes (``plan_part``), and two compiled
+# passes read all K parts: ``_scan_rows`` finds every field and checks what ``_read_rows`` checks of the
+# parts' shapes, ``_copy_rows`` copies each field's parts one after another into one block. Any part that
+# is not laid out as ``encode_plans`` writes it (or fails a check) is read again as a message by
+# ``_read_rows``, which accepts what protobuf accepts and says what is wrong.
+
+# PlanRows' Tensor fields read from bytes, in the block's order: (number, dtype, the field whose length
+# each part's must equal, 0: its own). ``users`` (2), a 2-D mask array, is read apart.
+_ROWS_LAYOUT = (
+    (1, np.int32, 0),  # slots
+    (3, np.uint8, 1),  # sync
+    (4, np.int32, 0),  # prefetch
+    (5, np.int64, 4),  # prefetch_keys
+    (15, np.bool_, 4),  # prefetch_first
+    (7, np.int32, 0),  # evict
+    (8, np.int64, 7),  # evict_keys
+    (9, np.int32, 7),  # evict_writer
+    (10, np.int32, 0),  # handover_slots
+    (13, np.bool_, 10),  # handover_critical
+)
+_ROWS_NUMBERS = np.array([n for n, _, _ in _ROWS_LAYOUT], dtype=np.int64)
+_ROWS_CODES = np.array([int(DTYPE_CODES[np.dtype(t)]) for _, t, _ in _ROWS_LAYOUT], dtype=np.int64)
+_ROWS_ITEMSIZES = np.array([np.dtype(t).itemsize for _, t, _ in _ROWS_LAYOUT], dtype=np.int64)
+_ROWS_SIZED_BY = np.array([s for _, _, s in _ROWS_LAYOUT], dtype=np.int64)
+_USERS_FIELD, _BATCH_FIELD, _FIRST_SINCE_FIELD = 2, 14, 16
+_UINT8_CODE = int(DTYPE_CODES[np.dtype(np.uint8)])
+# a Tensor field's entry in _scan_rows' table: present, dtype, dimensions, the first two, data's start, size
+_PRESENT, _DTYPE, _NDIM, _DIM0, _DIM1, _DATA_AT, _DATA_SIZE = range(7)
+
+
+@njit(cache=True, nogil=True)
+def _scan_tensor(buf, at, end, entry):  # type: ignore[no-untyped-def]
+    """The ``Tensor`` in ``buf[at:end]`` into ``entry`` (``_PRESENT`` ...): False when it is not one as
+    ``wire`` writes it (its data twice, more than two dimensions, another field)."""
+    dims = 0
+    entry[_DATA_AT] = at
+    entry[_DATA_SIZE] = 0  # (no data field: an empty tensor)
+    seen_data = False
+    while at < end:
+        number, kind, value, start, after = _next_field(buf, at, end)
+        if after < 0:
+            return False
+        if number == 1 and kind == 0:
+            entry[_DTYPE] = np.int64(value)
+        elif number == 2 and kind == 2:  # (packed dimensions, as protobuf writes them)
+            while start < after:
+                dim, start = _varint(buf, start, after)
+                if start < 0 or dims == 2:
+                    return False
+                entry[_DIM0 + dims] = np.int64(dim)
+                dims += 1
+        elif number == 2 and kind == 0:
+            if dims == 2:
+                return False
+            entry[_DIM0 + dims] = np.int64(value)
+            dims += 1
+        elif number == 3 and kind == 2 and not seen_data:
+            seen_data = True
+            entry[_DATA_AT] = start
+            entry[_DATA_SIZE] = after - start
+        else:
+            return False
+        at = after
+    entry[_NDIM] = dims
+    entry[_PRESENT] = 1
+    return True
+
+
+@njit(cache=True, nogil=True)
+def _scan_rows(
+    buf, starts, ends, batch, width, numbers, codes, itemsizes, sized_by, table, totals, since_out
+):  # type: ignore[no-untyped-def]
+    """Part ``p``'s ``PlanRows`` is ``buf[starts[p]:ends[p]]``: each Tensor field's place into ``table[p,
+    number]``, and each layout field's bytes over the parts into ``totals`` (``users``' last). True when
+    every part holds batch ``batch``, the same ``first_since`` (in ``[0, batch]``), every layout field
+    once, of its dtype, one dimension and the data that fills it, sized as ``sized_by`` says, and
+    ``users`` in every part or in none (uint8 ``[slots, width]``); ``since_out[0]``: that ``first_since``.
+    False at anything else, having changed nothing but the outputs."""
+    parts = starts.size
+    first_since = np.int64(-1)
+    for p in range(parts):
+        at, end = starts[p], ends[p]
+        got_batch = np.int64(0)  # (proto3 leaves out a zero)
+        since = np.int64(0)
+        while at < end:
+            number, kind, value, start, after = _next_field(buf, at, end)
+            if after < 0:
+                return False
+            if kind == 0 and number == _BATCH_FIELD:
+                got_batch = np.int64(value)
+            elif kind == 0 and number == _FIRST_SINCE_FIELD:
+                since = np.int64(value)
+            elif kind == 2 and 0 < number < table.shape[1]:
+                entry = table[p, np.int64(number)]  # (_next_field's number is a float to numba)
+                if entry[_PRESENT] or not _scan_tensor(buf, start, after, entry):
+                    return False
+            else:
+                return False
+            at = after
+        if got_batch != batch or since < 0 or since > batch or (p and since != first_since):
+            return False
+        first_since = since
+        users = table[p, _USERS_FIELD]
+        if users[_PRESENT] != table[0, _USERS_FIELD, _PRESENT]:
+            return False
+        if users[_PRESENT] and (
+            users[_DTYPE] != _UINT8_CODE
+            or users[_NDIM] != 2
+            or users[_DIM0] != table[p, 1, _DIM0]
+            or users[_DIM1] != width
+            or users[_DIM0] > users[_DATA_SIZE]
+            or users[_DATA_SIZE] != users[_DIM0] * width
+        ):
+            return False
+        for f in range(numbers.size):
+            entry = table[p, numbers[f]]
+            count = entry[_DIM0]
+            if (
+                entry[_PRESENT] == 0
+                or entry[_DTYPE] != codes[f]
+                or entry[_NDIM] != 1
+                or count < 0
+                or count > entry[_DATA_SIZE]  # (bounded by the data first: the product cannot wrap)
+                or entry[_DATA_SIZE] != count * itemsizes[f]
+                or (sized_by[f] and count != table[p, sized_by[f], _DIM0])
+            ):
+                return False
+    for f in range(numbers.size):
+        totals[f] = 0
+        for p in range(parts):
+            totals[f] += table[p, numbers[f], _DATA_SIZE]
+    totals[numbers.size] = 0
+    for p in range(parts):
+        totals[numbers.size] += table[p, _USERS_FIELD, _DATA_SIZE]
+    since_out[0] = first_since
+    return True
+
+
+@njit(cache=True, nogil=True)
+def _copy_rows(buf, table, numbers, offsets, block):  # type: ignore[no-untyped-def]
+    """Each layout field's data (``users``' last), part after part, into ``block`` from ``offsets[f]``."""
+    for f in range(numbers.size + 1):
+        number = numbers[f] if f < numbers.size else _USERS_FIELD
+        to = np.uint64(offsets[f])
+        for p in range(table.shape[0]):
+            at, size = np.uint64(table[p, number, _DATA_AT]), np.uint64(table[p, number, _DATA_SIZE])
+            # (unsigned indices: a loop LLVM makes a memcpy of; a slice's copy took four times as long)
+            for i in range(size):
+                block[to + i] = buf[at + i]
+            to += size
+
+
+def _rows_from_bytes(
+    datas: Sequence[Any], batch: int, trainers: int
+) -> tuple[SharedPlan, dict[str, list[int]]] | None:
+    """``_read_rows`` of the parts' serialised ``PlanRows`` (bytes-like), read as the bytes are: None when
+    a part is not laid out as ``encode_plans`` writes it or fails a check, for ``_read_rows`` to read the
+    parts as messages and say what is wrong."""
+    k = len(datas)
+    sizes = np.fromiter((len(d) for d in datas), dtype=np.int64, count=k)
+    ends = np.cumsum(sizes)
+    buf = np.frombuffer(datas[0] if k == 1 else b"".join(datas), dtype=np.uint8)
+    dtype = mask_dtype(trainers)
+    width = dtype.itemsize * max(1, mask_words(trainers))
+    table = np.zeros((k, _FIRST_SINCE_FIELD, 7), dtype=np.int64)
+    totals = np.empty(_ROWS_NUMBERS.size + 1, dtype=np.int64)
+    since = np.empty(1, dtype=np.int64)
+    numbers = _ROWS_NUMBERS
+    layout = (numbers, _ROWS_CODES, _ROWS_ITEMSIZES, _ROWS_SIZED_BY)
+    if not _scan_rows(buf, ends - sizes, ends, batch, width, *layout, table, totals, since):
+        return None
+    offsets = np.zeros(totals.size + 1, dtype=np.int64)  # (each field 8-aligned in the block)
+    np.cumsum((totals + 7) // 8 * 8, out=offsets[1:])
+    block = np.empty(int(offsets[-1]), dtype=np.uint8)
+    _copy_rows(buf, table, numbers, offsets, block)
+    field: dict[int, np.ndarray] = {
+        n: block[offsets[f] : offsets[f] + totals[f]].view(t) for f, (n, t, _) in enumerate(_ROWS_LAYOUT)
+    }
+    counts = table[:, :, _DIM0].T.copy()  # (counts[number]: each part's length of the field)
+    for number in (4, 7):  # (indices into the part's own rows, moved past the parts' before it)
+        values = field[number]
+        if _move_parts(values, counts[number], counts[1], values) >= 0:
+            return None
+    users = None
+    if table[0, _USERS_FIELD, _PRESENT]:
+        raw = block[offsets[-2] : offsets[-2] + totals[-1]].reshape(-1, width)
+        users = raw.view(dtype.newbyteorder("<")).reshape(masks_shape(raw.shape[0], trainers))
+        users = users.astype(dtype, copy=False)
+    return SharedPlan(
+        batch=batch,
+        slots=field[1],
+        users=users,
+        sync=field[3],
+        prefetch=field[4],
+        prefetch_keys=field[5],
+        prefetch_holders=None,
+        evict=field[7],
+        evict_keys=field[8],
+        evict_writer=field[9],
+        handover_slots=field[10],
+        handover_source=None,
+        handover_recipients=None,
+        handover_critical=field[13],
+        prefetch_first=field[15],
+        first_since=int(since[0]),
+    ), {"prefetch": counts[4].tolist(), "handover_slots": counts[10].tolist()}
+
+
 def _check_rows(rows: SharedPlan, trainers: int, slot_high_water: int, where: str) -> None:
     """The values of rows ``_read_rows`` read (or of K parts merged, each read so): slots below the
     high-water mark, synchronisation classes, writers and hand-over masks that name trainers of the job,
@@ -685,8 +898,24 @@ def decode_plan(
     return decode_plans([(msg, rows_msg)], samples, num_tables, num_dense, rank, trainers)
 
 
+def plan_part(part: bytes | opb.PlanPart, where: str) -> tuple[str | None, Any]:
+    """A ``PlanPart`` of a trainer's plan stream (its bytes, or the message): which arm it holds ("rows",
+    "plan" or "samples"; None: none) and its value. Rows stay bytes, a view of ``part``'s, which
+    ``decode_plans`` reads without a parse; anything else is parsed."""
+    if isinstance(part, bytes):
+        try:
+            rows = unwrap(part, 1, where)
+        except InvalidArgument:  # (not one field: as protobuf reads it, below)
+            rows = None
+        if rows is not None:
+            return "rows", rows
+    message = opb.PlanPart.FromString(part) if isinstance(part, bytes) else part
+    kind = message.WhichOneof("part")
+    return kind, getattr(message, kind) if kind else None
+
+
 def decode_plans(
-    parts: Sequence[tuple[opb.Plan, opb.PlanRows]],
+    parts: Sequence[tuple[opb.Plan, opb.PlanRows | bytes | memoryview]],
     samples: dpb.Samples,
     num_tables: int,
     num_dense: int,
@@ -696,7 +925,8 @@ def decode_plans(
     """``decode_plan`` of a batch planned by K oracle shards: shard ``I``'s ``Plan`` and ``PlanRows`` are
     ``parts[I]``. Every part is checked as one plan is, the parts must agree on the batch's facts (its
     number, size, whether it is the last and whether a checkpoint follows), and their rows are merged
-    (``merge_rows``): the samples' inverse indexes the merged rows."""
+    (``merge_rows``): the samples' inverse indexes the merged rows. A part's rows may be a ``PlanRows``
+    or its bytes (``plan_part``), which are read without a parse."""
     msg = parts[0][0]
     b = msg.batch
     where = f"plan {b}"
@@ -717,10 +947,17 @@ def decode_plans(
     high_water = max(part.slot_high_water for part, _ in parts)
     slot_high_water = max(1, high_water)
     wheres = [where] if len(parts) == 1 else [f"{where}: oracle shard {i}" for i in range(len(parts))]
-    for i, (_, rows_msg) in enumerate(parts):
-        if rows_msg.batch != b:
-            raise InvalidArgument(f"{wheres[i]}: rows", f"are batch {rows_msg.batch}'s")
-    rows, lengths = _read_rows([r for _, r in parts], b, trainers, [f"{w}: rows" for w in wheres])
+    given = [r for _, r in parts]
+    read = None
+    if not any(isinstance(r, opb.PlanRows) for r in given):  # (their bytes, as a trainer receives them)
+        read = _rows_from_bytes(given, b, trainers)
+    if read is None:  # (as messages: what protobuf accepts is read, and what is wrong is said)
+        rows_parts = [r if isinstance(r, opb.PlanRows) else opb.PlanRows.FromString(bytes(r)) for r in given]
+        for i, rows_msg in enumerate(rows_parts):
+            if rows_msg.batch != b:
+                raise InvalidArgument(f"{wheres[i]}: rows", f"are batch {rows_msg.batch}'s")
+        read = _read_rows(rows_parts, b, trainers, [f"{w}: rows" for w in wheres])
+    rows, lengths = read
     _check_rows(rows, trainers, slot_high_water, f"{where}: rows")  # (once, over every part's values)
     size = msg.global_batch_size // trainers
     dense, labels, inverse = _samples(samples, b, rank, size, num_dense, num_tables)

@@ -3,9 +3,13 @@ planner and plan in the trainers' terms, and every trainer's merge of the K part
 
 from __future__ import annotations
 
+import dataclasses
+from typing import Any
+
+import bagpipe.codec as codec
 import numpy as np
 import pytest
-from bagpipe.codec import decode_batch, decode_plans, encode_batch, encode_plans
+from bagpipe.codec import decode_batch, decode_plans, encode_batch, encode_plans, plan_part
 from bagpipe.core.data import SyntheticConfig, SyntheticSource, table_offsets
 from bagpipe.core.oracle_shards import KeyShards
 from bagpipe.core.plans import TrainerBatch, trainer_users
@@ -35,9 +39,58 @@ def _parts(data: list[bytes]) -> tuple[dpb.Batch, list[bytes]]:
     return head.batch, data[1:]
 
 
+def same(a: Any, b: Any, where: str = "") -> None:
+    """``a`` and ``b`` equal field by field (arrays: values and dtypes)."""
+    if dataclasses.is_dataclass(a):
+        assert type(a) is type(b), where
+        for f in dataclasses.fields(a):
+            same(getattr(a, f.name), getattr(b, f.name), f"{where}.{f.name}")
+    elif isinstance(a, np.ndarray):
+        assert isinstance(b, np.ndarray) and a.dtype == b.dtype and np.array_equal(a, b), where
+    elif isinstance(a, tuple | list):
+        assert type(a) is type(b) and len(a) == len(b), where
+        for i, (x, y) in enumerate(zip(a, b, strict=True)):
+            same(x, y, f"{where}[{i}]")
+    else:
+        assert a == b, where
+
+
+def decoded_both_ways(
+    parts: list[tuple[bytes, bytes]], samples: Any, rank: int, trainers: int
+) -> TrainerBatch:
+    """``decode_plans`` of serialised (plan, rows) ``PlanPart`` pairs as a trainer reads them (the rows'
+    bytes, ``plan_part``), checked against the same parts parsed as messages: the same batch, or the same
+    error."""
+    plans = [plan_part(plan, "plan")[1] for plan, _ in parts]
+    views = [plan_part(rows, "rows") for _, rows in parts]
+    assert all(kind == "rows" and isinstance(view, memoryview) for kind, view in views)
+    messages = [opb.PlanPart.FromString(rows).rows for _, rows in parts]
+    fast = codec._rows_from_bytes([view for _, view in views], plans[0].batch, trainers)
+    results = []
+    for rows in ([view for _, view in views], messages):
+        try:
+            results.append(
+                decode_plans(
+                    list(zip(plans, rows, strict=True)), samples, len(TABLE_ROWS), 13, rank, trainers
+                )
+            )
+        except InvalidArgument as e:
+            results.append(e)
+    if isinstance(results[1], InvalidArgument):
+        assert isinstance(results[0], InvalidArgument) and str(results[0]) == str(results[1])
+        raise results[0]
+    assert fast is not None, "parts as encode_plans writes them are read from their bytes"
+    same(results[0], results[1])
+    return results[0]
+
+
+def _serialised(plan: opb.Plan, rows: opb.PlanRows) -> tuple[bytes, bytes]:
+    return opb.PlanPart(plan=plan).SerializeToString(), opb.PlanPart(rows=rows).SerializeToString()
+
+
 def run(oracles: int) -> tuple[list[list[TrainerBatch]], list[dict[int, int]]]:
     """Every trainer's decoded batches, planned by ``oracles`` shards (1: the one oracle, unsplit), and the
-    trainers' slot of each key of each batch."""
+    trainers' slot of each key of each batch (each read from the rows' bytes and from messages)."""
     shards = KeyShards(NUM_KEYS, oracles) if oracles > 1 else None
     planners = [
         LookaheadPlanner(NUM_KEYS, L, trainers=TRAINERS)
@@ -84,15 +137,9 @@ def run(oracles: int) -> tuple[list[list[TrainerBatch]], list[dict[int, int]]]:
         merged_keys.append(dict(zip(keys.tolist(), slots.tolist(), strict=True)))
         carrier = planned[b % oracles][-b - 1]
         for rank in range(TRAINERS):
-            parts = [
-                (
-                    opb.PlanPart.FromString(planned[s][b][1][rank]).plan,
-                    opb.PlanPart.FromString(planned[s][b][0]).rows,
-                )
-                for s in range(oracles)
-            ]
+            parts = [(planned[s][b][1][rank], planned[s][b][0]) for s in range(oracles)]
             samples = opb.PlanPart.FromString(carrier[rank]).samples
-            out[rank].append(decode_plans(parts, samples, len(TABLE_ROWS), 13, rank, TRAINERS))
+            out[rank].append(decoded_both_ways(parts, samples, rank, TRAINERS))
     return out, merged_keys
 
 
@@ -148,18 +195,18 @@ def test_shard_parts_that_disagree_on_the_batch_are_refused() -> None:
     rows0 = opb.PlanPart.FromString(encoded[0].rows).rows
     plan1 = opb.PlanPart.FromString(encoded[1].plans[0]).plan
     rows1 = opb.PlanPart.FromString(encoded[1].rows).rows
-    decode_plans([(plan0, rows0), (plan1, rows1)], sample, len(TABLE_ROWS), 13, 0, TRAINERS)
+    decoded_both_ways([_serialised(plan0, rows0), _serialised(plan1, rows1)], sample, 0, TRAINERS)
     plan1.last = True
     with pytest.raises(InvalidArgument, match="plan 0: oracle shard 1: last"):
-        decode_plans([(plan0, rows0), (plan1, rows1)], sample, len(TABLE_ROWS), 13, 0, TRAINERS)
+        decoded_both_ways([_serialised(plan0, rows0), _serialised(plan1, rows1)], sample, 0, TRAINERS)
     plan1.last, rows1.batch = False, 1
     with pytest.raises(InvalidArgument, match="oracle shard 1: rows"):
-        decode_plans([(plan0, rows0), (plan1, rows1)], sample, len(TABLE_ROWS), 13, 0, TRAINERS)
+        decoded_both_ways([_serialised(plan0, rows0), _serialised(plan1, rows1)], sample, 0, TRAINERS)
     # one part missing: the samples index rows that are not there
     with pytest.raises(InvalidArgument, match="inverse"):
-        decode_plans([(plan0, rows0)], sample, len(TABLE_ROWS), 13, 0, TRAINERS)
+        decoded_both_ways([_serialised(plan0, rows0)], sample, 0, TRAINERS)
     rows1.batch = 0
-    decode_plans([(plan0, rows0), (plan1, rows1)], sample, len(TABLE_ROWS), 13, 0, TRAINERS)
+    decoded_both_ways([_serialised(plan0, rows0), _serialised(plan1, rows1)], sample, 0, TRAINERS)
     # each part is read on its own terms: an index into the merged rows that is outside its own part's, a
     # field of the wrong length, a bitmap of the wrong length, a first batch after this one
     count1 = len(rows1.slots.data) // 4
@@ -188,7 +235,97 @@ def test_shard_parts_that_disagree_on_the_batch_are_refused() -> None:
         else:
             broken_rows.first_since = value
         with pytest.raises(InvalidArgument, match=f"plan 0: {field}") as e:
-            decode_plans(
-                [(plan0, rows0), (broken_plan, broken_rows)], sample, len(TABLE_ROWS), 13, 0, TRAINERS
+            decoded_both_ways(
+                [_serialised(plan0, rows0), _serialised(broken_plan, broken_rows)], sample, 0, TRAINERS
             )
         assert why in str(e.value), (field, str(e.value))
+
+
+def _shard_rows(trainers: int, oracles: int, users: bool) -> list[list[bytes]]:
+    """Each batch's serialised ``PlanPart`` rows from each of ``oracles`` shards, for ``trainers`` trainers
+    (two random samples a trainer, of two keys each in 400), with the rows' masks when ``users``."""
+    rng = np.random.default_rng(trainers + oracles)
+    shards = KeyShards(400, oracles)
+    planners = [
+        LookaheadPlanner(shards.rows(s), 3, trainers=trainers, shard=(shards, s)) for s in range(oracles)
+    ]
+    out: list[list[bytes]] = []
+    for b in range(10):
+        keys, inverse = np.unique(rng.integers(0, 400, size=(2 * trainers, 2)), return_inverse=True)
+        masks = trainer_users(inverse.reshape(-1, 2).astype(np.int32), keys.size, trainers)
+        split = shards.split(keys)
+        for s, planner in enumerate(planners):
+            index = split.part(s)
+            planner.push(b, split.local[index], last=b == 9, users=masks[index])
+        while all(p.can_pop() for p in planners):
+            plans = [p.pop() for p in planners]
+            size = 2 * trainers
+            out.append([encode_plans(plan, [], size, None, trainers, users=users).rows for plan in plans])
+    return out
+
+
+@pytest.mark.parametrize(("trainers", "oracles"), [(8, 1), (8, 3), (70, 2), (130, 3)])
+@pytest.mark.parametrize("users", [False, True])
+def test_rows_read_from_their_bytes_are_the_rows_read_as_messages(
+    trainers: int, oracles: int, users: bool
+) -> None:
+    """A trainer reads the K parts' rows from their bytes, in two compiled passes: the same rows as read
+    from the parsed messages, with masks of one word and wide ones (``users``: the replicated cache's)."""
+    for parts in _shard_rows(trainers, oracles, users):
+        views = [plan_part(p, "rows")[1] for p in parts]
+        messages = [opb.PlanPart.FromString(p).rows for p in parts]
+        batch = messages[0].batch
+        got = codec._rows_from_bytes(views, batch, trainers)
+        assert got is not None
+        same(got, codec._read_rows(messages, batch, trainers, ["rows"] * oracles))
+        assert (got[0].users is not None) == users
+
+
+def _varint(value: int) -> bytes:
+    out = bytearray()
+    while value > 0x7F:
+        out.append(value & 0x7F | 0x80)
+        value >>= 7
+    return bytes(out + bytes([value]))
+
+
+def test_rows_laid_out_otherwise_are_read_as_protobuf_reads_them() -> None:
+    """What ``encode_plans`` does not write but protobuf reads is read as protobuf reads it: a field this
+    version does not know (the parts are then read as messages), and a dimension written as a field of its
+    own rather than packed (read from the bytes)."""
+    parts = _shard_rows(8, 2, False)[4]
+    views = [plan_part(p, "rows")[1] for p in parts]
+    messages = [opb.PlanPart.FromString(p).rows for p in parts]
+    batch = messages[0].batch
+    want = codec._read_rows(messages, batch, 8, ["rows"] * 2)
+    assert messages[1].slots.shape[0] > 0
+    unknown = bytes(views[1]) + bytes([0xB2, 0x01, 0x00])  # (field 22, empty: a later version's)
+    assert codec._rows_from_bytes([views[0], unknown], batch, 8) is None
+    same(codec._read_rows([messages[0], opb.PlanRows.FromString(unknown)], batch, 8, ["rows"] * 2), want)
+    rest = opb.PlanRows()
+    rest.CopyFrom(messages[1])
+    rest.ClearField("slots")
+    slots = messages[1].slots
+    tensor = b"\x08" + _varint(slots.dtype) + b"\x10" + _varint(slots.shape[0])
+    tensor += b"\x1a" + _varint(len(slots.data)) + slots.data
+    unpacked = b"\x0a" + _varint(len(tensor)) + tensor + rest.SerializeToString()
+    assert opb.PlanRows.FromString(unpacked) == messages[1]
+    got = codec._rows_from_bytes([views[0], unpacked], batch, 8)
+    assert got is not None
+    same(got, want)
+
+
+def test_a_length_that_would_wrap_around_is_refused_as_protobuf_reads_it() -> None:
+    """Dimensions whose products with the item sizes wrap around 64 bits to the data's sizes (the
+    evictions' three fields with 2^62 + n rows in their n rows' bytes: 4n, 8n, 4n) are not read from the
+    bytes, whose indices they would run past: the message reader refuses them by their sizes."""
+    parts = _shard_rows(8, 2, False)[4]
+    rows = opb.PlanPart.FromString(parts[1]).rows
+    count = len(rows.evict.data) // 4
+    assert count
+    for name in ("evict", "evict_keys", "evict_writer"):
+        getattr(rows, name).shape[0] = 2**62 + count
+    views = [plan_part(parts[0], "rows")[1], rows.SerializeToString()]
+    assert codec._rows_from_bytes(views, rows.batch, 8) is None
+    with pytest.raises(InvalidArgument, match="rows: evict"):
+        codec._read_rows([opb.PlanRows.FromString(bytes(v)) for v in views], rows.batch, 8, ["rows"] * 2)

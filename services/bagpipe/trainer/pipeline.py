@@ -33,7 +33,7 @@ import numpy as np
 import torch
 
 from bagpipe import serving
-from bagpipe.codec import decode_plans
+from bagpipe.codec import decode_plans, plan_part
 from bagpipe.control.registry import Registry
 from bagpipe.core.plans import TrainerBatch, TrainerPlan
 from bagpipe.core.row_store import RowStore
@@ -56,6 +56,17 @@ InitialOf = Callable[[np.ndarray], tuple[np.ndarray, np.ndarray]]
 # the prefetched rows are read-only views of a reply, which the cache only copies from; torch warns (once)
 # that writing to a tensor on one would fail
 warnings.filterwarnings("ignore", "The given NumPy array is not writable", UserWarning, __name__)
+
+
+def oracle_stub(channel: grpc.Channel) -> opb_grpc.OracleCacherStub:
+    """An oracle shard's stub as a trainer uses it: its plan stream yields each ``PlanPart``'s bytes,
+    unparsed (``codec.plan_part`` reads them; a batch's rows stay bytes, which ``codec.decode_plans`` reads
+    without a parse)."""
+    stub = opb_grpc.OracleCacherStub(channel)
+    stub.StreamPlans = channel.unary_stream(  # (no response_deserializer: the bytes as they came)
+        "/bagpipe.v1.OracleCacher/StreamPlans", request_serializer=opb.StreamPlansRequest.SerializeToString
+    )
+    return stub
 
 
 class Pipeline:
@@ -236,7 +247,7 @@ class Pipeline:
         finally:
             self._prefetch_queue.put(None)
 
-    def _plan_parts(self, shard: int) -> Iterator[tuple[opb.PlanRows, Any, opb.Plan]]:
+    def _plan_parts(self, shard: int) -> Iterator[tuple[opb.PlanRows | memoryview, Any, opb.Plan]]:
         """Oracle shard ``shard``'s plan stream, a batch at a time from the start batch: its rows, the
         trainer's samples (for the batches the shard carries, else None) and its plan. A stream that reached
         its deadline is opened again at the batch it did not send."""
@@ -248,16 +259,17 @@ class Pipeline:
             try:
                 rows = samples = None  # each batch's rows and samples come just before its plan
                 for part in oracle.StreamPlans(request, timeout=PLAN_STREAM_WINDOW_S, metadata=self.token):
-                    kind = part.WhichOneof("part")
+                    kind, value = plan_part(part, where)  # (the rows stay bytes: decode_plans reads them)
                     if kind == "rows":
-                        rows = part.rows
+                        rows = value
                         continue
                     if kind == "samples":
-                        samples = part.samples
+                        samples = value
                         continue
                     if kind != "plan":
                         raise ValueError(f"{where}: after batch {expected - 1}, an empty part")
-                    batch = part.plan.batch
+                    plan = value
+                    batch = plan.batch
                     if batch != expected:
                         raise ValueError(f"{where}: expected batch {expected}, got {batch}")
                     carries = batch % shards == shard
@@ -274,8 +286,8 @@ class Pipeline:
                             f"{batch % shards}, which carries them"
                         )
                     expected = batch + 1
-                    yield rows, samples, part.plan  # type: ignore[misc]
-                    if part.plan.last:
+                    yield rows, samples, plan  # type: ignore[misc]
+                    if plan.last:
                         return
                     rows = samples = None
             except grpc.RpcError as e:

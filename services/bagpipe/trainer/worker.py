@@ -39,7 +39,7 @@ from bagpipe.trainer.cache import EmbeddingCache
 from bagpipe.trainer.checkpointing import Checkpointer, DenseModel
 from bagpipe.trainer.config import TrainerConfig
 from bagpipe.trainer.evaluation import HeldOut, append_eval, load_held_out
-from bagpipe.trainer.pipeline import Pipeline
+from bagpipe.trainer.pipeline import Pipeline, oracle_stub
 from bagpipe.trainer.shared_table import SharedTable
 from bagpipe.trainer.stats import StageTimer, TrainerStats
 from bagpipe.trainer.sync import Synchronizer, backend_for, init_process_group
@@ -140,7 +140,7 @@ class Trainer:
             serving.channel(oracles[str(shard)], serving.retrying("OracleCacher", "ReportProgress"))
             for shard in range(self.config.oracles)
         ]
-        self.oracles = [opb_grpc.OracleCacherStub(channel) for channel in self.oracle_channels]
+        self.oracles = [oracle_stub(channel) for channel in self.oracle_channels]
 
     def _use_shared_table(self) -> None:
         """--shared-table: rank 0 copies the servers' rows into shared memory; all trainers use it."""
