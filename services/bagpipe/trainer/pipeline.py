@@ -273,9 +273,8 @@ class Pipeline:
                     if batch != expected:
                         raise ValueError(f"{where}: expected batch {expected}, got {batch}")
                     carries = batch % shards == shard
-                    missing = [
-                        n for n, got in (("rows", rows), ("samples", samples or not carries)) if not got
-                    ]
+                    came = (("rows", rows is not None), ("samples", samples is not None or not carries))
+                    missing = [n for n, got in came if not got]  # (rows are bytes now: empty is not missing)
                     if missing:
                         raise ValueError(
                             f"{where}: batch {batch}'s plan came without its {' and '.join(missing)}"
