@@ -670,6 +670,7 @@ _ROWS_CODES = np.array([int(DTYPE_CODES[np.dtype(t)]) for _, t, _ in _ROWS_LAYOU
 _ROWS_ITEMSIZES = np.array([np.dtype(t).itemsize for _, t, _ in _ROWS_LAYOUT], dtype=np.int64)
 _ROWS_SIZED_BY = np.array([s for _, _, s in _ROWS_LAYOUT], dtype=np.int64)
 _USERS_FIELD, _BATCH_FIELD, _FIRST_SINCE_FIELD = 2, 14, 16
+_TENSOR_FIELDS_BELOW = 16  # (PlanRows' Tensor fields are numbered 1-15: a table row each)
 _UINT8_CODE = int(DTYPE_CODES[np.dtype(np.uint8)])
 # a Tensor field's entry in _scan_rows' table: present, dtype, dimensions, the first two, data's start, size
 _PRESENT, _DTYPE, _NDIM, _DIM0, _DIM1, _DATA_AT, _DATA_SIZE = range(7)
@@ -809,7 +810,7 @@ def _rows_from_bytes(
     buf = np.frombuffer(datas[0] if k == 1 else b"".join(datas), dtype=np.uint8)
     dtype = mask_dtype(trainers)
     width = dtype.itemsize * max(1, mask_words(trainers))
-    table = np.zeros((k, _FIRST_SINCE_FIELD, 7), dtype=np.int64)
+    table = np.zeros((k, _TENSOR_FIELDS_BELOW, 7), dtype=np.int64)
     totals = np.empty(_ROWS_NUMBERS.size + 1, dtype=np.int64)
     since = np.empty(1, dtype=np.int64)
     numbers = _ROWS_NUMBERS

@@ -63,8 +63,10 @@ def oracle_stub(channel: grpc.Channel) -> opb_grpc.OracleCacherStub:
     unparsed (``codec.plan_part`` reads them; a batch's rows stay bytes, which ``codec.decode_plans`` reads
     without a parse)."""
     stub = opb_grpc.OracleCacherStub(channel)
+    service = opb.DESCRIPTOR.services_by_name["OracleCacher"]
     stub.StreamPlans = channel.unary_stream(  # (no response_deserializer: the bytes as they came)
-        "/bagpipe.v1.OracleCacher/StreamPlans", request_serializer=opb.StreamPlansRequest.SerializeToString
+        f"/{service.full_name}/{service.methods_by_name['StreamPlans'].name}",
+        request_serializer=opb.StreamPlansRequest.SerializeToString,
     )
     return stub
 
