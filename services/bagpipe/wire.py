@@ -221,12 +221,35 @@ _bytes_address.argtypes = [ctypes.py_object]
 _bytes_address.restype = ctypes.c_void_p
 
 
+class _Memory:
+    """A bytes object's memory as numpy takes it, writable (``__array_interface__``); the view's base, it
+    keeps the bytes alive. (Not a ctypes array: each length is a ctypes type of its own, made at about
+    40 us, and kept for good in ctypes' cache, so a server replying in sizes that vary collects them.)"""
+
+    __slots__ = ("__array_interface__", "owner")
+
+    def __init__(self, owner: bytes, size: int) -> None:
+        self.owner = owner
+        self.__array_interface__ = {
+            "data": (_bytes_address(owner), False),
+            "shape": (size,),
+            "typestr": "|u1",
+            "version": 3,
+        }
+
+
+def new_bytes(size: int) -> tuple[bytes, np.ndarray]:
+    """A new bytes object of ``size``, uninitialised, and a writable uint8 view of it. gRPC sends only
+    ``bytes``, so a message is written into one as CPython's C code builds them: allocated, filled through
+    the view, and only then handed on (the view must not be written once it is)."""
+    out = _new_bytes(None, size)
+    return out, np.asarray(_Memory(out, size))
+
+
 def _filled_bytes(parts: list[Any], size: int) -> bytes:
     """``parts`` (bytes, C-contiguous arrays, :class:`Gather`) written one after another into a new bytes
-    object of ``size``. gRPC sends only ``bytes``, so the message is written into one as CPython's C code
-    builds them: allocated uninitialised, filled, and only then handed on."""
-    out = _new_bytes(None, size)
-    view = np.ctypeslib.as_array((ctypes.c_ubyte * size).from_address(_bytes_address(out)))
+    object of ``size`` (:func:`new_bytes`)."""
+    out, view = new_bytes(size)
     at = 0
     for p in parts:
         n = _size(p)

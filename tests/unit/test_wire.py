@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import ctypes
+import gc
 from typing import Any
 
 import numpy as np
@@ -10,7 +12,16 @@ from bagpipe.core.intrinsics import ROWS_AHEAD, gather_rows
 from bagpipe.errors import InvalidArgument
 from bagpipe.v1 import embedding_server_pb2 as pb
 from bagpipe.v1 import tensor_pb2
-from bagpipe.wire import Gather, _varint, decode_message, encode_message, from_tensor, gather, to_tensor
+from bagpipe.wire import (
+    Gather,
+    _varint,
+    decode_message,
+    encode_message,
+    from_tensor,
+    gather,
+    new_bytes,
+    to_tensor,
+)
 
 PACKED = np.arange(60, dtype=np.float32).reshape(5, 12)
 CASES = [
@@ -232,3 +243,26 @@ def test_varints_of_every_width_are_protobufs() -> None:
         # (a Tensor of one dimension: its shape's field is a tag, a length and the dimension's varint)
         want = tensor_pb2.Tensor(shape=[value]).SerializeToString()
         assert want[2 : 2 + want[1]] == _varint(value), value
+
+
+def test_a_new_message_is_written_through_its_view_and_makes_no_ctypes_type_a_size() -> None:
+    """``new_bytes`` gives a bytes object and a writable view of it that keeps it alive; a size it has not
+    seen before makes no ctypes array type (those are kept in ctypes' cache for good, so a server
+    replying in sizes that vary would collect one a size)."""
+
+    def ctypes_arrays() -> int:
+        return sum(1 for t in gc.get_objects() if isinstance(t, type) and issubclass(t, ctypes.Array))
+
+    before = ctypes_arrays()
+    for size in range(70_001, 70_301):
+        out, view = new_bytes(size)
+        view[:] = size % 251
+        assert out == bytes([size % 251]) * size
+    assert ctypes_arrays() == before
+    out, view = new_bytes(3)
+    view[:] = [1, 2, 3]
+    del out
+    gc.collect()
+    assert view.tobytes() == b"\x01\x02\x03"  # (the view holds the bytes)
+    out, view = new_bytes(0)
+    assert out == b"" and view.size == 0
