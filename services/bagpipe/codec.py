@@ -47,12 +47,10 @@ from bagpipe.v1 import oracle_cacher_pb2 as opb
 from bagpipe.v1 import tensor_pb2
 from bagpipe.wire import (
     DTYPE_CODES,
-    embedded_head,
     encode_message,
     from_tensor,
     read_shallow,
     read_tensor,
-    tensor_head,
     unwrap,
 )
 
@@ -350,6 +348,8 @@ def _samples(
 def _mask_bytes(masks: np.ndarray) -> np.ndarray:
     """Trainer masks as uint8 [N, W]: each mask's W little-endian bytes, a wide mask's words in turn (a view
     if already little-endian)."""
+    if masks.dtype == np.uint8 and masks.ndim == 1 and masks.flags.c_contiguous:
+        return masks.reshape(masks.shape[0], 1)  # (up to 8 trainers: a plan's three masks a batch, a view)
     little = np.ascontiguousarray(masks, dtype=masks.dtype.newbyteorder("<"))
     width = masks.itemsize * (masks.shape[1] if masks.ndim == 2 else 1)
     return little.view(np.uint8).reshape(masks.shape[0], width)
@@ -430,22 +430,98 @@ def encode_plans(
             fields = [*scalars, (11, True), (12, keys[mine]), (13, slots[mine])]
             out.append(encode_message([(2, fields + [(n, bits[rank]) for n, bits in bitmaps])]))
         return EncodedPlan(rows, samples, out)
-    # every trainer's Plan is the same scalars and bitmaps of the same lengths, so the same length: the
-    # bytes all trainers share are written once into one [trainers, length] array, then each trainer's
-    # bitmaps into its row (_bitmaps_into), and a trainer's message is its row
-    body = bytearray(encode_message(scalars))
-    starts = []
-    for number, m in masks:
-        width = (m.shape[0] + 7) // 8
-        body += tensor_head(number, np.empty(width, np.uint8))
-        starts.append(len(body))
-        body += bytes(width)
-    head = embedded_head(2, len(body))
-    rows_of = np.empty((trainers, len(head) + len(body)), dtype=np.uint8)
-    rows_of[:] = np.frombuffer(head + body, dtype=np.uint8)
-    for (_, m), start in zip(masks, starts, strict=True):
-        _bitmaps_into(_mask_bytes(m), trainers, rows_of, len(head) + start)
+    # every trainer's Plan is the same scalars and bitmaps of the same lengths, so the same length: one
+    # compiled pass writes them all into one [trainers, length] array (_plans_into), and a trainer's
+    # message is its row
+    numbered = np.array(scalars, dtype=np.int64)
+    m14, m15, m16 = (_mask_bytes(m) for _, m in masks)
+    rows_of = _plans_into(numbered, m14, m15, m16, trainers, _PLAN_MASKS, tensor_pb2.DTYPE_UINT8)
     return EncodedPlan(rows, samples, [row.tobytes() for row in rows_of])
+
+
+# the field numbers of Plan's three bitmaps (prefetch_mine, handover_send, handover_recv)
+_PLAN_MASKS = np.array([14, 15, 16], dtype=np.int64)
+
+
+@njit(cache=True, nogil=True)
+def _varint_size(value):  # type: ignore[no-untyped-def]
+    """Bytes of ``value`` (uint64; a negative int64 as its two's complement, ten bytes) as a varint."""
+    n = 1
+    while value >= np.uint64(0x80):
+        value >>= np.uint64(7)
+        n += 1
+    return n
+
+
+@njit(cache=True, nogil=True)
+def _put_varint(out, at, value):  # type: ignore[no-untyped-def]
+    """Writes ``value`` (uint64) as a varint into ``out`` (uint8 [N]) at ``at``; returns the end."""
+    while value >= np.uint64(0x80):
+        out[at] = np.uint8((value & np.uint64(0x7F)) | np.uint64(0x80))
+        value >>= np.uint64(7)
+        at += 1
+    out[at] = np.uint8(value)
+    return at + 1
+
+
+@njit(cache=True, nogil=True)
+def _bitmap_tensor_size(width):  # type: ignore[no-untyped-def]
+    """Bytes of a ``Tensor`` of ``width`` uint8 (dtype, shape [width], data: as ``wire`` writes it: the
+    data field left out when empty)."""
+    w = np.uint64(width)
+    dims = _varint_size(w)
+    size = 2 + 2 + dims  # dtype's tag and value, shape's tag and length, its one dimension
+    if width:
+        size += 1 + dims + width
+    return size
+
+
+@njit(cache=True, nogil=True)
+def _plans_into(fields, m14, m15, m16, trainers, numbers, dtype):  # type: ignore[no-untyped-def]
+    """Every trainer's ``PlanPart`` holding its ``Plan``, as the rows of one uint8 ``[trainers, length]``
+    array: the scalars ``fields`` (int64 [F, 2]: number, value, in field order; 0 left out, as proto3
+    does) and, in fields ``numbers``, the trainer's bitmaps of the masks ``m14``, ``m15``, ``m16`` (each
+    uint8 [N, W], as ``_mask_bytes`` gives them; :func:`_bitmaps_into`). The bytes are what
+    ``PlanPart.SerializeToString`` gives for the same message."""
+    masks = (m14, m15, m16)
+    body = 0
+    for i in range(fields.shape[0]):
+        if fields[i, 1] != 0:
+            body += _varint_size(np.uint64(fields[i, 0] << 3)) + _varint_size(np.uint64(fields[i, 1]))
+    widths = np.empty(3, dtype=np.int64)
+    for i in range(3):
+        widths[i] = (masks[i].shape[0] + 7) // 8
+        inner = _bitmap_tensor_size(widths[i])
+        body += _varint_size(np.uint64(numbers[i] << 3 | 2)) + _varint_size(np.uint64(inner)) + inner
+    length = 1 + _varint_size(np.uint64(body)) + body
+    out = np.zeros((trainers, length), dtype=np.uint8)
+    first = out[0]
+    at = _put_varint(first, 0, np.uint64(2 << 3 | 2))  # PlanPart.plan
+    at = _put_varint(first, at, np.uint64(body))
+    for i in range(fields.shape[0]):
+        if fields[i, 1] != 0:
+            at = _put_varint(first, at, np.uint64(fields[i, 0] << 3))
+            at = _put_varint(first, at, np.uint64(fields[i, 1]))
+    starts = np.empty(3, dtype=np.int64)
+    for i in range(3):
+        w = np.uint64(widths[i])
+        at = _put_varint(first, at, np.uint64(numbers[i] << 3 | 2))
+        at = _put_varint(first, at, np.uint64(_bitmap_tensor_size(widths[i])))
+        at = _put_varint(first, at, np.uint64(1 << 3))  # Tensor.dtype
+        at = _put_varint(first, at, np.uint64(dtype))
+        at = _put_varint(first, at, np.uint64(2 << 3 | 2))  # Tensor.shape, packed
+        at = _put_varint(first, at, np.uint64(_varint_size(w)))
+        at = _put_varint(first, at, w)
+        if widths[i]:
+            at = _put_varint(first, at, np.uint64(3 << 3 | 2))  # Tensor.data
+            at = _put_varint(first, at, w)
+        starts[i] = at
+        at += widths[i]  # (the bitmap: each trainer's own, below)
+    for t in range(1, trainers):
+        out[t, :] = first
+    for i in range(3):
+        _bitmaps_into(masks[i], trainers, out, starts[i])
+    return out
 
 
 def trainer_bitmaps(masks: np.ndarray, trainers: int) -> np.ndarray:

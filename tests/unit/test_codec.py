@@ -532,6 +532,62 @@ def test_each_trainers_bitmap_is_its_bits_of_the_masks(trainers: int, count: int
         assert np.array_equal(got[t], np.packbits(has_trainer(masks, t), bitorder="little")), t
 
 
+@pytest.mark.parametrize("trainers", [1, 3, 8, 9, 70, 256])
+def test_each_trainers_plan_is_protobufs_own_message_of_its_fields(trainers: int) -> None:
+    """Each trainer's ``Plan`` bytes (written for all trainers in one compiled pass) are what protobuf
+    writes for a ``Plan`` made field by field: the scalars, a negative and a long ``depends_on``, fields
+    at 0 (left out), and the trainer's bits of the prefetches' and hand-overs' masks, none of them too."""
+    rng = np.random.default_rng(trainers)
+    words = mask_words(trainers)
+
+    def masks(count: int) -> np.ndarray:
+        if words:
+            m = rng.integers(1, 2**63, size=(count, words), dtype=np.uint64)
+            if trainers % 64:
+                m[:, -1] &= np.uint64((1 << (trainers % 64)) - 1)
+            return m
+        return rng.integers(1, 1 << trainers, size=count, dtype=np.uint64).astype(mask_dtype(trainers))
+
+    arrays, _ = _batches(1)[0]
+    planner = LookaheadPlanner(int(table_offsets(TABLE_ROWS)[-1]), 1, trainers=trainers)
+    planner.push(0, arrays.keys, last=True, users=masks(arrays.keys.size))
+    plan = planner.pop()
+    cases = [(-1, 0, 7, 0), (2**40 + 3, 129, 0, 300), (0, 1, 1001, 17)]  # depends_on, window, P, H
+    for depends_on, window, prefetches, handovers in cases:
+        h = plan.handovers
+        cut = dataclasses.replace(
+            h,
+            keys=np.arange(handovers, dtype=np.int64),
+            slots=np.arange(handovers, dtype=np.int32),
+            source=masks(handovers),
+            recipients=masks(handovers),
+            critical=np.zeros(handovers, dtype=bool),
+        )
+        odd = dataclasses.replace(
+            plan, depends_on=depends_on, window=window, prefetch_holders=masks(prefetches), handovers=cut
+        )
+        encoded = encode_plans(odd, [], 0 if window else BATCH, None, trainers, users=False)
+        assert len(encoded.plans) == trainers
+        for rank, got in enumerate(encoded.plans):
+            bits = [
+                np.packbits(has_trainer(m, rank), bitorder="little")
+                for m in (odd.prefetch_holders, cut.source, cut.recipients)
+            ]
+            want = opb.Plan(
+                batch=odd.batch,
+                slot_high_water=odd.slot_high_water,
+                global_batch_size=0 if window else BATCH,
+                last=odd.last,
+                lookahead=window,
+                depends_on=depends_on,
+                occupancy=odd.occupancy,
+                prefetch_mine=to_tensor(bits[0]),
+                handover_send=to_tensor(bits[1]),
+                handover_recv=to_tensor(bits[2]),
+            )
+            assert got == opb.PlanPart(plan=want).SerializeToString(), (depends_on, rank)
+
+
 def test_int64_masks_of_an_older_processor_are_not_taken_for_masks() -> None:
     """A processor from before the masks took field 8 sends them as int64 in field 7, which is reserved:
     the batch reads as one without masks (the oracle then says the processor sent none)."""
