@@ -233,11 +233,14 @@ def test_bad_batches_name_the_field(corrupt, field) -> None:
 def test_bad_keys_and_masks_are_refused() -> None:
     arrays, last = _batches(1)[0]
     num_keys = int(table_offsets(TABLE_ROWS)[-1])
-    cases = {
-        "keys outside": np.concatenate([arrays.keys[:-1], [num_keys]]),
-        "sorted and unique": arrays.keys[::-1].copy(),
-    }
-    for reason, keys in cases.items():
+    repeated = arrays.keys.copy()
+    repeated[-2] = repeated[-3]  # (one key twice, in order, near the end)
+    cases = [
+        ("keys outside", np.concatenate([arrays.keys[:-1], [num_keys]])),
+        ("sorted and unique", arrays.keys[::-1].copy()),
+        ("sorted and unique", repeated),
+    ]
+    for reason, keys in cases:
         message, _ = _batch(arrays, last)
         message.keys.CopyFrom(to_tensor(keys))
         with pytest.raises(InvalidArgument, match=reason):

@@ -74,12 +74,18 @@ def mask_words(trainers: int) -> int:
 
 def mask_dtype(trainers: int) -> np.dtype:
     """The smallest unsigned integer type with one bit per trainer; uint64 for wide masks (``mask_words``)."""
-    if mask_words(trainers):
-        return np.dtype(np.uint64)
-    for dt in (np.uint8, np.uint16, np.uint32, np.uint64):
-        if trainers <= np.iinfo(dt).bits:
-            return np.dtype(dt)
-    raise AssertionError("unreachable")
+    dtype = _MASK_DTYPES.get(trainers)
+    if dtype is None:
+        mask_words(trainers)  # (raises for a count out of range)
+        raise AssertionError("unreachable")
+    return dtype
+
+
+# (by trainer count, read for every batch and plan; wide masks' words are uint64)
+_MASK_DTYPES = {
+    t: np.dtype(next((d for d in (np.uint8, np.uint16, np.uint32) if t <= np.iinfo(d).bits), np.uint64))
+    for t in range(1, MAX_TRAINERS + 1)
+}
 
 
 def all_trainers(trainers: int) -> np.generic | np.ndarray:

@@ -682,6 +682,8 @@ def _move(array, start, to, count):  # type: ignore[no-untyped-def]
 
 
 def _read_only(array: np.ndarray) -> np.ndarray:
+    if not array.flags.writeable:  # (as decode_batch gives them: views of the received bytes)
+        return array
     view = array.view()
     view.flags.writeable = False
     return view
