@@ -152,6 +152,8 @@ class SlotAllocator:
             left -= slots.size
             self._free.popleft()
         self._free_count -= reused
+        if reused == count and len(pieces) == 1:
+            return pieces[0], depends_on  # (one run's slots: a view, the rest of the run stays free)
         fresh = np.arange(self.high_water, self.high_water + count - reused, dtype=np.int32)
         self.high_water += count - reused
         return np.concatenate([*pieces, fresh]), depends_on
@@ -985,7 +987,7 @@ class LookaheadPlanner:
         sync_class = np.empty(size, dtype=np.uint8)
         prefetch_keys = np.empty(prefetch.size, dtype=np.int64)
         prefetch_holders = np.empty(masks_shape(prefetch.size, self.trainers), dtype=self.mask)
-        evict, writer, due = (np.empty(size, dtype=np.int32) for _ in range(3))
+        evict, writer, due = np.empty((3, size), dtype=np.int32)
         evict_keys = np.empty(size, dtype=np.int64)
         evict_slots = np.empty(size, dtype=np.int32)  # (gathered where the slots are in cache)
         following = self._window[0] if self._window else None  # batch x+1: push is in order
@@ -1045,7 +1047,9 @@ class LookaheadPlanner:
             )
         # (views of the filled prefixes: a plan lives until it is serialised)
         evict, writer, evict_keys = evict[:evicted], writer[:evicted], evict_keys[:evicted]
-        handovers = Handovers(*(a[:handed] for a in (h.keys, h.slots, h.source, h.recipients, h.critical)))
+        handovers = Handovers(
+            h.keys[:handed], h.slots[:handed], h.source[:handed], h.recipients[:handed], h.critical[:handed]
+        )
         if evict.size:
             self._allocator.release(evict_slots[:evicted], x)
         self.occupancy -= evict.size
