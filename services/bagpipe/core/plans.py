@@ -401,8 +401,15 @@ def share(plan: SharedPlan, inverse: np.ndarray, rank: int, bits: TrainerBits | 
         used, plan.slots, plan.sync, rows.position, rows.slots, rows.private, rows.sync_slots, rows.sync_local
     )
     local, private, critical, background = (int(c) for c in counts)
-    fetching = bits.fetch
-    written = np.flatnonzero(plan.evict_writer == rank)
+    fetched = _Picked(plan.prefetch.size)
+    if (
+        _pick(bits.fetch, plan.prefetch_keys, plan.prefetch, plan.slots, plan.prefetch_first, *fetched.out)
+        >= 0
+    ):
+        raise IndexError(f"prefetch: an index outside the batch's {plan.unique} rows")
+    written = _Picked(plan.evict.size)
+    if _pick_written(plan.evict_writer, rank, plan.evict_keys, plan.evict, plan.slots, *written.out) >= 0:
+        raise IndexError(f"evict: an index outside the batch's {plan.unique} rows")
     steps = []
     for at, count, in_step in (
         (0, critical, plan.handover_critical),
@@ -425,14 +432,14 @@ def share(plan: SharedPlan, inverse: np.ndarray, rank: int, bits: TrainerBits | 
         batch=plan.batch,
         slots=rows.slots[:local],
         inverse=mine.reshape(inverse.shape),
-        prefetch_keys=plan.prefetch_keys[fetching],
-        prefetch_slots=plan.slots[plan.prefetch[fetching]],
+        prefetch_keys=fetched.keys[: fetched.count],
+        prefetch_slots=fetched.slots[: fetched.count],
         private_rows=rows.private[:private],
         critical=steps[0],
         background=steps[1],
-        writeback_keys=plan.evict_keys[written],
-        writeback_slots=plan.slots[plan.evict[written]],
-        prefetch_first=plan.prefetch_first[fetching],
+        writeback_keys=written.keys[: written.count],
+        writeback_slots=written.slots[: written.count],
+        prefetch_first=fetched.first[: fetched.count],
         first_since=plan.first_since,
     )
 
@@ -446,6 +453,59 @@ class _RowsOfTrainer:
         self.private = np.empty(unique, dtype=np.int32)
         self.sync_slots = np.empty((2, unique), dtype=np.int32)  # CRITICAL's, then BACKGROUND's
         self.sync_local = np.empty((2, unique), dtype=np.int32)
+
+
+class _Picked:
+    """What ``_pick`` fills: the keys, slots and first-use flags of the rows a trainer takes of a list of
+    ``size`` (each as long as it may get), and how many it took (``count``)."""
+
+    def __init__(self, size: int) -> None:
+        self.keys = np.empty(size, dtype=np.int64)
+        self.slots = np.empty(size, dtype=np.int32)
+        self.first = np.empty(size, dtype=np.bool_)
+        self.counted = np.zeros(1, dtype=np.int64)
+        self.out = (self.keys, self.slots, self.first, self.counted)
+
+    @property
+    def count(self) -> int:
+        return int(self.counted[0])
+
+
+@njit(cache=True, nogil=True)
+def _pick(chosen, keys, at, slots, first, out_keys, out_slots, out_first, count):  # type: ignore[no-untyped-def]
+    """One pass over a list of rows (``keys``, their positions ``at`` among the batch's ``slots``, their
+    ``first`` flags), taking those ``chosen``: their keys, slots and flags, in order, written at the
+    lists' ends, which grow by whether the row is taken (no branch: the choices come in no order a
+    branch could predict). ``count[0]``: how many; returns the first position of a row outside
+    ``slots`` (-1: none)."""
+    rows = np.uint64(slots.size)
+    n = np.int64(0)
+    for i in range(keys.size):
+        r = np.uint64(np.int64(at[i]))
+        if r >= rows:
+            return i
+        out_keys[n] = keys[i]
+        out_slots[n] = slots[r]
+        out_first[n] = first[i]
+        n += np.int64(chosen[i])
+    count[0] = n
+    return -1
+
+
+@njit(cache=True, nogil=True)
+def _pick_written(writer, rank, keys, at, slots, out_keys, out_slots, out_first, count):  # type: ignore[no-untyped-def]
+    """``_pick`` of the rows whose ``writer`` is ``rank`` (evictions: no flags, ``out_first`` untouched)."""
+    rows = np.uint64(slots.size)
+    n = np.int64(0)
+    for i in range(keys.size):
+        r = np.uint64(np.int64(at[i]))
+        if r >= rows:
+            return i
+        out_keys[n] = keys[i]
+        out_slots[n] = slots[r]
+        n += np.int64(writer[i] == rank)
+    count[0] = n
+    return -1
 
 
 @njit(cache=True, nogil=True)

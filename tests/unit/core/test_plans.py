@@ -3,6 +3,8 @@ trainer does, row by row (a plain-Python reading of ``BatchPlan``'s fields, inde
 
 from __future__ import annotations
 
+import dataclasses
+
 import numpy as np
 import pytest
 from bagpipe.core.plans import (
@@ -128,6 +130,19 @@ def test_an_index_outside_the_rows_is_refused(bad: int) -> None:
     for users in (True, False):
         with pytest.raises(IndexError, match=f"inverse: index {bad} outside the batch's {plan.unique} rows"):
             share(shared_plan(plan, users=users), mine, 0)
+
+
+@pytest.mark.parametrize("field", ["prefetch", "evict"])
+@pytest.mark.parametrize("bad", [-1, 10**6])
+def test_a_prefetch_or_eviction_outside_the_rows_is_refused(field: str, bad: int) -> None:
+    """A row a trainer fetches or writes back is a position among the batch's rows: one outside them is
+    refused, not read past the rows."""
+    plan, inverse = next((p, i) for p, i in _plans(2, seed=3) if getattr(p, field).size)
+    shared = shared_plan(plan)
+    positions = getattr(shared, field).copy()
+    positions[-1] = bad
+    with pytest.raises(IndexError, match=f"{field}: an index outside the batch's {plan.unique} rows"):
+        share(dataclasses.replace(shared, **{field: positions}), inverse[: inverse.shape[0] // 2], 0)
 
 
 @pytest.mark.parametrize("trainers", [7, 64, 130, 256])
