@@ -816,19 +816,19 @@ def _scan_tensor(buf, at, end, entry):  # type: ignore[no-untyped-def]
 
 
 @njit(cache=True, nogil=True)
-def _scan_rows(
-    buf, starts, ends, batch, width, numbers, codes, itemsizes, sized_by, table, totals, since_out
-):  # type: ignore[no-untyped-def]
-    """Part ``p``'s ``PlanRows`` is ``buf[starts[p]:ends[p]]``: each Tensor field's place into ``table[p,
+def _scan_rows(bufs, batch, width, numbers, codes, itemsizes, sized_by, table, totals, since_out):  # type: ignore[no-untyped-def]
+    """Part ``p``'s ``PlanRows`` is ``bufs[p]`` (a tuple of the parts' bytes as they came: no copy joins
+    them): each Tensor field's place in it into ``table[p,
     number]``, and each layout field's bytes over the parts into ``totals`` (``users``' last). True when
     every part holds batch ``batch``, the same ``first_since`` (in ``[0, batch]``), every layout field
     once, of its dtype, one dimension and the data that fills it, sized as ``sized_by`` says, and
     ``users`` in every part or in none (uint8 ``[slots, width]``); ``since_out[0]``: that ``first_since``.
     False at anything else, having changed nothing but the outputs."""
-    parts = starts.size
+    parts = len(bufs)
     first_since = np.int64(-1)
     for p in range(parts):
-        at, end = starts[p], ends[p]
+        buf = bufs[p]
+        at, end = 0, buf.size
         got_batch = np.int64(0)  # (proto3 leaves out a zero)
         since = np.int64(0)
         while at < end:
@@ -886,13 +886,14 @@ def _scan_rows(
 
 
 @njit(cache=True, nogil=True)
-def _copy_rows(buf, table, numbers, offsets, block):  # type: ignore[no-untyped-def]
+def _copy_rows(bufs, table, numbers, offsets, block):  # type: ignore[no-untyped-def]
     """Each layout field's data (``users``' last), part after part, into ``block`` from ``offsets[f]``."""
     for f in range(numbers.size + 1):
         number = numbers[f] if f < numbers.size else _USERS_FIELD
         to = np.uint64(offsets[f])
         for p in range(table.shape[0]):
             at, size = np.uint64(table[p, number, _DATA_AT]), np.uint64(table[p, number, _DATA_SIZE])
+            buf = bufs[p]
             # (unsigned indices: a loop LLVM makes a memcpy of; a slice's copy took four times as long)
             for i in range(size):
                 block[to + i] = buf[at + i]
@@ -906,9 +907,7 @@ def _rows_from_bytes(
     a part is not laid out as ``encode_plans`` writes it or fails a check, for ``_read_rows`` to read the
     parts as messages and say what is wrong."""
     k = len(datas)
-    sizes = np.fromiter((len(d) for d in datas), dtype=np.int64, count=k)
-    ends = np.cumsum(sizes)
-    buf = np.frombuffer(datas[0] if k == 1 else b"".join(datas), dtype=np.uint8)
+    bufs = tuple(np.frombuffer(d, dtype=np.uint8) for d in datas)
     dtype = mask_dtype(trainers)
     width = dtype.itemsize * max(1, mask_words(trainers))
     table = np.zeros((k, _TENSOR_FIELDS_BELOW, 7), dtype=np.int64)
@@ -916,12 +915,12 @@ def _rows_from_bytes(
     since = np.empty(1, dtype=np.int64)
     numbers = _ROWS_NUMBERS
     layout = (numbers, _ROWS_CODES, _ROWS_ITEMSIZES, _ROWS_SIZED_BY)
-    if not _scan_rows(buf, ends - sizes, ends, batch, width, *layout, table, totals, since):
+    if not _scan_rows(bufs, batch, width, *layout, table, totals, since):
         return None
     offsets = np.zeros(totals.size + 1, dtype=np.int64)  # (each field 8-aligned in the block)
     np.cumsum((totals + 7) // 8 * 8, out=offsets[1:])
     block = np.empty(int(offsets[-1]), dtype=np.uint8)
-    _copy_rows(buf, table, numbers, offsets, block)
+    _copy_rows(bufs, table, numbers, offsets, block)
     field: dict[int, np.ndarray] = {
         n: block[offsets[f] : offsets[f] + totals[f]].view(t) for f, (n, t, _) in enumerate(_ROWS_LAYOUT)
     }
