@@ -970,17 +970,27 @@ def _check_rows(rows: SharedPlan, trainers: int, slot_high_water: int, where: st
 
 
 def _trainer_bits(
-    plans: Sequence[opb.Plan], name: str, counts: list[int], wheres: Sequence[str]
-) -> np.ndarray:
-    """bool ``[sum(counts)]``: this trainer's bitmap ``name`` of each part's plan (``count`` bits each, in
-    ``ceil(count / 8)`` bytes), unpacked and concatenated in shard order."""
-    nbytes = [(count + 7) // 8 for count in counts]
-    datas, _ = _field_parts(plans, wheres, name, np.uint8, nbytes)
-    out = np.empty(sum(counts), dtype=np.bool_)
+    plans: Sequence[opb.Plan], lengths: dict[str, list[int]], wheres: Sequence[str]
+) -> TrainerBits:
+    """This trainer's bitmaps of each part's plan (``prefetch_mine`` of ``lengths["prefetch"][i]`` bits in
+    ``ceil(count / 8)`` bytes, ``handover_send`` and ``handover_recv`` of ``lengths["handover_slots"][i]``),
+    each unpacked and concatenated in shard order: the three unpacked in one compiled pass."""
+    datas, nbytes, counts = [], [], []
+    for name, field in (
+        ("prefetch_mine", "prefetch"),
+        ("handover_send", "handover_slots"),
+        ("handover_recv", "handover_slots"),
+    ):
+        sizes = [(count + 7) // 8 for count in lengths[field]]
+        datas += _field_parts(plans, wheres, name, np.uint8, sizes)[0]
+        nbytes += sizes
+        counts += lengths[field]
+    fetched, handed = sum(lengths["prefetch"]), sum(lengths["handover_slots"])
+    out = np.empty(fetched + 2 * handed, dtype=np.bool_)
     _unpack_parts(
         _joined(datas, np.uint8), np.array(nbytes, np.int64), np.array(counts, np.int64), out.view(np.uint8)
     )
-    return out
+    return TrainerBits(out[:fetched], out[fetched : fetched + handed], out[fetched + handed :])
 
 
 def decode_plan(
@@ -1078,17 +1088,7 @@ def decode_plans(
                 slots[0],
             )
         )
-    plans = [part for part, _ in parts]
-    bits = TrainerBits(
-        *(
-            _trainer_bits(plans, name, lengths[field], wheres)
-            for name, field in (
-                ("prefetch_mine", "prefetch"),
-                ("handover_send", "handover_slots"),
-                ("handover_recv", "handover_slots"),
-            )
-        )
-    )
+    bits = _trainer_bits([part for part, _ in parts], lengths, wheres)
     mine = share(rows, inverse, rank, bits)
     if mine.inverse.size and int(mine.inverse.min()) < 0:
         row = int(inverse[mine.inverse < 0][0])
