@@ -224,7 +224,8 @@ _bytes_address.restype = ctypes.c_void_p
 class _Memory:
     """A bytes object's memory as numpy takes it, writable (``__array_interface__``); the view's base, it
     keeps the bytes alive. (Not a ctypes array: each length is a ctypes type of its own, made at about
-    40 us, and kept for good in ctypes' cache, so a server replying in sizes that vary collects them.)"""
+    40 us whenever a length is new, and left for the cyclic collector: an embedding server's replies
+    vary in size.)"""
 
     __slots__ = ("__array_interface__", "owner")
 
