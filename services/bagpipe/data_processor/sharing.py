@@ -13,11 +13,17 @@ A stream that needs a batch the group no longer keeps (it fell behind by more th
 rewound shard asks again for a batch already served) joins another group that can serve it, or starts
 one of its own: batches are a function of their number, so a stream gets the same batch whichever build
 served it.
+
+The K shards do not open their streams at the same instant (each is a process, or a pod, of its own),
+and in a short job the first may read every batch before the last has asked for one. So a group whose
+streams have all left stays, with its kept builds, until K streams have joined it, or for ``GRACE_S``
+seconds (a shard that failed may never come back for it).
 """
 
 from __future__ import annotations
 
 import threading
+import time
 from collections import OrderedDict
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
@@ -26,6 +32,7 @@ from typing import Any
 from bagpipe.core.oracle_shards import Split
 
 KEEP = 32  # builds a group keeps for the streams behind the one that built them
+GRACE_S = 30.0  # how long a group all of whose streams left waits for the shards that have not joined
 
 
 @dataclass(frozen=True)
@@ -56,6 +63,9 @@ class SharedBuilds:
         self._keep = keep
         self._lock = threading.Lock()
         self.streams = 0  # joined and not yet left (the registry's count)
+        self.first = start
+        self.joined = 0  # streams that ever joined
+        self.idle_since: float | None = None  # when its last stream left (monotonic), if it waits for more
 
     def can_serve(self, number: int) -> bool:
         """Whether batch ``number`` is kept, or is among the next ``keep`` this group builds (a stream
@@ -106,37 +116,58 @@ class BuildRegistry:
     """The open groups of a processor's oracle-shard streams, by request (start, stride, end, trainers,
     oracles)."""
 
-    def __init__(self, keep: int = KEEP) -> None:
+    def __init__(self, keep: int = KEEP, grace_s: float = GRACE_S) -> None:
         self._groups: dict[tuple[int, ...], list[SharedBuilds]] = {}
         self._lock = threading.Lock()
         self._keep = keep
+        self._grace_s = grace_s
 
     def join(self, request: tuple[int, ...], number: int, stride: int, builder: Builder) -> SharedBuilds:
         """A group of ``request`` that can serve batch ``number`` (a new one if none can)."""
         with self._lock:
+            self._drop_idle()
             groups = self._groups.setdefault(request, [])
             for group in groups:
                 if group.can_serve(number):
                     group.streams += 1
+                    group.joined += 1
+                    group.idle_since = None
                     return group
             group = SharedBuilds(builder, number, stride, self._keep)
-            group.streams = 1
+            group.streams = group.joined = 1
             groups.append(group)
             return group
 
     def leave(self, request: tuple[int, ...], group: SharedBuilds) -> None:
-        """A stream of ``group`` ended: the group goes with its last stream."""
+        """A stream of ``group`` ended: the group goes with its last stream once as many streams as the
+        request has oracle shards (its last field) joined it; until then it waits ``grace_s`` for them."""
         with self._lock:
             group.streams -= 1
             if group.streams == 0:
-                groups = self._groups.get(request, [])
-                if group in groups:
-                    groups.remove(group)
-                if not groups:
-                    self._groups.pop(request, None)
+                if group.joined < request[-1] and group.can_serve(group.first):
+                    group.idle_since = time.monotonic()
+                else:
+                    self._drop(request, group)
+            self._drop_idle()
+
+    def _drop(self, request: tuple[int, ...], group: SharedBuilds) -> None:
+        groups = self._groups.get(request, [])
+        if group in groups:
+            groups.remove(group)
+        if not groups:
+            self._groups.pop(request, None)
+
+    def _drop_idle(self) -> None:
+        """Drops the groups that waited ``grace_s`` for shards that did not come (the lock held)."""
+        now = time.monotonic()
+        for request, groups in list(self._groups.items()):
+            for group in list(groups):
+                if group.idle_since is not None and now - group.idle_since >= self._grace_s:
+                    self._drop(request, group)
 
     def open_groups(self) -> int:
         with self._lock:
+            self._drop_idle()
             return sum(len(g) for g in self._groups.values())
 
 

@@ -6,6 +6,7 @@ the groups go with their streams."""
 from __future__ import annotations
 
 import threading
+import time
 from collections.abc import Iterator
 from typing import Any
 
@@ -16,7 +17,7 @@ from bagpipe.core.oracle_shards import KeyShards
 from bagpipe.data_processor import server
 from bagpipe.data_processor.config import DataProcessorConfig, SourceConfig
 from bagpipe.data_processor.server import DataProcessorServicer, built_batches, oracle_part
-from bagpipe.data_processor.sharing import BuildRegistry
+from bagpipe.data_processor.sharing import KEEP, BuildRegistry
 from bagpipe.v1 import data_processor_pb2 as pb
 
 ROWS = tuple(scaled_table_rows(0.0005))
@@ -38,10 +39,11 @@ def builds(monkeypatch: pytest.MonkeyPatch) -> list[int]:
     return built
 
 
-def _servicer(keep: int | None = None) -> DataProcessorServicer:
+def _servicer(keep: int = KEEP, grace_s: float = 0.0) -> DataProcessorServicer:
+    """A processor whose groups go with their last stream (``grace_s`` 0: they wait for no late shard)
+    unless ``grace_s`` says otherwise."""
     servicer = DataProcessorServicer(DataProcessorConfig(SourceConfig("synthetic", ROWS), BATCH, 0))
-    if keep is not None:
-        servicer.builds = BuildRegistry(keep)
+    servicer.builds = BuildRegistry(keep, grace_s)
     return servicer
 
 
@@ -154,6 +156,32 @@ def test_a_failed_build_fails_every_stream(monkeypatch: pytest.MonkeyPatch) -> N
         with pytest.raises(OSError, match="disk gone at batch 2"):
             next(stream)
     assert servicer.builds.open_groups() == 0
+
+
+def test_a_shard_that_opens_its_stream_after_the_others_ended_takes_their_builds(builds: list[int]) -> None:
+    """The shards' processes start at their own times: in a short job the first may read every batch before
+    the last asks for one. The group keeps its builds for the shards that have not joined yet (for
+    ``grace_s``), and goes once all K have."""
+    servicer = _servicer(grace_s=60.0)
+    shards = servicer.key_shards(K)
+    got = []
+    for s in range(K):  # (one after another: each reads to the end before the next opens its stream)
+        got.append(list(servicer.shard_stream(_request(s), shards)))
+        assert servicer.builds.open_groups() == (1 if s < K - 1 else 0)
+    assert builds == list(range(END)), "each batch built once for the three streams"
+    for s in range(K):
+        _same(got[s], _own(s))
+
+
+def test_a_group_waits_for_late_shards_only_a_while(builds: list[int]) -> None:
+    servicer = _servicer(grace_s=0.05)
+    shards = servicer.key_shards(K)
+    list(servicer.shard_stream(_request(0), shards))
+    assert servicer.builds.open_groups() == 1
+    time.sleep(0.1)
+    assert servicer.builds.open_groups() == 0, "no shard came for it in time"
+    list(servicer.shard_stream(_request(1), shards))
+    assert builds == [*range(END), *range(END)]
 
 
 def test_a_stream_closed_early_leaves_its_group() -> None:
